@@ -1,0 +1,120 @@
+//! Tokenised, right-padded batches whose labels mark the positions that are scored.
+use std::collections::HashSet;
+
+use tch::{Device, Tensor};
+
+use crate::model::{ForwardInput, Tokenizer};
+use crate::Result;
+
+/// One prompt + answer, tokenised as one text.
+#[derive(Debug, Clone)]
+pub struct Example {
+    pub ids: Vec<i64>,
+    /// Index of the first answer token in `ids`.
+    pub answer_start: usize,
+}
+
+impl Example {
+    pub fn new(tok: &Tokenizer, prompt: &str, answer: &str) -> Result<Self> {
+        let (ids, answer_start) = tok.encode_continuation(prompt, answer)?;
+        Ok(Self { ids, answer_start })
+    }
+
+    pub fn answer(&self) -> &[i64] {
+        &self.ids[self.answer_start..]
+    }
+}
+
+/// The three batches MEND needs for one edit, as EasyEdit builds them.
+#[derive(Debug, Clone)]
+pub struct EditExample {
+    /// Prompt + new target: the example the editor sees.
+    pub inner: Example,
+    /// Rephrased prompt + new target: where the edit must generalise (falls back to the
+    /// prompt itself when a record has no rephrase).
+    pub outer: Example,
+    /// An unrelated prompt + its answer: what the edit must leave alone.
+    pub loc: Option<Example>,
+}
+
+/// Token ids `[B, T]`, padding mask `[B, T]`, and `targets[b, t]`: the token position `t`
+/// must predict, or -100 where nothing is scored. Targets are already shifted, so the
+/// scored positions are exactly those whose logits the LM head needs to compute.
+#[derive(Debug)]
+pub struct TokenBatch {
+    pub input_ids: Tensor,
+    pub attention_mask: Tensor,
+    pub targets: Tensor,
+    /// `targets != -100`, bool `[B, T]`.
+    pub keep: Tensor,
+    /// Whether any row is padded (an all-ones mask lets attention take its causal fast path).
+    pub padded: bool,
+}
+
+pub const IGNORE: i64 = -100;
+
+impl TokenBatch {
+    /// Right-pads `examples` and scores the answer tokens of each.
+    pub fn collate(examples: &[&Example], pad_id: i64, device: Device) -> Self {
+        let t = examples.iter().map(|e| e.ids.len()).max().unwrap_or(1).max(1);
+        let b = examples.len();
+        let mut ids = vec![pad_id; b * t];
+        let mut mask = vec![0i64; b * t];
+        let mut targets = vec![IGNORE; b * t];
+        for (i, e) in examples.iter().enumerate() {
+            let row = i * t;
+            ids[row..row + e.ids.len()].copy_from_slice(&e.ids);
+            mask[row..row + e.ids.len()].fill(1);
+            for pos in e.answer_start.max(1)..e.ids.len() {
+                targets[row + pos - 1] = e.ids[pos];
+            }
+        }
+        let shape = [b as i64, t as i64];
+        let mk = |v: &[i64]| Tensor::from_slice(v).reshape(shape).to_device(device);
+        let padded = mask.contains(&0);
+        let targets = mk(&targets);
+        Self { input_ids: mk(&ids), attention_mask: mk(&mask), keep: targets.ne(IGNORE), targets, padded }
+    }
+
+    /// The forward input for this batch: logits only where a target is scored.
+    pub fn forward_input<'a>(&'a self, capture: &'a HashSet<String>) -> ForwardInput<'a> {
+        ForwardInput {
+            input_ids: &self.input_ids,
+            attention_mask: self.padded.then_some(&self.attention_mask),
+            keep: Some(&self.keep),
+            capture,
+        }
+    }
+
+    /// Targets of the kept positions, `[N]`, in the row-major order the forward returns them.
+    pub fn kept_targets(&self) -> Tensor {
+        self.targets.masked_select(&self.keep)
+    }
+
+    /// Batch row of each kept position, `[N]`.
+    pub fn kept_rows(&self) -> Tensor {
+        self.keep.nonzero().select(1, 0)
+    }
+
+    pub fn batch_size(&self) -> i64 {
+        self.input_ids.size()[0]
+    }
+
+    pub fn to_device(&self, device: Device) -> Self {
+        Self {
+            input_ids: self.input_ids.to_device(device),
+            attention_mask: self.attention_mask.to_device(device),
+            targets: self.targets.to_device(device),
+            keep: self.keep.to_device(device),
+            padded: self.padded,
+        }
+    }
+
+    /// Bytes the batch occupies (what the mover transfers).
+    pub fn nbytes(&self) -> u64 {
+        [&self.input_ids, &self.attention_mask, &self.targets]
+            .iter()
+            .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum()
+    }
+}

@@ -1,0 +1,8 @@
+//! Edit datasets: EasyEdit JSON readers, the synthetic knowledge world, and collation
+//! of tokenised examples into masked batches.
+pub mod batch;
+pub mod easyedit;
+pub mod synthetic;
+
+pub use batch::{EditExample, Example, TokenBatch};
+pub use easyedit::{load_records, DatasetKind, EditRecord};

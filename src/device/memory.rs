@@ -1,0 +1,514 @@
+//! Memory accounting: current and peak bytes per device, sampled at phase boundaries.
+//!
+//! * CUDA devices report the caching allocator's own statistics (what
+//!   `torch.cuda.max_memory_allocated` and friends report). tch exposes none of them, so
+//!   they come from the C++ shim `csrc/memstats.cpp` (compiled and linked by `build.rs`);
+//!   the FFI calls below are the crate's only `unsafe` code.
+//! * The CPU has no allocator statistics in libtorch, so it reports the process's resident
+//!   set from `/proc/self/status` (`VmRSS` current, `VmHWM` peak) for both "allocated" and
+//!   "reserved", marked `process_wide` because it also counts code, libraries and every
+//!   other thread's memory.
+//!
+//! Asking for a CUDA device on a machine without an accelerator is an error
+//! ([`Error::Device`] with "no accelerator available"), never a zero sample: a zero would
+//! read as "this phase used no memory" in a report.
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_char, c_int, CStr};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tch::Device;
+
+use crate::{Error, Result};
+
+mod ffi {
+    use std::ffi::{c_char, c_int};
+
+    // Implemented in csrc/memstats.cpp. Every function catches C++ exceptions and turns
+    // them into return codes (1 ok, 0 no accelerator, -1 error with a NUL-terminated
+    // message written into `err[..err_len]`), so no unwinding crosses into Rust.
+    extern "C" {
+        pub fn dualedit_accelerator_count() -> c_int;
+        pub fn dualedit_accelerator_stats(
+            device_index: c_int,
+            out: *mut i64,
+            err: *mut c_char,
+            err_len: usize,
+        ) -> c_int;
+        pub fn dualedit_accelerator_reset_peak(device_index: c_int, err: *mut c_char, err_len: usize) -> c_int;
+        pub fn dualedit_accelerator_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
+    }
+}
+
+/// Size of the buffer the shim writes error messages into (longer ones are truncated).
+const ERR_LEN: usize = 512;
+
+/// Runs one shim call that reports errors through a message buffer.
+/// `Ok(true)`: done; `Ok(false)`: no accelerator on this machine; `Err(msg)`: the shim's error.
+fn shim_call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> std::result::Result<bool, String> {
+    let mut err = [0u8; ERR_LEN];
+    match f(err.as_mut_ptr().cast::<c_char>(), err.len()) {
+        1 => Ok(true),
+        0 => Ok(false),
+        _ => {
+            let msg = CStr::from_bytes_until_nul(&err)
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            Err(if msg.is_empty() { "unknown error in the memory-statistics shim".into() } else { msg })
+        }
+    }
+}
+
+/// Number of accelerator (CUDA) devices libtorch sees; 0 on a CPU-only machine.
+pub fn accelerator_count() -> usize {
+    // SAFETY: no arguments; the shim catches every exception and returns a plain int.
+    let n = unsafe { ffi::dualedit_accelerator_count() };
+    usize::try_from(n).unwrap_or(0)
+}
+
+/// Releases the caching allocator's unused blocks back to the device, so that "reserved"
+/// figures of the next phase start from what is really in use. A no-op without an
+/// accelerator; a failure is only logged, since it changes no result.
+pub fn empty_cache() {
+    // SAFETY: `err`/`len` describe a live, writable buffer owned by `shim_call`.
+    let r = shim_call(|err, len| unsafe { ffi::dualedit_accelerator_empty_cache(err, len) });
+    if let Err(msg) = r {
+        tracing::warn!(error = %msg, "emptying the accelerator cache failed");
+    }
+}
+
+/// "cpu", "cuda:N", "mps", "vulkan": the names used in reports and error messages.
+pub fn device_name(d: Device) -> String {
+    match d {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(i) => format!("cuda:{i}"),
+        Device::Mps => "mps".into(),
+        Device::Vulkan => "vulkan".into(),
+    }
+}
+
+/// Human-readable binary size: "1.23 GiB", "512.0 MiB", "12.0 KiB", "100 B".
+pub fn format_bytes(b: u64) -> String {
+    const KIB: f64 = 1024.0;
+    const MIB: f64 = KIB * 1024.0;
+    const GIB: f64 = MIB * 1024.0;
+    let f = b as f64;
+    if f >= GIB {
+        format!("{:.2} GiB", f / GIB)
+    } else if f >= MIB {
+        format!("{:.1} MiB", f / MIB)
+    } else if f >= KIB {
+        format!("{:.1} KiB", f / KIB)
+    } else {
+        format!("{b} B")
+    }
+}
+
+/// One reading of a device's memory, in bytes.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct MemorySample {
+    pub current_allocated_bytes: u64,
+    pub peak_allocated_bytes: u64,
+    pub current_reserved_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    /// True for the CPU: the figures are the whole process's resident set, not tensors only.
+    pub process_wide: bool,
+}
+
+/// Reads the current memory figures of `device` (peaks since the last [`reset_peak`]).
+pub fn sample(device: Device) -> Result<MemorySample> {
+    match device {
+        Device::Cpu => cpu_sample(),
+        Device::Cuda(i) => {
+            let index = accelerator_index(device, i)?;
+            let mut out = [0i64; 4];
+            // SAFETY: `out` holds the 4 values the shim writes; `err`/`len` describe a live
+            // buffer owned by `shim_call`.
+            let r = shim_call(|err, len| unsafe {
+                ffi::dualedit_accelerator_stats(index, out.as_mut_ptr(), err, len)
+            });
+            match r {
+                Ok(true) => {
+                    let [a, ap, r, rp] = out.map(|v| u64::try_from(v).unwrap_or(0));
+                    Ok(MemorySample {
+                        current_allocated_bytes: a,
+                        peak_allocated_bytes: ap,
+                        current_reserved_bytes: r,
+                        peak_reserved_bytes: rp,
+                        process_wide: false,
+                    })
+                }
+                Ok(false) => Err(no_accelerator(device)),
+                Err(msg) => Err(device_error(device, msg)),
+            }
+        }
+        other => Err(unsupported(other)),
+    }
+}
+
+/// Resets the peaks of `device` to its current figures, so the next sample's peak covers
+/// only what happened since. On the CPU this writes "5" to `/proc/self/clear_refs`
+/// (resets `VmHWM`); where that is not permitted the peak stays process-lifetime, which
+/// is logged and not an error, since the figures stay correct, only coarser.
+pub fn reset_peak(device: Device) -> Result<()> {
+    match device {
+        Device::Cpu => {
+            if let Err(e) = std::fs::write("/proc/self/clear_refs", "5") {
+                tracing::debug!(error = %e, "cannot reset the process peak RSS; CPU peaks stay process-lifetime");
+            }
+            Ok(())
+        }
+        Device::Cuda(i) => {
+            let index = accelerator_index(device, i)?;
+            // SAFETY: `err`/`len` describe a live, writable buffer owned by `shim_call`.
+            match shim_call(|err, len| unsafe { ffi::dualedit_accelerator_reset_peak(index, err, len) }) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(no_accelerator(device)),
+                Err(msg) => Err(device_error(device, msg)),
+            }
+        }
+        other => Err(unsupported(other)),
+    }
+}
+
+fn device_error(device: Device, msg: impl Into<String>) -> Error {
+    Error::Device { name: device_name(device), msg: msg.into() }
+}
+
+fn no_accelerator(device: Device) -> Error {
+    device_error(device, "no accelerator available")
+}
+
+fn unsupported(device: Device) -> Error {
+    device_error(device, "memory statistics are available for cpu and cuda devices only")
+}
+
+/// Checks `i` against the devices present, so a wrong index gets a clear message rather
+/// than whatever the runtime throws.
+fn accelerator_index(device: Device, i: usize) -> Result<c_int> {
+    match accelerator_count() {
+        0 => Err(no_accelerator(device)),
+        n if i >= n => Err(device_error(device, format!("only {n} accelerator device(s) present"))),
+        _ => Ok(i as c_int),
+    }
+}
+
+const PROC_STATUS: &str = "/proc/self/status";
+
+fn cpu_sample() -> Result<MemorySample> {
+    if !cfg!(target_os = "linux") {
+        return Err(device_error(Device::Cpu, "process memory statistics need Linux (/proc/self/status)"));
+    }
+    let text = std::fs::read_to_string(PROC_STATUS).map_err(|e| Error::io(PROC_STATUS, e))?;
+    let current = status_kib(&text, "VmRSS")? * 1024;
+    // The kernel reports VmHWM >= VmRSS; the max only guards against odd kernels.
+    let peak = (status_kib(&text, "VmHWM")? * 1024).max(current);
+    Ok(MemorySample {
+        current_allocated_bytes: current,
+        peak_allocated_bytes: peak,
+        current_reserved_bytes: current,
+        peak_reserved_bytes: peak,
+        process_wide: true,
+    })
+}
+
+/// Parses a `Key:   1234 kB` line of /proc/self/status.
+fn status_kib(text: &str, key: &str) -> Result<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|rest| rest.trim().strip_suffix("kB")?.trim().parse().ok())
+        .ok_or_else(|| Error::file(PROC_STATUS, format!("no readable {key} line")))
+}
+
+/// One role's memory at one phase boundary.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PhaseSample {
+    pub phase: String,
+    pub role: String,
+    pub device: String,
+    /// Milliseconds since the tracker was created.
+    pub elapsed_ms: f64,
+    pub sample: MemorySample,
+}
+
+/// A role's figures over a whole run: peaks are maxima over the timeline, current is the
+/// last sample.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RoleSummary {
+    pub device: String,
+    pub peak_allocated_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    pub current_allocated_bytes: u64,
+    pub process_wide: bool,
+}
+
+/// Records memory samples at named phase boundaries (load, edit, forward, ...) for a set
+/// of roles ("main", "editor", ...), each living on a device. Roles sharing a device are
+/// sampled once per mark, so they report the same figures for the same instant.
+#[derive(Debug)]
+pub struct MemoryTracker {
+    roles: Vec<(String, Device)>,
+    start: Instant,
+    timeline: Vec<PhaseSample>,
+}
+
+impl MemoryTracker {
+    pub fn new(roles: &[(&str, Device)]) -> Self {
+        Self {
+            roles: roles.iter().map(|&(r, d)| (r.to_string(), d)).collect(),
+            start: Instant::now(),
+            timeline: Vec::new(),
+        }
+    }
+
+    /// Samples every role's device and appends one entry per role. Either all roles are
+    /// recorded for `phase` or, on an error, none are.
+    pub fn mark(&mut self, phase: &str) -> Result<()> {
+        let elapsed_ms = self.start.elapsed().as_secs_f64() * 1e3;
+        let mut by_device: HashMap<Device, MemorySample> = HashMap::new();
+        let mut entries = Vec::with_capacity(self.roles.len());
+        for (role, device) in &self.roles {
+            let s = match by_device.get(device) {
+                Some(s) => *s,
+                None => {
+                    let s = sample(*device)?;
+                    by_device.insert(*device, s);
+                    s
+                }
+            };
+            tracing::debug!(
+                role = role.as_str(),
+                phase,
+                device = %device_name(*device),
+                allocated = %format_bytes(s.current_allocated_bytes),
+                peak_allocated = %format_bytes(s.peak_allocated_bytes),
+                reserved = %format_bytes(s.current_reserved_bytes),
+                process_wide = s.process_wide,
+                "memory"
+            );
+            entries.push(PhaseSample {
+                phase: phase.to_string(),
+                role: role.clone(),
+                device: device_name(*device),
+                elapsed_ms,
+                sample: s,
+            });
+        }
+        self.timeline.extend(entries);
+        Ok(())
+    }
+
+    /// Resets the peaks of every distinct device, so the next mark's peaks cover only the
+    /// phase in between.
+    pub fn reset_peaks(&self) -> Result<()> {
+        let mut done: Vec<Device> = Vec::new();
+        for (_, device) in &self.roles {
+            if !done.contains(device) {
+                reset_peak(*device)?;
+                done.push(*device);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn timeline(&self) -> &[PhaseSample] {
+        &self.timeline
+    }
+
+    /// Per role (roles never sampled are left out): peaks are maxima over the timeline,
+    /// current is the latest sample.
+    pub fn summary(&self) -> BTreeMap<String, RoleSummary> {
+        let mut out: BTreeMap<String, RoleSummary> = BTreeMap::new();
+        for p in &self.timeline {
+            let s = &p.sample;
+            out.entry(p.role.clone())
+                .and_modify(|r| {
+                    r.peak_allocated_bytes = r.peak_allocated_bytes.max(s.peak_allocated_bytes);
+                    r.peak_reserved_bytes = r.peak_reserved_bytes.max(s.peak_reserved_bytes);
+                    r.current_allocated_bytes = s.current_allocated_bytes;
+                })
+                .or_insert(RoleSummary {
+                    device: p.device.clone(),
+                    peak_allocated_bytes: s.peak_allocated_bytes,
+                    peak_reserved_bytes: s.peak_reserved_bytes,
+                    current_allocated_bytes: s.current_allocated_bytes,
+                    process_wide: s.process_wide,
+                });
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// The CPU figures are process-wide, so tests that allocate or reset peaks run one at a time.
+    static RSS: Mutex<()> = Mutex::new(());
+
+    fn rss_lock() -> std::sync::MutexGuard<'static, ()> {
+        RSS.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    const MIB: u64 = 1024 * 1024;
+
+    #[test]
+    fn no_accelerator_is_reported_cleanly() {
+        if accelerator_count() > 0 {
+            return; // the checks below are for CPU-only machines
+        }
+        for r in [sample(Device::Cuda(0)).map(|_| ()), reset_peak(Device::Cuda(0))] {
+            match r {
+                Err(Error::Device { name, msg }) => {
+                    assert_eq!(name, "cuda:0");
+                    assert_eq!(msg, "no accelerator available");
+                }
+                other => panic!("expected a device error, got {other:?}"),
+            }
+        }
+        // The raw shim answers "none" (0) rather than failing.
+        let mut out = [0i64; 4];
+        // SAFETY: as in `sample`: `out` holds 4 values, `err`/`len` a live buffer.
+        let r = shim_call(|err, len| unsafe { ffi::dualedit_accelerator_stats(0, out.as_mut_ptr(), err, len) });
+        assert_eq!(r, Ok(false));
+        empty_cache(); // no-op, no panic
+    }
+
+    #[test]
+    fn unsupported_devices_are_errors() {
+        assert!(matches!(sample(Device::Mps), Err(Error::Device { .. })));
+        assert!(matches!(reset_peak(Device::Vulkan), Err(Error::Device { .. })));
+    }
+
+    #[test]
+    fn cpu_sample_is_process_rss() {
+        let s = sample(Device::Cpu).unwrap();
+        assert!(s.process_wide);
+        assert!(s.current_allocated_bytes > 0);
+        assert!(s.peak_allocated_bytes >= s.current_allocated_bytes);
+        assert_eq!(s.current_reserved_bytes, s.current_allocated_bytes);
+        assert_eq!(s.peak_reserved_bytes, s.peak_allocated_bytes);
+    }
+
+    #[test]
+    fn big_cpu_tensor_raises_peak_and_reset_lowers_it() {
+        let _g = rss_lock();
+        let before = sample(Device::Cpu).unwrap();
+        // 200 MiB of f32, written (ones) so the pages are resident.
+        let t = tch::Tensor::ones([50 * 1024 * 1024], (tch::Kind::Float, Device::Cpu));
+        assert_eq!(t.sum(tch::Kind::Double).double_value(&[]), (50 * 1024 * 1024) as f64);
+        let during = sample(Device::Cpu).unwrap();
+        assert!(during.current_allocated_bytes >= before.current_allocated_bytes + 150 * MIB);
+        assert!(during.peak_allocated_bytes >= before.current_allocated_bytes + 150 * MIB);
+        drop(t);
+
+        reset_peak(Device::Cpu).unwrap();
+        let after = sample(Device::Cpu).unwrap();
+        assert!(after.peak_allocated_bytes >= after.current_allocated_bytes);
+        // Where clear_refs is writable (Linux, own process) the 200 MiB peak is gone;
+        // elsewhere reset_peak still succeeds and the peak stays process-lifetime.
+        let resettable = std::fs::OpenOptions::new().write(true).open("/proc/self/clear_refs").is_ok();
+        if resettable {
+            assert!(after.peak_allocated_bytes < during.peak_allocated_bytes);
+        }
+    }
+
+    #[test]
+    fn tracker_records_roles_and_summarises_maxima() {
+        let _g = rss_lock();
+        let mut tr = MemoryTracker::new(&[("main", Device::Cpu), ("editor", Device::Cpu)]);
+        tr.reset_peaks().unwrap();
+        tr.mark("load").unwrap();
+        let t = tch::Tensor::ones([16 * 1024 * 1024], (tch::Kind::Float, Device::Cpu)); // 64 MiB
+        tr.mark("forward").unwrap();
+        drop(t);
+        tr.mark("step").unwrap();
+
+        let tl = tr.timeline();
+        assert_eq!(tl.len(), 6);
+        assert_eq!(tl.iter().map(|p| p.phase.as_str()).collect::<Vec<_>>(), ["load", "load", "forward", "forward", "step", "step"]);
+        // Roles on one device share one sample per mark.
+        for pair in tl.chunks(2) {
+            assert_eq!(pair[0].sample, pair[1].sample);
+            assert_eq!(pair[0].elapsed_ms, pair[1].elapsed_ms);
+            assert_eq!((pair[0].role.as_str(), pair[1].role.as_str()), ("main", "editor"));
+        }
+        assert!(tl.windows(2).all(|w| w[1].elapsed_ms >= w[0].elapsed_ms));
+
+        let sum = tr.summary();
+        assert_eq!(sum.keys().collect::<Vec<_>>(), ["editor", "main"]);
+        let main = &sum["main"];
+        assert_eq!(main.device, "cpu");
+        assert!(main.process_wide);
+        let max_peak = tl.iter().filter(|p| p.role == "main").map(|p| p.sample.peak_allocated_bytes).max().unwrap();
+        assert_eq!(main.peak_allocated_bytes, max_peak);
+        assert_eq!(main.current_allocated_bytes, tl[4].sample.current_allocated_bytes);
+        assert!(main.peak_allocated_bytes >= tl[0].sample.current_allocated_bytes + 48 * MIB);
+        assert!(serde_json::to_string(&sum).unwrap().contains("\"peak_reserved_bytes\""));
+    }
+
+    #[test]
+    fn summary_of_synthetic_timeline() {
+        let s = |cur, peak| MemorySample {
+            current_allocated_bytes: cur,
+            peak_allocated_bytes: peak,
+            current_reserved_bytes: cur + 1,
+            peak_reserved_bytes: peak + 1,
+            process_wide: false,
+        };
+        let mut tr = MemoryTracker::new(&[("main", Device::Cuda(0))]);
+        for (phase, cur, peak) in [("load", 10, 20), ("edit", 5, 50), ("step", 7, 8)] {
+            tr.timeline.push(PhaseSample {
+                phase: phase.into(),
+                role: "main".into(),
+                device: "cuda:0".into(),
+                elapsed_ms: 0.0,
+                sample: s(cur, peak),
+            });
+        }
+        let main = &tr.summary()["main"];
+        assert_eq!(
+            *main,
+            RoleSummary {
+                device: "cuda:0".into(),
+                peak_allocated_bytes: 50,
+                peak_reserved_bytes: 51,
+                current_allocated_bytes: 7,
+                process_wide: false,
+            }
+        );
+        assert!(MemoryTracker::new(&[("x", Device::Cpu)]).summary().is_empty());
+    }
+
+    #[test]
+    fn tracker_mark_fails_whole_on_missing_device() {
+        if accelerator_count() > 0 {
+            return;
+        }
+        let mut tr = MemoryTracker::new(&[("main", Device::Cpu), ("editor", Device::Cuda(0))]);
+        assert!(tr.mark("load").is_err());
+        assert!(tr.timeline().is_empty());
+    }
+
+    #[test]
+    fn status_parsing() {
+        let text = "Name:\tx\nVmHWM:\t    2048 kB\nVmRSS:\t    1024 kB\n";
+        assert_eq!(status_kib(text, "VmRSS").unwrap(), 1024);
+        assert_eq!(status_kib(text, "VmHWM").unwrap(), 2048);
+        assert!(matches!(status_kib(text, "VmSwap"), Err(Error::File { .. })));
+    }
+
+    #[test]
+    fn names_and_sizes() {
+        assert_eq!(device_name(Device::Cpu), "cpu");
+        assert_eq!(device_name(Device::Cuda(1)), "cuda:1");
+        assert_eq!(format_bytes(100), "100 B");
+        assert_eq!(format_bytes(0), "0 B");
+        assert_eq!(format_bytes(1023), "1023 B");
+        assert_eq!(format_bytes(12 * 1024), "12.0 KiB");
+        assert_eq!(format_bytes(512 * MIB), "512.0 MiB");
+        assert_eq!(format_bytes(1_320_702_444), "1.23 GiB");
+        assert_eq!(format_bytes(1024 * MIB), "1.00 GiB");
+    }
+}

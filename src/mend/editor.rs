@@ -1,0 +1,369 @@
+//! MEND's gradient transform: running normalisation, low-rank identity-initialised MLPs
+//! over the rank-1 factors `(x, δ)` of each edited weight, and learned edit rates.
+//!
+//! Follows the reference code (Mitchell et al., `mend/algs/mend.py` and `nn.py`):
+//! `LRLinear` layers `y = act((U(Vx) + b)·scale[mode] + shift[mode]) + x`, with ReLU on all
+//! but the last layer, `U = 0` at start so the editor starts as the identity, one editor
+//! per weight shape (with a per-weight "mode" selecting its scale/shift rows).
+use std::collections::BTreeMap;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::{EditorMode, MendConfig};
+use crate::model::WeightLayout;
+use crate::{Error, Result};
+
+/// Added to the running standard deviation before dividing.
+const NORM_EPS: f64 = 1e-7;
+
+/// One edited weight, as the editor sees it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct EditedParam {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub layout: WeightLayout,
+}
+
+impl EditedParam {
+    pub fn in_out(&self) -> (i64, i64) {
+        self.layout.in_out(&self.shape)
+    }
+}
+
+/// Running mean and variance of feature vectors (Welford, merged per batch with Chan's
+/// formula, which equals adding the rows one by one as the reference code does).
+#[derive(Debug)]
+pub struct RunningStats {
+    pub count: f64,
+    pub mean: Tensor,
+    pub m2: Tensor,
+}
+
+impl RunningStats {
+    fn new(dim: i64, device: Device) -> Self {
+        Self { count: 0.0, mean: Tensor::zeros([dim], (Kind::Float, device)), m2: Tensor::zeros([dim], (Kind::Float, device)) }
+    }
+
+    /// Adds the rows of `x` (`[N, dim]`, detached).
+    pub fn update(&mut self, x: &Tensor) {
+        let n = x.size()[0] as f64;
+        if n == 0.0 {
+            return;
+        }
+        let _g = tch::no_grad_guard();
+        let batch_mean = x.mean_dim(0, false, Kind::Float);
+        let batch_m2 = (x - &batch_mean).square().sum_dim_intlist(0, false, Kind::Float);
+        let total = self.count + n;
+        let diff = &batch_mean - &self.mean;
+        self.mean = &self.mean + &diff * (n / total);
+        self.m2 = &self.m2 + batch_m2 + diff.square() * (self.count * n / total);
+        self.count = total;
+    }
+
+    /// Sample standard deviation; 1 until two rows have been seen (no scaling yet).
+    pub fn std(&self) -> Tensor {
+        if self.count < 2.0 {
+            Tensor::ones_like(&self.m2)
+        } else {
+            (&self.m2 / (self.count - 1.0)).sqrt()
+        }
+    }
+
+    pub fn normalise(&self, x: &Tensor) -> Tensor {
+        if self.count < 1.0 {
+            return x.shallow_clone();
+        }
+        (x - &self.mean) / (self.std() + NORM_EPS)
+    }
+}
+
+/// Low-rank residual layer (`LRLinear` of the reference code).
+#[derive(Debug)]
+struct LrLinear {
+    u: Tensor,
+    v: Tensor,
+    bias: Tensor,
+    scale: Tensor,
+    shift: Tensor,
+    relu: bool,
+}
+
+impl LrLinear {
+    fn new(width: i64, rank: i64, n_modes: i64, relu: bool, device: Device) -> Self {
+        let opts = (Kind::Float, device);
+        // kaiming_uniform_(a=√5) on V [rank, width]: bound 1/√fan_in.
+        let bound = 1.0 / (width as f64).sqrt();
+        Self {
+            u: Tensor::zeros([width, rank], opts).set_requires_grad(true),
+            v: (Tensor::rand([rank, width], opts) * (2.0 * bound) - bound).set_requires_grad(true),
+            bias: Tensor::zeros([width], opts).set_requires_grad(true),
+            scale: Tensor::ones([n_modes, width], opts).set_requires_grad(true),
+            shift: Tensor::zeros([n_modes, width], opts).set_requires_grad(true),
+            relu,
+        }
+    }
+
+    fn forward(&self, x: &Tensor, mode: i64) -> Tensor {
+        let pre = x.matmul(&self.v.tr()).matmul(&self.u.tr()) + &self.bias;
+        let pre = pre * self.scale.get(mode) + self.shift.get(mode);
+        let act = if self.relu { pre.relu() } else { pre };
+        act + x
+    }
+
+    fn tensors(&self) -> [(&'static str, &Tensor); 5] {
+        [("u", &self.u), ("v", &self.v), ("bias", &self.bias), ("scale", &self.scale), ("shift", &self.shift)]
+    }
+
+    fn tensors_mut(&mut self) -> [(&'static str, &mut Tensor); 5] {
+        [("u", &mut self.u), ("v", &mut self.v), ("bias", &mut self.bias), ("scale", &mut self.scale), ("shift", &mut self.shift)]
+    }
+}
+
+/// `IDMLP` of the reference code: `n_hidden + 1` low-rank residual layers.
+#[derive(Debug)]
+struct IdMlp {
+    layers: Vec<LrLinear>,
+}
+
+impl IdMlp {
+    fn new(width: i64, cfg: &MendConfig, n_modes: i64, device: Device) -> Self {
+        let rank = cfg.rank.min(width);
+        let layers = (0..=cfg.n_hidden).map(|i| LrLinear::new(width, rank, n_modes, i < cfg.n_hidden, device)).collect();
+        Self { layers }
+    }
+
+    fn forward(&self, x: &Tensor, mode: i64) -> Tensor {
+        self.layers.iter().fold(x.shallow_clone(), |h, l| l.forward(&h, mode))
+    }
+}
+
+/// The editor of one group of weights (all weights of one shape when shared).
+#[derive(Debug)]
+struct GradientTransform {
+    /// Combine: the only MLP; XOnly/OneSided-x/Separate: the x MLP.
+    mlp_x: Option<IdMlp>,
+    /// DeltaOnly/OneSided-δ/Separate: the δ MLP (Combine keeps it in `mlp_x`).
+    mlp_d: Option<IdMlp>,
+    x_stats: RunningStats,
+    d_stats: RunningStats,
+    d_in: i64,
+    d_out: i64,
+}
+
+impl GradientTransform {
+    fn new(d_in: i64, d_out: i64, cfg: &MendConfig, n_modes: i64, device: Device) -> Self {
+        let mk = |w: i64| Some(IdMlp::new(w, cfg, n_modes, device));
+        let (mlp_x, mlp_d) = match cfg.mode {
+            EditorMode::Combine => (mk(d_in + d_out), None),
+            EditorMode::XOnly => (mk(d_in), None),
+            EditorMode::DeltaOnly => (None, mk(d_out)),
+            EditorMode::OneSided if d_in <= d_out => (mk(d_in), None),
+            EditorMode::OneSided => (None, mk(d_out)),
+            EditorMode::Separate => (mk(d_in), mk(d_out)),
+        };
+        Self { mlp_x, mlp_d, x_stats: RunningStats::new(d_in, device), d_stats: RunningStats::new(d_out, device), d_in, d_out }
+    }
+
+    fn forward(&self, x: &Tensor, d: &Tensor, mode: i64, combine: bool) -> (Tensor, Tensor) {
+        let xn = self.x_stats.normalise(x);
+        let dn = self.d_stats.normalise(d);
+        if combine {
+            let mlp = self.mlp_x.as_ref().expect("combine editor has its MLP");
+            let out = mlp.forward(&Tensor::cat(&[&xn, &dn], -1), mode);
+            let parts = out.split_with_sizes([self.d_in, self.d_out], -1);
+            return (parts[0].shallow_clone(), parts[1].shallow_clone());
+        }
+        let xt = self.mlp_x.as_ref().map_or(xn, |m| m.forward(&xn, mode));
+        let dt = self.mlp_d.as_ref().map_or(dn, |m| m.forward(&dn, mode));
+        (xt, dt)
+    }
+
+    fn mlps(&self) -> impl Iterator<Item = (&'static str, &IdMlp)> {
+        [("mlp_x", self.mlp_x.as_ref()), ("mlp_d", self.mlp_d.as_ref())].into_iter().filter_map(|(n, m)| m.map(|m| (n, m)))
+    }
+
+    fn mlps_mut(&mut self) -> impl Iterator<Item = (&'static str, &mut IdMlp)> {
+        [("mlp_x", self.mlp_x.as_mut()), ("mlp_d", self.mlp_d.as_mut())].into_iter().filter_map(|(n, m)| m.map(|m| (n, m)))
+    }
+}
+
+/// Gradient factors of one edited weight: layer inputs `x` `[N, d_in]` and output
+/// gradients `δ` `[N, d_out]`, one row per token.
+#[derive(Debug)]
+pub struct Factors {
+    pub x: Tensor,
+    pub delta: Tensor,
+}
+
+/// The trained (or training) MEND editor for a set of edited weights.
+#[derive(Debug)]
+pub struct Editor {
+    pub config: MendConfig,
+    pub params: Vec<EditedParam>,
+    /// Editor key of each param and its mode index within that editor.
+    assignment: Vec<(String, i64)>,
+    transforms: BTreeMap<String, GradientTransform>,
+    /// Per-weight edit learning rates `[n_params]`.
+    pub edit_lrs: Tensor,
+    device: Device,
+}
+
+impl Editor {
+    /// A fresh, identity-initialised editor (seed tch's RNG first for reproducibility).
+    pub fn new(config: &MendConfig, params: Vec<EditedParam>, device: Device) -> Result<Self> {
+        config.validate()?;
+        if params.is_empty() {
+            return Err(Error::input("no weights to edit"));
+        }
+        let mut assignment = Vec::with_capacity(params.len());
+        let mut groups: BTreeMap<String, (i64, i64, i64)> = BTreeMap::new();
+        for p in &params {
+            if p.shape.len() != 2 {
+                return Err(Error::input(format!("edited parameter {} is not a matrix (shape {:?})", p.name, p.shape)));
+            }
+            let (d_in, d_out) = p.in_out();
+            let key = if config.shared { format!("{d_in}x{d_out}") } else { p.name.clone() };
+            let entry = groups.entry(key.clone()).or_insert((d_in, d_out, 0));
+            assignment.push((key, entry.2));
+            entry.2 += 1;
+        }
+        let transforms = groups
+            .into_iter()
+            .map(|(k, (d_in, d_out, n))| (k, GradientTransform::new(d_in, d_out, config, n, device)))
+            .collect();
+        let edit_lrs = Tensor::full([params.len() as i64], config.edit_lr, (Kind::Float, device)).set_requires_grad(true);
+        Ok(Self { config: config.clone(), params, assignment, transforms, edit_lrs, device })
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Transformed factors `(x̃, δ̃)` of parameter `i`; updates the normalisation
+    /// statistics first when `training`.
+    pub fn transform(&mut self, i: usize, f: &Factors, training: bool) -> (Tensor, Tensor) {
+        let (key, mode) = &self.assignment[i];
+        let t = self.transforms.get_mut(key).expect("every param has an editor");
+        let x = f.x.to_device(self.device).to_kind(Kind::Float);
+        let d = f.delta.to_device(self.device).to_kind(Kind::Float);
+        if training && self.config.norm {
+            t.x_stats.update(&x);
+            t.d_stats.update(&d);
+        }
+        if !self.config.norm {
+            let combine = self.config.mode == EditorMode::Combine;
+            let mlp_out = {
+                let tmp_x = RunningStats::new(t.d_in, self.device);
+                let tmp_d = RunningStats::new(t.d_out, self.device);
+                let saved = (std::mem::replace(&mut t.x_stats, tmp_x), std::mem::replace(&mut t.d_stats, tmp_d));
+                let out = t.forward(&x, &d, *mode, combine);
+                t.x_stats = saved.0;
+                t.d_stats = saved.1;
+                out
+            };
+            return mlp_out;
+        }
+        t.forward(&x, &d, *mode, self.config.mode == EditorMode::Combine)
+    }
+
+    /// The pseudo-gradient `Σ_rows δ̃ x̃ᵀ` of parameter `i`, in the weight's own layout.
+    pub fn pseudo_grad(&mut self, i: usize, f: &Factors, training: bool) -> Tensor {
+        let (xt, dt) = self.transform(i, f, training);
+        match self.params[i].layout {
+            WeightLayout::Linear => dt.tr().matmul(&xt),
+            WeightLayout::Conv1d => xt.tr().matmul(&dt),
+        }
+    }
+
+    /// The edited weights `W ∓ lr_i · ∇̃W_i` for every edited parameter, as overrides
+    /// (differentiable w.r.t. the editor when built under grad mode).
+    pub fn edited_weights(
+        &mut self,
+        weights: &[&Tensor],
+        factors: &[Factors],
+        training: bool,
+    ) -> Vec<Tensor> {
+        let sign = if self.config.descent { -1.0 } else { 1.0 };
+        (0..self.params.len())
+            .map(|i| {
+                let g = self.pseudo_grad(i, &factors[i], training);
+                let w = weights[i];
+                let step = self.edit_lrs.get(i as i64) * g * sign;
+                (w.to_kind(Kind::Float) + step.to_device(w.device())).to_kind(w.kind())
+            })
+            .collect()
+    }
+
+    /// All learnable tensors by checkpoint name (`edit_lrs` included).
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("edit_lrs".to_string(), self.edit_lrs.shallow_clone())];
+        for (key, t) in &self.transforms {
+            for (m, mlp) in t.mlps() {
+                for (li, layer) in mlp.layers.iter().enumerate() {
+                    for (n, ten) in layer.tensors() {
+                        out.push((format!("editor.{key}.{m}.{li}.{n}"), ten.shallow_clone()));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Normalisation statistics by checkpoint name, plus their row counts.
+    pub fn named_stats(&self) -> (Vec<(String, Tensor)>, BTreeMap<String, f64>) {
+        let mut tensors = Vec::new();
+        let mut counts = BTreeMap::new();
+        for (key, t) in &self.transforms {
+            for (which, s) in [("x", &t.x_stats), ("delta", &t.d_stats)] {
+                tensors.push((format!("stats.{key}.{which}.mean"), s.mean.shallow_clone()));
+                tensors.push((format!("stats.{key}.{which}.m2"), s.m2.shallow_clone()));
+                counts.insert(format!("{key}.{which}"), s.count);
+            }
+        }
+        (tensors, counts)
+    }
+
+    /// Replaces the learnable tensors and statistics with saved ones (shapes must match).
+    pub fn load_tensors(&mut self, tensors: &BTreeMap<String, Tensor>, counts: &BTreeMap<String, f64>) -> Result<()> {
+        let take = |name: &str, like: &Tensor| -> Result<Tensor> {
+            let t = tensors.get(name).ok_or_else(|| Error::input(format!("editor checkpoint lacks tensor {name:?}")))?;
+            if t.size() != like.size() {
+                return Err(Error::input(format!(
+                    "editor checkpoint tensor {name:?} has shape {:?}, expected {:?}",
+                    t.size(),
+                    like.size()
+                )));
+            }
+            Ok(t.to_device(like.device()).to_kind(Kind::Float).detach())
+        };
+        self.edit_lrs = take("edit_lrs", &self.edit_lrs)?.set_requires_grad(true);
+        for (key, t) in self.transforms.iter_mut() {
+            for (m, mlp) in t.mlps_mut() {
+                for (li, layer) in mlp.layers.iter_mut().enumerate() {
+                    for (n, ten) in layer.tensors_mut() {
+                        *ten = take(&format!("editor.{key}.{m}.{li}.{n}"), ten)?.set_requires_grad(true);
+                    }
+                }
+            }
+            for (which, s) in [("x", &mut t.x_stats), ("delta", &mut t.d_stats)] {
+                s.mean = take(&format!("stats.{key}.{which}.mean"), &s.mean)?;
+                s.m2 = take(&format!("stats.{key}.{which}.m2"), &s.m2)?;
+                s.count = *counts
+                    .get(&format!("{key}.{which}"))
+                    .ok_or_else(|| Error::input(format!("editor checkpoint lacks the row count of {key}.{which}")))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Learnable parameters for the optimiser: (editor network, edit learning rates).
+    pub fn trainables(&self) -> (Vec<Tensor>, Vec<Tensor>) {
+        let net = self.named_tensors().into_iter().filter(|(n, _)| n != "edit_lrs").map(|(_, t)| t).collect();
+        (net, vec![self.edit_lrs.shallow_clone()])
+    }
+
+    /// Number of learnable scalars.
+    pub fn n_parameters(&self) -> i64 {
+        self.named_tensors().iter().map(|(_, t)| t.numel() as i64).sum()
+    }
+}

@@ -1,0 +1,164 @@
+//! GPT-2 (`GPT2LMHeadModel`), matching Hugging Face transformers numerically.
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use tch::Tensor;
+
+use super::{activation, attend, check_activation, attention_mask, keep_rows, linear_captured, position_ids};
+use super::{ForwardInput, ForwardOutput, ModelInfo, ParamView, WeightLayout};
+use crate::{Error, Result};
+
+fn default_eps() -> f64 {
+    1e-5
+}
+fn default_act() -> String {
+    "gelu_new".into()
+}
+fn default_true() -> bool {
+    true
+}
+
+/// The fields of a GPT-2 `config.json` that the forward uses.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Gpt2Config {
+    pub vocab_size: i64,
+    pub n_embd: i64,
+    pub n_layer: i64,
+    pub n_head: i64,
+    pub n_positions: i64,
+    #[serde(default)]
+    pub n_inner: Option<i64>,
+    #[serde(default = "default_eps")]
+    pub layer_norm_epsilon: f64,
+    #[serde(default = "default_act")]
+    pub activation_function: String,
+    #[serde(default = "default_true")]
+    pub scale_attn_weights: bool,
+    #[serde(default)]
+    pub scale_attn_by_inverse_layer_idx: bool,
+    #[serde(default)]
+    pub reorder_and_upcast_attn: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Gpt2 {
+    pub config: Gpt2Config,
+}
+
+impl Gpt2 {
+    pub fn new(config: Gpt2Config) -> Result<Self> {
+        let c = &config;
+        if c.n_embd <= 0 || c.n_head <= 0 || c.n_embd % c.n_head != 0 {
+            return Err(Error::input(format!("n_embd {} is not divisible by n_head {}", c.n_embd, c.n_head)));
+        }
+        if !c.scale_attn_weights || c.scale_attn_by_inverse_layer_idx || c.reorder_and_upcast_attn {
+            return Err(Error::input(
+                "unsupported GPT-2 attention options (scale_attn_weights=false, scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn)",
+            ));
+        }
+        check_activation(&c.activation_function)?;
+        Ok(Self { config })
+    }
+
+    fn inner(&self) -> i64 {
+        self.config.n_inner.unwrap_or(4 * self.config.n_embd)
+    }
+
+    pub fn info(&self) -> ModelInfo {
+        let n_params = self.expected_params().iter().map(|(_, s)| s.iter().product::<i64>()).sum();
+        ModelInfo {
+            architecture: "GPT2LMHeadModel".into(),
+            vocab_size: self.config.vocab_size,
+            hidden_size: self.config.n_embd,
+            n_layers: self.config.n_layer,
+            max_positions: self.config.n_positions,
+            n_params,
+        }
+    }
+
+    pub fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
+        let (d, f, v) = (self.config.n_embd, self.inner(), self.config.vocab_size);
+        let mut out = vec![
+            ("transformer.wte.weight".to_string(), vec![v, d]),
+            ("transformer.wpe.weight".to_string(), vec![self.config.n_positions, d]),
+            ("transformer.ln_f.weight".to_string(), vec![d]),
+            ("transformer.ln_f.bias".to_string(), vec![d]),
+        ];
+        for i in 0..self.config.n_layer {
+            let p = format!("transformer.h.{i}");
+            for (name, shape) in [
+                ("ln_1.weight", vec![d]),
+                ("ln_1.bias", vec![d]),
+                ("attn.c_attn.weight", vec![d, 3 * d]),
+                ("attn.c_attn.bias", vec![3 * d]),
+                ("attn.c_proj.weight", vec![d, d]),
+                ("attn.c_proj.bias", vec![d]),
+                ("ln_2.weight", vec![d]),
+                ("ln_2.bias", vec![d]),
+                ("mlp.c_fc.weight", vec![d, f]),
+                ("mlp.c_fc.bias", vec![f]),
+                ("mlp.c_proj.weight", vec![f, d]),
+                ("mlp.c_proj.bias", vec![d]),
+            ] {
+                out.push((format!("{p}.{name}"), shape));
+            }
+        }
+        out
+    }
+
+    pub fn layout(&self, name: &str) -> Option<WeightLayout> {
+        let is_linear = name.starts_with("transformer.h.")
+            && [".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"]
+                .iter()
+                .any(|s| name.ends_with(s));
+        is_linear.then_some(WeightLayout::Conv1d)
+    }
+
+    pub fn default_edit_params(&self) -> Vec<String> {
+        let n = self.config.n_layer;
+        (n.saturating_sub(3)..n)
+            .flat_map(|i| {
+                ["c_fc", "c_proj"].map(|m| format!("transformer.h.{i}.mlp.{m}.weight"))
+            })
+            .collect()
+    }
+
+    fn layer_norm(p: &ParamView, prefix: &str, x: &Tensor, eps: f64) -> Result<Tensor> {
+        let w = p.get(&format!("{prefix}.weight"))?;
+        let b = p.get(&format!("{prefix}.bias"))?;
+        Ok(x.layer_norm([*x.size().last().unwrap_or(&1)], Some(w), Some(b), eps, false))
+    }
+
+    pub fn forward(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
+        let c = &self.config;
+        let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
+        let (nh, hd) = (c.n_head, c.n_embd / c.n_head);
+        let mut captures = BTreeMap::new();
+        let pos = position_ids(input.input_ids, input.attention_mask);
+        let mask = attention_mask(input.attention_mask, t);
+        let mut x = Tensor::embedding(p.get("transformer.wte.weight")?, input.input_ids, -1, false, false)
+            + Tensor::embedding(p.get("transformer.wpe.weight")?, &pos, -1, false, false);
+        let conv = WeightLayout::Conv1d;
+        for i in 0..c.n_layer {
+            let pre = format!("transformer.h.{i}");
+            let h = Self::layer_norm(p, &format!("{pre}.ln_1"), &x, c.layer_norm_epsilon)?;
+            let qkv = linear_captured(p, input.capture, &mut captures, conv, &format!("{pre}.attn.c_attn"), &h, true)?;
+            let heads = |t_: &Tensor| t_.reshape([b, t, nh, hd]).transpose(1, 2);
+            let parts = qkv.split(c.n_embd, 2);
+            let y = attend(&heads(&parts[0]), &heads(&parts[1]), &heads(&parts[2]), mask.as_ref());
+            let y = y.transpose(1, 2).reshape([b, t, c.n_embd]);
+            let y = linear_captured(p, input.capture, &mut captures, conv, &format!("{pre}.attn.c_proj"), &y, true)?;
+            x = x + y;
+            let h = Self::layer_norm(p, &format!("{pre}.ln_2"), &x, c.layer_norm_epsilon)?;
+            let h = linear_captured(p, input.capture, &mut captures, conv, &format!("{pre}.mlp.c_fc"), &h, true)?;
+            let h = activation(&c.activation_function, &h);
+            let h = linear_captured(p, input.capture, &mut captures, conv, &format!("{pre}.mlp.c_proj"), &h, true)?;
+            x = x + h;
+        }
+        let x = Self::layer_norm(p, "transformer.ln_f", &x, c.layer_norm_epsilon)?;
+        let x = keep_rows(x, input.keep);
+        // GPT-2 ties the LM head to the token embedding.
+        let logits = x.matmul(&p.get("transformer.wte.weight")?.tr());
+        Ok(ForwardOutput { logits, captures })
+    }
+}

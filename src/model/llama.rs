@@ -1,0 +1,241 @@
+//! LLaMA-family decoders: `LlamaForCausalLM`, `Qwen2ForCausalLM` (and Mistral's layout).
+//!
+//! One implementation covers them: RMSNorm, rotary embeddings (Hugging Face's
+//! rotate-half convention), grouped-query attention and a gated SiLU MLP. Qwen2 differs
+//! only in its q/k/v biases and its config defaults.
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use tch::{Kind, Tensor};
+
+use super::{activation, attend, check_activation, attention_mask, keep_rows, linear_captured, position_ids};
+use super::{ForwardInput, ForwardOutput, ModelInfo, ParamView, WeightLayout};
+use crate::{Error, Result};
+
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_act() -> String {
+    "silu".into()
+}
+
+/// The fields of a LLaMA / Qwen2 `config.json` that the forward uses.
+#[derive(Debug, Clone, Deserialize)]
+pub struct LlamaConfig {
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    #[serde(default)]
+    pub num_key_value_heads: Option<i64>,
+    #[serde(default)]
+    pub head_dim: Option<i64>,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    /// Older configs carry `rope_theta` at the top level; transformers v5 writes it
+    /// inside `rope_parameters`.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    pub max_position_embeddings: i64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Llama {
+    pub config: LlamaConfig,
+    /// `Qwen2ForCausalLM` or `LlamaForCausalLM` (or `MistralForCausalLM`).
+    pub architecture: String,
+    qkv_bias: bool,
+}
+
+impl Llama {
+    pub fn new(config: LlamaConfig, architecture: &str) -> Result<Self> {
+        let c = &config;
+        if c.num_attention_heads <= 0 || c.hidden_size <= 0 {
+            return Err(Error::input("num_attention_heads and hidden_size must be positive"));
+        }
+        let kv = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
+        if kv <= 0 || c.num_attention_heads % kv != 0 {
+            return Err(Error::input(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {kv}",
+                c.num_attention_heads
+            )));
+        }
+        if c.head_dim.is_none() && c.hidden_size % c.num_attention_heads != 0 {
+            return Err(Error::input("hidden_size is not divisible by num_attention_heads"));
+        }
+        for s in [&c.rope_scaling, &c.rope_parameters].into_iter().flatten().filter(|s| !s.is_null()) {
+            let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+            if kind != "default" {
+                return Err(Error::input(format!("rope scaling of type {kind:?} is not supported")));
+            }
+        }
+        check_activation(&c.hidden_act)?;
+        let qkv_bias = architecture == "Qwen2ForCausalLM" || c.attention_bias;
+        Ok(Self { config, architecture: architecture.to_string(), qkv_bias })
+    }
+
+    fn kv_heads(&self) -> i64 {
+        self.config.num_key_value_heads.unwrap_or(self.config.num_attention_heads)
+    }
+
+    fn rope_theta(&self) -> f64 {
+        let nested = self.config.rope_parameters.as_ref().and_then(|p| p.get("rope_theta")).and_then(|v| v.as_f64());
+        self.config.rope_theta.or(nested).unwrap_or(10000.0)
+    }
+
+    fn head_dim(&self) -> i64 {
+        self.config.head_dim.unwrap_or(self.config.hidden_size / self.config.num_attention_heads)
+    }
+
+    pub fn info(&self) -> ModelInfo {
+        let n_params = self.expected_params().iter().map(|(_, s)| s.iter().product::<i64>()).sum();
+        ModelInfo {
+            architecture: self.architecture.clone(),
+            vocab_size: self.config.vocab_size,
+            hidden_size: self.config.hidden_size,
+            n_layers: self.config.num_hidden_layers,
+            max_positions: self.config.max_position_embeddings,
+            n_params,
+        }
+    }
+
+    pub fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
+        let c = &self.config;
+        let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+        let (q, kv) = (c.num_attention_heads * self.head_dim(), self.kv_heads() * self.head_dim());
+        let mut out = vec![
+            ("model.embed_tokens.weight".to_string(), vec![v, d]),
+            ("model.norm.weight".to_string(), vec![d]),
+        ];
+        if !c.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![v, d]));
+        }
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let mut push = |n: &str, s: Vec<i64>| out.push((format!("{p}.{n}"), s));
+            push("input_layernorm.weight", vec![d]);
+            push("post_attention_layernorm.weight", vec![d]);
+            push("self_attn.q_proj.weight", vec![q, d]);
+            push("self_attn.k_proj.weight", vec![kv, d]);
+            push("self_attn.v_proj.weight", vec![kv, d]);
+            push("self_attn.o_proj.weight", vec![d, q]);
+            if self.qkv_bias {
+                push("self_attn.q_proj.bias", vec![q]);
+                push("self_attn.k_proj.bias", vec![kv]);
+                push("self_attn.v_proj.bias", vec![kv]);
+            }
+            if c.attention_bias {
+                push("self_attn.o_proj.bias", vec![d]);
+            }
+            push("mlp.gate_proj.weight", vec![f, d]);
+            push("mlp.up_proj.weight", vec![f, d]);
+            push("mlp.down_proj.weight", vec![d, f]);
+            if c.mlp_bias {
+                push("mlp.gate_proj.bias", vec![f]);
+                push("mlp.up_proj.bias", vec![f]);
+                push("mlp.down_proj.bias", vec![d]);
+            }
+        }
+        out
+    }
+
+    pub fn layout(&self, name: &str) -> Option<WeightLayout> {
+        let is_linear = name.starts_with("model.layers.")
+            && name.ends_with("_proj.weight")
+            && (name.contains(".self_attn.") || name.contains(".mlp."));
+        is_linear.then_some(WeightLayout::Linear)
+    }
+
+    /// EasyEdit's choice: gate/up/down for LLaMA, up/down for Qwen2.
+    pub fn default_edit_params(&self) -> Vec<String> {
+        let n = self.config.num_hidden_layers;
+        let mats: &[&str] = if self.architecture == "Qwen2ForCausalLM" {
+            &["up_proj", "down_proj"]
+        } else {
+            &["gate_proj", "up_proj", "down_proj"]
+        };
+        (n.saturating_sub(3)..n)
+            .flat_map(|i| mats.iter().map(move |m| format!("model.layers.{i}.mlp.{m}.weight")))
+            .collect()
+    }
+
+    /// RMSNorm computed in f32 and cast back, as transformers does.
+    fn rms_norm(&self, p: &ParamView, name: &str, x: &Tensor) -> Result<Tensor> {
+        let w = p.get(name)?;
+        let xf = x.to_kind(Kind::Float);
+        let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed = (xf * (var + self.config.rms_norm_eps).rsqrt()).to_kind(x.kind());
+        Ok(w * normed)
+    }
+
+    /// cos/sin tables `[B, 1, T, head_dim]` for the given positions.
+    fn rope(&self, pos: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+        let hd = self.head_dim();
+        let device = pos.device();
+        let exponents = Tensor::arange_start_step(0, hd, 2, (Kind::Int64, device)).to_kind(Kind::Float) / hd as f64;
+        let inv_freq = Tensor::from(self.rope_theta() as f32).to_device(device).pow(&exponents).reciprocal();
+        let freqs = pos.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
+        let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
+        (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+    }
+
+    pub fn forward(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
+        let c = &self.config;
+        let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
+        let (nh, nkv, hd) = (c.num_attention_heads, self.kv_heads(), self.head_dim());
+        let lin = WeightLayout::Linear;
+        let mut captures = BTreeMap::new();
+        let mask = attention_mask(input.attention_mask, t);
+        let mut x = Tensor::embedding(p.get("model.embed_tokens.weight")?, input.input_ids, -1, false, false);
+        let (cos, sin) = self.rope(&position_ids(input.input_ids, input.attention_mask), x.kind());
+        let rotate = |q: &Tensor| {
+            let halves = q.chunk(2, -1);
+            let rotated = Tensor::cat(&[&(-&halves[1]), &halves[0]], -1);
+            q * &cos + rotated * &sin
+        };
+        for i in 0..c.num_hidden_layers {
+            let pre = format!("model.layers.{i}");
+            let cap = input.capture;
+            let h = self.rms_norm(p, &format!("{pre}.input_layernorm.weight"), &x)?;
+            let q = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.self_attn.q_proj"), &h, self.qkv_bias)?;
+            let k = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.self_attn.k_proj"), &h, self.qkv_bias)?;
+            let v = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.self_attn.v_proj"), &h, self.qkv_bias)?;
+            let q = rotate(&q.reshape([b, t, nh, hd]).transpose(1, 2));
+            let k = rotate(&k.reshape([b, t, nkv, hd]).transpose(1, 2));
+            let v = v.reshape([b, t, nkv, hd]).transpose(1, 2);
+            let (k, v) = if nkv != nh {
+                let rep = nh / nkv;
+                (k.repeat_interleave_self_int(rep, 1, None), v.repeat_interleave_self_int(rep, 1, None))
+            } else {
+                (k, v)
+            };
+            let y = attend(&q, &k, &v, mask.as_ref()).transpose(1, 2).reshape([b, t, nh * hd]);
+            let y = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.self_attn.o_proj"), &y, c.attention_bias)?;
+            x = x + y;
+            let h = self.rms_norm(p, &format!("{pre}.post_attention_layernorm.weight"), &x)?;
+            let g = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.mlp.gate_proj"), &h, c.mlp_bias)?;
+            let u = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.mlp.up_proj"), &h, c.mlp_bias)?;
+            let m = activation(&c.hidden_act, &g) * u;
+            let m = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.mlp.down_proj"), &m, c.mlp_bias)?;
+            x = x + m;
+        }
+        let x = self.rms_norm(p, "model.norm.weight", &x)?;
+        let x = keep_rows(x, input.keep);
+        let head = if c.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
+        let logits = x.linear(p.get(head)?, None::<Tensor>);
+        Ok(ForwardOutput { logits, captures })
+    }
+}

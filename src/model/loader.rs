@@ -1,0 +1,180 @@
+//! Loading Hugging Face model directories as they are: `config.json`, one
+//! `model.safetensors` or shards listed in `model.safetensors.index.json`, `tokenizer.json`.
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors};
+use tch::{Device, Kind, Tensor};
+use tracing::{debug, info};
+
+use super::gpt2::{Gpt2, Gpt2Config};
+use super::llama::{Llama, LlamaConfig};
+use super::{Model, ParamStore, Tokenizer};
+use crate::{Error, Result};
+
+/// A model ready to run: architecture, weights on one device, tokenizer.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub dir: PathBuf,
+    pub model: Model,
+    pub params: ParamStore,
+    pub tokenizer: Tokenizer,
+    /// The directory's `config.json` as written, kept so an edited model can be saved
+    /// with the same configuration.
+    pub config_json: serde_json::Value,
+}
+
+/// `f32` / `bf16` / `f16` (and the long spellings) to a tch kind.
+pub fn parse_dtype(s: &str) -> Result<Kind> {
+    match s {
+        "f32" | "float32" | "fp32" => Ok(Kind::Float),
+        "bf16" | "bfloat16" => Ok(Kind::BFloat16),
+        "f16" | "float16" | "fp16" => Ok(Kind::Half),
+        other => Err(Error::input(format!("unknown dtype {other:?} (expected f32, bf16 or f16)"))),
+    }
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::file(path, "file not found"),
+        _ => Error::io(path, e),
+    })?;
+    serde_json::from_str(&text).map_err(|e| Error::file(path, format!("malformed JSON: {e}")))
+}
+
+/// Builds the architecture named by `architectures[0]` in `config.json`.
+pub fn read_config(dir: &Path) -> Result<(Model, serde_json::Value)> {
+    let path = dir.join("config.json");
+    let json = read_json(&path)?;
+    let arch = json
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(|a| a.as_str())
+        .ok_or_else(|| Error::file(&path, "no \"architectures\" entry naming the model class"))?
+        .to_string();
+    let bad = |e: serde_json::Error| Error::file(&path, format!("invalid {arch} config: {e}"));
+    let wrap = |e: Error| Error::file(&path, e.to_string());
+    let model = match arch.as_str() {
+        "GPT2LMHeadModel" => Model::Gpt2(Gpt2::new(serde_json::from_value::<Gpt2Config>(json.clone()).map_err(bad)?).map_err(wrap)?),
+        "LlamaForCausalLM" | "Qwen2ForCausalLM" | "MistralForCausalLM" => {
+            let cfg = serde_json::from_value::<LlamaConfig>(json.clone()).map_err(bad)?;
+            Model::Llama(Llama::new(cfg, &arch).map_err(wrap)?)
+        }
+        other => {
+            return Err(Error::file(
+                &path,
+                format!(
+                    "unknown architecture {other:?} (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)"
+                ),
+            ))
+        }
+    };
+    Ok((model, json))
+}
+
+/// The safetensors files of a model directory: the index's shards, or `model.safetensors`.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let json = read_json(&index)?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::file(&index, "no \"weight_map\" object"))?;
+        let files: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+        if files.is_empty() {
+            return Err(Error::file(&index, "\"weight_map\" lists no files"));
+        }
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(Error::file(dir, "no model.safetensors or model.safetensors.index.json (only safetensors weights are supported)"))
+}
+
+fn kind_of(dtype: Dtype) -> Option<Kind> {
+    Some(match dtype {
+        Dtype::F32 => Kind::Float,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F64 => Kind::Double,
+        _ => return None,
+    })
+}
+
+/// GPT-2 checkpoints written by older code lack the `transformer.` prefix.
+fn canonical_name(model: &Model, name: &str) -> String {
+    match model {
+        Model::Gpt2(_) if !name.starts_with("transformer.") && !name.starts_with("lm_head.") => {
+            format!("transformer.{name}")
+        }
+        _ => name.to_string(),
+    }
+}
+
+/// Reads every tensor the architecture needs from `files`, converted to `kind` on `device`.
+/// Checks presence and shape of each expected parameter; unknown extra tensors (buffers such
+/// as GPT-2's `attn.bias`, a tied `lm_head.weight`) are ignored.
+pub fn read_weights(model: &Model, files: &[PathBuf], device: Device, kind: Kind) -> Result<HashMap<String, Tensor>> {
+    let expected: HashMap<String, Vec<i64>> = model.expected_params().into_iter().collect();
+    let mut out = HashMap::with_capacity(expected.len());
+    for path in files {
+        let file = std::fs::File::open(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::file(path, "weights file not found"),
+            _ => Error::io(path, e),
+        })?;
+        // SAFETY: the map is read-only and lives only while this loop iteration copies
+        // the tensors out; a file changed underneath would at worst give wrong values.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let st = SafeTensors::deserialize(&mmap)
+            .map_err(|e| Error::file(path, format!("not a valid safetensors file (truncated or corrupt?): {e}")))?;
+        for (name, view) in st.tensors() {
+            let name = canonical_name(model, &name);
+            let Some(shape) = expected.get(&name) else {
+                debug!(tensor = %name, file = %path.display(), "ignoring tensor the architecture does not use");
+                continue;
+            };
+            let actual: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+            if &actual != shape {
+                return Err(Error::file(
+                    path,
+                    format!("tensor {name:?} has shape {actual:?}, but config.json implies {shape:?}"),
+                ));
+            }
+            let src_kind = kind_of(view.dtype())
+                .ok_or_else(|| Error::file(path, format!("tensor {name:?} has unsupported dtype {:?}", view.dtype())))?;
+            let t = crate::error::guard(|| {
+                Ok(Tensor::f_from_data_size(view.data(), &actual, src_kind)?.to_kind(kind).to_device(device))
+            })?;
+            out.insert(name, t);
+        }
+    }
+    let mut missing: Vec<&String> = expected.keys().filter(|n| !out.contains_key(*n)).collect();
+    if !missing.is_empty() {
+        missing.sort();
+        let shown: Vec<&str> = missing.iter().take(5).map(|s| s.as_str()).collect();
+        let where_ = files.first().map(|f| f.as_path()).unwrap_or(Path::new("."));
+        return Err(Error::file(
+            where_,
+            format!("{} expected tensor(s) missing, e.g. {}", missing.len(), shown.join(", ")),
+        ));
+    }
+    Ok(out)
+}
+
+/// Loads a Hugging Face model directory onto `device` in `kind`.
+pub fn load_model(dir: &Path, device: Device, kind: Kind) -> Result<LoadedModel> {
+    if !dir.is_dir() {
+        return Err(Error::file(dir, "model directory not found"));
+    }
+    let (model, config_json) = read_config(dir)?;
+    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let files = weight_files(dir)?;
+    let tensors = read_weights(&model, &files, device, kind)?;
+    let params = ParamStore::new(tensors, device, kind);
+    let info = model.info();
+    info!(dir = %dir.display(), arch = %info.architecture, params = info.n_params, ?device, ?kind, "model loaded");
+    Ok(LoadedModel { dir: dir.to_path_buf(), model, params, tokenizer, config_json })
+}

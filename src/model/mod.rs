@@ -1,0 +1,232 @@
+//! Causal language models as plain Rust over tch, one file per family.
+//!
+//! Every forward is functional (weights come from a [`ParamView`]) and reports, for the
+//! linear layers the caller names, their input `x` and output `h`: tch has no hooks, and
+//! MEND reads its gradient factors from exactly those two tensors.
+pub mod gpt2;
+pub mod llama;
+pub mod loader;
+pub mod params;
+pub mod tokenizer;
+
+use std::collections::{BTreeMap, HashSet};
+
+use tch::Tensor;
+
+pub use loader::{load_model, parse_dtype, LoadedModel};
+pub use params::{Overrides, ParamStore, ParamView};
+pub use tokenizer::Tokenizer;
+
+use crate::Result;
+
+/// How a 2-D weight maps inputs to outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightLayout {
+    /// `torch.nn.Linear`: weight is `[d_out, d_in]`, `h = x Wᵀ + b`.
+    Linear,
+    /// GPT-2's `Conv1D`: weight is `[d_in, d_out]`, `h = x W + b`.
+    Conv1d,
+}
+
+impl WeightLayout {
+    /// `(d_in, d_out)` of a weight of this layout.
+    pub fn in_out(self, shape: &[i64]) -> (i64, i64) {
+        match self {
+            WeightLayout::Linear => (shape[1], shape[0]),
+            WeightLayout::Conv1d => (shape[0], shape[1]),
+        }
+    }
+
+    /// Applies the layer, `h = x·W (+ b)` in this layout.
+    pub fn apply(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+        match self {
+            WeightLayout::Linear => x.linear(w, b),
+            WeightLayout::Conv1d => {
+                let h = x.matmul(w);
+                match b {
+                    Some(b) => h + b,
+                    None => h,
+                }
+            }
+        }
+    }
+}
+
+/// Input and output of one captured linear layer.
+#[derive(Debug)]
+pub struct Capture {
+    /// The layer's input, `[B, T, d_in]`.
+    pub x: Tensor,
+    /// The layer's output before any activation, `[B, T, d_out]`.
+    pub h: Tensor,
+}
+
+/// What one forward pass is asked to do.
+pub struct ForwardInput<'a> {
+    /// Token ids, `[B, T]` int64.
+    pub input_ids: &'a Tensor,
+    /// 1 for real tokens, 0 for padding, `[B, T]`; `None` when nothing is padded.
+    pub attention_mask: Option<&'a Tensor>,
+    /// Positions whose logits are wanted, bool `[B, T]`; `None` for all of them. The LM
+    /// head is the largest matmul with big vocabularies: computing it only where a label
+    /// is scored saves both time and the largest activation.
+    pub keep: Option<&'a Tensor>,
+    /// Weight names whose layer input/output to return.
+    pub capture: &'a HashSet<String>,
+}
+
+impl<'a> ForwardInput<'a> {
+    pub fn new(input_ids: &'a Tensor, capture: &'a HashSet<String>) -> Self {
+        Self { input_ids, attention_mask: None, keep: None, capture }
+    }
+}
+
+pub struct ForwardOutput {
+    /// `[B, T, V]`, or `[N, V]` for the N kept positions in row-major order.
+    pub logits: Tensor,
+    pub captures: BTreeMap<String, Capture>,
+}
+
+/// Family-independent facts about a loaded architecture.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModelInfo {
+    pub architecture: String,
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub n_layers: i64,
+    pub max_positions: i64,
+    pub n_params: i64,
+}
+
+/// A loaded architecture (weights live in a [`ParamStore`], not here).
+#[derive(Debug, Clone)]
+pub enum Model {
+    Gpt2(gpt2::Gpt2),
+    Llama(llama::Llama),
+}
+
+impl Model {
+    pub fn forward(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
+        crate::error::guard(|| match self {
+            Model::Gpt2(m) => m.forward(p, input),
+            Model::Llama(m) => m.forward(p, input),
+        })
+    }
+
+    pub fn info(&self) -> ModelInfo {
+        match self {
+            Model::Gpt2(m) => m.info(),
+            Model::Llama(m) => m.info(),
+        }
+    }
+
+    /// Every parameter the architecture reads, with its expected shape.
+    pub fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
+        match self {
+            Model::Gpt2(m) => m.expected_params(),
+            Model::Llama(m) => m.expected_params(),
+        }
+    }
+
+    /// Layout of a 2-D weight of a linear layer, `None` if `name` is not one.
+    pub fn layout(&self, name: &str) -> Option<WeightLayout> {
+        match self {
+            Model::Gpt2(m) => m.layout(name),
+            Model::Llama(m) => m.layout(name),
+        }
+    }
+
+    /// MEND's default edited weights: the MLP weights of the last 3 blocks.
+    pub fn default_edit_params(&self) -> Vec<String> {
+        match self {
+            Model::Gpt2(m) => m.default_edit_params(),
+            Model::Llama(m) => m.default_edit_params(),
+        }
+    }
+}
+
+/// Position ids from a padding mask: counts real tokens so far, which is right for both
+/// left and right padding (pads get position 0; their outputs are never read).
+pub(crate) fn position_ids(input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Tensor {
+    let (b, t) = (input_ids.size()[0], input_ids.size()[1]);
+    match attention_mask {
+        None => Tensor::arange(t, (tch::Kind::Int64, input_ids.device())).unsqueeze(0).expand([b, t], false),
+        Some(m) => (m.to_kind(tch::Kind::Int64).cumsum(1, tch::Kind::Int64) - 1).clamp_min(0),
+    }
+}
+
+/// Boolean attention mask `[B, 1, T, T]` (true = may attend) combining causality and
+/// padding; `None` when there is no padding, so SDPA can take its causal fast path.
+/// Every query may attend to itself, so fully padded rows never turn into NaN.
+pub(crate) fn attention_mask(attention_mask: Option<&Tensor>, t: i64) -> Option<Tensor> {
+    let m = attention_mask?;
+    let device = m.device();
+    let causal = Tensor::ones([t, t], (tch::Kind::Bool, device)).tril(0);
+    let keys = m.to_kind(tch::Kind::Bool).unsqueeze(1).unsqueeze(1);
+    let eye = Tensor::eye(t, (tch::Kind::Bool, device));
+    Some(causal.logical_and(&keys).logical_or(&eye))
+}
+
+/// Scaled dot-product attention over `[B, H, T, D]` tensors.
+pub(crate) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor {
+    match mask {
+        None => Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, true, None, false),
+        Some(m) => Tensor::scaled_dot_product_attention(q, k, v, Some(m), 0.0, false, None, false),
+    }
+}
+
+/// Final hidden states `[B, T, D]` -> the kept rows `[N, D]` (or all of them as `[B, T, D]`).
+pub(crate) fn keep_rows(hidden: Tensor, keep: Option<&Tensor>) -> Tensor {
+    match keep {
+        None => hidden,
+        Some(k) => {
+            let d = hidden.size()[2];
+            let flat = hidden.reshape([-1, d]);
+            let idx = k.reshape([-1]).nonzero().squeeze_dim(1);
+            flat.index_select(0, &idx)
+        }
+    }
+}
+
+/// Applies a linear layer and records `(x, h)` if its weight is in `capture`.
+pub(crate) fn linear_captured(
+    p: &ParamView,
+    capture: &HashSet<String>,
+    captures: &mut BTreeMap<String, Capture>,
+    layout: WeightLayout,
+    prefix: &str,
+    x: &Tensor,
+    bias: bool,
+) -> Result<Tensor> {
+    let w_name = format!("{prefix}.weight");
+    let w = p.get(&w_name)?;
+    let b = if bias { Some(p.get(&format!("{prefix}.bias"))?) } else { None };
+    let h = layout.apply(x, w, b);
+    if capture.contains(&w_name) {
+        captures.insert(w_name, Capture { x: x.shallow_clone(), h: h.shallow_clone() });
+    }
+    Ok(h)
+}
+
+/// Activation functions as Hugging Face configs spell them.
+const ACTIVATIONS: &[&str] = &["gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "relu", "silu", "swish"];
+
+/// Refuses an activation the forward cannot apply, at load time.
+pub(crate) fn check_activation(name: &str) -> Result<()> {
+    if ACTIVATIONS.contains(&name) {
+        Ok(())
+    } else {
+        Err(crate::Error::input(format!("unsupported activation function {name:?} (supported: {})", ACTIVATIONS.join(", "))))
+    }
+}
+
+/// Applies a named activation function (checked by [`check_activation`] at load).
+pub(crate) fn activation(name: &str, x: &Tensor) -> Tensor {
+    match name {
+        "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => x.gelu("tanh"),
+        "gelu" => x.gelu("none"),
+        "relu" => x.relu(),
+        _ => x.silu(),
+    }
+}
