@@ -4,7 +4,14 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod eval;
+pub mod io;
 pub mod model;
+pub mod report;
+pub mod rng;
+pub mod run;
 pub mod score;
+pub mod train;
 
 pub use error::{Error, Result};
+pub mod mend;

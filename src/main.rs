@@ -2,12 +2,16 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use dualedit::config::MendConfig;
+use dualedit::data::DatasetKind;
+use dualedit::device::DevicePlan;
 use dualedit::model::{load_model, parse_dtype, ParamView};
+use dualedit::run::{self, Common, EditOptions, EvalOptions, MethodSpec, TrainOptions};
 
 #[derive(Parser)]
-#[command(name = "dualedit", version, about = "MEND knowledge editing on one or two devices")]
+#[command(name = "dualedit", version, about = "MEND knowledge editing of causal LMs on one or two devices")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -17,6 +21,12 @@ struct Cli {
 enum Command {
     /// Print each next token's log-probability and the mean NLL of a text.
     Score(ScoreArgs),
+    /// Meta-train a MEND editor on EasyEdit data.
+    Train(TrainArgs),
+    /// Apply edit requests with a trained editor and report their metrics.
+    Edit(EditArgs),
+    /// Edit each record of a dataset from the unedited model and report EasyEdit's metrics.
+    Eval(EvalArgs),
 }
 
 #[derive(Args)]
@@ -38,6 +48,140 @@ struct ScoreArgs {
     json: bool,
 }
 
+/// Model and placement flags shared by train, edit and eval.
+#[derive(Args, Clone)]
+struct CommonArgs {
+    /// Hugging Face model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Main device: frozen model, editor, optimiser (cpu, cuda, cuda:N).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Sub-device for the edited model's forward passes (default: the main device).
+    #[arg(long)]
+    sub_device: Option<String>,
+    /// f32, bf16 or f16 for the model weights (editor maths is always f32).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    #[arg(long, default_value_t = 0)]
+    seed: i64,
+    /// Where to write the run report (JSON).
+    #[arg(long)]
+    report: Option<PathBuf>,
+}
+
+impl CommonArgs {
+    fn resolve(&self) -> anyhow::Result<Common> {
+        Ok(Common {
+            model: self.model.clone(),
+            plan: DevicePlan::parse(&self.device, self.sub_device.as_deref())?,
+            dtype: parse_dtype(&self.dtype)?,
+            seed: self.seed,
+            report: self.report.clone(),
+        })
+    }
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// EasyEdit-format training file.
+    #[arg(long)]
+    data: PathBuf,
+    /// zsre or counterfact.
+    #[arg(long)]
+    ds: String,
+    /// MEND hyper-parameters (JSON, see configs/).
+    #[arg(long)]
+    config: PathBuf,
+    /// Directory for the editor checkpoint, training state and report.
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long)]
+    max_steps: Option<usize>,
+    /// Use only the first N records of the file.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Continue from the training state in --out.
+    #[arg(long)]
+    resume: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum MethodArg {
+    Mend,
+    Ft,
+    Unedited,
+}
+
+#[derive(Args)]
+struct MethodArgs {
+    /// Trained editor directory (for --method mend).
+    #[arg(long)]
+    editor: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "mend")]
+    method: MethodArg,
+    /// Step size of the fine-tuning baseline (--method ft).
+    #[arg(long, default_value_t = 1e-3)]
+    ft_lr: f64,
+    /// Maximum tokens of any prompt + answer.
+    #[arg(long, default_value_t = 512)]
+    max_length: usize,
+}
+
+impl MethodArgs {
+    fn resolve(&self) -> anyhow::Result<MethodSpec> {
+        Ok(match self.method {
+            MethodArg::Mend => MethodSpec::Mend {
+                editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend needs --editor DIR"))?,
+            },
+            MethodArg::Ft => MethodSpec::FineTune { lr: self.ft_lr },
+            MethodArg::Unedited => MethodSpec::Unedited,
+        })
+    }
+}
+
+#[derive(Args)]
+struct EditArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    #[command(flatten)]
+    method: MethodArgs,
+    /// EasyEdit-style request records (prompt, target_new, optional rephrase_prompt, locality_*, portability).
+    #[arg(long)]
+    requests: PathBuf,
+    /// Apply the requests one after another instead of as one batch.
+    #[arg(long)]
+    sequential: bool,
+    /// Write the edited model as a Hugging Face directory.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    #[command(flatten)]
+    method: MethodArgs,
+    /// EasyEdit-format dataset.
+    #[arg(long)]
+    data: PathBuf,
+    /// zsre or counterfact.
+    #[arg(long)]
+    ds: String,
+    /// Evaluate only the first N records.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
 fn score(args: ScoreArgs) -> anyhow::Result<()> {
     let device = dualedit::device::parse_device(&args.device)?;
     let kind = parse_dtype(&args.dtype)?;
@@ -46,26 +190,142 @@ fn score(args: ScoreArgs) -> anyhow::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&s)?);
     } else {
-        let pieces: Vec<String> = s.tokens.iter().map(|&t| lm.tokenizer.decode(&[t]).unwrap_or_default()).collect();
         println!("{:>6}  {:>10}  token", "pos", "logprob");
         for (i, lp) in s.logprobs.iter().enumerate() {
-            println!("{:>6}  {:>10.4}  {:?}", i + 1, lp, pieces[i + 1]);
+            let piece = lm.tokenizer.decode(&[s.tokens[i + 1]]).unwrap_or_default();
+            println!("{:>6}  {:>10.4}  {:?}", i + 1, lp, piece);
         }
         println!("mean NLL {:.4} over {} tokens", s.mean_nll, s.logprobs.len());
     }
     Ok(())
 }
 
+fn dataset(ds: &str) -> anyhow::Result<DatasetKind> {
+    match ds.parse::<DatasetKind>()? {
+        DatasetKind::Requests => anyhow::bail!("--ds must be zsre or counterfact"),
+        k => Ok(k),
+    }
+}
+
+fn train(a: TrainArgs) -> anyhow::Result<()> {
+    let ds = dataset(&a.ds)?;
+    let mut config = MendConfig::from_file(&a.config)?;
+    if let Some(n) = a.max_steps {
+        config.max_steps = n;
+    }
+    let opts = TrainOptions {
+        common: a.common.resolve()?,
+        data: a.data,
+        ds,
+        config,
+        out: a.out,
+        limit: a.limit,
+        resume: a.resume,
+        progress: true,
+    };
+    let (rep, path) = run::run_train(&opts)?;
+    println!(
+        "trained {} steps ({} skipped), best validation loss {:.4}, {:.3} s/step; editor in {}",
+        rep.steps,
+        rep.skipped_steps,
+        rep.best_val_loss,
+        rep.seconds_per_step,
+        rep.editor_dir.display()
+    );
+    println!("report: {}", path.display());
+    Ok(())
+}
+
+fn print_summary(s: &dualedit::eval::Summary) {
+    println!("{:<16} {:>8}", "metric", "value");
+    for (k, v) in [
+        ("reliability", s.reliability),
+        ("generalization", s.generalization),
+        ("locality", s.locality),
+        ("edit_success", s.edit_success),
+        ("nll_pre", s.nll_pre),
+        ("nll_post", s.nll_post),
+        ("edit_seconds", s.edit_seconds),
+    ] {
+        println!("{k:<16} {v:>8.4}");
+    }
+    if let Some(p) = s.portability {
+        println!("{:<16} {:>8.4}", "portability", p);
+    }
+    println!("{:<16} {:>8}", "n", s.n);
+}
+
+fn edit(a: EditArgs) -> anyhow::Result<()> {
+    let opts = EditOptions {
+        common: a.common.resolve()?,
+        method: a.method.resolve()?,
+        requests: a.requests,
+        sequential: a.sequential,
+        save: a.save,
+        max_length: a.method.max_length,
+    };
+    let (out, path) = run::run_edit(&opts)?;
+    if a.json {
+        let mut v = serde_json::to_value(&out)?;
+        v["report"] = serde_json::Value::from(path.display().to_string());
+        println!("{v}");
+        return Ok(());
+    }
+    for (i, r) in out.requests.iter().enumerate() {
+        println!(
+            "[{i}] {:?} -> {:?}: now answers {:?} (reliability {:.2}, generalization {:.2}, locality {})",
+            r.prompt,
+            r.target_new,
+            r.answer_after,
+            r.metrics.reliability,
+            r.metrics.generalization,
+            r.metrics.locality.map_or("-".into(), |l| format!("{l:.2}"))
+        );
+    }
+    print_summary(&out.summary);
+    if let Some(dir) = &out.saved {
+        println!("edited model saved to {}", dir.display());
+    }
+    println!("report: {}", path.display());
+    Ok(())
+}
+
+fn eval(a: EvalArgs) -> anyhow::Result<()> {
+    let opts = EvalOptions {
+        common: a.common.resolve()?,
+        method: a.method.resolve()?,
+        data: a.data,
+        ds: dataset(&a.ds)?,
+        limit: a.limit,
+        max_length: a.method.max_length,
+    };
+    let bar = if a.json { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(opts.limit.unwrap_or(0) as u64) };
+    let (out, path) = run::run_eval(&opts, |i, _| bar.set_position(i as u64 + 1))?;
+    bar.finish_and_clear();
+    if a.json {
+        let mut v = serde_json::to_value(&out.summary)?;
+        v["method"] = serde_json::Value::from(out.method.clone());
+        v["report"] = serde_json::Value::from(path.display().to_string());
+        println!("{v}");
+    } else {
+        println!("method {}", out.method);
+        print_summary(&out.summary);
+        println!("report: {}", path.display());
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Score(a) => score(a),
+        Command::Train(a) => train(a),
+        Command::Edit(a) => edit(a),
+        Command::Eval(a) => eval(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

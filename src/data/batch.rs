@@ -35,6 +35,8 @@ pub struct EditExample {
     pub outer: Example,
     /// An unrelated prompt + its answer: what the edit must leave alone.
     pub loc: Option<Example>,
+    /// Questions whose answers should follow from the edit (EasyEdit's portability).
+    pub portability: Vec<Example>,
 }
 
 /// Token ids `[B, T]`, padding mask `[B, T]`, and `targets[b, t]`: the token position `t`

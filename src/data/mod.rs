@@ -2,6 +2,7 @@
 //! of tokenised examples into masked batches.
 pub mod batch;
 pub mod easyedit;
+pub mod examples;
 pub mod synthetic;
 
 pub use batch::{EditExample, Example, TokenBatch};

@@ -11,7 +11,6 @@
 //! (SplitMix64) instead of depending on an RNG crate, so a given seed yields byte-identical
 //! files on every machine, platform and crate-version combination.
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -183,47 +182,7 @@ pub struct World {
 // Deterministic PRNG
 // ---------------------------------------------------------------------------------------
 
-/// SplitMix64 (Steele, Lea & Flood 2014): tiny, full-period, good enough statistically for
-/// shuffling and picking, and trivially reproducible.
-#[derive(Clone, Debug)]
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    /// Derive independent streams from one seed, so adding draws to one phase of generation
-    /// does not reshuffle every later phase.
-    fn new(seed: u64, stream: u64) -> Self {
-        let mut r = SplitMix64(seed ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03));
-        r.next_u64();
-        r
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`). Multiply-shift (Lemire) keeps the bias negligible for
-    /// the small `n` used here without a rejection loop.
-    fn below(&mut self, n: usize) -> usize {
-        debug_assert!(n > 0);
-        ((self.next_u64() as u128 * n as u128) >> 64) as usize
-    }
-
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
-
-    /// Fisher–Yates.
-    fn shuffle<T>(&mut self, xs: &mut [T]) {
-        for i in (1..xs.len()).rev() {
-            let j = self.below(i + 1);
-            xs.swap(i, j);
-        }
-    }
-}
+use crate::rng::SplitMix64;
 
 // Stream ids: one per phase of generation.
 const STREAM_NAMES: u64 = 1;
@@ -626,7 +585,7 @@ pub fn write_world(dir: &Path, world: &World) -> Result<()> {
 
     let mut corpus = world.corpus().join("\n");
     corpus.push('\n');
-    write_atomic(&dir.join("corpus.txt"), corpus.as_bytes())?;
+    crate::io::write_atomic(&dir.join("corpus.txt"), corpus.as_bytes())?;
 
     let (train, holdout) = world.edit_records();
     let facts = serde_json::to_value(&world.facts)
@@ -640,26 +599,9 @@ pub fn write_world(dir: &Path, world: &World) -> Result<()> {
         let mut text =
             serde_json::to_string_pretty(&value).map_err(|e| Error::file(&path, e.to_string()))?;
         text.push('\n');
-        write_atomic(&path, text.as_bytes())?;
+        crate::io::write_atomic(&path, text.as_bytes())?;
     }
     Ok(())
-}
-
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
-    // The pid keeps two concurrent writers from clobbering each other's temp file.
-    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        f.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
-        f.sync_all().map_err(|e| Error::io(&tmp, e))?;
-        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
-    })();
-    if result.is_err() {
-        // Best effort: do not leave the temp file behind.
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,7 +1,12 @@
-//! Where tensors live: device names, the main/sub device plan, memory accounting.
+//! Where tensors live: device names, the main/sub device plan, the mover between them,
+//! memory accounting.
 pub mod memory;
+pub mod mover;
 
 use tch::Device;
+use tracing::info;
+
+pub use mover::{Mover, MoverStats};
 
 use crate::{Error, Result};
 
@@ -26,4 +31,48 @@ pub fn parse_device(name: &str) -> Result<Device> {
         }
     }
     Ok(device)
+}
+
+/// The main device (frozen model, editor, optimiser) and the sub-device (replica of the
+/// frozen weights, every forward pass of the edited model).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DevicePlan {
+    pub main: Device,
+    pub sub: Device,
+    /// Whether the sub-device holds its own replica and the mover copies between them.
+    /// True whenever the devices differ; [`DevicePlan::split_on`] forces it on one device.
+    pub split: bool,
+}
+
+impl DevicePlan {
+    /// Parses both names; `sub` defaults to `main` (a single-device run).
+    pub fn parse(main: &str, sub: Option<&str>) -> Result<Self> {
+        let main_d = parse_device(main)?;
+        let sub_d = match sub {
+            Some(s) => parse_device(s)?,
+            None => main_d,
+        };
+        let plan = Self { main: main_d, sub: sub_d, split: main_d != sub_d };
+        if plan.split {
+            info!(main = %memory::device_name(plan.main), sub = %memory::device_name(plan.sub), "dual-device run");
+        } else {
+            info!(device = %memory::device_name(plan.main), "single-device run (main and sub are the same device)");
+        }
+        Ok(plan)
+    }
+
+    pub fn single(device: Device) -> Self {
+        Self { main: device, sub: device, split: false }
+    }
+
+    /// A split plan even if both devices are the same: the replica, the mover and the
+    /// cross-device backward all run, which lets CPU-only tests exercise the dual path.
+    pub fn split_on(main: Device, sub: Device) -> Self {
+        Self { main, sub, split: true }
+    }
+
+    /// Roles for the memory tracker.
+    pub fn roles(&self) -> Vec<(&'static str, Device)> {
+        vec![("main", self.main), ("sub", self.sub)]
+    }
 }

@@ -164,17 +164,24 @@ impl GradientTransform {
         Self { mlp_x, mlp_d, x_stats: RunningStats::new(d_in, device), d_stats: RunningStats::new(d_out, device), d_in, d_out }
     }
 
-    fn forward(&self, x: &Tensor, d: &Tensor, mode: i64, combine: bool) -> (Tensor, Tensor) {
-        let xn = self.x_stats.normalise(x);
-        let dn = self.d_stats.normalise(d);
-        if combine {
+    /// As the reference code: factors are normalised before their MLP; a factor that has
+    /// no MLP (x_only, delta_only, one_sided) passes through as it came.
+    fn forward(&self, x: &Tensor, d: &Tensor, mode: i64, cfg: &MendConfig) -> (Tensor, Tensor) {
+        let norm = |s: &RunningStats, t: &Tensor| if cfg.norm { s.normalise(t) } else { t.shallow_clone() };
+        if cfg.mode == EditorMode::Combine {
             let mlp = self.mlp_x.as_ref().expect("combine editor has its MLP");
-            let out = mlp.forward(&Tensor::cat(&[&xn, &dn], -1), mode);
+            let out = mlp.forward(&Tensor::cat(&[&norm(&self.x_stats, x), &norm(&self.d_stats, d)], -1), mode);
             let parts = out.split_with_sizes([self.d_in, self.d_out], -1);
             return (parts[0].shallow_clone(), parts[1].shallow_clone());
         }
-        let xt = self.mlp_x.as_ref().map_or(xn, |m| m.forward(&xn, mode));
-        let dt = self.mlp_d.as_ref().map_or(dn, |m| m.forward(&dn, mode));
+        let xt = match &self.mlp_x {
+            Some(m) => m.forward(&norm(&self.x_stats, x), mode),
+            None => x.shallow_clone(),
+        };
+        let dt = match &self.mlp_d {
+            Some(m) => m.forward(&norm(&self.d_stats, d), mode),
+            None => d.shallow_clone(),
+        };
         (xt, dt)
     }
 
@@ -250,20 +257,7 @@ impl Editor {
             t.x_stats.update(&x);
             t.d_stats.update(&d);
         }
-        if !self.config.norm {
-            let combine = self.config.mode == EditorMode::Combine;
-            let mlp_out = {
-                let tmp_x = RunningStats::new(t.d_in, self.device);
-                let tmp_d = RunningStats::new(t.d_out, self.device);
-                let saved = (std::mem::replace(&mut t.x_stats, tmp_x), std::mem::replace(&mut t.d_stats, tmp_d));
-                let out = t.forward(&x, &d, *mode, combine);
-                t.x_stats = saved.0;
-                t.d_stats = saved.1;
-                out
-            };
-            return mlp_out;
-        }
-        t.forward(&x, &d, *mode, self.config.mode == EditorMode::Combine)
+        t.forward(&x, &d, *mode, &self.config)
     }
 
     /// The pseudo-gradient `Σ_rows δ̃ x̃ᵀ` of parameter `i`, in the weight's own layout.

@@ -3,7 +3,9 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
+
+use crate::io::kind_of;
 use tch::{Device, Kind, Tensor};
 use tracing::{debug, info};
 
@@ -94,16 +96,6 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Err(Error::file(dir, "no model.safetensors or model.safetensors.index.json (only safetensors weights are supported)"))
 }
 
-fn kind_of(dtype: Dtype) -> Option<Kind> {
-    Some(match dtype {
-        Dtype::F32 => Kind::Float,
-        Dtype::F16 => Kind::Half,
-        Dtype::BF16 => Kind::BFloat16,
-        Dtype::F64 => Kind::Double,
-        _ => return None,
-    })
-}
-
 /// GPT-2 checkpoints written by older code lack the `transformer.` prefix.
 fn canonical_name(model: &Model, name: &str) -> String {
     match model {
@@ -177,4 +169,25 @@ pub fn load_model(dir: &Path, device: Device, kind: Kind) -> Result<LoadedModel>
     let info = model.info();
     info!(dir = %dir.display(), arch = %info.architecture, params = info.n_params, ?device, ?kind, "model loaded");
     Ok(LoadedModel { dir: dir.to_path_buf(), model, params, tokenizer, config_json })
+}
+
+/// Random weights for `model` (N(0, 0.02²) matrices, unit norms, zero biases), as a
+/// freshly initialised checkpoint would have: for benchmarks and planning without files.
+pub fn random_params(model: &Model, device: Device, kind: Kind) -> ParamStore {
+    let _g = tch::no_grad_guard();
+    let tensors = model
+        .expected_params()
+        .into_iter()
+        .map(|(name, shape)| {
+            let t = if shape.len() >= 2 {
+                Tensor::randn(shape.as_slice(), (Kind::Float, device)) * 0.02
+            } else if name.contains("norm") || name.contains("ln_") {
+                Tensor::ones(shape.as_slice(), (Kind::Float, device))
+            } else {
+                Tensor::zeros(shape.as_slice(), (Kind::Float, device))
+            };
+            (name, t.to_kind(kind))
+        })
+        .collect();
+    ParamStore::new(tensors, device, kind)
 }

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use tch::Tensor;
 
-pub use loader::{load_model, parse_dtype, LoadedModel};
+pub use loader::{load_model, parse_dtype, random_params, LoadedModel};
 pub use params::{Overrides, ParamStore, ParamView};
 pub use tokenizer::Tokenizer;
 

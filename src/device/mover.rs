@@ -1,0 +1,103 @@
+//! The batch mover: the one component that carries tensors between the main device and
+//! the sub-device, and counts what it carried.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tch::{Device, Tensor};
+
+use crate::data::TokenBatch;
+
+/// Bytes, transfers and time moved in each direction.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct MoverStats {
+    pub bytes_to_sub: u64,
+    pub bytes_to_main: u64,
+    pub transfers: u64,
+    pub seconds: f64,
+}
+
+#[derive(Debug)]
+pub struct Mover {
+    main: Device,
+    sub: Device,
+    /// Copy even between equal devices (a split plan on one device, used by tests to run
+    /// the dual-device path on CPU).
+    split: bool,
+    bytes_to_sub: AtomicU64,
+    bytes_to_main: AtomicU64,
+    transfers: AtomicU64,
+    time: Mutex<Duration>,
+}
+
+fn nbytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+impl Mover {
+    pub fn new(plan: &super::DevicePlan) -> Self {
+        Self {
+            main: plan.main,
+            sub: plan.sub,
+            split: plan.split,
+            bytes_to_sub: AtomicU64::new(0),
+            bytes_to_main: AtomicU64::new(0),
+            transfers: AtomicU64::new(0),
+            time: Mutex::new(Duration::ZERO),
+        }
+    }
+
+    pub fn main(&self) -> Device {
+        self.main
+    }
+
+    pub fn sub(&self) -> Device {
+        self.sub
+    }
+
+    fn carry(&self, t: &Tensor, to: Device, counter: &AtomicU64) -> Tensor {
+        if !self.split {
+            return t.shallow_clone();
+        }
+        let start = Instant::now();
+        // Non-blocking only from/to CUDA; autograd records the copy, so gradients flow back.
+        let non_blocking = matches!(to, Device::Cuda(_)) && matches!(t.device(), Device::Cuda(_));
+        let out = t.to_device_(to, t.kind(), non_blocking, true);
+        counter.fetch_add(nbytes(t), Ordering::Relaxed);
+        self.transfers.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut d) = self.time.lock() {
+            *d += start.elapsed();
+        }
+        out
+    }
+
+    /// Puts a tensor (an edited weight, a batch tensor) on the sub-device.
+    pub fn to_sub(&self, t: &Tensor) -> Tensor {
+        self.carry(t, self.sub, &self.bytes_to_sub)
+    }
+
+    /// Brings a tensor (logits) back to the main device.
+    pub fn to_main(&self, t: &Tensor) -> Tensor {
+        self.carry(t, self.main, &self.bytes_to_main)
+    }
+
+    pub fn batch_to_sub(&self, b: &TokenBatch) -> TokenBatch {
+        TokenBatch {
+            input_ids: self.to_sub(&b.input_ids),
+            attention_mask: self.to_sub(&b.attention_mask),
+            targets: self.to_sub(&b.targets),
+            keep: self.to_sub(&b.keep),
+            padded: b.padded,
+        }
+    }
+
+    pub fn stats(&self) -> MoverStats {
+        MoverStats {
+            bytes_to_sub: self.bytes_to_sub.load(Ordering::Relaxed),
+            bytes_to_main: self.bytes_to_main.load(Ordering::Relaxed),
+            transfers: self.transfers.load(Ordering::Relaxed),
+            seconds: self.time.lock().map(|d| d.as_secs_f64()).unwrap_or(0.0),
+        }
+    }
+}

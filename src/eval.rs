@@ -1,0 +1,217 @@
+//! Edit metrics as EasyEdit reports them: reliability, generalisation, locality,
+//! portability (teacher-forced token accuracies), plus whole-answer edit success, NLL
+//! before and after, and edit time.
+use std::time::Instant;
+
+use serde::Serialize;
+use tch::Tensor;
+
+use crate::data::{EditExample, Example, TokenBatch};
+use crate::mend::{losses, Editor, Engine, Factors};
+use crate::model::{Overrides, WeightLayout};
+use crate::Result;
+
+/// How an edit is made.
+pub enum Method {
+    /// No edit: the unedited model's scores.
+    Unedited,
+    /// One plain gradient step on the edit NLL: `W' = W − lr·∇W` (the fine-tuning baseline).
+    FineTune { lr: f64 },
+    /// MEND with a trained editor.
+    Mend(Editor),
+}
+
+impl Method {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Method::Unedited => "unedited",
+            Method::FineTune { .. } => "ft",
+            Method::Mend(_) => "mend",
+        }
+    }
+}
+
+/// The true gradient `Σ δ xᵀ` in the weight's layout.
+fn raw_grad(layout: WeightLayout, f: &Factors) -> Tensor {
+    match layout {
+        WeightLayout::Linear => f.delta.tr().matmul(&f.x),
+        WeightLayout::Conv1d => f.x.tr().matmul(&f.delta),
+    }
+}
+
+/// Computes the edited weights for the edit examples in `inner` (one batch).
+pub fn make_edit(engine: &Engine, method: &mut Method, inner: &TokenBatch) -> Result<Overrides> {
+    let _g = tch::no_grad_guard();
+    match method {
+        Method::Unedited => Ok(Overrides::new()),
+        Method::FineTune { lr } => {
+            let (_, factors) = engine.capture(inner)?;
+            engine
+                .edit_params
+                .iter()
+                .zip(&factors)
+                .map(|(p, f)| {
+                    let w = engine.weight(&p.name)?;
+                    let g = raw_grad(p.layout, f);
+                    Ok((p.name.clone(), (w.to_kind(tch::Kind::Float) - g * *lr).to_kind(w.kind())))
+                })
+                .collect()
+        }
+        Method::Mend(editor) => {
+            let (_, factors) = engine.capture(inner)?;
+            engine.edit(editor, &factors, false)
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RecordMetrics {
+    pub reliability: f64,
+    pub generalization: f64,
+    pub locality: Option<f64>,
+    pub portability: Option<f64>,
+    pub edit_success: bool,
+    pub nll_pre: f64,
+    pub nll_post: f64,
+    pub edit_seconds: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Summary {
+    pub n: usize,
+    pub reliability: f64,
+    pub generalization: f64,
+    pub locality: f64,
+    /// Mean over records with portability questions; absent when none has any.
+    pub portability: Option<f64>,
+    pub edit_success: f64,
+    pub nll_pre: f64,
+    pub nll_post: f64,
+    pub edit_seconds: f64,
+}
+
+impl Summary {
+    pub fn of(records: &[RecordMetrics]) -> Self {
+        let n = records.len();
+        let mean = |f: &dyn Fn(&RecordMetrics) -> Option<f64>| {
+            let v: Vec<f64> = records.iter().filter_map(f).collect();
+            (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+        };
+        Self {
+            n,
+            reliability: mean(&|r| Some(r.reliability)).unwrap_or(0.0),
+            generalization: mean(&|r| Some(r.generalization)).unwrap_or(0.0),
+            // No locality prompt: nothing could change, counted as kept.
+            locality: mean(&|r| r.locality).unwrap_or(1.0),
+            portability: mean(&|r| r.portability),
+            edit_success: mean(&|r| Some(if r.edit_success { 1.0 } else { 0.0 })).unwrap_or(0.0),
+            nll_pre: mean(&|r| Some(r.nll_pre)).unwrap_or(0.0),
+            nll_post: mean(&|r| Some(r.nll_post)).unwrap_or(0.0),
+            edit_seconds: mean(&|r| Some(r.edit_seconds)).unwrap_or(0.0),
+        }
+    }
+}
+
+/// Scores of one batch of examples under the edited (or, with no overrides, unedited) model.
+struct Scored {
+    acc: Vec<f64>,
+    exact: Vec<bool>,
+    nll: Vec<f64>,
+    logits: Tensor,
+    batch: TokenBatch,
+}
+
+fn score(engine: &Engine, overrides: &Overrides, examples: &[&Example]) -> Result<Scored> {
+    let batch = TokenBatch::collate(examples, engine.lm.tokenizer.pad_id(), engine.plan.main);
+    let logits = if overrides.is_empty() { engine.base_logits(&batch)? } else { engine.edited_logits(overrides, &batch)? };
+    let (t, rows, b) = (batch.kept_targets(), batch.kept_rows(), batch.batch_size());
+    let (acc, exact) = losses::token_accuracy(&logits, &t, &rows, b);
+    let nll = losses::nll_per_row(&logits, &t, &rows, b);
+    Ok(Scored { acc, exact, nll, logits, batch })
+}
+
+/// The unedited model's view of a group of examples, measured before any edit.
+pub struct Before {
+    nll: Vec<f64>,
+    loc: Vec<Option<Tensor>>,
+}
+
+pub fn measure_before(engine: &Engine, examples: &[&EditExample]) -> Result<Before> {
+    let _g = tch::no_grad_guard();
+    let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
+    let nll = score(engine, &Overrides::new(), &inner)?.nll;
+    let loc = examples
+        .iter()
+        .map(|e| {
+            e.loc.as_ref().map(|l| Ok(score(engine, &Overrides::new(), &[l])?.logits.argmax(-1, false))).transpose()
+        })
+        .collect::<Result<_>>()?;
+    Ok(Before { nll, loc })
+}
+
+/// Metrics of each example under the edited weights `overrides`.
+pub fn measure_after(
+    engine: &Engine,
+    overrides: &Overrides,
+    examples: &[&EditExample],
+    before: &Before,
+    edit_seconds: f64,
+) -> Result<Vec<RecordMetrics>> {
+    let _g = tch::no_grad_guard();
+    let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
+    let outer: Vec<&Example> = examples.iter().map(|e| &e.outer).collect();
+    let rel = score(engine, overrides, &inner)?;
+    let gen = score(engine, overrides, &outer)?;
+    let mut out = Vec::with_capacity(examples.len());
+    for (i, e) in examples.iter().enumerate() {
+        let locality = match (&e.loc, &before.loc[i]) {
+            (Some(l), Some(pre)) => {
+                let post = score(engine, overrides, &[l])?;
+                let rows = post.batch.kept_rows();
+                Some(losses::token_accuracy(&post.logits, pre, &rows, 1).0[0])
+            }
+            _ => None,
+        };
+        let portability = if e.portability.is_empty() {
+            None
+        } else {
+            let ex: Vec<&Example> = e.portability.iter().collect();
+            let p = score(engine, overrides, &ex)?;
+            Some(p.acc.iter().sum::<f64>() / p.acc.len() as f64)
+        };
+        out.push(RecordMetrics {
+            reliability: rel.acc[i],
+            generalization: gen.acc[i],
+            locality,
+            portability,
+            edit_success: rel.exact[i],
+            nll_pre: before.nll[i],
+            nll_post: rel.nll[i],
+            edit_seconds,
+        });
+    }
+    Ok(out)
+}
+
+/// EasyEdit-style evaluation: each example is edited on its own, starting from the
+/// unedited model, and measured before and after.
+pub fn evaluate(
+    engine: &Engine,
+    method: &mut Method,
+    examples: &[EditExample],
+    mut on_record: impl FnMut(usize, &RecordMetrics),
+) -> Result<Vec<RecordMetrics>> {
+    let pad = engine.lm.tokenizer.pad_id();
+    let mut all = Vec::with_capacity(examples.len());
+    for (i, e) in examples.iter().enumerate() {
+        let before = measure_before(engine, &[e])?;
+        let start = Instant::now();
+        let inner = TokenBatch::collate(&[&e.inner], pad, engine.plan.main);
+        let overrides = make_edit(engine, method, &inner)?;
+        let secs = start.elapsed().as_secs_f64();
+        let m = measure_after(engine, &overrides, &[e], &before, secs)?.remove(0);
+        on_record(i, &m);
+        all.push(m);
+    }
+    Ok(all)
+}

@@ -1,0 +1,175 @@
+//! Editor checkpoints: `editor.safetensors` (weights, normalisation statistics and, in
+//! its header metadata, the JSON below) plus `editor.json`, a readable copy of that JSON.
+//! Both are written atomically; the safetensors header is what loading trusts.
+//!
+//! `train_state.safetensors` beside them holds what `--resume` needs on top: the Adam
+//! moments and the loop counters.
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use super::{EditedParam, Editor, Engine};
+use crate::config::MendConfig;
+use crate::io::{read_safetensors, write_json_atomic, write_safetensors};
+use crate::{Error, Result};
+
+pub const EDITOR_FILE: &str = "editor.safetensors";
+pub const EDITOR_JSON: &str = "editor.json";
+pub const STATE_FILE: &str = "train_state.safetensors";
+const FORMAT: &str = "dualedit-mend-editor/1";
+const META_KEY: &str = "dualedit";
+
+/// What an editor was trained for, checked when it is loaded against a model.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ModelFingerprint {
+    pub architecture: String,
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub n_layers: i64,
+    /// Sum of each edited weight (f64): tells two checkpoints of one architecture apart.
+    pub weight_sums: BTreeMap<String, f64>,
+}
+
+impl ModelFingerprint {
+    pub fn of(engine: &Engine) -> Result<Self> {
+        let info = engine.lm.model.info();
+        let mut weight_sums = BTreeMap::new();
+        for p in &engine.edit_params {
+            weight_sums.insert(p.name.clone(), engine.weight(&p.name)?.to_kind(Kind::Double).sum(Kind::Double).double_value(&[]));
+        }
+        Ok(Self {
+            architecture: info.architecture,
+            vocab_size: info.vocab_size,
+            hidden_size: info.hidden_size,
+            n_layers: info.n_layers,
+            weight_sums,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EditorMeta {
+    pub format: String,
+    pub config: MendConfig,
+    pub params: Vec<EditedParam>,
+    pub model: ModelFingerprint,
+    /// The model directory it was trained with (informational).
+    pub model_dir: String,
+    pub stats_counts: BTreeMap<String, f64>,
+    /// Optimiser steps taken when this editor was written.
+    pub step: usize,
+    pub dualedit_version: String,
+}
+
+fn meta_map(json: &impl Serialize) -> Result<HashMap<String, String>> {
+    let text = serde_json::to_string(json).map_err(|e| Error::Torch(e.to_string()))?;
+    Ok(HashMap::from([(META_KEY.to_string(), text)]))
+}
+
+/// Writes the editor into `dir` (created if needed).
+pub fn save_editor(dir: &Path, editor: &Editor, engine: &Engine, step: usize) -> Result<EditorMeta> {
+    let (stats, stats_counts) = editor.named_stats();
+    let meta = EditorMeta {
+        format: FORMAT.into(),
+        config: editor.config.clone(),
+        params: editor.params.clone(),
+        model: ModelFingerprint::of(engine)?,
+        model_dir: engine.lm.dir.display().to_string(),
+        stats_counts,
+        step,
+        dualedit_version: env!("CARGO_PKG_VERSION").into(),
+    };
+    let mut tensors = editor.named_tensors();
+    tensors.extend(stats);
+    write_json_atomic(&dir.join(EDITOR_JSON), &meta)?;
+    write_safetensors(&dir.join(EDITOR_FILE), &tensors, meta_map(&meta)?)?;
+    Ok(meta)
+}
+
+fn read_meta<T: for<'de> Deserialize<'de>>(path: &Path, meta: &HashMap<String, String>) -> Result<T> {
+    let text = meta.get(META_KEY).ok_or_else(|| Error::file(path, "no dualedit metadata in the safetensors header"))?;
+    serde_json::from_str(text).map_err(|e| Error::file(path, format!("invalid dualedit metadata: {e}")))
+}
+
+/// Loads an editor from `dir` for `engine`'s model, refusing one trained for another model.
+pub fn load_editor(dir: &Path, engine: &Engine) -> Result<(Editor, EditorMeta)> {
+    let path = dir.join(EDITOR_FILE);
+    let (tensors, raw) = read_safetensors(&path)?;
+    let meta: EditorMeta = read_meta(&path, &raw)?;
+    if meta.format != FORMAT {
+        return Err(Error::file(&path, format!("unknown editor format {:?} (expected {FORMAT})", meta.format)));
+    }
+    let fp = ModelFingerprint::of(engine)?;
+    let mismatch = |what: String| {
+        Error::file(&path, format!("editor was trained for another model ({}): {what}", meta.model_dir))
+    };
+    if fp.architecture != meta.model.architecture
+        || fp.vocab_size != meta.model.vocab_size
+        || fp.hidden_size != meta.model.hidden_size
+        || fp.n_layers != meta.model.n_layers
+    {
+        return Err(mismatch(format!(
+            "it expects {} (hidden {}, {} layers, vocab {}), the model is {} (hidden {}, {} layers, vocab {})",
+            meta.model.architecture,
+            meta.model.hidden_size,
+            meta.model.n_layers,
+            meta.model.vocab_size,
+            fp.architecture,
+            fp.hidden_size,
+            fp.n_layers,
+            fp.vocab_size
+        )));
+    }
+    let names: Vec<&String> = meta.params.iter().map(|p| &p.name).collect();
+    let ours: Vec<&String> = engine.edit_params.iter().map(|p| &p.name).collect();
+    if names != ours || meta.params != engine.edit_params {
+        return Err(mismatch(format!("it edits {names:?}, this run edits {ours:?}")));
+    }
+    for (name, sum) in &meta.model.weight_sums {
+        let now = fp.weight_sums.get(name).copied().unwrap_or(f64::NAN);
+        if (now - sum).abs() > 1e-3 * (1.0 + sum.abs()) {
+            tracing::warn!(param = %name, trained = sum, now, "edited weight differs from the one the editor was trained on (an edited or different checkpoint?)");
+        }
+    }
+    let mut editor = Editor::new(&meta.config, meta.params.clone(), engine.plan.main)?;
+    editor.load_tensors(&tensors, &meta.stats_counts).map_err(|e| Error::file(&path, e.to_string()))?;
+    Ok((editor, meta))
+}
+
+/// Loop counters saved with the optimiser state.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TrainCounters {
+    pub step: usize,
+    pub adam_step: i64,
+    pub best_val: f64,
+    pub stale_validations: usize,
+    pub skipped_steps: usize,
+    pub seed: i64,
+}
+
+/// Writes the full training state (editor + Adam moments + counters) for `--resume`.
+pub fn save_state(dir: &Path, editor: &Editor, adam: &super::optim::Adam, counters: &TrainCounters) -> Result<()> {
+    let (stats, stats_counts) = editor.named_stats();
+    let mut tensors = editor.named_tensors();
+    tensors.extend(stats);
+    tensors.extend(adam.state());
+    let meta = serde_json::json!({ "counters": counters, "stats_counts": stats_counts });
+    write_safetensors(&dir.join(STATE_FILE), &tensors, meta_map(&meta)?)
+}
+
+/// Restores editor tensors and returns the saved tensors (for the optimiser) and counters.
+pub fn load_state(dir: &Path, editor: &mut Editor) -> Result<(BTreeMap<String, Tensor>, TrainCounters)> {
+    let path = dir.join(STATE_FILE);
+    let (tensors, raw) = read_safetensors(&path)?;
+    #[derive(Deserialize)]
+    struct Meta {
+        counters: TrainCounters,
+        stats_counts: BTreeMap<String, f64>,
+    }
+    let meta: Meta = read_meta(&path, &raw)?;
+    editor.load_tensors(&tensors, &meta.stats_counts).map_err(|e| Error::file(&path, e.to_string()))?;
+    let tensors = tensors.into_iter().map(|(k, v)| (k, v.to_device(Device::Cpu))).collect();
+    Ok((tensors, meta.counters))
+}

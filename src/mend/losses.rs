@@ -1,0 +1,44 @@
+//! Losses and per-example scores over the kept (labelled) positions of a batch.
+use tch::{Kind, Tensor};
+
+/// Mean next-token NLL over kept positions: `logits` `[N, V]`, `targets` `[N]`.
+pub fn nll(logits: &Tensor, targets: &Tensor) -> Tensor {
+    logits.to_kind(Kind::Float).cross_entropy_for_logits(targets)
+}
+
+/// `KL(p_base ‖ p_post)` per position, averaged: the locality loss. `base` carries no grad.
+pub fn kl(base: &Tensor, post: &Tensor) -> Tensor {
+    let base_lp = base.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    let post_lp = post.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    (base_lp.exp() * (&base_lp - post_lp)).sum_dim_intlist(-1, false, Kind::Float).mean(Kind::Float)
+}
+
+/// Per batch row: the share of its kept positions whose argmax is the target, and whether
+/// all of them are (whole-answer exact match). `rows` `[N]` names each position's row.
+pub fn token_accuracy(logits: &Tensor, targets: &Tensor, rows: &Tensor, batch: i64) -> (Vec<f64>, Vec<bool>) {
+    let correct = logits.argmax(-1, false).eq_tensor(targets).to_kind(Kind::Float);
+    let zeros = Tensor::zeros([batch], (Kind::Float, logits.device()));
+    let hits = zeros.index_add(0, rows, &correct);
+    let counts = zeros.index_add(0, rows, &Tensor::ones_like(&correct));
+    let hits = Vec::<f64>::try_from(hits.to_kind(Kind::Double).to_device(tch::Device::Cpu)).unwrap_or_default();
+    let counts = Vec::<f64>::try_from(counts.to_kind(Kind::Double).to_device(tch::Device::Cpu)).unwrap_or_default();
+    hits.iter()
+        .zip(&counts)
+        .map(|(h, c)| if *c > 0.0 { (h / c, h == c) } else { (0.0, false) })
+        .unzip()
+}
+
+/// Per batch row: mean over kept positions of `a == b` (top-1 predictions unchanged).
+pub fn agreement(a: &Tensor, b: &Tensor, rows: &Tensor, batch: i64) -> Vec<f64> {
+    token_accuracy(a, &b.argmax(-1, false), rows, batch).0
+}
+
+/// Per batch row mean NLL of the kept positions.
+pub fn nll_per_row(logits: &Tensor, targets: &Tensor, rows: &Tensor, batch: i64) -> Vec<f64> {
+    let lp = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    let nll = -lp.gather(1, &targets.unsqueeze(1), false).squeeze_dim(1);
+    let zeros = Tensor::zeros([batch], (Kind::Float, logits.device()));
+    let sums = zeros.index_add(0, rows, &nll);
+    let counts = zeros.index_add(0, rows, &Tensor::ones_like(&nll));
+    Vec::<f64>::try_from((sums / counts.clamp_min(1.0)).to_kind(Kind::Double).to_device(tch::Device::Cpu)).unwrap_or_default()
+}

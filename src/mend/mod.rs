@@ -1,0 +1,145 @@
+//! MEND: the editor network, gradient capture, edit application and the engine that runs
+//! them across the main device and the sub-device.
+pub mod checkpoint;
+pub mod editor;
+pub mod losses;
+pub mod optim;
+
+use std::collections::HashSet;
+
+use tch::{Kind, Tensor};
+use tracing::info;
+
+pub use editor::{EditedParam, Editor, Factors};
+
+use crate::data::TokenBatch;
+use crate::device::{DevicePlan, Mover};
+use crate::model::{LoadedModel, Overrides, ParamStore, ParamView};
+use crate::{Error, Result};
+
+/// A loaded model placed according to a device plan, with the weights MEND edits.
+///
+/// The main device holds the frozen model (gradient capture and the unedited reference
+/// logits run there). When the plan is split, the sub-device holds a read-only replica
+/// and every forward pass of the edited model runs on it: only the edited tensors and the
+/// batches go there, only logits at scored positions come back.
+pub struct Engine {
+    pub lm: LoadedModel,
+    replica: Option<ParamStore>,
+    pub plan: DevicePlan,
+    pub mover: Mover,
+    pub edit_params: Vec<EditedParam>,
+    capture_set: HashSet<String>,
+}
+
+impl Engine {
+    /// Places `lm` (loaded on `plan.main`) and checks the edited weight names.
+    pub fn new(lm: LoadedModel, plan: DevicePlan, edit_names: &[String]) -> Result<Self> {
+        let names: Vec<String> = if edit_names.is_empty() { lm.model.default_edit_params() } else { edit_names.to_vec() };
+        let mut edit_params = Vec::with_capacity(names.len());
+        for name in &names {
+            let layout = lm.model.layout(name).ok_or_else(|| {
+                Error::input(format!("{name:?} is not the weight of a linear layer of {}", lm.model.info().architecture))
+            })?;
+            let w = lm.params.get(name).ok_or_else(|| Error::input(format!("{name:?} is not a parameter of the model")))?;
+            edit_params.push(EditedParam { name: name.clone(), shape: w.size(), layout });
+        }
+        let replica = if plan.split { Some(lm.params.replicate(plan.sub)?) } else { None };
+        if let Some(r) = &replica {
+            info!(bytes = r.nbytes(), "sub-device replica of the frozen weights built");
+        }
+        let capture_set = names.iter().cloned().collect();
+        Ok(Self { mover: Mover::new(&plan), lm, replica, plan, edit_params, capture_set })
+    }
+
+    pub fn edit_names(&self) -> Vec<String> {
+        self.edit_params.iter().map(|p| p.name.clone()).collect()
+    }
+
+    /// One forward and backward of the edit NLL on the frozen model: the factors `(x, δ)`
+    /// of every edited weight (detached, rows without signal dropped) and the NLL.
+    /// Runs with gradients enabled even when called under `no_grad` (evaluation).
+    pub fn capture(&self, batch: &TokenBatch) -> Result<(f64, Vec<Factors>)> {
+        crate::error::guard(|| tch::with_grad(|| {
+            let overrides: Overrides = self
+                .edit_params
+                .iter()
+                .map(|p| Ok((p.name.clone(), self.weight(&p.name)?.detach().set_requires_grad(true))))
+                .collect::<Result<_>>()?;
+            let view = ParamView::new(&self.lm.params, Some(&overrides));
+            let out = self.lm.model.forward(&view, &batch.forward_input(&self.capture_set))?;
+            let loss = losses::nll(&out.logits, &batch.kept_targets());
+            let hs: Vec<&Tensor> = self
+                .edit_params
+                .iter()
+                .map(|p| out.captures.get(&p.name).map(|c| &c.h))
+                .collect::<Option<_>>()
+                .ok_or_else(|| Error::Torch("an edited layer was not captured".into()))?;
+            let deltas = Tensor::f_run_backward(&[&loss], &hs, false, false)?;
+            let factors = self
+                .edit_params
+                .iter()
+                .zip(deltas)
+                .map(|(p, delta)| {
+                    let (d_in, d_out) = p.in_out();
+                    let x = out.captures[&p.name].x.detach().reshape([-1, d_in]).to_kind(Kind::Float);
+                    let delta = delta.reshape([-1, d_out]).to_kind(Kind::Float);
+                    // Padding rows and rows after the last scored token carry no gradient.
+                    let rows = x.ne(0.0).any_dim(1, false).logical_and(&delta.ne(0.0).any_dim(1, false));
+                    let idx = rows.nonzero().squeeze_dim(1);
+                    Factors { x: x.index_select(0, &idx), delta: delta.index_select(0, &idx) }
+                })
+                .collect();
+            Ok((loss.double_value(&[]), factors))
+        }))
+    }
+
+    /// The frozen weight `name` on the main device.
+    pub fn weight(&self, name: &str) -> Result<&Tensor> {
+        self.lm.params.get(name).ok_or_else(|| Error::input(format!("unknown parameter {name:?}")))
+    }
+
+    /// Edited weights `W'` (on the main device) for the given factors.
+    pub fn edit(&self, editor: &mut Editor, factors: &[Factors], training: bool) -> Result<Overrides> {
+        crate::error::guard(|| {
+            let weights: Vec<&Tensor> = self.edit_params.iter().map(|p| self.weight(&p.name)).collect::<Result<_>>()?;
+            let new = editor.edited_weights(&weights, factors, training);
+            Ok(self.edit_params.iter().map(|p| p.name.clone()).zip(new).collect())
+        })
+    }
+
+    /// Logits of the unedited model at the batch's scored positions, on the main device.
+    pub fn base_logits(&self, batch: &TokenBatch) -> Result<Tensor> {
+        let _g = tch::no_grad_guard();
+        let none = HashSet::new();
+        Ok(self.lm.model.forward(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none))?.logits)
+    }
+
+    /// Logits of the edited model `θ + Δ` at the batch's scored positions, computed on the
+    /// sub-device and returned on the main device (differentiable w.r.t. `overrides`).
+    pub fn edited_logits(&self, overrides: &Overrides, batch: &TokenBatch) -> Result<Tensor> {
+        let none = HashSet::new();
+        match &self.replica {
+            None => Ok(self.lm.model.forward(&ParamView::new(&self.lm.params, Some(overrides)), &batch.forward_input(&none))?.logits),
+            Some(replica) => crate::error::guard(|| {
+                let moved: Overrides = overrides.iter().map(|(n, t)| (n.clone(), self.mover.to_sub(t))).collect();
+                let sub_batch = self.mover.batch_to_sub(batch);
+                let out = self.lm.model.forward(&ParamView::new(replica, Some(&moved)), &sub_batch.forward_input(&none))?;
+                Ok(self.mover.to_main(&out.logits))
+            }),
+        }
+    }
+
+    /// Makes an edit permanent (sequential editing): writes `W'` into the frozen weights on
+    /// both devices.
+    pub fn commit(&mut self, overrides: &Overrides) -> Result<()> {
+        for (name, t) in overrides {
+            let t = t.detach();
+            self.lm.params.set(name, t.shallow_clone())?;
+            if let Some(r) = self.replica.as_mut() {
+                r.set(name, t)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,64 @@
+//! Run reports: one JSON file per train / edit / eval run with its metrics, time per
+//! phase, per-device memory and bytes moved, plus the memory timeline beside it.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::device::memory::{device_name, MemoryTracker, PhaseSample, RoleSummary};
+use crate::device::{DevicePlan, MoverStats};
+use crate::io::write_json_atomic;
+use crate::Result;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceInfo {
+    pub main: String,
+    pub sub: String,
+    pub split: bool,
+}
+
+impl From<&DevicePlan> for DeviceInfo {
+    fn from(p: &DevicePlan) -> Self {
+        Self { main: device_name(p.main), sub: device_name(p.sub), split: p.split }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RunReport<M: Serialize> {
+    pub command: String,
+    pub model: String,
+    pub devices: DeviceInfo,
+    pub dtype: String,
+    pub seed: i64,
+    pub metrics: M,
+    /// Wall-clock seconds per phase.
+    pub seconds: BTreeMap<String, f64>,
+    /// `memory.<role>.{device, peak_allocated_bytes, peak_reserved_bytes, ...}`.
+    pub memory: BTreeMap<String, RoleSummary>,
+    pub moved: MoverStats,
+    pub timeline_file: Option<PathBuf>,
+}
+
+/// Memory samples over time, written beside the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Timeline<'a> {
+    pub samples: &'a [PhaseSample],
+}
+
+impl<M: Serialize> RunReport<M> {
+    /// Writes the report to `path` and the tracker's timeline to `<path stem>.timeline.json`.
+    pub fn write(mut self, path: &Path, tracker: &MemoryTracker) -> Result<PathBuf> {
+        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("report");
+        let timeline = path.with_file_name(format!("{stem}.timeline.json"));
+        write_json_atomic(&timeline, &Timeline { samples: tracker.timeline() })?;
+        self.timeline_file = Some(timeline);
+        write_json_atomic(path, &self)?;
+        Ok(path.to_path_buf())
+    }
+}
+
+/// `runs/<command>-<unix seconds>.json` under the current directory.
+pub fn default_path(command: &str) -> PathBuf {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    PathBuf::from("runs").join(format!("{command}-{secs}.json"))
+}

@@ -1,0 +1,287 @@
+//! MEND meta-training: edit on `edit_inner`, score the edited model on the rephrase
+//! (`edit_outer`) and on unrelated locality text, update the editor.
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use tch::Tensor;
+use tracing::{info, warn};
+
+use crate::config::MendConfig;
+use crate::data::{EditExample, Example, TokenBatch};
+use crate::device::memory::MemoryTracker;
+use crate::mend::checkpoint::{self, TrainCounters};
+use crate::mend::optim::Adam;
+use crate::mend::{losses, Editor, Engine};
+use crate::rng::SplitMix64;
+use crate::{Error, Result};
+
+/// The losses of one micro-batch, already weighted.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct StepLosses {
+    pub loss: f64,
+    pub edit_nll: f64,
+    pub loc_kl: f64,
+    /// Token accuracy of the new target on the rephrase after the edit.
+    pub edit_acc: f64,
+}
+
+/// Inner / outer / locality batches of a group of examples.
+pub struct EditBatches {
+    pub inner: TokenBatch,
+    pub outer: TokenBatch,
+    pub loc: Option<TokenBatch>,
+}
+
+impl EditBatches {
+    pub fn new(examples: &[&EditExample], pad: i64, device: tch::Device) -> Self {
+        let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
+        let outer: Vec<&Example> = examples.iter().map(|e| &e.outer).collect();
+        let loc: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
+        Self {
+            inner: TokenBatch::collate(&inner, pad, device),
+            outer: TokenBatch::collate(&outer, pad, device),
+            loc: (!loc.is_empty()).then(|| TokenBatch::collate(&loc, pad, device)),
+        }
+    }
+}
+
+/// Forward of the meta-training loss for one micro-batch; returns the differentiable loss.
+pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training: bool) -> Result<(Tensor, StepLosses)> {
+    let cfg = editor.config.clone();
+    let (_, factors) = engine.capture(&b.inner)?;
+    // The unedited reference for locality does not depend on the edit: compute it first.
+    let base_loc = b.loc.as_ref().map(|l| engine.base_logits(l)).transpose()?;
+    let overrides = engine.edit(editor, &factors, training)?;
+    let post_outer = engine.edited_logits(&overrides, &b.outer)?;
+    let targets = b.outer.kept_targets();
+    let l_edit = losses::nll(&post_outer, &targets);
+    let (acc, _) = losses::token_accuracy(&post_outer, &targets, &b.outer.kept_rows(), b.outer.batch_size());
+    let l_loc = match (&b.loc, &base_loc) {
+        (Some(l), Some(base)) => losses::kl(base, &engine.edited_logits(&overrides, l)?),
+        _ => Tensor::zeros([], (tch::Kind::Float, engine.plan.main)),
+    };
+    let loss = &l_edit * cfg.c_edit + &l_loc * cfg.c_loc;
+    let parts = StepLosses {
+        loss: loss.double_value(&[]),
+        edit_nll: l_edit.double_value(&[]),
+        loc_kl: l_loc.double_value(&[]),
+        edit_acc: acc.iter().sum::<f64>() / acc.len().max(1) as f64,
+    };
+    Ok((loss, parts))
+}
+
+/// Deterministic data order: position `g` of the endless stream of examples, reshuffled
+/// each epoch from the seed, so a resumed run sees exactly the data it would have seen.
+fn example_at(n: usize, seed: i64, g: usize) -> usize {
+    let epoch = g / n;
+    let mut order: Vec<usize> = (0..n).collect();
+    SplitMix64::new(seed as u64, 1000 + epoch as u64).shuffle(&mut order);
+    order[g % n]
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StepLog {
+    pub step: usize,
+    pub loss: f64,
+    pub edit_nll: f64,
+    pub loc_kl: f64,
+    pub edit_acc: f64,
+    pub grad_norm: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ValLog {
+    pub step: usize,
+    pub loss: f64,
+    pub edit_acc: f64,
+    pub loc_kl: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainReport {
+    pub steps: usize,
+    pub skipped_steps: usize,
+    pub best_val_loss: f64,
+    pub seconds_per_step: f64,
+    pub editor_parameters: i64,
+    pub history: Vec<StepLog>,
+    pub validations: Vec<ValLog>,
+    pub editor_dir: PathBuf,
+    pub stopped_early: bool,
+}
+
+pub struct TrainSetup<'a> {
+    pub config: &'a MendConfig,
+    pub train: &'a [EditExample],
+    pub val: &'a [EditExample],
+    pub out: &'a Path,
+    pub seed: i64,
+    pub resume: bool,
+    pub progress: bool,
+}
+
+/// Mean validation losses (editor in evaluation mode: statistics frozen, no gradients).
+pub fn validate(engine: &Engine, editor: &mut Editor, val: &[EditExample]) -> Result<ValLog> {
+    let _g = tch::no_grad_guard();
+    let pad = engine.lm.tokenizer.pad_id();
+    let mut sum = StepLosses::default();
+    for e in val {
+        let b = EditBatches::new(&[e], pad, engine.plan.main);
+        let (_, l) = meta_loss(engine, editor, &b, false)?;
+        sum.loss += l.loss;
+        sum.edit_acc += l.edit_acc;
+        sum.loc_kl += l.loc_kl;
+    }
+    let n = val.len().max(1) as f64;
+    Ok(ValLog { step: 0, loss: sum.loss / n, edit_acc: sum.edit_acc / n, loc_kl: sum.loc_kl / n })
+}
+
+/// Runs meta-training; writes the best editor (by validation loss) and the training state
+/// to `setup.out`.
+pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: &mut MemoryTracker) -> Result<TrainReport> {
+    let cfg = setup.config;
+    if setup.train.is_empty() {
+        return Err(Error::input("no training examples"));
+    }
+    let out = setup.out;
+    let mut counters = TrainCounters {
+        step: 0,
+        adam_step: 0,
+        best_val: f64::INFINITY,
+        stale_validations: 0,
+        skipped_steps: 0,
+        seed: setup.seed,
+    };
+    let mut saved_adam = None;
+    if setup.resume && out.join(checkpoint::STATE_FILE).exists() {
+        let (tensors, c) = checkpoint::load_state(out, editor)?;
+        if c.seed != setup.seed {
+            warn!(saved = c.seed, given = setup.seed, "resuming with the saved seed");
+        }
+        info!(step = c.step, "resuming");
+        counters = c;
+        saved_adam = Some(tensors);
+    } else if setup.resume {
+        warn!(dir = %out.display(), "--resume given but no training state found; starting afresh");
+    }
+    let (net, lrs) = editor.trainables();
+    let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
+    if let Some(t) = &saved_adam {
+        adam.load_state(t, counters.adam_step)?;
+    }
+    let pad = engine.lm.tokenizer.pad_id();
+    let n = setup.train.len();
+    let bar = if setup.progress {
+        indicatif::ProgressBar::new(cfg.max_steps as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_position(counters.step as u64);
+    let mut history = Vec::new();
+    let mut validations = Vec::new();
+    let mut consecutive_bad = 0usize;
+    let mut stopped_early = false;
+    let start = Instant::now();
+    let first_step = counters.step;
+    while counters.step < cfg.max_steps {
+        let step = counters.step;
+        let mark = step < first_step + 2 || step % cfg.val_every == 0;
+        let mut acc = StepLosses::default();
+        for micro in 0..cfg.accumulate {
+            let base = (step * cfg.accumulate + micro) * cfg.batch_size;
+            let batch: Vec<&EditExample> =
+                (0..cfg.batch_size).map(|k| &setup.train[example_at(n, counters.seed, base + k)]).collect();
+            let b = EditBatches::new(&batch, pad, engine.plan.main);
+            let (loss, parts) = meta_loss(engine, editor, &b, true)?;
+            if mark && micro == 0 {
+                tracker.mark("edited_forward")?;
+            }
+            crate::error::guard(|| {
+                (loss / cfg.accumulate as f64).f_backward()?;
+                Ok(())
+            })?;
+            if mark && micro == 0 {
+                tracker.mark("backward")?;
+            }
+            let k = cfg.accumulate as f64;
+            acc.loss += parts.loss / k;
+            acc.edit_nll += parts.edit_nll / k;
+            acc.loc_kl += parts.loc_kl / k;
+            acc.edit_acc += parts.edit_acc / k;
+        }
+        let grad_norm = adam.clip(cfg.grad_clip);
+        if !acc.loss.is_finite() || !grad_norm.is_finite() {
+            counters.skipped_steps += 1;
+            consecutive_bad += 1;
+            adam.zero_grad();
+            warn!(step, loss = acc.loss, grad_norm, "non-finite loss or gradient; step skipped");
+            if consecutive_bad >= cfg.max_bad_steps {
+                return Err(Error::Torch(format!(
+                    "{consecutive_bad} consecutive non-finite steps at step {step}; the last good editor is in {} (try a lower lr or edit_lr)",
+                    out.display()
+                )));
+            }
+        } else {
+            consecutive_bad = 0;
+            adam.step();
+            adam.zero_grad();
+        }
+        counters.step += 1;
+        counters.adam_step = adam.step;
+        if mark {
+            tracker.mark("optimizer_step")?;
+        }
+        history.push(StepLog {
+            step: counters.step,
+            loss: acc.loss,
+            edit_nll: acc.edit_nll,
+            loc_kl: acc.loc_kl,
+            edit_acc: acc.edit_acc,
+            grad_norm,
+        });
+        bar.set_position(counters.step as u64);
+        bar.set_message(format!("loss {:.4} edit_acc {:.2} loc_kl {:.4}", acc.loss, acc.edit_acc, acc.loc_kl));
+        let last = counters.step == cfg.max_steps;
+        if counters.step % cfg.val_every == 0 || last {
+            let mut v = if setup.val.is_empty() {
+                ValLog { step: 0, loss: acc.loss, edit_acc: acc.edit_acc, loc_kl: acc.loc_kl }
+            } else {
+                validate(engine, editor, setup.val)?
+            };
+            v.step = counters.step;
+            info!(step = v.step, loss = v.loss, edit_acc = v.edit_acc, loc_kl = v.loc_kl, "validation");
+            if v.loss < counters.best_val {
+                counters.best_val = v.loss;
+                counters.stale_validations = 0;
+                checkpoint::save_editor(out, editor, engine, counters.step)?;
+            } else {
+                counters.stale_validations += 1;
+            }
+            validations.push(v);
+            checkpoint::save_state(out, editor, &adam, &counters)?;
+            if counters.stale_validations >= cfg.early_stop_patience {
+                info!(step = counters.step, "early stopping: validation loss has not improved");
+                stopped_early = true;
+                break;
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let steps_run = counters.step - first_step;
+    Ok(TrainReport {
+        steps: counters.step,
+        skipped_steps: counters.skipped_steps,
+        best_val_loss: counters.best_val,
+        seconds_per_step: start.elapsed().as_secs_f64() / steps_run.max(1) as f64,
+        editor_parameters: editor.n_parameters(),
+        history,
+        validations,
+        editor_dir: out.to_path_buf(),
+        stopped_early,
+    })
+}
