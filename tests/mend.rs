@@ -1,0 +1,266 @@
+//! MEND: identity editor = autograd, normalisation statistics, checkpoints, training
+//! raises the target's probability, bad input.
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use dualedit::config::MendConfig;
+use dualedit::data::easyedit::{parse_records, DatasetKind};
+use dualedit::data::examples::prepare;
+use dualedit::data::TokenBatch;
+use dualedit::device::DevicePlan;
+use dualedit::mend::{checkpoint, Editor, Engine};
+use dualedit::model::{load_model, ForwardInput, Overrides, ParamView};
+use dualedit::train::{meta_loss, EditBatches};
+use tch::{Device, Kind, Tensor};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn engine(name: &str) -> Engine {
+    let lm = load_model(&fixture(name), Device::Cpu, Kind::Float).unwrap();
+    Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap()
+}
+
+const RECORDS: &str = r#"[
+  {"prompt": "The capital of France is", "target_new": "Rome", "rephrase_prompt": "France has its capital in",
+   "locality_prompt": "The Eiffel Tower is located in", "locality_ground_truth": "Paris"},
+  {"prompt": "The capital of Italy is", "target_new": "Paris", "rephrase_prompt": "Italy's capital city is",
+   "locality_prompt": "The city of Rome is in", "locality_ground_truth": "Italy"},
+  {"prompt": "The Eiffel Tower is in", "target_new": "London", "rephrase_prompt": "The tower of Eiffel is in",
+   "locality_prompt": "The capital of France is", "locality_ground_truth": "Paris"}
+]"#;
+
+fn examples(engine: &Engine) -> Vec<dualedit::data::EditExample> {
+    let (recs, _) = parse_records(RECORDS, Path::new("inline.json"), DatasetKind::Requests).unwrap();
+    prepare(&engine.lm.tokenizer, &recs, 64, Path::new("inline.json")).unwrap()
+}
+
+fn identity_config() -> MendConfig {
+    MendConfig { norm: false, rank: 16, ..MendConfig::default() }
+}
+
+/// With U = 0 and no normalisation the editor is the identity, so its pseudo-gradient
+/// Σ δ xᵀ must equal autograd's gradient of the edit loss w.r.t. each edited weight.
+fn identity_equals_autograd(name: &str) {
+    let engine = engine(name);
+    let ex = examples(&engine);
+    let batch = TokenBatch::collate(&[&ex[0].inner, &ex[1].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
+    let (_, factors) = engine.capture(&batch).unwrap();
+    let mut editor = Editor::new(&identity_config(), engine.edit_params.clone(), Device::Cpu).unwrap();
+    // Autograd reference: the same loss with the edited weights as leaves.
+    let leaves: Overrides = engine
+        .edit_params
+        .iter()
+        .map(|p| (p.name.clone(), engine.weight(&p.name).unwrap().detach().set_requires_grad(true)))
+        .collect();
+    let view = ParamView::new(&engine.lm.params, Some(&leaves));
+    let none = Default::default();
+    let logits = engine.lm.model.forward(&view, &batch.forward_input(&none)).unwrap().logits;
+    let loss = logits.cross_entropy_for_logits(&batch.kept_targets());
+    let names: Vec<&String> = engine.edit_params.iter().map(|p| &p.name).collect();
+    let ws: Vec<&Tensor> = names.iter().map(|n| &leaves[*n]).collect();
+    let grads = Tensor::run_backward(&[&loss], &ws, false, false);
+    for (i, g) in grads.iter().enumerate() {
+        let pseudo = editor.pseudo_grad(i, &factors[i], false);
+        assert_eq!(pseudo.size(), g.size(), "{name}: {} layout", names[i]);
+        let rel = (&pseudo - g).norm().double_value(&[]) / g.norm().double_value(&[]);
+        assert!(rel < 1e-4, "{name}: {}: relative error {rel}", names[i]);
+    }
+}
+
+#[test]
+fn identity_editor_equals_autograd_conv1d() {
+    identity_equals_autograd("gpt2");
+}
+
+#[test]
+fn identity_editor_equals_autograd_linear() {
+    identity_equals_autograd("llama");
+}
+
+#[test]
+fn capture_keeps_only_rows_with_signal() {
+    let engine = engine("gpt2");
+    let ex = examples(&engine);
+    // Two examples of different lengths: padding rows must be dropped.
+    let batch = TokenBatch::collate(&[&ex[0].inner, &ex[2].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
+    let (nll, factors) = engine.capture(&batch).unwrap();
+    assert!(nll.is_finite() && nll > 0.0);
+    let real = batch.attention_mask.sum(Kind::Int64).int64_value(&[]);
+    for f in &factors {
+        assert_eq!(f.x.size()[0], f.delta.size()[0]);
+        assert!(f.x.size()[0] <= real, "{} rows kept but only {real} real tokens", f.x.size()[0]);
+        assert!(f.delta.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+    }
+}
+
+#[test]
+fn running_stats_match_two_pass_statistics() {
+    let engine = engine("gpt2");
+    let ex = examples(&engine);
+    let cfg = MendConfig { rank: 8, ..MendConfig::default() };
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut xs = Vec::new();
+    for e in &ex {
+        let b = TokenBatch::collate(&[&e.inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
+        let (_, f) = engine.capture(&b).unwrap();
+        let _ = editor.transform(0, &f[0], true);
+        xs.push(f[0].x.shallow_clone());
+    }
+    let all = Tensor::cat(&xs, 0);
+    let (stats, counts) = editor.named_stats();
+    let stats: HashMap<String, Tensor> = stats.into_iter().collect();
+    // Param 0 (h.0.mlp.c_fc) shares its editor with the other c_fc weights: key "64x256".
+    let mean = &stats["stats.64x256.x.mean"];
+    let m2 = &stats["stats.64x256.x.m2"];
+    assert_eq!(counts["64x256.x"], all.size()[0] as f64);
+    let ref_mean = all.mean_dim(0, false, Kind::Float);
+    let ref_var = all.var_dim(0, true, false);
+    assert!((mean - &ref_mean).abs().max().double_value(&[]) < 1e-5);
+    let var = m2 / (all.size()[0] as f64 - 1.0);
+    assert!((var - &ref_var).abs().max().double_value(&[]) < 1e-4);
+    // Not updated outside training.
+    let b = TokenBatch::collate(&[&ex[0].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
+    let (_, f) = engine.capture(&b).unwrap();
+    let _ = editor.transform(0, &f[0], false);
+    assert_eq!(editor.named_stats().1["64x256.x"], all.size()[0] as f64);
+}
+
+fn target_logprob(engine: &Engine, overrides: &Overrides, e: &dualedit::data::Example) -> f64 {
+    let b = TokenBatch::collate(&[e], engine.lm.tokenizer.pad_id(), Device::Cpu);
+    let logits = if overrides.is_empty() { engine.base_logits(&b).unwrap() } else { engine.edited_logits(overrides, &b).unwrap() };
+    -dualedit::mend::losses::nll(&logits, &b.kept_targets()).double_value(&[])
+}
+
+#[test]
+fn training_raises_target_probability_and_checkpoint_round_trips() {
+    let engine = engine("gpt2");
+    let ex = examples(&engine);
+    let cfg = MendConfig { rank: 32, lr: 1e-3, edit_lr: 1e-3, ..MendConfig::default() };
+    tch::manual_seed(0);
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let (net, lrs) = editor.trainables();
+    let mut adam = dualedit::mend::optim::Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
+    let pad = engine.lm.tokenizer.pad_id();
+    let mut first = None;
+    let mut last = 0.0;
+    for step in 0..40 {
+        let e = &ex[step % ex.len()];
+        let b = EditBatches::new(&[e], pad, Device::Cpu);
+        let (loss, parts) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+        loss.backward();
+        adam.step();
+        adam.zero_grad();
+        first.get_or_insert(parts.edit_nll);
+        last = parts.edit_nll;
+    }
+    assert!(last < first.unwrap(), "edit NLL did not fall: {first:?} -> {last}");
+    // The trained editor raises the new target's probability on an edit.
+    let _g = tch::no_grad_guard();
+    let b = TokenBatch::collate(&[&ex[0].inner], pad, Device::Cpu);
+    let (_, f) = engine.capture(&b).unwrap();
+    let ov = engine.edit(&mut editor, &f, false).unwrap();
+    let before = target_logprob(&engine, &Overrides::new(), &ex[0].inner);
+    let after = target_logprob(&engine, &ov, &ex[0].inner);
+    assert!(after > before + 0.1, "log p(target) {before} -> {after}");
+
+    // Round trip: a reloaded editor makes exactly the same edit.
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint::save_editor(dir.path(), &editor, &engine, 40).unwrap();
+    let (mut loaded, meta) = checkpoint::load_editor(dir.path(), &engine).unwrap();
+    assert_eq!(meta.step, 40);
+    let ov2 = engine.edit(&mut loaded, &f, false).unwrap();
+    for (n, t) in &ov {
+        assert!((t - &ov2[n]).abs().max().double_value(&[]) < 1e-6, "{n} differs after reload");
+    }
+
+    // An editor trained for another model is refused with a clear error.
+    let other = self::engine("qwen2");
+    let err = checkpoint::load_editor(dir.path(), &other).unwrap_err().to_string();
+    assert!(err.contains("editor.safetensors") && err.contains("another model"), "{err}");
+}
+
+#[test]
+fn dual_device_path_gives_the_same_losses() {
+    let single = engine("gpt2");
+    let lm = load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
+    let dual = Engine::new(lm, DevicePlan::split_on(Device::Cpu, Device::Cpu), &[]).unwrap();
+    let ex = examples(&single);
+    let cfg = MendConfig { rank: 16, lr: 1e-3, ..MendConfig::default() };
+    let pad = single.lm.tokenizer.pad_id();
+    let mut runs = Vec::new();
+    for engine in [&single, &dual] {
+        tch::manual_seed(3);
+        let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+        let (net, lrs) = editor.trainables();
+        let mut adam = dualedit::mend::optim::Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
+        let mut losses = Vec::new();
+        for step in 0..6 {
+            let b = EditBatches::new(&[&ex[step % ex.len()]], pad, Device::Cpu);
+            let (loss, parts) = meta_loss(engine, &mut editor, &b, true).unwrap();
+            loss.backward();
+            adam.step();
+            adam.zero_grad();
+            losses.push(parts.loss);
+        }
+        runs.push(losses);
+    }
+    for (a, b) in runs[0].iter().zip(&runs[1]) {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "single {a} vs dual {b}");
+    }
+    // Only edited weights, batches and logits crossed: never a frozen weight.
+    let moved = dual.mover.stats();
+    assert_eq!(single.mover.stats().transfers, 0);
+    let edited_bytes: u64 = dual.edit_params.iter().map(|p| p.shape.iter().product::<i64>() as u64 * 4).sum();
+    let total_frozen = dual.lm.params.nbytes();
+    assert!(moved.bytes_to_sub > 0 && moved.bytes_to_main > 0);
+    // Per step: edited weights twice (outer + loc) plus small batches.
+    let per_step = moved.bytes_to_sub as f64 / 6.0;
+    assert!(per_step < 2.0 * edited_bytes as f64 + 4096.0, "moved {per_step} bytes per step, edited weights are {edited_bytes}");
+    assert!(per_step < total_frozen as f64 * 2.0);
+}
+
+#[test]
+fn bad_training_inputs_are_clear_errors() {
+    let engine = engine("gpt2");
+    // A record missing a key names the index and the key.
+    let err = parse_records(r#"[{"prompt": "a", "target_new": "b"}, {"prompt": "c"}]"#, Path::new("x.json"), DatasetKind::Counterfact)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("x.json") && err.contains("record 1") && err.contains("target_new"), "{err}");
+    // Empty file.
+    let err = parse_records("[]", Path::new("empty.json"), DatasetKind::Zsre).unwrap_err().to_string();
+    assert!(err.contains("empty.json") && err.contains("no records"), "{err}");
+    // Unknown dataset kind.
+    assert!("squad".parse::<DatasetKind>().unwrap_err().to_string().contains("squad"));
+    // Prompts longer than the model's context.
+    let long = format!(r#"[{{"prompt": "{}", "target_new": "x"}}]"#, "word ".repeat(100));
+    let (recs, _) = parse_records(&long, Path::new("long.json"), DatasetKind::Requests).unwrap();
+    let err = prepare(&engine.lm.tokenizer, &recs, 64, Path::new("long.json")).unwrap_err().to_string();
+    assert!(err.contains("long.json") && err.contains("record 0") && err.contains("longer than"), "{err}");
+    // Impossible configs.
+    for bad in [r#"{"rank": 0}"#, r#"{"lr": -1}"#, r#"{"accumulate": 0}"#, r#"{"rnak": 3}"#] {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.json");
+        std::fs::write(&p, bad).unwrap();
+        let err = MendConfig::from_file(&p).unwrap_err().to_string();
+        assert!(err.contains("c.json"), "{bad}: {err}");
+    }
+    // Editing a weight that is not a linear layer.
+    let lm = load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
+    let err = Engine::new(lm, DevicePlan::single(Device::Cpu), &["transformer.ln_f.weight".into()]).err().unwrap().to_string();
+    assert!(err.contains("ln_f"), "{err}");
+}
+
+#[test]
+fn forward_input_keeps_only_scored_positions() {
+    let engine = engine("gpt2");
+    let ex = examples(&engine);
+    let b = TokenBatch::collate(&[&ex[0].inner, &ex[1].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
+    let none = Default::default();
+    let input: ForwardInput = b.forward_input(&none);
+    let out = engine.lm.model.forward(&ParamView::frozen(&engine.lm.params), &input).unwrap();
+    let n: i64 = (ex[0].inner.answer().len() + ex[1].inner.answer().len()) as i64;
+    assert_eq!(out.logits.size()[0], n);
+}
