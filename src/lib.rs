@@ -2,11 +2,13 @@
 //! with the edited model's forward passes on a sub-device.
 pub mod config;
 pub mod data;
+pub mod demo;
 pub mod device;
 pub mod error;
 pub mod eval;
 pub mod io;
 pub mod model;
+pub mod pretrain;
 pub mod report;
 pub mod rng;
 pub mod run;

@@ -27,6 +27,21 @@ enum Command {
     Edit(EditArgs),
     /// Edit each record of a dataset from the unedited model and report EasyEdit's metrics.
     Eval(EvalArgs),
+    /// Rebuild the embedded default: synthetic world, tiny pretrained GPT-2, its editor.
+    BuildDefault(BuildDefaultArgs),
+}
+
+#[derive(Args)]
+struct BuildDefaultArgs {
+    /// Output directory (the shipped default lives in data/).
+    #[arg(long, default_value = "data")]
+    out: PathBuf,
+    /// MEND hyper-parameters for the editor.
+    #[arg(long, default_value = "configs/world.json")]
+    config: PathBuf,
+    /// Pretraining steps (upper bound; training stops once the model knows its facts).
+    #[arg(long)]
+    pretrain_steps: Option<usize>,
 }
 
 #[derive(Args)]
@@ -315,6 +330,16 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn build_default(a: BuildDefaultArgs) -> anyhow::Result<()> {
+    let mut spec = dualedit::demo::BuildSpec::shipped(MendConfig::from_file(&a.config)?);
+    if let Some(n) = a.pretrain_steps {
+        spec.pretrain.steps = n;
+    }
+    let rep = dualedit::demo::build_default(&a.out, &spec, tch::Device::Cpu)?;
+    println!("{}", serde_json::to_string_pretty(&rep)?);
+    Ok(())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
@@ -326,6 +351,7 @@ fn main() -> ExitCode {
         Command::Train(a) => train(a),
         Command::Edit(a) => edit(a),
         Command::Eval(a) => eval(a),
+        Command::BuildDefault(a) => build_default(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
