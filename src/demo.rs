@@ -91,3 +91,96 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
     )?;
     Ok(BuildReport { pretrain: pre, train_steps: train.steps, holdout: eval.summary, seconds: start.elapsed().as_secs_f64() })
 }
+
+/// The shipped default, next to the crate (the demo works from any working directory).
+pub fn shipped_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("data")
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoSummary {
+    pub holdout: Summary,
+    pub memory: std::collections::BTreeMap<String, crate::device::memory::RoleSummary>,
+    pub seconds: f64,
+}
+
+/// Shows a few edits in words, then the held-out metrics and each device's peak memory.
+pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std::io::Write) -> Result<DemoSummary> {
+    use crate::device::memory::{format_bytes, MemoryTracker};
+    use crate::eval::{evaluate, make_edit};
+    use crate::model::ParamView;
+    use crate::run::{greedy, load_examples, open_engine, open_method};
+    let start = std::time::Instant::now();
+    let w = |out: &mut dyn std::io::Write, s: String| writeln!(out, "{s}").map_err(|e| crate::Error::io("<stdout>", e));
+    let mut tracker = MemoryTracker::new(&plan.roles());
+    let method_spec = MethodSpec::Mend { editor: editor_dir(root) };
+    let common = Common { model: model_dir(root), plan, dtype: tch::Kind::Float, seed: 0, report: None };
+    let engine = open_engine(&common, &crate::run::edit_params_of(&method_spec)?, &mut tracker)?;
+    let mut method = open_method(&method_spec, &engine)?;
+    let info = engine.lm.model.info();
+    w(out, format!(
+        "dualedit demo: {} with {} parameters, {} edited weights, main {} / sub {}{}",
+        info.architecture,
+        info.n_params,
+        engine.edit_params.len(),
+        crate::device::memory::device_name(plan.main),
+        crate::device::memory::device_name(plan.sub),
+        if plan.split { "" } else { " (single device)" }
+    ))?;
+    let holdout = world_dir(root).join("edits-holdout.json");
+    let (records, examples) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize)?;
+    let frozen = ParamView::frozen(&engine.lm.params);
+    let pad = engine.lm.tokenizer.pad_id();
+    // Answers are a word or two: generate a few tokens and stop at the sentence's end.
+    let answer = |params: &ParamView, ids: &[i64]| -> Result<String> {
+        let text = greedy(&engine, params, ids, 6)?;
+        Ok(match text.find(['.', '\n']) {
+            Some(i) => text[..i].to_string(),
+            None => text,
+        })
+    };
+    for (r, e) in records.iter().zip(&examples).take(shown) {
+        let before = answer(&frozen, &e.inner.ids[..e.inner.answer_start])?;
+        let inner = crate::data::TokenBatch::collate(&[&e.inner], pad, plan.main);
+        let overrides = make_edit(&engine, &mut method, &inner)?;
+        let edited = ParamView::new(&engine.lm.params, Some(&overrides));
+        let after = answer(&edited, &e.inner.ids[..e.inner.answer_start])?;
+        w(out, String::new())?;
+        w(out, format!("edit: {:?} -> {:?} (was {:?})", r.prompt, r.target_new, r.ground_truth.clone().unwrap_or_default()))?;
+        w(out, format!("  before: {}{}", r.prompt, before))?;
+        w(out, format!("  after:  {}{}", r.prompt, after))?;
+        if let Some(rp) = &r.rephrase {
+            w(out, format!("  rephrase after: {}{}", rp, answer(&edited, &e.outer.ids[..e.outer.answer_start])?))?;
+        }
+        if let (Some(lp), Some(loc)) = (&r.locality_prompt, &e.loc) {
+            let ids = &loc.ids[..loc.answer_start];
+            w(out, format!("  unrelated: {}{}  (before the edit: {})", lp, answer(&edited, ids)?, answer(&frozen, ids)?.trim()))?;
+        }
+    }
+    tracker.mark("edit")?;
+    let metrics = evaluate(&engine, &mut method, &examples, |_, _| {})?;
+    tracker.mark("eval")?;
+    let s = Summary::of(&metrics);
+    w(out, String::new())?;
+    w(out, format!("held-out edits (each from the unedited model): n = {}", s.n))?;
+    w(out, format!("  {:<16} {:>6.3}", "reliability", s.reliability))?;
+    w(out, format!("  {:<16} {:>6.3}", "generalization", s.generalization))?;
+    w(out, format!("  {:<16} {:>6.3}", "locality", s.locality))?;
+    w(out, format!("  {:<16} {:>6.3}", "edit success", s.edit_success))?;
+    w(out, format!("  {:<16} {:>6.1} ms", "time per edit", s.edit_seconds * 1e3))?;
+    let memory = tracker.summary();
+    w(out, String::new())?;
+    w(out, "peak memory per device".into())?;
+    for (role, m) in memory.iter().filter(|(role, _)| plan.split || role.as_str() == "main") {
+        let role = if plan.split { role.as_str() } else { "main = sub" };
+        w(out, format!(
+            "  {:<10} {:<7} allocated {:>10}  reserved {:>10}{}",
+            role,
+            m.device,
+            format_bytes(m.peak_allocated_bytes),
+            format_bytes(m.peak_reserved_bytes),
+            if m.process_wide { "  (process-wide resident set)" } else { "" }
+        ))?;
+    }
+    Ok(DemoSummary { holdout: s, memory, seconds: start.elapsed().as_secs_f64() })
+}

@@ -1,5 +1,6 @@
 //! dualedit: MEND-style knowledge editing of causal language models on tch (libtorch),
 //! with the edited model's forward passes on a sub-device.
+pub mod chart;
 pub mod config;
 pub mod data;
 pub mod demo;
@@ -8,11 +9,14 @@ pub mod error;
 pub mod eval;
 pub mod io;
 pub mod model;
+pub mod planner;
 pub mod pretrain;
 pub mod report;
 pub mod rng;
 pub mod run;
 pub mod score;
+pub mod serve;
+pub mod session;
 pub mod train;
 
 pub use error::{Error, Result};

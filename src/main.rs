@@ -27,8 +27,92 @@ enum Command {
     Edit(EditArgs),
     /// Edit each record of a dataset from the unedited model and report EasyEdit's metrics.
     Eval(EvalArgs),
+    /// Show the product on the embedded default: a few edits, held-out metrics, memory.
+    Demo(DemoArgs),
     /// Rebuild the embedded default: synthetic world, tiny pretrained GPT-2, its editor.
     BuildDefault(BuildDefaultArgs),
+    /// Serve edit / score / generate / reset / save as JSON over HTTP (loopback by default).
+    Serve(ServeArgs),
+    /// Estimate each device's peak memory for training and editing from config.json alone.
+    Plan(PlanArgs),
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Model directory; only its config.json is read (no weights needed).
+    #[arg(long)]
+    model: PathBuf,
+    /// MEND hyper-parameters (JSON, see configs/).
+    #[arg(long)]
+    config: PathBuf,
+    /// Main device: frozen model, editor, optimiser (cpu, cuda, cuda:N; need not exist here).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Sub-device for the edited model's forward passes (default: the main device).
+    #[arg(long)]
+    sub_device: Option<String>,
+    /// f32, bf16 or f16 for the model weights (editor maths is always f32).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Tokens per example (default: the config's max_length, capped at the model's context).
+    #[arg(long)]
+    max_length: Option<usize>,
+    /// Labelled positions per example (default: all but the first, an upper bound).
+    #[arg(long)]
+    kept_tokens: Option<i64>,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Main device (cpu, cuda, cuda:N).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Sub-device for the edited model's forward passes (default: the main device).
+    #[arg(long)]
+    sub_device: Option<String>,
+    /// Directory of the default (model/, editor/, world/); default: the shipped one.
+    #[arg(long)]
+    root: Option<PathBuf>,
+    /// How many edits to show in words.
+    #[arg(long, default_value_t = 3)]
+    show: usize,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Hugging Face model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Trained editor directory (without one, /edit answers 422).
+    #[arg(long)]
+    editor: Option<PathBuf>,
+    /// Main device (cpu, cuda, cuda:N).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Sub-device for the edited model's forward passes (default: the main device).
+    #[arg(long)]
+    sub_device: Option<String>,
+    /// f32, bf16 or f16 for the model weights.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Address to listen on; anything but loopback exposes an unauthenticated service.
+    #[arg(long, default_value = dualedit::serve::DEFAULT_LISTEN)]
+    listen: String,
+    /// Model requests that may wait; more are answered 503.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Largest request body in bytes (413 beyond).
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// Seconds a model request may wait in the queue before it is answered 503.
+    #[arg(long, default_value_t = 60)]
+    queue_timeout: u64,
+    /// Restrict POST /save to relative paths inside this directory.
+    #[arg(long)]
+    save_root: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -330,6 +414,14 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn demo(a: DemoArgs) -> anyhow::Result<()> {
+    let plan = DevicePlan::parse(&a.device, a.sub_device.as_deref())?;
+    let root = a.root.unwrap_or_else(dualedit::demo::shipped_root);
+    let s = dualedit::demo::run_demo(&root, plan, a.show, &mut std::io::stdout())?;
+    println!("\ndone in {:.1} s", s.seconds);
+    Ok(())
+}
+
 fn build_default(a: BuildDefaultArgs) -> anyhow::Result<()> {
     let mut spec = dualedit::demo::BuildSpec::shipped(MendConfig::from_file(&a.config)?);
     if let Some(n) = a.pretrain_steps {
@@ -337,6 +429,41 @@ fn build_default(a: BuildDefaultArgs) -> anyhow::Result<()> {
     }
     let rep = dualedit::demo::build_default(&a.out, &spec, tch::Device::Cpu)?;
     println!("{}", serde_json::to_string_pretty(&rep)?);
+    Ok(())
+}
+
+fn plan(a: PlanArgs) -> anyhow::Result<()> {
+    let config = MendConfig::from_file(&a.config)?;
+    let tokens = a.max_length.unwrap_or(config.max_length) as i64;
+    let opts = dualedit::planner::PlanOptions::new(&a.device, a.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
+    let plan = dualedit::planner::plan_dir(&a.model, &config, &opts)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&plan)?);
+    } else {
+        print!("{}", plan.table());
+    }
+    Ok(())
+}
+
+fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let opts = dualedit::serve::ServeOptions {
+        queue: a.queue,
+        max_body_bytes: a.max_body_bytes,
+        queue_timeout: std::time::Duration::from_secs(a.queue_timeout),
+        save_root: a.save_root,
+        ..Default::default()
+    };
+    let session_opts = dualedit::session::SessionOptions::parse(&a.device, a.sub_device.as_deref(), &a.dtype)?;
+    let server = dualedit::serve::Server::bind(&a.listen, opts)?;
+    let session = dualedit::session::Session::open(&a.model, a.editor.as_deref(), &session_opts)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))?;
+    eprintln!("dualedit serving {} on http://{} (Ctrl-C to stop)", a.model.display(), server.local_addr());
+    let stats = server.run(session, &stop)?;
+    eprintln!("stopped after {} requests ({} ran on the model)", stats.requests, stats.model_requests);
     Ok(())
 }
 
@@ -351,7 +478,10 @@ fn main() -> ExitCode {
         Command::Train(a) => train(a),
         Command::Edit(a) => edit(a),
         Command::Eval(a) => eval(a),
+        Command::Demo(a) => demo(a),
         Command::BuildDefault(a) => build_default(a),
+        Command::Serve(a) => serve(a),
+        Command::Plan(a) => plan(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -46,11 +46,17 @@ pub struct Timeline<'a> {
 }
 
 impl<M: Serialize> RunReport<M> {
-    /// Writes the report to `path` and the tracker's timeline to `<path stem>.timeline.json`.
+    /// Writes the report to `path`, the tracker's timeline to `<path stem>.timeline.json`
+    /// and its chart to `<path stem>.timeline.png` (a chart that cannot be drawn is a
+    /// logged warning, never a failed run).
     pub fn write(mut self, path: &Path, tracker: &MemoryTracker) -> Result<PathBuf> {
         let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("report");
         let timeline = path.with_file_name(format!("{stem}.timeline.json"));
         write_json_atomic(&timeline, &Timeline { samples: tracker.timeline() })?;
+        let chart = path.with_file_name(format!("{stem}.timeline.png"));
+        if let Err(e) = crate::chart::render_timeline_png(tracker.timeline(), &chart) {
+            tracing::warn!(chart = %chart.display(), error = %e, "memory timeline chart not written");
+        }
         self.timeline_file = Some(timeline);
         write_json_atomic(path, &self)?;
         Ok(path.to_path_buf())

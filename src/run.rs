@@ -143,7 +143,7 @@ pub enum MethodSpec {
     Mend { editor: PathBuf },
 }
 
-fn open_method(spec: &MethodSpec, engine: &Engine) -> Result<Method> {
+pub fn open_method(spec: &MethodSpec, engine: &Engine) -> Result<Method> {
     Ok(match spec {
         MethodSpec::Unedited => Method::Unedited,
         MethodSpec::FineTune { lr } => Method::FineTune { lr: *lr },
@@ -156,7 +156,7 @@ fn open_method(spec: &MethodSpec, engine: &Engine) -> Result<Method> {
 }
 
 /// Edit parameters an editor checkpoint was trained on (so the engine captures those).
-fn edit_params_of(spec: &MethodSpec) -> Result<Vec<String>> {
+pub fn edit_params_of(spec: &MethodSpec) -> Result<Vec<String>> {
     match spec {
         MethodSpec::Mend { editor } => {
             let path = editor.join(checkpoint::EDITOR_JSON);
@@ -264,7 +264,7 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     engine.commit(&overrides)?;
     let mut requests = Vec::with_capacity(records.len());
     for ((r, e), m) in records.iter().zip(&examples).zip(metrics) {
-        let answer = greedy(&engine, &e.inner.ids[..e.inner.answer_start], e.inner.answer().len())?;
+        let answer = greedy(&engine, &ParamView::frozen(&engine.lm.params), &e.inner.ids[..e.inner.answer_start], e.inner.answer().len())?;
         requests.push(RequestResult { prompt: r.prompt.clone(), target_new: r.target_new.clone(), answer_after: answer, metrics: m });
     }
     let saved = match &o.save {
@@ -282,8 +282,9 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     Ok((out, path))
 }
 
-/// Greedy continuation of `prompt` ids (full recomputation per token; answers are short).
-pub fn greedy(engine: &Engine, prompt: &[i64], n: usize) -> Result<String> {
+/// Greedy continuation of `prompt` ids under the weights of `params` (full recomputation
+/// per token: the answers scored here are a few tokens long).
+pub fn greedy(engine: &Engine, params: &ParamView, prompt: &[i64], n: usize) -> Result<String> {
     let _g = tch::no_grad_guard();
     let mut ids = prompt.to_vec();
     let none = Default::default();
@@ -292,8 +293,8 @@ pub fn greedy(engine: &Engine, prompt: &[i64], n: usize) -> Result<String> {
         if ids.len() >= max {
             break;
         }
-        let t = tch::Tensor::from_slice(&ids).unsqueeze(0).to_device(engine.plan.main);
-        let out = engine.lm.model.forward(&ParamView::frozen(&engine.lm.params), &crate::model::ForwardInput::new(&t, &none))?;
+        let t = tch::Tensor::from_slice(&ids).unsqueeze(0).to_device(params.device());
+        let out = engine.lm.model.forward(params, &crate::model::ForwardInput::new(&t, &none))?;
         let next = out.logits.get(0).get(ids.len() as i64 - 1).argmax(-1, false).int64_value(&[]);
         ids.push(next);
     }

@@ -50,15 +50,19 @@ impl EditBatches {
 pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training: bool) -> Result<(Tensor, StepLosses)> {
     let cfg = editor.config.clone();
     let (_, factors) = engine.capture(&b.inner)?;
-    // The unedited reference for locality does not depend on the edit: compute it first.
-    let base_loc = b.loc.as_ref().map(|l| engine.base_logits(l)).transpose()?;
+    // The unedited reference for locality does not depend on the edit: it runs on the main
+    // device's worker while the sub-device computes the edited forwards.
+    let base_loc = b.loc.as_ref().map(|l| engine.base_logits_async(l)).transpose()?;
     let overrides = engine.edit(editor, &factors, training)?;
     let post_outer = engine.edited_logits(&overrides, &b.outer)?;
     let targets = b.outer.kept_targets();
     let l_edit = losses::nll(&post_outer, &targets);
     let (acc, _) = losses::token_accuracy(&post_outer, &targets, &b.outer.kept_rows(), b.outer.batch_size());
-    let l_loc = match (&b.loc, &base_loc) {
-        (Some(l), Some(base)) => losses::kl(base, &engine.edited_logits(&overrides, l)?),
+    let l_loc = match (&b.loc, base_loc) {
+        (Some(l), Some(base)) => {
+            let post = engine.edited_logits(&overrides, l)?;
+            losses::kl(&base.wait()?, &post)
+        }
         _ => Tensor::zeros([], (tch::Kind::Float, engine.plan.main)),
     };
     let loss = &l_edit * cfg.c_edit + &l_loc * cfg.c_loc;

@@ -13,6 +13,7 @@ use tracing::info;
 pub use editor::{EditedParam, Editor, Factors};
 
 use crate::data::TokenBatch;
+use crate::device::worker::Worker;
 use crate::device::{DevicePlan, Mover};
 use crate::model::{LoadedModel, Overrides, ParamStore, ParamView};
 use crate::{Error, Result};
@@ -30,6 +31,23 @@ pub struct Engine {
     pub mover: Mover,
     pub edit_params: Vec<EditedParam>,
     capture_set: HashSet<String>,
+    /// Computes unedited logits on the main device while the sub-device works (split only).
+    main_worker: Option<Worker>,
+}
+
+/// Unedited logits that may still be computing on the main device's worker.
+pub enum Pending {
+    Ready(Tensor),
+    Waiting(crossbeam::channel::Receiver<Result<Tensor>>),
+}
+
+impl Pending {
+    pub fn wait(self) -> Result<Tensor> {
+        match self {
+            Pending::Ready(t) => Ok(t),
+            Pending::Waiting(rx) => crate::device::worker::wait(rx),
+        }
+    }
 }
 
 impl Engine {
@@ -49,7 +67,12 @@ impl Engine {
             info!(bytes = r.nbytes(), "sub-device replica of the frozen weights built");
         }
         let capture_set = names.iter().cloned().collect();
-        Ok(Self { mover: Mover::new(&plan), lm, replica, plan, edit_params, capture_set })
+        let main_worker = if plan.split {
+            Some(Worker::spawn(lm.model.clone(), lm.params.shallow_clone(), "main")?)
+        } else {
+            None
+        };
+        Ok(Self { mover: Mover::new(&plan), lm, replica, plan, edit_params, capture_set, main_worker })
     }
 
     pub fn edit_names(&self) -> Vec<String> {
@@ -113,6 +136,15 @@ impl Engine {
         let _g = tch::no_grad_guard();
         let none = HashSet::new();
         Ok(self.lm.model.forward(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none))?.logits)
+    }
+
+    /// Starts the unedited logits of `batch` on the main device: on its worker thread when
+    /// the plan is split (so they overlap with the sub-device's edited forwards), else now.
+    pub fn base_logits_async(&self, batch: &TokenBatch) -> Result<Pending> {
+        match &self.main_worker {
+            Some(w) => Ok(Pending::Waiting(w.submit(batch.to_device(self.plan.main))?)),
+            None => Ok(Pending::Ready(self.base_logits(batch)?)),
+        }
     }
 
     /// Logits of the edited model `θ + Δ` at the batch's scored positions, computed on the

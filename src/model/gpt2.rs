@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use tch::Tensor;
 
-use super::{activation, attend, check_activation, attention_mask, keep_rows, linear_captured, position_ids};
-use super::{ForwardInput, ForwardOutput, ModelInfo, ParamView, WeightLayout};
+use super::{activation, attend, check_activation, keep_rows, linear_captured, position_ids, AttnMask};
+use super::{ForwardInput, ForwardOutput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
@@ -130,12 +130,22 @@ impl Gpt2 {
     }
 
     pub fn forward(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
+        self.forward_with(p, input, None)
+    }
+
+    /// The forward, continuing after the tokens in `cache` when there is one (positions
+    /// offset by the cached length; see [`super::Model::forward_cached`]).
+    pub(crate) fn forward_with(&self, p: &ParamView, input: &ForwardInput, mut cache: Option<&mut KvCache>) -> Result<ForwardOutput> {
         let c = &self.config;
         let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
         let (nh, hd) = (c.n_head, c.n_embd / c.n_head);
         let mut captures = BTreeMap::new();
-        let pos = position_ids(input.input_ids, input.attention_mask);
-        let mask = attention_mask(input.attention_mask, t);
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let mut pos = position_ids(input.input_ids, input.attention_mask);
+        if past > 0 {
+            pos += past;
+        }
+        let mask = AttnMask::new(input.attention_mask, t, past, input.input_ids.device());
         let mut x = Tensor::embedding(p.get("transformer.wte.weight")?, input.input_ids, -1, false, false)
             + Tensor::embedding(p.get("transformer.wpe.weight")?, &pos, -1, false, false);
         let conv = WeightLayout::Conv1d;
@@ -145,7 +155,12 @@ impl Gpt2 {
             let qkv = linear_captured(p, input.capture, &mut captures, conv, &format!("{pre}.attn.c_attn"), &h, true)?;
             let heads = |t_: &Tensor| t_.reshape([b, t, nh, hd]).transpose(1, 2);
             let parts = qkv.split(c.n_embd, 2);
-            let y = attend(&heads(&parts[0]), &heads(&parts[1]), &heads(&parts[2]), mask.as_ref());
+            let (k, v) = (heads(&parts[1]), heads(&parts[2]));
+            let (k, v) = match cache.as_deref_mut() {
+                Some(kv) => kv.extend(i as usize, k, v),
+                None => (k, v),
+            };
+            let y = attend(&heads(&parts[0]), &k, &v, &mask);
             let y = y.transpose(1, 2).reshape([b, t, c.n_embd]);
             let y = linear_captured(p, input.capture, &mut captures, conv, &format!("{pre}.attn.c_proj"), &y, true)?;
             x = x + y;

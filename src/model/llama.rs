@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
-use super::{activation, attend, check_activation, attention_mask, keep_rows, linear_captured, position_ids};
-use super::{ForwardInput, ForwardOutput, ModelInfo, ParamView, WeightLayout};
+use super::{activation, attend, check_activation, keep_rows, linear_captured, position_ids, AttnMask};
+use super::{ForwardInput, ForwardOutput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
@@ -193,14 +193,25 @@ impl Llama {
     }
 
     pub fn forward(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
+        self.forward_with(p, input, None)
+    }
+
+    /// The forward, continuing after the tokens in `cache` when there is one (RoPE
+    /// positions offset by the cached length; see [`super::Model::forward_cached`]).
+    pub(crate) fn forward_with(&self, p: &ParamView, input: &ForwardInput, mut cache: Option<&mut KvCache>) -> Result<ForwardOutput> {
         let c = &self.config;
         let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
         let (nh, nkv, hd) = (c.num_attention_heads, self.kv_heads(), self.head_dim());
         let lin = WeightLayout::Linear;
         let mut captures = BTreeMap::new();
-        let mask = attention_mask(input.attention_mask, t);
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let mask = AttnMask::new(input.attention_mask, t, past, input.input_ids.device());
         let mut x = Tensor::embedding(p.get("model.embed_tokens.weight")?, input.input_ids, -1, false, false);
-        let (cos, sin) = self.rope(&position_ids(input.input_ids, input.attention_mask), x.kind());
+        let mut pos = position_ids(input.input_ids, input.attention_mask);
+        if past > 0 {
+            pos += past;
+        }
+        let (cos, sin) = self.rope(&pos, x.kind());
         let rotate = |q: &Tensor| {
             let halves = q.chunk(2, -1);
             let rotated = Tensor::cat(&[&(-&halves[1]), &halves[0]], -1);
@@ -216,13 +227,18 @@ impl Llama {
             let q = rotate(&q.reshape([b, t, nh, hd]).transpose(1, 2));
             let k = rotate(&k.reshape([b, t, nkv, hd]).transpose(1, 2));
             let v = v.reshape([b, t, nkv, hd]).transpose(1, 2);
+            // Cached before the GQA repeat: the cache holds n_kv heads, not n_heads.
+            let (k, v) = match cache.as_deref_mut() {
+                Some(kv) => kv.extend(i as usize, k, v),
+                None => (k, v),
+            };
             let (k, v) = if nkv != nh {
                 let rep = nh / nkv;
                 (k.repeat_interleave_self_int(rep, 1, None), v.repeat_interleave_self_int(rep, 1, None))
             } else {
                 (k, v)
             };
-            let y = attend(&q, &k, &v, mask.as_ref()).transpose(1, 2).reshape([b, t, nh * hd]);
+            let y = attend(&q, &k, &v, &mask).transpose(1, 2).reshape([b, t, nh * hd]);
             let y = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.self_attn.o_proj"), &y, c.attention_bias)?;
             x = x + y;
             let h = self.rms_norm(p, &format!("{pre}.post_attention_layernorm.weight"), &x)?;

@@ -82,6 +82,75 @@ impl<'a> ForwardInput<'a> {
     }
 }
 
+/// Keys and values of the tokens a sequence has already been through, per layer, so that
+/// decoding feeds only the new tokens instead of recomputing the whole prefix.
+///
+/// Keys are kept after RoPE and before grouped-query attention repeats them (the smaller
+/// form). Each step concatenates, which copies the cache: simple, and cheap next to the
+/// forward pass at the context lengths this is used for. Batches must be unpadded.
+#[derive(Debug, Default)]
+pub struct KvCache {
+    /// `(k, v)` per layer, each `[B, H_kv, len, D]`.
+    layers: Vec<(Tensor, Tensor)>,
+    len: i64,
+}
+
+impl KvCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Tokens already cached: the position of the next token fed.
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes held by the cached keys and values.
+    pub fn nbytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .flat_map(|(k, v)| [k, v])
+            .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum()
+    }
+
+    /// Appends layer `layer`'s keys/values for the new tokens and returns the whole
+    /// sequence's. The length only advances once every layer has run ([`Model::forward_cached`]).
+    pub(crate) fn extend(&mut self, layer: usize, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
+        match self.layers.get_mut(layer) {
+            Some(slot) => {
+                let k = Tensor::cat(&[&slot.0, &k], 2);
+                let v = Tensor::cat(&[&slot.1, &v], 2);
+                *slot = (k.shallow_clone(), v.shallow_clone());
+                (k, v)
+            }
+            None => {
+                self.layers.push((k.shallow_clone(), v.shallow_clone()));
+                (k, v)
+            }
+        }
+    }
+
+    /// Drops everything after the first `len` tokens (undoes a failed forward's appends).
+    fn truncate(&mut self, len: i64) {
+        if len == 0 {
+            self.layers.clear();
+        } else {
+            for (k, v) in &mut self.layers {
+                if k.size()[2] > len {
+                    *k = k.narrow(2, 0, len);
+                    *v = v.narrow(2, 0, len);
+                }
+            }
+        }
+        self.len = len;
+    }
+}
+
 pub struct ForwardOutput {
     /// `[B, T, V]`, or `[N, V]` for the N kept positions in row-major order.
     pub logits: Tensor,
@@ -112,6 +181,36 @@ impl Model {
             Model::Gpt2(m) => m.forward(p, input),
             Model::Llama(m) => m.forward(p, input),
         })
+    }
+
+    /// A forward of new tokens after those already in `cache`, which it extends: positions
+    /// continue from `cache.len()` and the new queries attend to every cached key. The
+    /// input must be unpadded (`attention_mask: None`). On error the cache is left as it was.
+    pub fn forward_cached(&self, p: &ParamView, input: &ForwardInput, cache: &mut KvCache) -> Result<ForwardOutput> {
+        if input.attention_mask.is_some() {
+            return Err(crate::Error::input("the KV cache takes unpadded inputs (no attention mask)"));
+        }
+        let (past, t) = (cache.len(), input.input_ids.size().get(1).copied().unwrap_or(0));
+        let max = self.info().max_positions;
+        if past + t > max {
+            return Err(crate::Error::input(format!(
+                "{past} cached + {t} new tokens is longer than the model's context of {max}"
+            )));
+        }
+        let out = crate::error::guard(|| match self {
+            Model::Gpt2(m) => m.forward_with(p, input, Some(&mut *cache)),
+            Model::Llama(m) => m.forward_with(p, input, Some(&mut *cache)),
+        });
+        match out {
+            Ok(o) => {
+                cache.len = past + t;
+                Ok(o)
+            }
+            Err(e) => {
+                cache.truncate(past);
+                Err(e)
+            }
+        }
     }
 
     pub fn info(&self) -> ModelInfo {
@@ -168,11 +267,40 @@ pub(crate) fn attention_mask(attention_mask: Option<&Tensor>, t: i64) -> Option<
     Some(causal.logical_and(&keys).logical_or(&eye))
 }
 
-/// Scaled dot-product attention over `[B, H, T, D]` tensors.
-pub(crate) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor {
+/// Which keys each query may attend to.
+pub(crate) enum AttnMask {
+    /// Plain causal attention over the input alone (SDPA's fast path).
+    Causal,
+    /// An explicit boolean mask (true = may attend), `[T, S]` or `[B, 1, T, S]`.
+    Keys(Tensor),
+    /// Every key: one new query after a cached prefix sees the whole sequence.
+    All,
+}
+
+impl AttnMask {
+    /// The mask for `t` new tokens after `past` cached ones. With a cache, SDPA's
+    /// `is_causal` would align the causal triangle to the top-left (query `i` sees keys
+    /// `0..=i`), hiding most of the prefix; the new queries must see every past key.
+    pub(crate) fn new(padding: Option<&Tensor>, t: i64, past: i64, device: tch::Device) -> Self {
+        if past == 0 {
+            return match attention_mask(padding, t) {
+                Some(m) => AttnMask::Keys(m),
+                None => AttnMask::Causal,
+            };
+        }
+        if t == 1 {
+            return AttnMask::All;
+        }
+        AttnMask::Keys(Tensor::ones([t, past + t], (tch::Kind::Bool, device)).tril(past))
+    }
+}
+
+/// Scaled dot-product attention over `[B, H, T, D]` queries and `[B, H, S, D]` keys/values.
+pub(crate) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttnMask) -> Tensor {
     match mask {
-        None => Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, true, None, false),
-        Some(m) => Tensor::scaled_dot_product_attention(q, k, v, Some(m), 0.0, false, None, false),
+        AttnMask::Causal => Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, true, None, false),
+        AttnMask::Keys(m) => Tensor::scaled_dot_product_attention(q, k, v, Some(m), 0.0, false, None, false),
+        AttnMask::All => Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, false, None, false),
     }
 }
 

@@ -63,6 +63,12 @@ impl ParamStore {
         })
     }
 
+    /// New handles to the same tensors (no copy), for another thread to own.
+    pub fn shallow_clone(&self) -> ParamStore {
+        let tensors = self.tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        ParamStore { tensors, device: self.device, kind: self.kind }
+    }
+
     /// Replaces one tensor in place (used when an edit is committed to the weights).
     pub fn set(&mut self, name: &str, value: Tensor) -> Result<()> {
         let slot = self

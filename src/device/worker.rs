@@ -1,0 +1,67 @@
+//! A worker thread per device for work that does not depend on the edit, so it overlaps
+//! with the edited forwards on the other device (the unedited model's locality logits on
+//! the main device while the sub-device runs θ + Δ).
+//!
+//! The worker owns shallow clones of the frozen weights (same storage, no copy): tch
+//! tensors are `Send` but not `Sync`, so each thread holds its own handles. Grad mode is
+//! per thread in libtorch; the worker runs everything under `no_grad`.
+use std::thread::JoinHandle;
+
+use crossbeam::channel::{bounded, Receiver, Sender};
+use tch::Tensor;
+
+use crate::data::TokenBatch;
+use crate::model::{Model, ParamStore, ParamView};
+use crate::{Error, Result};
+
+type Job = (TokenBatch, Sender<Result<Tensor>>);
+
+pub struct Worker {
+    jobs: Option<Sender<Job>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Starts a worker computing unedited logits of `model` with `params`.
+    pub fn spawn(model: Model, params: ParamStore, name: &str) -> Result<Self> {
+        let (tx, rx) = bounded::<Job>(4);
+        let handle = std::thread::Builder::new()
+            .name(format!("dualedit-{name}"))
+            .spawn(move || {
+                let _g = tch::no_grad_guard();
+                let none = Default::default();
+                for (batch, reply) in rx {
+                    let out = model.forward(&ParamView::frozen(&params), &batch.forward_input(&none)).map(|o| o.logits);
+                    let _ = reply.send(out);
+                }
+            })
+            .map_err(|e| Error::Torch(format!("cannot start the {name} worker thread: {e}")))?;
+        Ok(Self { jobs: Some(tx), handle: Some(handle) })
+    }
+
+    /// Queues a batch; the answer arrives on the returned channel.
+    pub fn submit(&self, batch: TokenBatch) -> Result<Receiver<Result<Tensor>>> {
+        let (tx, rx) = bounded(1);
+        self.jobs
+            .as_ref()
+            .ok_or_else(|| Error::Torch("worker stopped".into()))?
+            .send((batch, tx))
+            .map_err(|_| Error::Torch("worker thread has stopped".into()))?;
+        Ok(rx)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Closing the channel ends the worker's loop.
+        self.jobs.take();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Waits for a submitted job's answer.
+pub fn wait(rx: Receiver<Result<Tensor>>) -> Result<Tensor> {
+    rx.recv().map_err(|_| Error::Torch("worker thread ended without an answer".into()))?
+}

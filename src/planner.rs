@@ -1,0 +1,1042 @@
+//! Memory planner: each device's peak bytes for meta-training and for editing, estimated
+//! from a model's `config.json` and a MEND configuration before anything is loaded.
+//!
+//! The estimate follows what the code does, item by item: frozen weights (main), the
+//! sub-device replica (when split), the editor with its gradients and Adam moments (f32,
+//! main), captured factors, the edited weights `W'` and their copies on the sub-device,
+//! the activations autograd keeps for the edited forwards, logits at labelled positions.
+//!
+//! Items are grouped by *when* they are alive. `resident` items live for the whole run;
+//! every other group is alive only during its part of a step (gradient capture, the edited
+//! forwards, their backward, the optimiser step, a checkpoint write), and those parts do
+//! not overlap. A device's peak is therefore `resident + max over the other groups`.
+//!
+//! Activations are counted by simulating which tensors each op saves for backward: a
+//! matmul saves its input only when its weight requires grad (an edited `W'`), a norm
+//! saves its input only when that input requires grad, and so on. Nothing below the first
+//! edited weight requires grad, so the frozen layers below it keep no activations at all.
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::Serialize;
+use tch::Kind;
+
+use crate::config::{EditorMode, MendConfig};
+use crate::device::memory::format_bytes;
+use crate::model::loader::read_config;
+use crate::model::Model;
+use crate::{Error, Result};
+
+/// What is planned for: devices, weight dtype, sequence shape.
+#[derive(Debug, Clone)]
+pub struct PlanOptions {
+    /// Main device name (`cpu`, `cuda`, `cuda:N`); need not exist on this machine.
+    pub main: String,
+    /// Sub-device name.
+    pub sub: String,
+    /// Whether the sub-device holds a replica and the mover copies between the devices
+    /// (true whenever the names differ; can be forced for a split on one device).
+    pub split: bool,
+    /// Weight dtype (editor maths is always f32).
+    pub dtype: Kind,
+    /// Tokens per example (the padded sequence length); capped at the model's context,
+    /// as runs cap `max_length`.
+    pub tokens: i64,
+    /// Labelled positions per example (logits are computed only there); `None`: every
+    /// position but the first, an upper bound.
+    pub kept: Option<i64>,
+}
+
+impl PlanOptions {
+    /// Devices from their names (`sub` defaults to `main`).
+    pub fn new(main: &str, sub: Option<&str>, dtype: Kind, tokens: i64, kept: Option<i64>) -> Result<Self> {
+        let main = normalise_device(main)?;
+        let sub = match sub {
+            Some(s) => normalise_device(s)?,
+            None => main.clone(),
+        };
+        let split = main != sub;
+        Ok(Self { main, sub, split, dtype, tokens, kept })
+    }
+}
+
+/// `cpu`, `cuda` (= `cuda:0`) or `cuda:N`, without checking the device exists.
+fn normalise_device(name: &str) -> Result<String> {
+    let n = name.trim();
+    match n {
+        "cpu" => Ok("cpu".into()),
+        "cuda" => Ok("cuda:0".into()),
+        _ => match n.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(i)) => Ok(format!("cuda:{i}")),
+            _ => Err(Error::Device { name: name.to_string(), msg: "expected cpu, cuda or cuda:N".into() }),
+        },
+    }
+}
+
+/// Meta-training (`train`) or editing with a trained editor (`edit`, `eval`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Train,
+    Edit,
+}
+
+/// When an item is alive (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Group {
+    /// For the whole run.
+    Resident,
+    /// Forward + backward of the edit NLL on the frozen model (reads x and δ).
+    Capture,
+    /// End of the edited forwards (outer, locality): the largest set before backward.
+    EditedForward,
+    /// Backward of the meta-loss into the editor.
+    Backward,
+    /// Gradient clipping and Adam.
+    OptimizerStep,
+    /// Writing the editor and training state (host memory).
+    Checkpoint,
+}
+
+impl Group {
+    pub fn name(self) -> &'static str {
+        match self {
+            Group::Resident => "resident",
+            Group::Capture => "capture",
+            Group::EditedForward => "edited_forward",
+            Group::Backward => "backward",
+            Group::OptimizerStep => "optimizer_step",
+            Group::Checkpoint => "checkpoint",
+        }
+    }
+}
+
+/// Where an item lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Main,
+    Sub,
+    /// Host memory outside both devices (counted on main when main is the CPU).
+    Host,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Main => "main",
+            Role::Sub => "sub",
+            Role::Host => "host",
+        }
+    }
+}
+
+/// One line of the plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanItem {
+    pub phase: Phase,
+    pub role: Role,
+    /// Device name the item is counted on (`None` for host memory on an accelerator run).
+    pub device: Option<String>,
+    /// Groups during which the item is alive.
+    pub groups: Vec<Group>,
+    pub item: String,
+    /// How the bytes are computed, as text.
+    pub formula: String,
+    pub bytes: u64,
+}
+
+/// Peak of one physical device in one phase: `resident + max(other groups)`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceTotal {
+    pub device: String,
+    /// Roles placed on this device (both on a single-device run).
+    pub roles: Vec<String>,
+    pub phase: Phase,
+    pub by_group: BTreeMap<Group, u64>,
+    /// The group whose bytes, added to the resident ones, give the peak.
+    pub peak_group: Group,
+    pub peak_bytes: u64,
+}
+
+/// One editor network (shared by all edited weights of one shape, or per weight).
+#[derive(Debug, Clone, Serialize)]
+pub struct EditorShape {
+    pub key: String,
+    pub d_in: i64,
+    pub d_out: i64,
+    /// Widths of its MLPs (one for combine, two for separate).
+    pub widths: Vec<i64>,
+    pub rank: i64,
+    pub n_modes: i64,
+    pub parameters: i64,
+}
+
+/// Everything the plan assumed.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanShape {
+    pub architecture: String,
+    pub n_params: i64,
+    pub dtype: String,
+    pub dtype_bytes: i64,
+    pub main: String,
+    pub sub: String,
+    pub split: bool,
+    pub batch_size: i64,
+    pub tokens_per_example: i64,
+    pub kept_per_example: i64,
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub n_layers: i64,
+    pub edited: Vec<String>,
+    pub first_edited_layer: i64,
+    pub editors: Vec<EditorShape>,
+    pub editor_parameters: i64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryPlan {
+    pub shape: PlanShape,
+    pub items: Vec<PlanItem>,
+    pub totals: Vec<DeviceTotal>,
+}
+
+/// Plans for the model directory `dir`, reading only its `config.json`.
+pub fn plan_dir(dir: &Path, cfg: &MendConfig, opts: &PlanOptions) -> Result<MemoryPlan> {
+    if !dir.is_dir() {
+        return Err(Error::file(dir, "model directory not found"));
+    }
+    let (model, _) = read_config(dir)?;
+    plan_model(&model, cfg, opts)
+}
+
+/// Element size of a weight dtype.
+fn dtype_bytes(k: Kind) -> i64 {
+    k.elt_size_in_bytes() as i64
+}
+
+fn dtype_name(k: Kind) -> &'static str {
+    match k {
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        _ => "f32",
+    }
+}
+
+/// The architecture's sizes as the activation simulation needs them.
+#[derive(Debug, Clone, Copy)]
+enum Family {
+    Gpt2,
+    Llama,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    family: Family,
+    d: i64,
+    /// MLP inner size.
+    f: i64,
+    heads: i64,
+    /// Width of q (heads · head_dim).
+    q: i64,
+    /// Width of k and v (kv heads · head_dim).
+    kv: i64,
+    /// Whether k/v are repeated to the query heads (grouped-query attention).
+    gqa: bool,
+    n_layers: i64,
+    vocab: i64,
+}
+
+fn dims(model: &Model) -> Dims {
+    match model {
+        Model::Gpt2(m) => {
+            let c = &m.config;
+            Dims {
+                family: Family::Gpt2,
+                d: c.n_embd,
+                f: c.n_inner.unwrap_or(4 * c.n_embd),
+                heads: c.n_head,
+                q: c.n_embd,
+                kv: c.n_embd,
+                gqa: false,
+                n_layers: c.n_layer,
+                vocab: c.vocab_size,
+            }
+        }
+        Model::Llama(m) => {
+            let c = &m.config;
+            let hd = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads);
+            let kvh = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
+            Dims {
+                family: Family::Llama,
+                d: c.hidden_size,
+                f: c.intermediate_size,
+                heads: c.num_attention_heads,
+                q: c.num_attention_heads * hd,
+                kv: kvh * hd,
+                gqa: kvh != c.num_attention_heads,
+                n_layers: c.num_hidden_layers,
+                vocab: c.vocab_size,
+            }
+        }
+    }
+}
+
+/// Layer index and matrix name (`mlp.c_fc`, `self_attn.q_proj`, ...) of an edited weight.
+fn split_name(name: &str) -> Option<(i64, String)> {
+    let rest = name.strip_prefix("transformer.h.").or_else(|| name.strip_prefix("model.layers."))?;
+    let (idx, m) = rest.split_once('.')?;
+    let m = m.strip_suffix(".weight")?;
+    Some((idx.parse().ok()?, m.to_string()))
+}
+
+/// Bytes per token saved for backward by one layer, given whether its input (the residual
+/// stream) requires grad and which of its matrices are edited. Returns (bytes per token,
+/// whether the layer's output requires grad, edited matrices whose input requires grad —
+/// their `W'` is saved by the matmul too).
+fn layer_saved(dm: &Dims, s: i64, res_rg: bool, edited: &[String]) -> (i64, bool, Vec<String>) {
+    let e = |m: &str| edited.iter().any(|x| x == m);
+    let mut bytes = 0i64;
+    let mut w_saved = Vec::new();
+    // A matmul saves its input when the weight requires grad (counted by the callers), and
+    // the weight when the input does (an edited W' then stays alive with the graph).
+    let mm = |input_rg: bool, m: &str, w_saved: &mut Vec<String>| -> bool {
+        if e(m) && input_rg {
+            w_saved.push(m.to_string());
+        }
+        input_rg || e(m)
+    };
+    match dm.family {
+        Family::Gpt2 => {
+            let (d, f, h) = (dm.d, dm.f, dm.heads);
+            if res_rg {
+                bytes += d * s + 8; // ln_1: input, mean, rstd (f32)
+            }
+            if e("attn.c_attn") {
+                bytes += d * s; // ln_1 output, input of an edited matmul
+            }
+            let qkv_rg = mm(res_rg, "attn.c_attn", &mut w_saved);
+            if qkv_rg {
+                bytes += 3 * d * s + d * s + h * 4; // SDPA: q, k, v (one qkv tensor), output, logsumexp
+            }
+            if e("attn.c_proj") {
+                bytes += d * s; // contiguous copy of the attention output
+            }
+            let a_rg = mm(qkv_rg, "attn.c_proj", &mut w_saved);
+            let x1_rg = res_rg || a_rg;
+            if x1_rg {
+                bytes += d * s + 8; // ln_2
+            }
+            if e("mlp.c_fc") {
+                bytes += d * s;
+            }
+            let fc_rg = mm(x1_rg, "mlp.c_fc", &mut w_saved);
+            if fc_rg {
+                bytes += f * s; // gelu input
+            }
+            if e("mlp.c_proj") {
+                bytes += f * s; // gelu output
+            }
+            let o_rg = mm(fc_rg, "mlp.c_proj", &mut w_saved);
+            (bytes, x1_rg || o_rg, w_saved)
+        }
+        Family::Llama => {
+            let (d, f, h, q, kv) = (dm.d, dm.f, dm.heads, dm.q, dm.kv);
+            if res_rg {
+                bytes += d * 4 + 4; // RMSNorm in f32: input (as f32), rsqrt
+            }
+            if e("self_attn.q_proj") || e("self_attn.k_proj") || e("self_attn.v_proj") {
+                bytes += d * s;
+            }
+            let q_rg = mm(res_rg, "self_attn.q_proj", &mut w_saved);
+            let k_rg = mm(res_rg, "self_attn.k_proj", &mut w_saved);
+            let v_rg = mm(res_rg, "self_attn.v_proj", &mut w_saved);
+            let att_rg = q_rg || k_rg || v_rg;
+            if att_rg {
+                let kvw = if dm.gqa { q } else { kv };
+                bytes += q * s + 2 * kvw * s + q * s + h * 4; // SDPA: rotated q, k, v, output, logsumexp
+            }
+            if e("self_attn.o_proj") {
+                bytes += q * s;
+            }
+            let o_rg = mm(att_rg, "self_attn.o_proj", &mut w_saved);
+            let x1_rg = res_rg || o_rg;
+            if x1_rg {
+                bytes += d * 4 + 4;
+            }
+            if e("mlp.gate_proj") || e("mlp.up_proj") {
+                bytes += d * s;
+            }
+            let g_rg = mm(x1_rg, "mlp.gate_proj", &mut w_saved);
+            let u_rg = mm(x1_rg, "mlp.up_proj", &mut w_saved);
+            if g_rg {
+                bytes += f * s; // silu input
+            }
+            if u_rg {
+                bytes += f * s; // act, saved by act·u for u's gradient
+            }
+            if g_rg {
+                bytes += f * s; // u, saved for act's gradient
+            }
+            if e("mlp.down_proj") {
+                bytes += f * s;
+            }
+            let m_rg = mm(g_rg || u_rg, "mlp.down_proj", &mut w_saved);
+            (bytes, x1_rg || m_rg, w_saved)
+        }
+    }
+}
+
+/// Activations saved for backward by a forward of `n` tokens with the `edited` weights
+/// requiring grad: (total bytes, per-layer bytes-per-token from the first edited layer,
+/// names of edited weights whose `W'` the graph keeps).
+fn saved_activations(dm: &Dims, s: i64, edited: &[(i64, String)]) -> (i64, Vec<(i64, i64)>, Vec<(i64, String)>) {
+    let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(dm.n_layers);
+    let mut res_rg = false;
+    let mut per_token = 0;
+    let mut per_layer = Vec::new();
+    let mut kept = Vec::new();
+    for layer in first..dm.n_layers {
+        let mats: Vec<String> = edited.iter().filter(|(l, _)| *l == layer).map(|(_, m)| m.clone()).collect();
+        let (b, out_rg, ws) = layer_saved(dm, s, res_rg, &mats);
+        per_token += b;
+        per_layer.push((layer, b));
+        kept.extend(ws.into_iter().map(|m| (layer, m)));
+        res_rg = out_rg;
+    }
+    if res_rg {
+        // Final norm saves its input.
+        per_token += match dm.family {
+            Family::Gpt2 => dm.d * s + 8,
+            Family::Llama => dm.d * 4 + 4,
+        };
+    }
+    (per_token, per_layer, kept)
+}
+
+/// Live tensors of a forward without grad, per token: one layer's working set.
+fn inference_working_set(dm: &Dims, s: i64) -> i64 {
+    match dm.family {
+        Family::Gpt2 => (2 * dm.d + 3 * dm.f) * s,
+        Family::Llama => (2 * dm.d + 4 * dm.f) * s + dm.d * 4,
+    }
+}
+
+struct Edited {
+    name: String,
+    layer: i64,
+    matrix: String,
+    d_in: i64,
+    d_out: i64,
+}
+
+impl Edited {
+    fn numel(&self) -> i64 {
+        self.d_in * self.d_out
+    }
+}
+
+fn editor_shapes(cfg: &MendConfig, edited: &[Edited]) -> Vec<EditorShape> {
+    let mut groups: BTreeMap<String, (i64, i64, i64)> = BTreeMap::new();
+    for p in edited {
+        let key = if cfg.shared { format!("{}x{}", p.d_in, p.d_out) } else { p.name.clone() };
+        groups.entry(key).or_insert((p.d_in, p.d_out, 0)).2 += 1;
+    }
+    groups
+        .into_iter()
+        .map(|(key, (d_in, d_out, n_modes))| {
+            let widths = match cfg.mode {
+                EditorMode::Combine => vec![d_in + d_out],
+                EditorMode::XOnly => vec![d_in],
+                EditorMode::DeltaOnly => vec![d_out],
+                EditorMode::OneSided => vec![d_in.min(d_out)],
+                EditorMode::Separate => vec![d_in, d_out],
+            };
+            let rank = cfg.rank.min(*widths.iter().max().unwrap_or(&1));
+            // Per low-rank layer: U [w, r], V [r, w], bias [w], scale/shift [n_modes, w].
+            let parameters = widths
+                .iter()
+                .map(|&w| (cfg.n_hidden + 1) * (2 * w * cfg.rank.min(w) + w + 2 * n_modes * w))
+                .sum();
+            EditorShape { key, d_in, d_out, widths, rank, n_modes, parameters }
+        })
+        .collect()
+}
+
+fn num(n: i64) -> String {
+    // 124439808 -> 124,439,808
+    let s = n.abs().to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 {
+        format!("-{out}")
+    } else {
+        out
+    }
+}
+
+/// Builds the plan for an architecture (no weights needed).
+pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<MemoryPlan> {
+    cfg.validate()?;
+    let info = model.info();
+    let dm = dims(model);
+    let tokens = o.tokens.min(info.max_positions);
+    let kept = o.kept.unwrap_or(tokens - 1);
+    if tokens < 2 || kept < 1 || kept >= tokens {
+        return Err(Error::input(format!(
+            "need at least 2 tokens per example (got {tokens}) and 1 <= labelled positions < tokens (got {kept})"
+        )));
+    }
+    let names: Vec<String> = if cfg.edit_params.is_empty() { model.default_edit_params() } else { cfg.edit_params.clone() };
+    let shapes: BTreeMap<String, Vec<i64>> = model.expected_params().into_iter().collect();
+    let mut edited = Vec::with_capacity(names.len());
+    for name in &names {
+        let layout = model
+            .layout(name)
+            .ok_or_else(|| Error::input(format!("{name:?} is not the weight of a linear layer of {}", info.architecture)))?;
+        let shape = shapes.get(name).ok_or_else(|| Error::input(format!("{name:?} is not a parameter of the model")))?;
+        let (d_in, d_out) = layout.in_out(shape);
+        let (layer, matrix) =
+            split_name(name).ok_or_else(|| Error::input(format!("{name:?} is not inside a transformer block")))?;
+        edited.push(Edited { name: name.clone(), layer, matrix, d_in, d_out });
+    }
+    if edited.is_empty() {
+        return Err(Error::input("no weights to edit"));
+    }
+
+    let s = dtype_bytes(o.dtype);
+    let b = cfg.batch_size as i64;
+    let n = b * tokens; // tokens of one batch (inner, outer and locality alike)
+    let nk = b * kept; // labelled positions of one batch
+    let v = dm.vocab;
+    let p_count = edited.len() as i64;
+    let w_elems: i64 = edited.iter().map(Edited::numel).sum();
+    let w_max: i64 = edited.iter().map(Edited::numel).max().unwrap_or(0);
+    let din_dout: i64 = edited.iter().map(|p| p.d_in + p.d_out).sum();
+    let dout_sum: i64 = edited.iter().map(|p| p.d_out).sum();
+    let editors = editor_shapes(cfg, &edited);
+    let e_params: i64 = editors.iter().map(|e| e.parameters).sum();
+    let stats_elems: i64 = editors.iter().map(|e| 2 * (e.d_in + e.d_out)).sum();
+    // Largest single editor tensor (U or V of the widest MLP).
+    let e_max: i64 = editors
+        .iter()
+        .flat_map(|e| e.widths.iter().map(|&w| w * cfg.rank.min(w)))
+        .max()
+        .unwrap_or(0);
+
+    let located: Vec<(i64, String)> = edited.iter().map(|p| (p.layer, p.matrix.clone())).collect();
+    let (act_per_token, per_layer, w_kept) = saved_activations(&dm, s, &located);
+    let first_layer = per_layer.first().map(|(l, _)| *l).unwrap_or(0);
+    let w_kept_elems: i64 = edited
+        .iter()
+        .filter(|p| w_kept.iter().any(|(l, m)| *l == p.layer && *m == p.matrix))
+        .map(Edited::numel)
+        .sum();
+    let w_unkept_elems = w_elems - w_kept_elems;
+    let layers_txt = {
+        let mut t = String::new();
+        for (i, (l, bpt)) in per_layer.iter().enumerate() {
+            if i > 0 {
+                t.push_str(" + ");
+            }
+            let _ = write!(t, "L{l}:{bpt}");
+        }
+        t
+    };
+    let fam = match dm.family {
+        Family::Gpt2 => "GPT-2",
+        Family::Llama => "LLaMA",
+    };
+
+    let main_dev = o.main.clone();
+    let sub_dev = if o.split { o.sub.clone() } else { o.main.clone() };
+    let fwd_role = if o.split { Role::Sub } else { Role::Main };
+    let host_dev = (main_dev == "cpu").then(|| "cpu".to_string());
+    let mut items: Vec<PlanItem> = Vec::new();
+    let mut add = |phase: Phase, role: Role, groups: &[Group], item: &str, formula: String, bytes: i64| {
+        let device = match role {
+            Role::Main => Some(main_dev.clone()),
+            Role::Sub => Some(sub_dev.clone()),
+            Role::Host => host_dev.clone(),
+        };
+        items.push(PlanItem { phase, role, device, groups: groups.to_vec(), item: item.into(), formula, bytes: bytes.max(0) as u64 });
+    };
+    use Group::*;
+    let n_fwd = 2; // outer + locality
+    let sd = dtype_name(o.dtype);
+
+    for phase in [Phase::Train, Phase::Edit] {
+        let train = phase == Phase::Train;
+        // --- resident
+        add(
+            phase,
+            Role::Main,
+            &[Resident],
+            "model weights",
+            format!("n_params·s = {}·{s}", num(info.n_params)),
+            info.n_params * s,
+        );
+        if o.split {
+            add(
+                phase,
+                Role::Sub,
+                &[Resident],
+                "sub-device replica of the weights",
+                format!("n_params·s = {}·{s}", num(info.n_params)),
+                info.n_params * s,
+            );
+        }
+        let e_txt = editors
+            .iter()
+            .map(|e| {
+                let ws: Vec<String> = e.widths.iter().map(|w| w.to_string()).collect();
+                format!("{}·(2·w·r+w+2·m·w) w={} r={} m={}", cfg.n_hidden + 1, ws.join("/"), e.rank, e.n_modes)
+            })
+            .collect::<Vec<_>>()
+            .join(" + ");
+        add(phase, Role::Main, &[Resident], "editor parameters (f32)", format!("[{e_txt}]·4 = {}·4", num(e_params)), e_params * 4);
+        if train {
+            add(phase, Role::Main, &[Resident], "editor gradients (f32)", format!("{}·4", num(e_params)), e_params * 4);
+            add(phase, Role::Main, &[Resident], "Adam m and v (f32)", format!("2·{}·4", num(e_params)), 2 * e_params * 4);
+        }
+        let lr_copies = if train { 4 } else { 1 };
+        add(
+            phase,
+            Role::Main,
+            &[Resident],
+            "edit learning rates (f32)",
+            if train { format!("P·4·(value+grad+m+v) = {p_count}·4·4") } else { format!("P·4 = {p_count}·4") },
+            p_count * 4 * lr_copies,
+        );
+        add(
+            phase,
+            Role::Main,
+            &[Resident],
+            "normalisation statistics (f32)",
+            format!("Σ_editors 2·(d_in+d_out)·4 = {}·4", num(stats_elems)),
+            stats_elems * 4,
+        );
+
+        // --- capture (on main, with grad, both phases)
+        let cap_act = n * act_per_token;
+        add(
+            phase,
+            Role::Main,
+            &[Capture],
+            "capture: activations kept for backward",
+            format!("B·T·Σ_layers≥L{first_layer} bytes/token = {n}·({layers_txt}{}) [{fam}]", if act_per_token > per_layer.iter().map(|x| x.1).sum::<i64>() { " + final norm" } else { "" }),
+            cap_act,
+        );
+        add(
+            phase,
+            Role::Main,
+            &[Capture],
+            "capture: layer outputs h and δ = ∂L/∂h",
+            format!("B·T·Σ_P d_out·(s+4) = {n}·{}·({s}+4)", num(dout_sum)),
+            n * dout_sum * (s + 4),
+        );
+        add(
+            phase,
+            Role::Main,
+            &[Capture],
+            "capture: logits at labelled positions + log_softmax",
+            format!("B·kept·V·(s+4) = {nk}·{v}·({s}+4)"),
+            nk * v * (s + 4),
+        );
+        add(
+            phase,
+            Role::Main,
+            &[EditedForward],
+            "captured x and δ (f32, rows with signal)",
+            format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
+            n * din_dout * 4,
+        );
+
+        // --- editor and W' on main
+        let e_rows = n; // rows with signal ≤ tokens of the edit batch
+        let e_act_elems: i64 = edited
+            .iter()
+            .map(|p| {
+                let ed = editors
+                    .iter()
+                    .find(|e| if cfg.shared { e.d_in == p.d_in && e.d_out == p.d_out } else { e.key == p.name })
+                    .expect("every edited weight has an editor");
+                ed.widths.iter().map(|&w| (cfg.n_hidden + 1) * (3 * w + cfg.rank.min(w)) + w).sum::<i64>()
+            })
+            .sum();
+        if train {
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward, Backward],
+                "editor activations (f32)",
+                format!("rows·Σ_P [(n_hidden+1)·(3w+r)+w]·4 = {e_rows}·{}·4", num(e_act_elems)),
+                e_rows * e_act_elems * 4,
+            );
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward, Backward],
+                "pseudo-gradients ∇̃W (f32, kept for the edit-lr gradient)",
+                format!("Σ_P d_in·d_out·4 = {}·4", num(w_elems)),
+                w_elems * 4,
+            );
+        } else {
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward],
+                "pseudo-gradient temporaries (f32, one weight at a time)",
+                format!("3·max_P d_in·d_out·4 = 3·{}·4", num(w_max)),
+                3 * w_max * 4,
+            );
+        }
+        if train && !o.split {
+            // On one device the graph keeps the W' of every edited weight whose input
+            // needs grad (all but the lowest) until backward.
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward, Backward],
+                "edited weights W' kept by the graph",
+                format!("Σ_saved d_in·d_out·s = {}·{s}", num(w_kept_elems)),
+                w_kept_elems * s,
+            );
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward],
+                "edited weights W' of the lowest edited weights",
+                format!("Σ_first d_in·d_out·s = {}·{s}", num(w_unkept_elems)),
+                w_unkept_elems * s,
+            );
+        } else {
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward],
+                "edited weights W' (full tensors)",
+                format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
+                w_elems * s,
+            );
+        }
+        if o.split {
+            if train {
+                add(
+                    phase,
+                    Role::Sub,
+                    &[EditedForward],
+                    "W' copies on sub (one per edited forward, kept by the graph)",
+                    format!(
+                        "{n_fwd}·Σ_saved d_in·d_out·s + Σ_first d_in·d_out·s = {n_fwd}·{}·{s} + {}·{s}",
+                        num(w_kept_elems),
+                        num(w_unkept_elems)
+                    ),
+                    (n_fwd * w_kept_elems + w_unkept_elems) * s,
+                );
+            } else {
+                add(
+                    phase,
+                    Role::Sub,
+                    &[EditedForward],
+                    "W' copies on sub (during one forward)",
+                    format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
+                    w_elems * s,
+                );
+            }
+        }
+
+        // --- edited forwards
+        if train {
+            add(
+                phase,
+                fwd_role,
+                &[EditedForward],
+                "edited forwards: activations kept for backward (outer + locality)",
+                format!("{n_fwd}·B·T·Σ_layers≥L{first_layer} bytes/token = {n_fwd}·{n}·{act_per_token}"),
+                n_fwd * n * act_per_token,
+            );
+        } else {
+            add(
+                phase,
+                fwd_role,
+                &[EditedForward],
+                "edited forward without grad: one layer's working set",
+                format!("B·T·bytes/token = {n}·{}", inference_working_set(&dm, s)),
+                n * inference_working_set(&dm, s),
+            );
+        }
+        if o.split {
+            add(
+                phase,
+                Role::Sub,
+                &[EditedForward],
+                "logits on sub before the copy back",
+                format!("B·kept·V·s = {nk}·{v}·{s}"),
+                nk * v * s,
+            );
+        }
+        if train {
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward],
+                "logits at labelled positions (outer, locality, base locality)",
+                format!("3·B·kept·V·s = 3·{nk}·{v}·{s}"),
+                3 * nk * v * s,
+            );
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward, Backward],
+                "log_softmax copies kept for backward (outer, locality, exp(base))",
+                format!("3·B·kept·V·4 = 3·{nk}·{v}·4"),
+                3 * nk * v * 4,
+            );
+            add(
+                phase,
+                Role::Main,
+                &[Backward],
+                "gradients w.r.t. W' + one weight's backward temporaries",
+                format!("Σ_P d_in·d_out·s + 3·max_P d_in·d_out·4 = {}·{s} + 3·{}·4", num(w_elems), num(w_max)),
+                w_elems * s + 3 * w_max * 4,
+            );
+            add(
+                phase,
+                Role::Main,
+                &[OptimizerStep],
+                "Adam and clipping temporaries",
+                format!("6·largest editor tensor·4 = 6·{}·4", num(e_max)),
+                6 * e_max * 4,
+            );
+            add(
+                phase,
+                Role::Host,
+                &[Checkpoint],
+                "checkpoint write: tensor bytes + serialised file",
+                format!("2·(3·editor + stats + lrs)·4 = 2·{}·4", num(3 * e_params + stats_elems + 3 * p_count)),
+                2 * (3 * e_params + stats_elems + 3 * p_count) * 4,
+            );
+        } else {
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward],
+                "logits at labelled positions + log_softmax",
+                format!("B·kept·V·(s+4) = {nk}·{v}·({s}+4)"),
+                nk * v * (s + 4),
+            );
+        }
+    }
+
+    // --- totals per physical device
+    let mut devices: Vec<String> = vec![main_dev.clone()];
+    if !devices.contains(&sub_dev) {
+        devices.push(sub_dev.clone());
+    }
+    let mut totals = Vec::new();
+    for phase in [Phase::Train, Phase::Edit] {
+        for dev in &devices {
+            let mut by_group: BTreeMap<Group, u64> = BTreeMap::new();
+            let mut roles: Vec<String> = Vec::new();
+            if *dev == main_dev {
+                roles.push("main".into());
+            }
+            if *dev == sub_dev {
+                roles.push("sub".into());
+            }
+            for it in items.iter().filter(|i| i.phase == phase && i.device.as_deref() == Some(dev.as_str())) {
+                for g in &it.groups {
+                    *by_group.entry(*g).or_default() += it.bytes;
+                }
+            }
+            let resident = by_group.get(&Resident).copied().unwrap_or(0);
+            let (peak_group, extra) = by_group
+                .iter()
+                .filter(|(g, _)| **g != Resident)
+                .max_by_key(|(_, b)| **b)
+                .map(|(g, b)| (*g, *b))
+                .unwrap_or((Resident, 0));
+            totals.push(DeviceTotal { device: dev.clone(), roles, phase, by_group, peak_group, peak_bytes: resident + extra });
+        }
+    }
+
+    let shape = PlanShape {
+        architecture: info.architecture.clone(),
+        n_params: info.n_params,
+        dtype: sd.into(),
+        dtype_bytes: s,
+        main: o.main.clone(),
+        sub: o.sub.clone(),
+        split: o.split,
+        batch_size: b,
+        tokens_per_example: tokens,
+        kept_per_example: kept,
+        vocab_size: v,
+        hidden_size: dm.d,
+        n_layers: dm.n_layers,
+        edited: names,
+        first_edited_layer: first_layer,
+        editors,
+        editor_parameters: e_params,
+    };
+    Ok(MemoryPlan { shape, items, totals })
+}
+
+impl MemoryPlan {
+    /// Peak bytes of `device` in `phase` (0 if the device has no role).
+    pub fn peak(&self, device: &str, phase: Phase) -> u64 {
+        self.totals.iter().find(|t| t.device == device && t.phase == phase).map_or(0, |t| t.peak_bytes)
+    }
+
+    /// Bytes of one group on `device` in `phase`.
+    pub fn group_bytes(&self, device: &str, phase: Phase, group: Group) -> u64 {
+        self.totals
+            .iter()
+            .find(|t| t.device == device && t.phase == phase)
+            .and_then(|t| t.by_group.get(&group).copied())
+            .unwrap_or(0)
+    }
+
+    /// The plan as a text table: every item with its formula and bytes, then the totals.
+    pub fn table(&self) -> String {
+        let sh = &self.shape;
+        let mut out = String::new();
+        let placement = if sh.split {
+            format!("main {}, sub {} (split)", sh.main, sh.sub)
+        } else {
+            format!("main = sub = {} (single device)", sh.main)
+        };
+        let _ = writeln!(out, "memory plan: {} ({} parameters, {}), {placement}", sh.architecture, num(sh.n_params), sh.dtype);
+        let _ = writeln!(
+            out,
+            "assumes: batch {} × {} tokens, {} labelled positions per example; {} edited weights from layer {} in {} editor(s), {} editor parameters",
+            sh.batch_size,
+            sh.tokens_per_example,
+            sh.kept_per_example,
+            sh.edited.len(),
+            sh.first_edited_layer,
+            sh.editors.len(),
+            num(sh.editor_parameters)
+        );
+        let _ = writeln!(out, "s = {} bytes per weight element; peaks are resident + the largest other group", sh.dtype_bytes);
+        for phase in [Phase::Train, Phase::Edit] {
+            let title = match phase {
+                Phase::Train => "TRAIN (one meta-training micro-step, optimiser step, checkpoint)",
+                Phase::Edit => "EDIT (one edit with a trained editor and its scoring)",
+            };
+            let _ = writeln!(out, "\n{title}");
+            let _ = writeln!(out, "{:<5} {:<28} {:<58} {:<70} {:>11}", "role", "when", "item", "formula", "bytes");
+            for it in self.items.iter().filter(|i| i.phase == phase) {
+                let when: Vec<&str> = it.groups.iter().map(|g| g.name()).collect();
+                let _ = writeln!(
+                    out,
+                    "{:<5} {:<28} {:<58} {:<70} {:>11}",
+                    it.role.name(),
+                    when.join(","),
+                    it.item,
+                    it.formula,
+                    format_bytes(it.bytes)
+                );
+            }
+            for t in self.totals.iter().filter(|t| t.phase == phase) {
+                let groups: Vec<String> = t
+                    .by_group
+                    .iter()
+                    .filter(|(g, _)| **g != Group::Resident)
+                    .map(|(g, b)| format!("{} {}", g.name(), format_bytes(*b)))
+                    .collect();
+                let _ = writeln!(
+                    out,
+                    "total {} ({}): {} = resident {} + max({}) -> peak during {}",
+                    t.device,
+                    t.roles.join("+"),
+                    format_bytes(t.peak_bytes),
+                    format_bytes(t.by_group.get(&Group::Resident).copied().unwrap_or(0)),
+                    groups.join(", "),
+                    t.peak_group.name()
+                );
+            }
+            if phase == Phase::Train && sh.main != "cpu" {
+                let host: u64 = self.items.iter().filter(|i| i.phase == phase && i.role == Role::Host).map(|i| i.bytes).sum();
+                let _ = writeln!(out, "host memory (not on {}): {} during checkpoint writes", sh.main, format_bytes(host));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::gpt2::{Gpt2, Gpt2Config};
+
+    fn gpt2(n_layer: i64, d: i64, v: i64) -> Model {
+        let c: Gpt2Config = serde_json::from_value(serde_json::json!({
+            "vocab_size": v, "n_embd": d, "n_layer": n_layer, "n_head": 4, "n_positions": 128
+        }))
+        .unwrap();
+        Model::Gpt2(Gpt2::new(c).unwrap())
+    }
+
+    #[test]
+    fn frozen_layers_below_the_first_edit_keep_nothing() {
+        let m = gpt2(6, 64, 100);
+        let dm = dims(&m);
+        let last: Vec<(i64, String)> = vec![(5, "mlp.c_fc".into()), (5, "mlp.c_proj".into())];
+        let two: Vec<(i64, String)> = vec![(4, "mlp.c_fc".into()), (5, "mlp.c_fc".into()), (5, "mlp.c_proj".into())];
+        let (a, la, ka) = saved_activations(&dm, 4, &last);
+        let (b, lb, _) = saved_activations(&dm, 4, &two);
+        assert_eq!(la.len(), 1);
+        assert_eq!(lb.len(), 2);
+        assert!(b > a);
+        // Layer 5: ln_2 input not needed (residual has no grad), c_fc input + gelu in/out.
+        assert_eq!(la[0].1, (64 + 2 * 256) * 4);
+        // c_fc's input needs no grad, so only c_proj's W' is kept by the graph.
+        assert_eq!(ka, vec![(5, "mlp.c_proj".to_string())]);
+    }
+
+    #[test]
+    fn plan_sums_and_split() {
+        let m = gpt2(4, 64, 100);
+        let cfg = MendConfig { rank: 8, ..MendConfig::default() };
+        let single = plan_model(&m, &cfg, &PlanOptions::new("cpu", None, Kind::Float, 16, Some(4)).unwrap()).unwrap();
+        assert_eq!(single.totals.len(), 2); // one device, two phases
+        let t = &single.totals[0];
+        assert_eq!(t.roles, vec!["main", "sub"]);
+        let resident = t.by_group[&Group::Resident];
+        let largest = t.by_group.iter().filter(|(g, _)| **g != Group::Resident).map(|(_, b)| *b).max().unwrap();
+        assert_eq!(t.peak_bytes, resident + largest);
+        assert_eq!(t.by_group[&t.peak_group], largest);
+        let split = plan_model(&m, &cfg, &PlanOptions::new("cuda:0", Some("cuda:1"), Kind::BFloat16, 16, Some(4)).unwrap()).unwrap();
+        assert_eq!(split.totals.len(), 4);
+        let sub_train = split.peak("cuda:1", Phase::Train);
+        let weights = (m.info().n_params * 2) as u64;
+        assert!(sub_train > weights, "the sub-device holds the replica and the edited forwards");
+        // Editor state stays on main.
+        assert!(split.group_bytes("cuda:0", Phase::Train, Group::Resident) > weights + 4 * single.shape.editor_parameters as u64);
+        assert!(split.table().contains("total cuda:1 (sub)"));
+        assert!(serde_json::to_string(&split).unwrap().contains("\"peak_bytes\""));
+    }
+
+    #[test]
+    fn bad_options_are_refused() {
+        assert!(PlanOptions::new("gpu", None, Kind::Float, 8, None).is_err());
+        let m = gpt2(2, 64, 100);
+        // Beyond the context: capped as runs cap max_length.
+        let o = PlanOptions::new("cpu", None, Kind::Float, 1000, None).unwrap();
+        assert_eq!(plan_model(&m, &MendConfig::default(), &o).unwrap().shape.tokens_per_example, 128);
+        let o = PlanOptions::new("cpu", None, Kind::Float, 8, Some(8)).unwrap();
+        assert!(plan_model(&m, &MendConfig::default(), &o).is_err());
+        let o = PlanOptions::new("cpu", None, Kind::Float, 8, None).unwrap();
+        let bad = MendConfig { edit_params: vec!["transformer.wte.weight".into()], ..MendConfig::default() };
+        assert!(plan_model(&m, &bad, &o).is_err());
+    }
+}

@@ -1,0 +1,494 @@
+//! `dualedit serve`: a [`Session`]'s operations as JSON over HTTP, for programs that use
+//! dualedit as their editing backend.
+//!
+//! | route            | body                                   | answer                                   |
+//! |------------------|----------------------------------------|------------------------------------------|
+//! | `POST /edit`     | `{"requests": [EasyEdit records]}`     | per-request metrics, summary             |
+//! | `POST /score`    | `{"text"}`                             | `{"tokens", "logprobs", "mean_nll"}`     |
+//! | `POST /generate` | `{"prompt", "max_new_tokens"?: 16}`    | `{"text", "tokens", ...}`                |
+//! | `POST /reset`    | none                                   | `{"restored_params", "edits_total"}`     |
+//! | `POST /save`     | `{"dir"}`                              | `{"dir", "edits_total"}`                 |
+//! | `GET /health`    |                                        | `{"status": "ok", ...}`                  |
+//! | `GET /memory`    |                                        | per-device figures                       |
+//!
+//! Errors are JSON `{"error": message, "kind": ...}`: 400 malformed JSON or a missing /
+//! mistyped / unknown field (named), 404 unknown route, 405 wrong method, 413 body too
+//! large, 422 a well-formed request the model refuses (a prompt longer than its context,
+//! an edit without an editor), 503 queue full or shutting down, 500 anything else.
+//!
+//! Threads: a few HTTP workers read, parse and validate requests and answer those that
+//! need no model (health, memory, every 4xx); model requests go into one bounded queue
+//! that the model thread (the caller of [`Server::run`], which owns the session) runs in
+//! order and answers. Workers never wait on the model, so a full queue is answered 503 at
+//! once instead of letting waits grow without bound; a request that waited longer than
+//! the queue timeout is answered 503 without running.
+use std::io::Read;
+use std::net::SocketAddr;
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{bounded, Receiver, RecvTimeoutError, Sender, TrySendError};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tiny_http::{Header, Method, Request, Response};
+use tracing::{info, warn};
+
+use crate::data::easyedit::{parse_records, DatasetKind, EditRecord};
+use crate::device::DevicePlan;
+use crate::session::{device_memory, Session};
+use crate::{Error, Result};
+
+/// The address `serve` listens on unless told otherwise: loopback only.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8470";
+
+/// Limits and sizes of the service.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Model requests waiting beyond the one running; more are answered 503.
+    pub queue: usize,
+    /// HTTP worker threads (parsing, validation, health, memory).
+    pub workers: usize,
+    /// Largest request body accepted; larger ones are answered 413.
+    pub max_body_bytes: usize,
+    /// A model request that waited longer than this is answered 503 without running.
+    pub queue_timeout: Duration,
+    /// When set, `/save` only writes to relative paths below this directory.
+    pub save_root: Option<PathBuf>,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        Self { queue: 64, workers: 4, max_body_bytes: 1 << 20, queue_timeout: Duration::from_secs(60), save_root: None }
+    }
+}
+
+/// Counts of what a server answered, returned when it stops.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct ServeStats {
+    pub requests: u64,
+    /// Requests the model thread ran.
+    pub model_requests: u64,
+    pub ok: u64,
+    pub client_errors: u64,
+    pub server_errors: u64,
+    /// 503s because the queue was full.
+    pub rejected_queue_full: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    requests: AtomicU64,
+    model_requests: AtomicU64,
+    ok: AtomicU64,
+    client_errors: AtomicU64,
+    server_errors: AtomicU64,
+    rejected_queue_full: AtomicU64,
+}
+
+impl Counters {
+    fn count(&self, status: u16) {
+        let c = match status {
+            200..=299 => &self.ok,
+            400..=499 => &self.client_errors,
+            _ => &self.server_errors,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> ServeStats {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ServeStats {
+            requests: g(&self.requests),
+            model_requests: g(&self.model_requests),
+            ok: g(&self.ok),
+            client_errors: g(&self.client_errors),
+            server_errors: g(&self.server_errors),
+            rejected_queue_full: g(&self.rejected_queue_full),
+        }
+    }
+}
+
+/// A bound HTTP listener, not yet serving (bind first to learn the port of `:0`).
+pub struct Server {
+    http: tiny_http::Server,
+    addr: SocketAddr,
+    opts: ServeOptions,
+}
+
+impl Server {
+    /// Binds `listen` (`host:port`; port 0 picks a free one). Anything but a loopback
+    /// address is logged as a warning: the service has no authentication.
+    pub fn bind(listen: &str, opts: ServeOptions) -> Result<Self> {
+        let addr: SocketAddr = listen
+            .parse()
+            .map_err(|e| Error::input(format!("--listen {listen:?} is not an address like 127.0.0.1:8470: {e}")))?;
+        if opts.queue == 0 || opts.workers == 0 || opts.max_body_bytes == 0 {
+            return Err(Error::input("the queue bound, worker count and maximum body size must be at least 1"));
+        }
+        let http = tiny_http::Server::http(addr).map_err(|e| Error::input(format!("cannot listen on {addr}: {e}")))?;
+        let addr = http.server_addr().to_ip().ok_or_else(|| Error::input(format!("{addr} is not an IP listener")))?;
+        if !addr.ip().is_loopback() {
+            warn!(%addr, "listening beyond loopback: anyone who can reach this address can edit and save the model");
+        }
+        Ok(Self { http, addr, opts })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves until `shutdown` becomes true (a signal handler sets it), then finishes the
+    /// model request in flight, answers those still queued with 503, and returns. The
+    /// calling thread becomes the model thread: the session never leaves it.
+    pub fn run(self, mut session: Session, shutdown: &AtomicBool) -> Result<ServeStats> {
+        let (tx, rx) = bounded::<Job>(self.opts.queue);
+        let shared = Shared {
+            opts: &self.opts,
+            counters: Counters::default(),
+            health: Health::of(&session, &self.opts),
+            plan: session.engine().plan,
+            edits_total: AtomicUsize::new(session.edits_total()),
+            tx,
+        };
+        info!(addr = %self.addr, queue = self.opts.queue, workers = self.opts.workers, "serving on http://{}", self.addr);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..self.opts.workers)
+                .map(|_| scope.spawn(|| worker(&self.http, &shared, shutdown)))
+                .collect();
+            model_loop(&mut session, &rx, &shared, shutdown);
+            info!("shutting down: the request in flight is finished, queued ones are answered 503");
+            for w in workers {
+                if w.join().is_err() {
+                    warn!("an HTTP worker panicked");
+                }
+            }
+            while let Ok(job) = rx.try_recv() {
+                respond(&shared, job.request, 503, error_body("server is shutting down", "shutting_down"));
+            }
+        });
+        let stats = shared.counters.snapshot();
+        info!(?stats, "stopped");
+        Ok(stats)
+    }
+}
+
+/// What workers and the model thread share.
+struct Shared<'a> {
+    opts: &'a ServeOptions,
+    counters: Counters,
+    health: Health,
+    plan: DevicePlan,
+    edits_total: AtomicUsize,
+    tx: Sender<Job>,
+}
+
+/// The static part of `/health`, computed once.
+#[derive(Serialize)]
+struct Health {
+    model: String,
+    architecture: String,
+    editor: Option<String>,
+    max_positions: usize,
+    devices: Vec<String>,
+    queue_capacity: usize,
+}
+
+impl Health {
+    fn of(s: &Session, opts: &ServeOptions) -> Self {
+        let plan = s.engine().plan;
+        let mut devices = vec![crate::device::memory::device_name(plan.main)];
+        if plan.split {
+            devices.push(crate::device::memory::device_name(plan.sub));
+        }
+        Self {
+            model: s.model_dir().display().to_string(),
+            architecture: s.info().architecture,
+            editor: s.editor_dir().map(|d| d.display().to_string()),
+            max_positions: s.max_positions(),
+            devices,
+            queue_capacity: opts.queue,
+        }
+    }
+}
+
+/// A model request, parsed and validated by a worker.
+enum Op {
+    Edit(Vec<EditRecord>),
+    Score { text: String },
+    Generate { prompt: String, max_new_tokens: usize },
+    Reset,
+    Save { dir: PathBuf },
+}
+
+struct Job {
+    op: Op,
+    request: Request,
+    enqueued: Instant,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EditBody {
+    requests: Value,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScoreBody {
+    text: String,
+}
+
+fn default_max_new() -> usize {
+    16
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenerateBody {
+    prompt: String,
+    #[serde(default = "default_max_new")]
+    max_new_tokens: usize,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SaveBody {
+    dir: String,
+}
+
+/// A response before it is written: status and JSON body.
+type Reply = (u16, Value);
+
+fn error_body(msg: impl Into<String>, kind: &str) -> Value {
+    json!({ "error": msg.into(), "kind": kind })
+}
+
+fn json_header() -> Header {
+    Header::from_bytes(&b"Content-Type"[..], &b"application/json"[..]).expect("static header is valid")
+}
+
+fn respond(shared: &Shared, request: Request, status: u16, body: Value) {
+    shared.counters.count(status);
+    let mut response = Response::from_string(body.to_string()).with_status_code(status).with_header(json_header());
+    if status == 405 {
+        let allow = allowed_method(request.url()).unwrap_or("GET");
+        if let Ok(h) = Header::from_bytes(&b"Allow"[..], allow.as_bytes()) {
+            response.add_header(h);
+        }
+    }
+    // The client may have gone; nothing to do about it here.
+    let _ = request.respond(response);
+}
+
+const MODEL_ROUTES: [&str; 5] = ["/edit", "/score", "/generate", "/reset", "/save"];
+const READ_ROUTES: [&str; 2] = ["/health", "/memory"];
+
+fn route_path(url: &str) -> &str {
+    url.split(['?', '#']).next().unwrap_or(url)
+}
+
+/// The method a known route takes, `None` for an unknown route.
+fn allowed_method(url: &str) -> Option<&'static str> {
+    let path = route_path(url);
+    if MODEL_ROUTES.contains(&path) {
+        Some("POST")
+    } else if READ_ROUTES.contains(&path) {
+        Some("GET")
+    } else {
+        None
+    }
+}
+
+fn worker(http: &tiny_http::Server, shared: &Shared, shutdown: &AtomicBool) {
+    while !shutdown.load(Ordering::SeqCst) {
+        let request = match http.recv_timeout(Duration::from_millis(100)) {
+            Ok(Some(r)) => r,
+            Ok(None) => continue,
+            Err(e) => {
+                warn!(error = %e, "accepting a connection failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        shared.counters.requests.fetch_add(1, Ordering::Relaxed);
+        // A bug in request handling must not take a worker down with it; the dropped
+        // request is answered 500 by tiny_http.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(request, shared)));
+        if r.is_err() {
+            shared.counters.count(500);
+            warn!("handling a request panicked");
+        }
+    }
+}
+
+/// Routes one request: answers it here, or queues it for the model thread.
+fn handle(mut request: Request, shared: &Shared) {
+    let path = route_path(request.url()).to_string();
+    let Some(allowed) = allowed_method(&path) else {
+        return respond(shared, request, 404, error_body(format!("no route {path}; routes: POST {}, GET {}", MODEL_ROUTES.join(" "), READ_ROUTES.join(" ")), "not_found"));
+    };
+    let method_ok = matches!((request.method(), allowed), (Method::Post, "POST") | (Method::Get, "GET"));
+    if !method_ok {
+        let msg = format!("{path} takes {allowed}, not {}", request.method());
+        return respond(shared, request, 405, error_body(msg, "method_not_allowed"));
+    }
+    match path.as_str() {
+        "/health" => {
+            let mut body = serde_json::to_value(&shared.health).unwrap_or_default();
+            body["status"] = json!("ok");
+            body["edits_total"] = json!(shared.edits_total.load(Ordering::Relaxed));
+            body["queue_waiting"] = json!(shared.tx.len());
+            respond(shared, request, 200, body)
+        }
+        "/memory" => match device_memory(&shared.plan) {
+            Ok(devices) => respond(shared, request, 200, json!({ "devices": devices })),
+            Err(e) => respond(shared, request, 500, error_body(e.to_string(), "internal")),
+        },
+        _ => {
+            let op = match read_body(&mut request, shared.opts.max_body_bytes).and_then(|body| parse_op(&path, &body, shared.opts)) {
+                Ok(op) => op,
+                Err((status, body)) => return respond(shared, request, status, body),
+            };
+            match shared.tx.try_send(Job { op, request, enqueued: Instant::now() }) {
+                Ok(()) => {}
+                Err(TrySendError::Full(job)) => {
+                    shared.counters.rejected_queue_full.fetch_add(1, Ordering::Relaxed);
+                    let msg = format!("queue full: {} model requests are already waiting; retry later", shared.opts.queue);
+                    respond(shared, job.request, 503, error_body(msg, "queue_full"))
+                }
+                Err(TrySendError::Disconnected(job)) => {
+                    respond(shared, job.request, 503, error_body("server is shutting down", "shutting_down"))
+                }
+            }
+        }
+    }
+}
+
+/// The body, refused with 413 beyond `max` bytes (by its declared length when it has one,
+/// without reading it).
+fn read_body(request: &mut Request, max: usize) -> std::result::Result<Vec<u8>, Reply> {
+    let too_large = || (413, error_body(format!("request body is larger than the limit of {max} bytes"), "too_large"));
+    if request.body_length().is_some_and(|n| n > max) {
+        return Err(too_large());
+    }
+    let mut body = Vec::new();
+    request
+        .as_reader()
+        .take(max as u64 + 1)
+        .read_to_end(&mut body)
+        .map_err(|e| (400, error_body(format!("cannot read the request body: {e}"), "bad_request")))?;
+    if body.len() > max {
+        return Err(too_large());
+    }
+    Ok(body)
+}
+
+fn parse_json<T: for<'de> Deserialize<'de>>(path: &str, body: &[u8]) -> std::result::Result<T, Reply> {
+    serde_json::from_slice(body).map_err(|e| {
+        let what = if e.is_data() { "invalid request" } else { "malformed JSON" };
+        (400, error_body(format!("{path}: {what}: {e}"), "bad_request"))
+    })
+}
+
+/// Parses and validates a model request's body (all 400s are decided here).
+fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result<Op, Reply> {
+    let bad = |msg: String| (400, error_body(format!("{path}: {msg}"), "bad_request"));
+    Ok(match path {
+        "/edit" => {
+            let b: EditBody = parse_json(path, body)?;
+            if !b.requests.is_array() {
+                return Err(bad("\"requests\" must be an array of edit records".into()));
+            }
+            let (records, report) =
+                parse_records(&b.requests.to_string(), Path::new("requests"), DatasetKind::Requests).map_err(|e| bad(e.to_string()))?;
+            if let Some((i, why)) = report.skipped.first() {
+                return Err(bad(format!("record {i}: {why}")));
+            }
+            Op::Edit(records)
+        }
+        "/score" => Op::Score { text: parse_json::<ScoreBody>(path, body)?.text },
+        "/generate" => {
+            let b: GenerateBody = parse_json(path, body)?;
+            Op::Generate { prompt: b.prompt, max_new_tokens: b.max_new_tokens }
+        }
+        "/reset" => Op::Reset,
+        "/save" => {
+            let b: SaveBody = parse_json(path, body)?;
+            Op::Save { dir: save_dir(&b.dir, opts.save_root.as_deref()).map_err(bad)? }
+        }
+        other => return Err((404, error_body(format!("no route {other}"), "not_found"))),
+    })
+}
+
+/// Where `/save` writes: any path, or with a save root only a relative path inside it.
+fn save_dir(dir: &str, root: Option<&Path>) -> std::result::Result<PathBuf, String> {
+    if dir.trim().is_empty() {
+        return Err("\"dir\" is empty".into());
+    }
+    let p = Path::new(dir);
+    match root {
+        None => Ok(p.to_path_buf()),
+        Some(root) => {
+            if p.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir)) {
+                Ok(root.join(p))
+            } else {
+                Err(format!("\"dir\" must be a relative path inside the save root {} (no .., no absolute path)", root.display()))
+            }
+        }
+    }
+}
+
+fn model_loop(session: &mut Session, rx: &Receiver<Job>, shared: &Shared, shutdown: &AtomicBool) {
+    while !shutdown.load(Ordering::SeqCst) {
+        let job = match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(j) => j,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        if job.enqueued.elapsed() > shared.opts.queue_timeout {
+            let msg = format!("timed out after waiting {:.0} s in the queue", job.enqueued.elapsed().as_secs_f64());
+            respond(shared, job.request, 503, error_body(msg, "timeout"));
+            continue;
+        }
+        shared.counters.model_requests.fetch_add(1, Ordering::Relaxed);
+        let (status, body) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_op(session, job.op)))
+            .unwrap_or_else(|_| (500, error_body("internal error while running the request", "internal")));
+        shared.edits_total.store(session.edits_total(), Ordering::Relaxed);
+        respond(shared, job.request, status, body);
+    }
+}
+
+/// Status of a session error: 422 for input the model refuses, 500 for the rest.
+fn status_of(e: &Error) -> (u16, &'static str) {
+    match e {
+        Error::Input(_) => (422, "invalid_input"),
+        Error::OutOfMemory(_) => (500, "out_of_memory"),
+        _ => (500, "internal"),
+    }
+}
+
+fn reply<T: Serialize>(r: Result<T>) -> Reply {
+    match r {
+        Ok(v) => (200, serde_json::to_value(v).unwrap_or_default()),
+        Err(e) => {
+            let (status, kind) = status_of(&e);
+            (status, error_body(e.to_string(), kind))
+        }
+    }
+}
+
+fn run_op(session: &mut Session, op: Op) -> Reply {
+    match op {
+        Op::Edit(records) => reply(session.edit(&records)),
+        Op::Score { text } => reply(session.score(&text)),
+        Op::Generate { prompt, max_new_tokens } => reply(session.generate(&prompt, max_new_tokens)),
+        Op::Reset => reply(session.reset().map(|n| json!({ "restored_params": n, "edits_total": session.edits_total() }))),
+        Op::Save { dir } => match session.save(&dir) {
+            Ok(()) => (200, json!({ "dir": dir.display().to_string(), "edits_total": session.edits_total() })),
+            // The directory is the caller's choice: failing to write it is theirs to fix.
+            Err(e @ (Error::Io { .. } | Error::File { .. })) => (422, error_body(e.to_string(), "invalid_input")),
+            Err(e) => reply::<()>(Err(e)),
+        },
+    }
+}

@@ -1,0 +1,376 @@
+//! dualedit as a library: one editing session over one loaded model.
+//!
+//! A [`Session`] loads a Hugging Face model directory and, optionally, a trained MEND
+//! editor once, then serves edits, scores, greedy generations, resets and saves for as
+//! long as the caller keeps it. It is what `dualedit serve` puts behind HTTP, and what a
+//! program embedding dualedit as its editing backend uses directly.
+//!
+//! ```
+//! use std::path::Path;
+//! use dualedit::session::{Session, SessionOptions};
+//!
+//! let model = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gpt2"));
+//! let session = Session::open(model, None, &SessionOptions::default())?;
+//! let s = session.score("The capital of France is Paris")?;
+//! assert_eq!(s.logprobs.len(), s.tokens.len() - 1);
+//! let g = session.generate("The capital of France is", 3)?;
+//! assert!(g.tokens.len() <= 3);
+//! # Ok::<(), dualedit::Error>(())
+//! ```
+//!
+//! Everything a caller can get wrong (a missing directory, an editor for another model,
+//! an over-long prompt, editing without an editor) comes back as an [`Error`], never as a
+//! panic; libtorch failures inside a forward pass are caught the same way.
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+use tracing::info;
+
+use crate::data::easyedit::EditRecord;
+use crate::data::examples::prepare;
+use crate::data::{EditExample, Example, TokenBatch};
+use crate::device::memory::{self, MemorySample};
+use crate::device::DevicePlan;
+use crate::eval::{self, Method, Summary};
+use crate::mend::{checkpoint, Editor, Engine};
+use crate::model::{load_model, ForwardInput, KvCache, ModelInfo, ParamView};
+use crate::run::RequestResult;
+use crate::score::{check_length, score_text, Score};
+use crate::{Error, Result};
+
+/// Where a session runs and in which dtype.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SessionOptions {
+    /// Main device (frozen model, editor) and sub-device (edited forwards).
+    pub plan: DevicePlan,
+    /// Dtype of the model weights (editor maths is always f32).
+    pub dtype: Kind,
+    /// Seed of tch's RNG, set before loading (nothing in a session is random after that).
+    pub seed: i64,
+}
+
+impl Default for SessionOptions {
+    /// CPU, f32, seed 0.
+    fn default() -> Self {
+        Self { plan: DevicePlan::single(Device::Cpu), dtype: Kind::Float, seed: 0 }
+    }
+}
+
+impl SessionOptions {
+    /// From the CLI's spellings: `cpu` / `cuda` / `cuda:N`, an optional sub-device, and
+    /// `f32` / `bf16` / `f16`.
+    pub fn parse(device: &str, sub_device: Option<&str>, dtype: &str) -> Result<Self> {
+        Ok(Self { plan: DevicePlan::parse(device, sub_device)?, dtype: crate::model::parse_dtype(dtype)?, seed: 0 })
+    }
+}
+
+/// A greedy continuation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Generation {
+    /// The decoded new tokens (the prompt is not repeated).
+    pub text: String,
+    /// The new token ids.
+    pub tokens: Vec<i64>,
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+    /// `"length"` (max_new_tokens reached), `"eos"` (end-of-sequence token generated; it
+    /// is included in `tokens`) or `"context"` (the model's context is full).
+    pub finish_reason: &'static str,
+}
+
+/// The result of one [`Session::edit`] call.
+#[derive(Debug, Clone, Serialize)]
+pub struct EditOutcome {
+    /// Per request, in order: its metrics and the model's greedy answer after the edit.
+    pub requests: Vec<RequestResult>,
+    /// Means over `requests`.
+    pub summary: Summary,
+    /// Requests committed into this session's weights since it was opened or last reset.
+    pub edits_total: usize,
+}
+
+/// Memory figures of one device the session uses.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceMemory {
+    /// `main` or `sub`.
+    pub role: &'static str,
+    /// `cpu`, `cuda:0`, ...
+    pub device: String,
+    #[serde(flatten)]
+    pub sample: MemorySample,
+}
+
+/// Memory figures of every device of `plan` (one entry when it is a single-device plan).
+///
+/// CUDA devices report the caching allocator's statistics; the CPU reports the whole
+/// process's resident set (`process_wide: true`).
+pub fn device_memory(plan: &DevicePlan) -> Result<Vec<DeviceMemory>> {
+    let roles = if plan.split { plan.roles() } else { vec![("main", plan.main)] };
+    roles
+        .into_iter()
+        .map(|(role, d)| Ok(DeviceMemory { role, device: memory::device_name(d), sample: memory::sample(d)? }))
+        .collect()
+}
+
+/// One loaded model (and editor) that edits, scores, generates, resets and saves.
+///
+/// Edits are committed into the weights, so every later call sees them; [`Session::reset`]
+/// puts back the exact tensors the model was loaded with. Not `Sync`: one thread owns a
+/// session (the HTTP service serialises requests into its model thread).
+pub struct Session {
+    engine: Engine,
+    method: Option<Method>,
+    editor_dir: Option<PathBuf>,
+    /// The loaded tensors of every parameter an edit has changed, taken before the first
+    /// change. Commits replace tensors in the stores rather than writing into them, so
+    /// holding these handles costs no copy until an edit actually replaces a weight.
+    originals: HashMap<String, Tensor>,
+    edits_total: usize,
+    eos: Vec<i64>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("model", &self.engine.lm.dir)
+            .field("editor", &self.editor_dir)
+            .field("plan", &self.engine.plan)
+            .field("edits_total", &self.edits_total)
+            .finish()
+    }
+}
+
+impl Session {
+    /// Loads `model` (a Hugging Face directory) on `opts.plan.main`, the replica on the
+    /// sub-device when the plan is split, and the trained editor in `editor` if given.
+    /// Without an editor the session scores and generates, and [`Session::edit`] refuses.
+    pub fn open(model: &Path, editor: Option<&Path>, opts: &SessionOptions) -> Result<Self> {
+        tch::manual_seed(opts.seed);
+        let edit_names = match editor {
+            Some(dir) => editor_params(dir)?,
+            None => Vec::new(),
+        };
+        let lm = load_model(model, opts.plan.main, opts.dtype)?;
+        let engine = Engine::new(lm, opts.plan, &edit_names)?;
+        let ed = match editor {
+            Some(dir) => {
+                let (ed, meta) = checkpoint::load_editor(dir, &engine)?;
+                info!(dir = %dir.display(), step = meta.step, "editor loaded");
+                Some(ed)
+            }
+            None => None,
+        };
+        let mut s = Self::from_parts(engine, ed);
+        s.editor_dir = editor.map(Path::to_path_buf);
+        Ok(s)
+    }
+
+    /// A session over an engine and editor the caller built (an editor trained in the
+    /// same process, for example).
+    pub fn from_parts(engine: Engine, editor: Option<Editor>) -> Self {
+        let eos = eos_ids(&engine.lm.config_json);
+        Self { engine, method: editor.map(Method::Mend), editor_dir: None, originals: HashMap::new(), edits_total: 0, eos }
+    }
+
+    /// The engine underneath (model, device plan, edited weight names).
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub fn info(&self) -> ModelInfo {
+        self.engine.lm.model.info()
+    }
+
+    pub fn model_dir(&self) -> &Path {
+        &self.engine.lm.dir
+    }
+
+    pub fn editor_dir(&self) -> Option<&Path> {
+        self.editor_dir.as_deref()
+    }
+
+    pub fn has_editor(&self) -> bool {
+        self.method.is_some()
+    }
+
+    /// Requests committed since the session was opened or last reset.
+    pub fn edits_total(&self) -> usize {
+        self.edits_total
+    }
+
+    /// The model's context: the longest token sequence it accepts.
+    pub fn max_positions(&self) -> usize {
+        self.info().max_positions.max(0) as usize
+    }
+
+    /// Applies `requests` as one MEND batch edit and commits it into the weights, so later
+    /// scores, generations and saves see it. Returns, per request, EasyEdit's metrics
+    /// (measured against the weights before this call) and the greedy answer after it.
+    ///
+    /// ```
+    /// # use std::path::Path;
+    /// # use dualedit::session::{Session, SessionOptions};
+    /// # use dualedit::mend::{Editor, Engine};
+    /// # use dualedit::config::MendConfig;
+    /// # use dualedit::data::EditRecord;
+    /// let model = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gpt2"));
+    /// // Normally: Session::open(model, Some(editor_dir), &opts). An untrained editor
+    /// // (a plain gradient step of size edit_lr) keeps the example self-contained.
+    /// let lm = dualedit::model::load_model(model, tch::Device::Cpu, tch::Kind::Float)?;
+    /// let engine = Engine::new(lm, dualedit::device::DevicePlan::single(tch::Device::Cpu), &[])?;
+    /// let cfg = MendConfig { rank: 8, ..MendConfig::default() };
+    /// let editor = Editor::new(&cfg, engine.edit_params.clone(), tch::Device::Cpu)?;
+    /// let mut session = Session::from_parts(engine, Some(editor));
+    ///
+    /// let request = EditRecord {
+    ///     prompt: "The capital of France is".into(),
+    ///     target_new: "Rome".into(),
+    ///     subject: None, ground_truth: None, rephrase: None,
+    ///     locality_prompt: None, locality_ground_truth: None, portability: vec![],
+    /// };
+    /// let out = session.edit(&[request])?;
+    /// println!("reliability {:.2}", out.requests[0].metrics.reliability);
+    /// assert_eq!(session.edits_total(), 1);
+    /// session.reset()?;
+    /// assert_eq!(session.edits_total(), 0);
+    /// # Ok::<(), dualedit::Error>(())
+    /// ```
+    pub fn edit(&mut self, requests: &[EditRecord]) -> Result<EditOutcome> {
+        let Some(method) = self.method.as_mut() else {
+            return Err(Error::input("this session has no editor: open it with a trained editor directory to edit"));
+        };
+        if requests.is_empty() {
+            return Err(Error::input("no edit requests"));
+        }
+        let engine = &self.engine;
+        let max_len = engine.lm.model.info().max_positions.max(0) as usize;
+        // Records arrive from the caller, not from a file: report them as input errors.
+        let examples = prepare(&engine.lm.tokenizer, requests, max_len, Path::new("requests")).map_err(|e| Error::input(e.to_string()))?;
+        let refs: Vec<&EditExample> = examples.iter().collect();
+        let before = eval::measure_before(engine, &refs)?;
+        let start = Instant::now();
+        let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
+        let batch = TokenBatch::collate(&inner, engine.lm.tokenizer.pad_id(), engine.plan.main);
+        let overrides = eval::make_edit(engine, method, &batch)?;
+        let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
+        let metrics = eval::measure_after(engine, &overrides, &refs, &before, per_request)?;
+        for name in overrides.keys() {
+            if !self.originals.contains_key(name) {
+                self.originals.insert(name.clone(), self.engine.weight(name)?.shallow_clone());
+            }
+        }
+        self.engine.commit(&overrides)?;
+        self.edits_total += requests.len();
+        let mut out = Vec::with_capacity(requests.len());
+        for ((r, e), m) in requests.iter().zip(&examples).zip(metrics) {
+            let answer = self.greedy_ids(&e.inner.ids[..e.inner.answer_start], e.inner.answer().len(), false)?;
+            out.push(RequestResult {
+                prompt: r.prompt.clone(),
+                target_new: r.target_new.clone(),
+                answer_after: self.engine.lm.tokenizer.decode(&answer.0)?,
+                metrics: m,
+            });
+        }
+        let summary = Summary::of(&out.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
+        Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total })
+    }
+
+    /// Next-token log-probabilities of `text` under the current (edited) weights.
+    pub fn score(&self, text: &str) -> Result<Score> {
+        score_text(&self.engine.lm, &ParamView::frozen(&self.engine.lm.params), text)
+    }
+
+    /// Greedy continuation of `prompt` under the current weights, with a KV cache: the
+    /// prompt is run once, then one token per step. Stops after `max_new_tokens`, at the
+    /// model's end-of-sequence token, or when the context is full.
+    pub fn generate(&self, prompt: &str, max_new_tokens: usize) -> Result<Generation> {
+        let ids = self.engine.lm.tokenizer.encode(prompt)?;
+        if ids.is_empty() {
+            return Err(Error::input("prompt is empty (it encodes to no tokens)"));
+        }
+        check_length(&self.engine.lm, ids.len())?;
+        let (tokens, finish_reason) = self.greedy_ids(&ids, max_new_tokens, true)?;
+        Ok(Generation { text: self.engine.lm.tokenizer.decode(&tokens)?, prompt_tokens: ids.len(), tokens, finish_reason })
+    }
+
+    /// Greedy decoding with a KV cache from token ids; `stop_at_eos` ends at the model's
+    /// end-of-sequence token (edit answers are read for a fixed number of tokens instead).
+    fn greedy_ids(&self, prompt: &[i64], max_new: usize, stop_at_eos: bool) -> Result<(Vec<i64>, &'static str)> {
+        let _g = tch::no_grad_guard();
+        let lm = &self.engine.lm;
+        let params = ParamView::frozen(&lm.params);
+        let device = lm.params.device();
+        let max = self.max_positions();
+        let none = Default::default();
+        let mut cache = KvCache::new();
+        let mut feed = prompt.to_vec();
+        let mut out = Vec::new();
+        while out.len() < max_new {
+            if prompt.len() + out.len() >= max {
+                return Ok((out, "context"));
+            }
+            let ids = crate::error::guard(|| Ok(Tensor::from_slice(&feed).unsqueeze(0).to_device(device)))?;
+            // Only the last position's logits are needed: the LM head runs on one row.
+            let keep = crate::error::guard(|| {
+                let n = feed.len() as i64;
+                Ok(Tensor::arange(n, (Kind::Int64, device)).eq(n - 1).unsqueeze(0))
+            })?;
+            let input = ForwardInput { keep: Some(&keep), ..ForwardInput::new(&ids, &none) };
+            let logits = lm.model.forward_cached(&params, &input, &mut cache)?.logits;
+            let next = crate::error::guard(|| Ok(logits.reshape([-1]).argmax(0, false).int64_value(&[])))?;
+            out.push(next);
+            if stop_at_eos && self.eos.contains(&next) {
+                return Ok((out, "eos"));
+            }
+            feed = vec![next];
+        }
+        Ok((out, "length"))
+    }
+
+    /// Puts back the exact weights the model was loaded with (on both devices), undoing
+    /// every edit. Returns how many parameters were restored.
+    pub fn reset(&mut self) -> Result<usize> {
+        let n = self.originals.len();
+        self.engine.commit(&self.originals)?;
+        self.originals.clear();
+        self.edits_total = 0;
+        Ok(n)
+    }
+
+    /// Writes the current (edited) model to `dir` as a Hugging Face directory
+    /// (`config.json`, `tokenizer.json`, `model.safetensors`) that `Session::open`,
+    /// `dualedit score` and transformers load.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        crate::run::save_model(&self.engine, dir)
+    }
+
+    /// Memory figures of each device the session uses.
+    pub fn memory(&self) -> Result<Vec<DeviceMemory>> {
+        device_memory(&self.engine.plan)
+    }
+}
+
+/// Edited weight names an editor was trained on, from its `editor.json` (the engine must
+/// capture exactly those before the editor itself can be loaded and checked).
+fn editor_params(dir: &Path) -> Result<Vec<String>> {
+    if !dir.is_dir() {
+        return Err(Error::file(dir, "editor directory not found"));
+    }
+    let path = dir.join(checkpoint::EDITOR_JSON);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let meta: checkpoint::EditorMeta =
+        serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid editor description: {e}")))?;
+    Ok(meta.params.into_iter().map(|p| p.name).collect())
+}
+
+/// End-of-sequence ids from `config.json` (`eos_token_id`: a number or a list).
+fn eos_ids(config: &serde_json::Value) -> Vec<i64> {
+    match config.get("eos_token_id") {
+        Some(serde_json::Value::Number(n)) => n.as_i64().into_iter().collect(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_i64()).collect(),
+        _ => Vec::new(),
+    }
+}

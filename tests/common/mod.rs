@@ -1,0 +1,64 @@
+//! Shared by the session and serve tests: the fixture paths, a few edit requests, and an
+//! editor meta-trained in-process on the tiny GPT-2 fixture (seconds on a CPU).
+#![allow(dead_code)]
+use std::path::{Path, PathBuf};
+
+use dualedit::config::MendConfig;
+use dualedit::data::easyedit::{parse_records, DatasetKind, EditRecord};
+use dualedit::data::examples::prepare;
+use dualedit::device::DevicePlan;
+use dualedit::mend::optim::Adam;
+use dualedit::mend::{checkpoint, Editor, Engine};
+use dualedit::model::load_model;
+use dualedit::session::Session;
+use dualedit::train::{meta_loss, EditBatches};
+use tch::{Device, Kind};
+
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+pub const RECORDS: &str = r#"[
+  {"prompt": "The capital of France is", "target_new": "Rome", "rephrase_prompt": "France has its capital in",
+   "locality_prompt": "The Eiffel Tower is located in", "locality_ground_truth": "Paris"},
+  {"prompt": "The capital of Italy is", "target_new": "Paris", "rephrase_prompt": "Italy's capital city is",
+   "locality_prompt": "The city of Rome is in", "locality_ground_truth": "Italy"},
+  {"prompt": "The Eiffel Tower is in", "target_new": "London", "rephrase_prompt": "The tower of Eiffel is in",
+   "locality_prompt": "The capital of France is", "locality_ground_truth": "Paris"}
+]"#;
+
+pub fn records() -> Vec<EditRecord> {
+    parse_records(RECORDS, Path::new("inline.json"), DatasetKind::Requests).unwrap().0
+}
+
+pub const TRAIN_STEPS: usize = 60;
+
+/// An engine on the GPT-2 fixture and an editor meta-trained on [`RECORDS`].
+pub fn trained_editor() -> (Engine, Editor) {
+    let lm = load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
+    let engine = Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
+    let ex = prepare(&engine.lm.tokenizer, &records(), 64, Path::new("inline.json")).unwrap();
+    let cfg = MendConfig { rank: 32, lr: 1e-3, edit_lr: 1e-2, lr_lr: 1e-2, ..MendConfig::default() };
+    tch::manual_seed(0);
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let (net, lrs) = editor.trainables();
+    let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
+    let pad = engine.lm.tokenizer.pad_id();
+    for step in 0..TRAIN_STEPS {
+        let b = EditBatches::new(&[&ex[step % ex.len()]], pad, Device::Cpu);
+        let (loss, _) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+        loss.backward();
+        adam.step();
+        adam.zero_grad();
+    }
+    (engine, editor)
+}
+
+/// A session with the trained editor, and the editor saved in a temporary directory
+/// (for `Session::open` and the `serve` binary).
+pub fn trained_editor_session() -> (Session, tempfile::TempDir) {
+    let (engine, editor) = trained_editor();
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint::save_editor(dir.path(), &editor, &engine, TRAIN_STEPS).unwrap();
+    (Session::from_parts(engine, Some(editor)), dir)
+}

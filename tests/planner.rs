@@ -1,0 +1,260 @@
+//! The memory planner against measured CPU memory.
+//!
+//! On the CPU the only memory figure is the process's resident set (process-wide), so each
+//! case runs in a fresh child process (this test binary re-run with one `#[ignore]`d test
+//! selected) and measures the increase of the peak RSS (`VmHWM`, reset through
+//! `/proc/self/clear_refs` between phases) over a baseline taken after libtorch has been
+//! initialised and warmed up. Models are GPT-2-small-shaped with random weights built in
+//! memory; nothing is read from disk. The estimate must be within ±15 % of the measurement
+//! for meta-training (micro-steps with backward and Adam), for the checkpoint write and for
+//! editing with the editor in evaluation mode.
+use std::collections::BTreeMap;
+use std::process::Command;
+
+use dualedit::config::MendConfig;
+use dualedit::data::{EditExample, Example, TokenBatch};
+use dualedit::device::memory::{reset_peak, sample};
+use dualedit::device::DevicePlan;
+use dualedit::eval::{make_edit, Method};
+use dualedit::mend::checkpoint::{save_state, TrainCounters};
+use dualedit::mend::optim::Adam;
+use dualedit::mend::{losses, Editor, Engine};
+use dualedit::model::gpt2::{Gpt2, Gpt2Config};
+use dualedit::model::{random_params, LoadedModel, Model, Tokenizer};
+use dualedit::planner::{plan_model, Group, MemoryPlan, Phase, PlanOptions};
+use dualedit::train::{meta_loss, EditBatches};
+use tch::{Device, Kind, Tensor};
+
+const CASE_ENV: &str = "DUALEDIT_PLANNER_CASE";
+const RESULT_TAG: &str = "PLANNER_RESULT ";
+const TOLERANCE: f64 = 0.15;
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// One measured configuration.
+struct Case {
+    name: &'static str,
+    rank: i64,
+    batch: usize,
+    tokens: usize,
+    kept: usize,
+    /// Edited blocks (MLP c_fc and c_proj of each); empty: MEND's default, the last 3.
+    edit_layers: &'static [i64],
+    /// Replica + mover on the one CPU (the dual-device code path).
+    split: bool,
+}
+
+const CASES: &[Case] = &[
+    // MEND's defaults (rank 1920, last 3 MLPs), one short example.
+    Case { name: "gpt2s-rank1920", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: false },
+    // Small editor, longer batch, edits from block 4 upward: activations matter more.
+    Case { name: "gpt2s-rank256-deep", rank: 256, batch: 2, tokens: 128, kept: 64, edit_layers: &[4, 6, 8, 10, 11], split: false },
+    // The dual-device path on one CPU: replica and W' copies on "sub".
+    Case { name: "gpt2s-rank1920-split", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: true },
+];
+
+fn gpt2_small() -> Model {
+    let config: Gpt2Config = serde_json::from_value(serde_json::json!({
+        "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024,
+    }))
+    .unwrap();
+    Model::Gpt2(Gpt2::new(config).unwrap())
+}
+
+fn config_of(case: &Case) -> MendConfig {
+    let edit_params = case
+        .edit_layers
+        .iter()
+        .flat_map(|l| ["c_fc", "c_proj"].map(|m| format!("transformer.h.{l}.mlp.{m}.weight")))
+        .collect();
+    MendConfig { rank: case.rank, batch_size: case.batch, accumulate: 1, edit_params, ..MendConfig::default() }
+}
+
+fn plan_of(case: &Case) -> MemoryPlan {
+    let mut opts = PlanOptions::new("cpu", None, Kind::Float, case.tokens as i64, Some(case.kept as i64)).unwrap();
+    opts.split = case.split;
+    plan_model(&gpt2_small(), &config_of(case), &opts).unwrap()
+}
+
+fn rss() -> (u64, u64) {
+    let s = sample(Device::Cpu).unwrap();
+    (s.current_allocated_bytes, s.peak_allocated_bytes)
+}
+
+/// Peak RSS increase over `base` while running `f` (peaks reset first).
+fn peak_during<T>(base: u64, f: impl FnOnce() -> T) -> (T, u64) {
+    reset_peak(Device::Cpu).unwrap();
+    let out = f();
+    let (_, peak) = rss();
+    (out, peak.saturating_sub(base))
+}
+
+fn example(len: usize, kept: usize, vocab: i64) -> Example {
+    let ids = Tensor::randint(vocab, [len as i64], (Kind::Int64, Device::Cpu));
+    Example { ids: Vec::<i64>::try_from(&ids).unwrap(), answer_start: len - kept }
+}
+
+/// Runs one case in this (fresh) process and prints its figures as one JSON line.
+fn measure(case: &Case) -> BTreeMap<String, f64> {
+    // libtorch initialisation and thread pools: a warm-up forward + backward on a tiny model.
+    tch::manual_seed(0);
+    {
+        let x = Tensor::randn([64, 256], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let y = x.matmul(&x.tr()).gelu("tanh").log_softmax(-1, Kind::Float).sum(Kind::Float);
+        y.backward();
+        let _ = Tensor::scaled_dot_product_attention(
+            &Tensor::randn([1, 2, 8, 4], (Kind::Float, Device::Cpu)),
+            &Tensor::randn([1, 2, 8, 4], (Kind::Float, Device::Cpu)),
+            &Tensor::randn([1, 2, 8, 4], (Kind::Float, Device::Cpu)),
+            None::<Tensor>,
+            0.0,
+            true,
+            None,
+            false,
+        );
+    }
+    let tokenizer = Tokenizer::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2/tokenizer.json")).unwrap();
+    reset_peak(Device::Cpu).unwrap();
+    let (base, _) = rss();
+    let mut out = BTreeMap::new();
+
+    let cfg = config_of(case);
+    let model = gpt2_small();
+    let vocab = model.info().vocab_size;
+    let params = random_params(&model, Device::Cpu, Kind::Float);
+    let lm = LoadedModel { dir: "random-gpt2-small".into(), model, params, tokenizer, config_json: serde_json::json!({}) };
+    let plan = if case.split { DevicePlan::split_on(Device::Cpu, Device::Cpu) } else { DevicePlan::single(Device::Cpu) };
+    let engine = Engine::new(lm, plan, &cfg.edit_params).unwrap();
+    let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    out.insert("loaded".into(), rss().0.saturating_sub(base) as f64);
+
+    let examples: Vec<EditExample> = (0..case.batch)
+        .map(|_| EditExample {
+            inner: example(case.tokens, case.kept, vocab),
+            outer: example(case.tokens, case.kept, vocab),
+            loc: Some(example(case.tokens, case.kept, vocab)),
+            portability: Vec::new(),
+        })
+        .collect();
+    let refs: Vec<&EditExample> = examples.iter().collect();
+    let pad = engine.lm.tokenizer.pad_id();
+    let batches = EditBatches::new(&refs, pad, Device::Cpu);
+
+    // Editing with a trained editor (evaluation mode): edit, then score the edited model.
+    let mut method = Method::Mend(editor);
+    let mut edit_peak = 0u64;
+    for _ in 0..2 {
+        let (_, p) = peak_during(base, || {
+            let _g = tch::no_grad_guard();
+            let ov = make_edit(&engine, &mut method, &batches.inner).unwrap();
+            for b in [&batches.inner, &batches.outer, batches.loc.as_ref().unwrap()] {
+                let logits = engine.edited_logits(&ov, b).unwrap();
+                let _ = losses::nll_per_row(&logits, &b.kept_targets(), &b.kept_rows(), b.batch_size());
+            }
+        });
+        edit_peak = edit_peak.max(p);
+    }
+    out.insert("edit_peak".into(), edit_peak as f64);
+    let Method::Mend(mut editor) = method else { unreachable!() };
+
+    // Meta-training micro-steps (accumulate 1): forward, backward, clip + Adam.
+    let (net, lrs) = editor.trainables();
+    let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
+    let (mut fwd, mut bwd, mut step) = (0u64, 0u64, 0u64);
+    for i in 0..3 {
+        let (loss, f) = peak_during(base, || meta_loss(&engine, &mut editor, &batches, true).unwrap().0);
+        let (_, b) = peak_during(base, || loss.backward());
+        drop(loss);
+        let (_, s) = peak_during(base, || {
+            adam.clip(cfg.grad_clip);
+            adam.step();
+            adam.zero_grad();
+        });
+        // The first step allocates the editor's gradients; steady state from the second on.
+        if i > 0 {
+            fwd = fwd.max(f);
+            bwd = bwd.max(b);
+            step = step.max(s);
+        }
+    }
+    out.insert("train_forward_peak".into(), fwd as f64);
+    out.insert("train_backward_peak".into(), bwd as f64);
+    out.insert("train_step_peak".into(), step as f64);
+
+    let dir = tempfile::tempdir().unwrap();
+    let counters = TrainCounters { step: 3, adam_step: 3, best_val: 0.0, stale_validations: 0, skipped_steps: 0, seed: 0 };
+    let (_, ck) = peak_during(base, || save_state(dir.path(), &editor, &adam, &counters).unwrap());
+    out.insert("checkpoint_peak".into(), ck as f64);
+    out
+}
+
+#[test]
+#[ignore = "one case of estimate_matches_measured_peak_rss, run by it in a fresh process"]
+fn measure_case() {
+    let Ok(name) = std::env::var(CASE_ENV) else { return };
+    let case = CASES.iter().find(|c| c.name == name).expect("known case");
+    let figures = measure(case);
+    println!("{RESULT_TAG}{}", serde_json::to_string(&figures).unwrap());
+}
+
+fn run_child(case: &Case) -> BTreeMap<String, f64> {
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(exe)
+        .args(["measure_case", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env(CASE_ENV, case.name)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "case {} failed:\n{stdout}\n{}", case.name, String::from_utf8_lossy(&out.stderr));
+    let line = stdout.lines().find_map(|l| l.strip_prefix(RESULT_TAG)).unwrap_or_else(|| panic!("no result from case {}:\n{stdout}", case.name));
+    serde_json::from_str(line).unwrap()
+}
+
+#[test]
+fn estimate_matches_measured_peak_rss() {
+    if !std::path::Path::new("/proc/self/clear_refs").exists() {
+        eprintln!("skipped: needs Linux /proc for the process's peak RSS");
+        return;
+    }
+    let mut failures = Vec::new();
+    for case in CASES {
+        let m = run_child(case);
+        let plan = plan_of(case);
+        let g = |phase, group| plan.group_bytes("cpu", phase, group) as f64;
+        let resident_train = g(Phase::Train, Group::Resident);
+        let resident_edit = g(Phase::Edit, Group::Resident);
+        let checks = [
+            // The whole micro-step (capture, edited forwards, backward, Adam): resident + max.
+            (
+                "train step",
+                resident_train
+                    + [Group::Capture, Group::EditedForward, Group::Backward, Group::OptimizerStep]
+                        .iter()
+                        .map(|gr| g(Phase::Train, *gr))
+                        .fold(0.0, f64::max),
+                m["train_forward_peak"].max(m["train_backward_peak"]).max(m["train_step_peak"]),
+            ),
+            ("checkpoint write", resident_train + g(Phase::Train, Group::Checkpoint), m["checkpoint_peak"]),
+            ("edit", plan.peak("cpu", Phase::Edit) as f64, m["edit_peak"]),
+        ];
+        eprintln!("case {}: loaded {:.1} MiB (planned resident for editing {:.1} MiB)", case.name, m["loaded"] / MIB, resident_edit / MIB);
+        eprintln!(
+            "  measured train phases: forward {:.1}, backward {:.1}, step {:.1} MiB; planned groups: capture {:.1}, edited_forward {:.1}, backward {:.1}, optimizer_step {:.1} over resident {:.1} MiB",
+            m["train_forward_peak"] / MIB,
+            m["train_backward_peak"] / MIB,
+            m["train_step_peak"] / MIB,
+            g(Phase::Train, Group::Capture) / MIB,
+            g(Phase::Train, Group::EditedForward) / MIB,
+            g(Phase::Train, Group::Backward) / MIB,
+            g(Phase::Train, Group::OptimizerStep) / MIB,
+            resident_train / MIB
+        );
+        for (what, planned, measured) in checks {
+            let err = planned / measured - 1.0;
+            eprintln!("  {what:<17} planned {:>8.1} MiB  measured {:>8.1} MiB  ({:+.1} %)", planned / MIB, measured / MIB, 100.0 * err);
+            if err.abs() > TOLERANCE {
+                failures.push(format!("{} {what}: planned {:.1} MiB, measured {:.1} MiB ({:+.1} %)", case.name, planned / MIB, measured / MIB, 100.0 * err));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "estimates off by more than ±15 %:\n{}", failures.join("\n"));
+}
