@@ -1,6 +1,7 @@
 //! dualedit: MEND-style knowledge editing of causal language models on tch (libtorch),
 //! with the edited model's forward passes on a sub-device.
 pub mod chart;
+pub mod compare;
 pub mod config;
 pub mod data;
 pub mod demo;

@@ -27,8 +27,14 @@ enum Command {
     Edit(EditArgs),
     /// Edit each record of a dataset from the unedited model and report EasyEdit's metrics.
     Eval(EvalArgs),
+    /// Run the same train or eval on the main device alone and split over main + sub,
+    /// and write one side-by-side report.
+    #[command(subcommand)]
+    Compare(CompareCmd),
     /// Show the product on the embedded default: a few edits, held-out metrics, memory.
     Demo(DemoArgs),
+    /// Pretrain a small GPT-2 from scratch on the facts of EasyEdit datasets.
+    Pretrain(PretrainArgs),
     /// Rebuild the embedded default: synthetic world, tiny pretrained GPT-2, its editor.
     BuildDefault(BuildDefaultArgs),
     /// Serve edit / score / generate / reset / save as JSON over HTTP (loopback by default).
@@ -63,6 +69,14 @@ struct PlanArgs {
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Subcommand)]
+enum CompareCmd {
+    /// Compare meta-training runs (outputs under --out/single and --out/dual).
+    Train(TrainArgs),
+    /// Compare evaluation runs (reports under runs/ or beside --report).
+    Eval(EvalArgs),
 }
 
 #[derive(Args)]
@@ -113,6 +127,35 @@ struct ServeArgs {
     /// Restrict POST /save to relative paths inside this directory.
     #[arg(long)]
     save_root: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct PretrainArgs {
+    /// EasyEdit files whose facts make the corpus (repeat the flag for several).
+    #[arg(long, required = true)]
+    data: Vec<PathBuf>,
+    /// zsre or counterfact.
+    #[arg(long)]
+    ds: String,
+    /// Output model directory.
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 4096)]
+    vocab: usize,
+    #[arg(long, default_value_t = 256)]
+    n_embd: i64,
+    #[arg(long, default_value_t = 4)]
+    n_layer: i64,
+    #[arg(long, default_value_t = 4)]
+    n_head: i64,
+    #[arg(long, default_value_t = 64)]
+    n_positions: i64,
+    #[arg(long, default_value_t = 4000)]
+    steps: usize,
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
 }
 
 #[derive(Args)]
@@ -306,13 +349,13 @@ fn dataset(ds: &str) -> anyhow::Result<DatasetKind> {
     }
 }
 
-fn train(a: TrainArgs) -> anyhow::Result<()> {
+fn train_options(a: TrainArgs) -> anyhow::Result<TrainOptions> {
     let ds = dataset(&a.ds)?;
     let mut config = MendConfig::from_file(&a.config)?;
     if let Some(n) = a.max_steps {
         config.max_steps = n;
     }
-    let opts = TrainOptions {
+    Ok(TrainOptions {
         common: a.common.resolve()?,
         data: a.data,
         ds,
@@ -321,8 +364,11 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         limit: a.limit,
         resume: a.resume,
         progress: true,
-    };
-    let (rep, path) = run::run_train(&opts)?;
+    })
+}
+
+fn train(a: TrainArgs) -> anyhow::Result<()> {
+    let (rep, path) = run::run_train(&train_options(a)?)?;
     println!(
         "trained {} steps ({} skipped), best validation loss {:.4}, {:.3} s/step; editor in {}",
         rep.steps,
@@ -389,15 +435,44 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn eval(a: EvalArgs) -> anyhow::Result<()> {
-    let opts = EvalOptions {
+fn eval_options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
+    Ok(EvalOptions {
         common: a.common.resolve()?,
         method: a.method.resolve()?,
-        data: a.data,
+        data: a.data.clone(),
         ds: dataset(&a.ds)?,
         limit: a.limit,
         max_length: a.method.max_length,
+    })
+}
+
+fn compare(c: CompareCmd) -> anyhow::Result<()> {
+    let (sub, main) = match &c {
+        CompareCmd::Train(a) => (a.common.sub_device.clone(), a.common.device.clone()),
+        CompareCmd::Eval(a) => (a.common.sub_device.clone(), a.common.device.clone()),
     };
+    let sub = sub.ok_or_else(|| anyhow::anyhow!("compare needs --sub-device (the dual side's sub-device)"))?;
+    let dual = DevicePlan::parse(&main, Some(&sub))?;
+    let (cmp, out) = match c {
+        CompareCmd::Train(a) => {
+            let o = train_options(a)?;
+            (dualedit::compare::compare_train(&o, dual)?, o.out.clone())
+        }
+        CompareCmd::Eval(a) => {
+            let o = eval_options(&a)?;
+            let out = a.common.report.as_ref().and_then(|p| p.parent().map(|p| p.to_path_buf())).unwrap_or_else(|| {
+                dualedit::report::default_path("compare").with_extension("")
+            });
+            (dualedit::compare::compare_eval(&o, dual, &out)?, out)
+        }
+    };
+    print!("{}", dualedit::compare::table(&cmp));
+    println!("report: {}", out.join("compare.json").display());
+    Ok(())
+}
+
+fn eval(a: EvalArgs) -> anyhow::Result<()> {
+    let opts = eval_options(&a)?;
     let bar = if a.json { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(opts.limit.unwrap_or(0) as u64) };
     let (out, path) = run::run_eval(&opts, |i, _| bar.set_position(i as u64 + 1))?;
     bar.finish_and_clear();
@@ -419,6 +494,31 @@ fn demo(a: DemoArgs) -> anyhow::Result<()> {
     let root = a.root.unwrap_or_else(dualedit::demo::shipped_root);
     let s = dualedit::demo::run_demo(&root, plan, a.show, &mut std::io::stdout())?;
     println!("\ndone in {:.1} s", s.seconds);
+    Ok(())
+}
+
+fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
+    let ds = dataset(&a.ds)?;
+    let mut records = Vec::new();
+    for f in &a.data {
+        records.extend(dualedit::data::load_records(f, ds)?.0);
+    }
+    let (corpus, probe) = dualedit::pretrain::corpus_from_records(&records);
+    let probe: Vec<_> = probe.into_iter().take(1000).collect();
+    let cfg = dualedit::pretrain::PretrainConfig {
+        vocab_size: a.vocab,
+        n_embd: a.n_embd,
+        n_layer: a.n_layer,
+        n_head: a.n_head,
+        n_positions: a.n_positions,
+        steps: a.steps,
+        batch_size: a.batch,
+        lr: a.lr,
+        seed: 7,
+        target_accuracy: 1.01,
+    };
+    let rep = dualedit::pretrain::pretrain(&corpus, &probe, &cfg, &a.out, tch::Device::Cpu)?;
+    println!("{}", serde_json::to_string_pretty(&rep)?);
     Ok(())
 }
 
@@ -478,7 +578,9 @@ fn main() -> ExitCode {
         Command::Train(a) => train(a),
         Command::Edit(a) => edit(a),
         Command::Eval(a) => eval(a),
+        Command::Compare(c) => compare(c),
         Command::Demo(a) => demo(a),
+        Command::Pretrain(a) => pretrain(a),
         Command::BuildDefault(a) => build_default(a),
         Command::Serve(a) => serve(a),
         Command::Plan(a) => plan(a),

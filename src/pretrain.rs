@@ -140,16 +140,17 @@ pub fn pretrain(corpus: &[String], probe: &[(String, String)], cfg: &PretrainCon
     let store = random_params(&model, device, Kind::Float);
     let params: Vec<Tensor> = store.iter().map(|(_, t)| t.set_requires_grad(true)).collect();
     let mut adam = Adam::new(vec![(cfg.lr, params)]);
-    let examples: Vec<Example> = corpus
-        .iter()
-        .map(|s| {
-            let ids = tok.encode(s)?;
-            if ids.len() > cfg.n_positions as usize {
-                return Err(Error::input(format!("corpus line {s:?} is longer than n_positions {}", cfg.n_positions)));
-            }
-            Ok(Example { ids, answer_start: 0 })
-        })
-        .collect::<Result<_>>()?;
+    let mut examples = Vec::with_capacity(corpus.len());
+    for s in corpus {
+        let ids = tok.encode(s)?;
+        // Lines longer than the context cannot be trained on whole; they are rare.
+        if ids.len() <= cfg.n_positions as usize && ids.len() >= 2 {
+            examples.push(Example { ids, answer_start: 0 });
+        }
+    }
+    if examples.len() < corpus.len() {
+        tracing::warn!(skipped = corpus.len() - examples.len(), "corpus lines longer than n_positions skipped");
+    }
     if examples.is_empty() {
         return Err(Error::input("empty pretraining corpus"));
     }
@@ -213,4 +214,26 @@ pub fn pretrain(corpus: &[String], probe: &[(String, String)], cfg: &PretrainCon
 /// Loads a pretrained directory back (for checks right after writing it).
 pub fn reload(dir: &Path, device: Device) -> Result<LoadedModel> {
     crate::model::load_model(dir, device, Kind::Float)
+}
+
+/// A pretraining corpus from EasyEdit records: the true facts they state (prompt and
+/// rephrase with the ground truth, the locality prompt with its answer), and the
+/// `(prompt, ground truth)` pairs to probe what the model learned.
+pub fn corpus_from_records(records: &[crate::data::EditRecord]) -> (Vec<String>, Vec<(String, String)>) {
+    let mut corpus = Vec::new();
+    let mut probe = Vec::new();
+    let join = |p: &str, a: &str| format!("{} {}.", p.trim_end(), a.trim());
+    for r in records {
+        if let Some(gt) = &r.ground_truth {
+            corpus.push(join(&r.prompt, gt));
+            probe.push((r.prompt.clone(), gt.clone()));
+            if let Some(rp) = &r.rephrase {
+                corpus.push(join(rp, gt));
+            }
+        }
+        if let (Some(lp), Some(la)) = (&r.locality_prompt, &r.locality_ground_truth) {
+            corpus.push(join(lp, la));
+        }
+    }
+    (corpus, probe)
 }

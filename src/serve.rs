@@ -29,8 +29,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{bounded, Receiver, RecvTimeoutError, Sender, TrySendError};
-use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::{json, Map, Value};
 use tiny_http::{Header, Method, Request, Response};
 use tracing::{info, warn};
 
@@ -227,35 +227,8 @@ struct Job {
     enqueued: Instant,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EditBody {
-    requests: Value,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ScoreBody {
-    text: String,
-}
-
-fn default_max_new() -> usize {
-    16
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct GenerateBody {
-    prompt: String,
-    #[serde(default = "default_max_new")]
-    max_new_tokens: usize,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SaveBody {
-    dir: String,
-}
+/// Default of `/generate`'s `max_new_tokens`.
+pub const DEFAULT_MAX_NEW_TOKENS: usize = 16;
 
 /// A response before it is written: status and JSON body.
 type Reply = (u16, Value);
@@ -384,11 +357,29 @@ fn read_body(request: &mut Request, max: usize) -> std::result::Result<Vec<u8>, 
     Ok(body)
 }
 
-fn parse_json<T: for<'de> Deserialize<'de>>(path: &str, body: &[u8]) -> std::result::Result<T, Reply> {
-    serde_json::from_slice(body).map_err(|e| {
-        let what = if e.is_data() { "invalid request" } else { "malformed JSON" };
-        (400, error_body(format!("{path}: {what}: {e}"), "bad_request"))
-    })
+/// The body as a JSON object with only the `allowed` keys. Fields are then read one by
+/// one, so that every 400 names the field at fault.
+fn json_object(path: &str, body: &[u8], allowed: &[&str]) -> std::result::Result<Map<String, Value>, Reply> {
+    let bad = |msg: String| (400, error_body(format!("{path}: {msg}"), "bad_request"));
+    let value: Value = serde_json::from_slice(body).map_err(|e| bad(format!("malformed JSON: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(bad(format!("the body must be a JSON object with the fields {}", allowed.join(", "))));
+    };
+    if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+        return Err(bad(format!("unknown field `{k}` (expected: {})", allowed.join(", "))));
+    }
+    Ok(obj)
+}
+
+fn field<'a>(path: &str, obj: &'a Map<String, Value>, name: &str) -> std::result::Result<&'a Value, Reply> {
+    obj.get(name).ok_or_else(|| (400, error_body(format!("{path}: missing field `{name}`"), "bad_request")))
+}
+
+fn string_field(path: &str, obj: &Map<String, Value>, name: &str) -> std::result::Result<String, Reply> {
+    field(path, obj, name)?
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| (400, error_body(format!("{path}: field `{name}` must be a string"), "bad_request")))
 }
 
 /// Parses and validates a model request's body (all 400s are decided here).
@@ -396,26 +387,34 @@ fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result
     let bad = |msg: String| (400, error_body(format!("{path}: {msg}"), "bad_request"));
     Ok(match path {
         "/edit" => {
-            let b: EditBody = parse_json(path, body)?;
-            if !b.requests.is_array() {
-                return Err(bad("\"requests\" must be an array of edit records".into()));
+            let obj = json_object(path, body, &["requests"])?;
+            let requests = field(path, &obj, "requests")?;
+            if !requests.is_array() {
+                return Err(bad("field `requests` must be an array of edit records".into()));
             }
             let (records, report) =
-                parse_records(&b.requests.to_string(), Path::new("requests"), DatasetKind::Requests).map_err(|e| bad(e.to_string()))?;
+                parse_records(&requests.to_string(), Path::new("requests"), DatasetKind::Requests).map_err(|e| bad(e.to_string()))?;
             if let Some((i, why)) = report.skipped.first() {
                 return Err(bad(format!("record {i}: {why}")));
             }
             Op::Edit(records)
         }
-        "/score" => Op::Score { text: parse_json::<ScoreBody>(path, body)?.text },
+        "/score" => Op::Score { text: string_field(path, &json_object(path, body, &["text"])?, "text")? },
         "/generate" => {
-            let b: GenerateBody = parse_json(path, body)?;
-            Op::Generate { prompt: b.prompt, max_new_tokens: b.max_new_tokens }
+            let obj = json_object(path, body, &["prompt", "max_new_tokens"])?;
+            let max_new_tokens = match obj.get("max_new_tokens") {
+                None => DEFAULT_MAX_NEW_TOKENS,
+                Some(v) => v
+                    .as_u64()
+                    .map(|n| n.min(usize::MAX as u64) as usize)
+                    .ok_or_else(|| bad("field `max_new_tokens` must be a non-negative integer".into()))?,
+            };
+            Op::Generate { prompt: string_field(path, &obj, "prompt")?, max_new_tokens }
         }
         "/reset" => Op::Reset,
         "/save" => {
-            let b: SaveBody = parse_json(path, body)?;
-            Op::Save { dir: save_dir(&b.dir, opts.save_root.as_deref()).map_err(bad)? }
+            let dir = string_field(path, &json_object(path, body, &["dir"])?, "dir")?;
+            Op::Save { dir: save_dir(&dir, opts.save_root.as_deref()).map_err(bad)? }
         }
         other => return Err((404, error_body(format!("no route {other}"), "not_found"))),
     })

@@ -154,7 +154,11 @@ impl Session {
             None => Vec::new(),
         };
         let lm = load_model(model, opts.plan.main, opts.dtype)?;
-        let engine = Engine::new(lm, opts.plan, &edit_names)?;
+        let engine = Engine::new(lm, opts.plan, &edit_names).map_err(|e| match editor {
+            // The names came from the editor: say so, rather than blame the model.
+            Some(dir) => Error::file(dir.join(checkpoint::EDITOR_JSON), format!("editor was trained for another model: {e}")),
+            None => e,
+        })?;
         let ed = match editor {
             Some(dir) => {
                 let (ed, meta) = checkpoint::load_editor(dir, &engine)?;

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::process::Command;
 
 use dualedit::config::MendConfig;
-use dualedit::data::{EditExample, Example, TokenBatch};
+use dualedit::data::{EditExample, Example};
 use dualedit::device::memory::{reset_peak, sample};
 use dualedit::device::DevicePlan;
 use dualedit::eval::{make_edit, Method};
@@ -193,7 +193,7 @@ fn measure_case() {
     let Ok(name) = std::env::var(CASE_ENV) else { return };
     let case = CASES.iter().find(|c| c.name == name).expect("known case");
     let figures = measure(case);
-    println!("{RESULT_TAG}{}", serde_json::to_string(&figures).unwrap());
+    println!("\n{RESULT_TAG}{}", serde_json::to_string(&figures).unwrap());
 }
 
 fn run_child(case: &Case) -> BTreeMap<String, f64> {
@@ -201,11 +201,12 @@ fn run_child(case: &Case) -> BTreeMap<String, f64> {
     let out = Command::new(exe)
         .args(["measure_case", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
         .env(CASE_ENV, case.name)
+        .env("MALLOC_MMAP_THRESHOLD_", "131072")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "case {} failed:\n{stdout}\n{}", case.name, String::from_utf8_lossy(&out.stderr));
-    let line = stdout.lines().find_map(|l| l.strip_prefix(RESULT_TAG)).unwrap_or_else(|| panic!("no result from case {}:\n{stdout}", case.name));
+    let line = stdout.lines().find_map(|l| l.split_once(RESULT_TAG).map(|(_, r)| r)).unwrap_or_else(|| panic!("no result from case {}:\n{stdout}", case.name));
     serde_json::from_str(line).unwrap()
 }
 

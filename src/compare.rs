@@ -1,0 +1,151 @@
+//! Single- vs dual-device runs of the same experiment, side by side: the split must change
+//! memory, not results.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::device::memory::{format_bytes, RoleSummary};
+use crate::device::DevicePlan;
+use crate::io::write_json_atomic;
+use crate::run::{run_eval, run_train, EvalOptions, TrainOptions};
+use crate::{Error, Result};
+
+/// Relative tolerance for metrics that must agree between the two runs.
+pub const TOLERANCE: f64 = 1e-4;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Side {
+    pub devices: String,
+    pub metrics: BTreeMap<String, f64>,
+    pub memory: BTreeMap<String, RoleSummary>,
+    pub wall_seconds: f64,
+    pub report: PathBuf,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Comparison {
+    pub command: String,
+    pub single: Side,
+    pub dual: Side,
+    /// Largest relative difference over the compared metrics.
+    pub max_relative_difference: f64,
+    pub metrics_agree: bool,
+    /// Dual main-device peak over single-device peak (allocated bytes).
+    pub main_peak_ratio: f64,
+}
+
+fn side(plan: &DevicePlan, metrics: BTreeMap<String, f64>, memory: BTreeMap<String, RoleSummary>, wall: f64, report: PathBuf) -> Side {
+    let name = |d| crate::device::memory::device_name(d);
+    let devices = if plan.split { format!("{} + {}", name(plan.main), name(plan.sub)) } else { name(plan.main) };
+    Side { devices, metrics, memory, wall_seconds: wall, report }
+}
+
+fn read_memory(report: &Path) -> Result<BTreeMap<String, RoleSummary>> {
+    let text = std::fs::read_to_string(report).map_err(|e| Error::io(report, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(report, e.to_string()))?;
+    serde_json::from_value(v["memory"].clone()).map_err(|e| Error::file(report, e.to_string()))
+}
+
+fn finish(command: &str, single: Side, dual: Side) -> Comparison {
+    let max_rel = single
+        .metrics
+        .iter()
+        .map(|(k, a)| {
+            let b = dual.metrics.get(k).copied().unwrap_or(f64::NAN);
+            (a - b).abs() / (1.0 + a.abs())
+        })
+        .fold(0.0, f64::max);
+    let peak = |s: &Side| s.memory.get("main").map(|m| m.peak_allocated_bytes).unwrap_or(0) as f64;
+    Comparison {
+        command: command.into(),
+        main_peak_ratio: peak(&dual) / peak(&single).max(1.0),
+        metrics_agree: max_rel <= TOLERANCE,
+        max_relative_difference: max_rel,
+        single,
+        dual,
+    }
+}
+
+/// Meta-trains twice (single on the main device, then split), outputs under `out/single`
+/// and `out/dual`, and compares the training losses and validation results.
+pub fn compare_train(o: &TrainOptions, dual_plan: DevicePlan) -> Result<Comparison> {
+    let mut sides = Vec::new();
+    for (name, plan) in [("single", DevicePlan::single(dual_plan.main)), ("dual", dual_plan)] {
+        let mut opts = o.clone();
+        opts.common.plan = plan;
+        opts.out = o.out.join(name);
+        opts.common.report = Some(opts.out.join("report.json"));
+        let t = Instant::now();
+        let (rep, path) = run_train(&opts)?;
+        let mut metrics = BTreeMap::new();
+        for h in &rep.history {
+            metrics.insert(format!("loss.step{:05}", h.step), h.loss);
+        }
+        for v in &rep.validations {
+            metrics.insert(format!("val_loss.step{:05}", v.step), v.loss);
+            metrics.insert(format!("val_edit_acc.step{:05}", v.step), v.edit_acc);
+        }
+        sides.push(side(&plan, metrics, read_memory(&path)?, t.elapsed().as_secs_f64(), path));
+    }
+    let dual = sides.pop().expect("two sides");
+    let single = sides.pop().expect("two sides");
+    let c = finish("train", single, dual);
+    write_json_atomic(&o.out.join("compare.json"), &c)?;
+    Ok(c)
+}
+
+/// Evaluates twice (single, then split) and compares the edit metrics.
+pub fn compare_eval(o: &EvalOptions, dual_plan: DevicePlan, out: &Path) -> Result<Comparison> {
+    let mut sides = Vec::new();
+    for (name, plan) in [("single", DevicePlan::single(dual_plan.main)), ("dual", dual_plan)] {
+        let mut opts = o.clone();
+        opts.common.plan = plan;
+        opts.common.report = Some(out.join(format!("eval-{name}.json")));
+        let t = Instant::now();
+        let (res, path) = run_eval(&opts, |_, _| {})?;
+        let s = &res.summary;
+        let metrics = BTreeMap::from([
+            ("reliability".to_string(), s.reliability),
+            ("generalization".to_string(), s.generalization),
+            ("locality".to_string(), s.locality),
+            ("edit_success".to_string(), s.edit_success),
+            ("nll_pre".to_string(), s.nll_pre),
+            ("nll_post".to_string(), s.nll_post),
+        ]);
+        sides.push(side(&plan, metrics, read_memory(&path)?, t.elapsed().as_secs_f64(), path));
+    }
+    let dual = sides.pop().expect("two sides");
+    let single = sides.pop().expect("two sides");
+    let c = finish("eval", single, dual);
+    write_json_atomic(&out.join("compare.json"), &c)?;
+    Ok(c)
+}
+
+/// The readable side-by-side table.
+pub fn table(c: &Comparison) -> String {
+    let mut s = String::new();
+    let row = |s: &mut String, k: &str, a: String, b: String| s.push_str(&format!("{k:<28} {a:>18} {b:>18}\n"));
+    row(&mut s, &format!("compare {}", c.command), "single".into(), "dual".into());
+    row(&mut s, "devices", c.single.devices.clone(), c.dual.devices.clone());
+    let keys: Vec<&String> = c.single.metrics.keys().collect();
+    // Long training histories: show the last few entries of each kind.
+    let shown: Vec<&String> = if keys.len() > 12 { keys[keys.len() - 12..].to_vec() } else { keys };
+    for k in shown {
+        let b = c.dual.metrics.get(k).copied().unwrap_or(f64::NAN);
+        row(&mut s, k, format!("{:.6}", c.single.metrics[k]), format!("{b:.6}"));
+    }
+    for role in ["main", "sub"] {
+        let get = |side: &Side| side.memory.get(role).map(|m| format_bytes(m.peak_allocated_bytes)).unwrap_or("-".into());
+        row(&mut s, &format!("peak allocated ({role})"), get(&c.single), get(&c.dual));
+    }
+    row(&mut s, "wall time", format!("{:.1} s", c.single.wall_seconds), format!("{:.1} s", c.dual.wall_seconds));
+    s.push_str(&format!(
+        "metrics agree: {} (max relative difference {:.2e}); dual main peak / single peak = {:.3}\n",
+        if c.metrics_agree { "yes" } else { "NO" },
+        c.max_relative_difference,
+        c.main_peak_ratio
+    ));
+    s
+}

@@ -1,0 +1,95 @@
+//! The embedded default: the build pipeline end to end at a small scale, the shipped
+//! default's quality on its held-out edits, and the demo command.
+use std::path::Path;
+use std::process::Command;
+
+use dualedit::config::MendConfig;
+use dualedit::data::synthetic::WorldConfig;
+use dualedit::demo::{build_default, shipped_root, BuildSpec};
+use dualedit::device::DevicePlan;
+use dualedit::pretrain::PretrainConfig;
+use dualedit::run::{run_eval, Common, EvalOptions, MethodSpec};
+use tch::{Device, Kind};
+
+#[test]
+fn pipeline_runs_end_to_end_at_small_scale() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = BuildSpec {
+        world: WorldConfig { seed: 3, n_entities: 24, n_edit_train: 60, n_edit_holdout: 10 },
+        pretrain: PretrainConfig { n_embd: 64, n_layer: 2, n_head: 2, steps: 600, vocab_size: 400, ..PretrainConfig::default() },
+        mend: MendConfig {
+            rank: 16,
+            lr: 1e-3,
+            edit_lr: 1e-3,
+            lr_lr: 1e-3,
+            c_edit: 1.0,
+            accumulate: 2,
+            max_steps: 40,
+            val_every: 20,
+            val_records: 10,
+            max_length: 32,
+            ..MendConfig::default()
+        },
+    };
+    let rep = build_default(dir.path(), &spec, Device::Cpu).unwrap();
+    // The tiny model learned most of its small world.
+    assert!(rep.pretrain.fact_accuracy > 0.5, "fact accuracy {}", rep.pretrain.fact_accuracy);
+    for f in ["model/config.json", "model/model.safetensors", "model/tokenizer.json", "editor/editor.safetensors", "world/edits-holdout.json"] {
+        assert!(dir.path().join(f).exists(), "{f} missing");
+    }
+    assert_eq!(rep.holdout.n, 10);
+    // Edits do something: the new targets become likelier than before.
+    assert!(rep.holdout.nll_post < rep.holdout.nll_pre, "{:?}", rep.holdout);
+}
+
+#[test]
+fn shipped_default_meets_its_targets() {
+    let root = shipped_root();
+    let opts = EvalOptions {
+        common: Common {
+            model: root.join("model"),
+            plan: DevicePlan::single(Device::Cpu),
+            dtype: Kind::Float,
+            seed: 0,
+            report: Some(std::env::temp_dir().join(format!("dualedit-default-{}.json", std::process::id()))),
+        },
+        method: MethodSpec::Mend { editor: root.join("editor") },
+        data: root.join("world/edits-holdout.json"),
+        ds: dualedit::data::DatasetKind::Counterfact,
+        limit: None,
+        max_length: 64,
+    };
+    let (out, _) = run_eval(&opts, |_, _| {}).unwrap();
+    let s = &out.summary;
+    println!("shipped default on held-out edits: {s:?}");
+    assert!(s.reliability >= 0.9, "reliability {}", s.reliability);
+    assert!(s.locality >= 0.9, "locality {}", s.locality);
+    let size: u64 = walk(&root);
+    assert!(size < 30 * 1024 * 1024, "data/ is {size} bytes");
+}
+
+fn walk(p: &Path) -> u64 {
+    std::fs::read_dir(p)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                walk(&e.path())
+            } else {
+                e.metadata().unwrap().len()
+            }
+        })
+        .sum()
+}
+
+#[test]
+fn demo_shows_edits_metrics_and_memory_quickly() {
+    let start = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_dualedit")).args(["demo"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for needle in ["before:", "after:", "rephrase after:", "unrelated:", "reliability", "generalization", "locality", "peak memory"] {
+        assert!(stdout.contains(needle), "demo output lacks {needle:?}:\n{stdout}");
+    }
+    assert!(start.elapsed().as_secs() < 60, "demo took {:?}", start.elapsed());
+}

@@ -1,0 +1,404 @@
+//! The HTTP service over real HTTP on 127.0.0.1 (ephemeral ports): the edit / generate /
+//! reset / save flow, a burst of 200 concurrent mixed requests, a catalogue of bad
+//! requests, and SIGINT/SIGTERM on the `dualedit serve` binary.
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::{fixture, records, trained_editor_session};
+use dualedit::data::Example;
+use dualedit::model::Tokenizer;
+use dualedit::serve::{ServeOptions, ServeStats, Server};
+use dualedit::session::{Session, SessionOptions};
+use serde_json::{json, Value};
+
+/// A server running on its own thread until `stop`.
+struct Running {
+    addr: SocketAddr,
+    flag: Arc<AtomicBool>,
+    thread: JoinHandle<ServeStats>,
+}
+
+impl Running {
+    fn start(session: Session, opts: ServeOptions) -> Self {
+        let server = Server::bind("127.0.0.1:0", opts).unwrap();
+        let addr = server.local_addr();
+        assert!(addr.ip().is_loopback() && addr.port() != 0);
+        let flag = Arc::new(AtomicBool::new(false));
+        let f = flag.clone();
+        let thread = std::thread::spawn(move || server.run(session, &f).unwrap());
+        Self { addr, flag, thread }
+    }
+
+    fn stop(self) -> ServeStats {
+        self.flag.store(true, Ordering::SeqCst);
+        self.thread.join().unwrap()
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection: `(status, JSON body)`.
+fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+    try_http(addr, method, path, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+fn try_http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> std::io::Result<(u16, Value)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.set_write_timeout(Some(Duration::from_secs(30)))?;
+    let body = body.unwrap_or("");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, rest) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other(format!("no header end in {text:?}")))?;
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad status line in {head:?}")))?;
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    let payload = if chunked { dechunk(rest) } else { rest.to_string() };
+    let value = serde_json::from_str(&payload).map_err(|e| std::io::Error::other(format!("{e}: {payload:?}")))?;
+    Ok((status, value))
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((len, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(len.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn tokenizer() -> Tokenizer {
+    Tokenizer::from_file(&fixture("gpt2").join("tokenizer.json")).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<i64> {
+    v.as_array().unwrap().iter().map(|t| t.as_i64().unwrap()).collect()
+}
+
+#[test]
+fn edit_generate_save_reset_over_http() {
+    let (session, _editor) = trained_editor_session();
+    let server = Running::start(session, ServeOptions::default());
+    let a = server.addr;
+    let (st, health) = http(a, "GET", "/health", None);
+    assert_eq!(st, 200);
+    assert_eq!(health["status"], "ok");
+    assert_eq!(health["architecture"], "GPT2LMHeadModel");
+    assert_eq!(health["edits_total"], 0);
+
+    let rec = &records()[0];
+    let text = json!({ "text": "The capital of France is Rome" }).to_string();
+    let (st, before) = http(a, "POST", "/score", Some(&text));
+    assert_eq!(st, 200, "{before}");
+    assert_eq!(before["logprobs"].as_array().unwrap().len() + 1, before["tokens"].as_array().unwrap().len());
+
+    let edit = json!({ "requests": [{ "prompt": rec.prompt, "target_new": rec.target_new, "rephrase_prompt": rec.rephrase }] });
+    let (st, out) = http(a, "POST", "/edit", Some(&edit.to_string()));
+    assert_eq!(st, 200, "{out}");
+    assert_eq!(out["requests"][0]["edit_success"], true, "{out}");
+    assert_eq!(out["requests"][0]["answer_after"].as_str().unwrap().trim(), rec.target_new);
+    assert_eq!(out["edits_total"], 1);
+
+    // Generation now starts with the new target's tokens.
+    let want = Example::new(&tokenizer(), &rec.prompt, &rec.target_new).unwrap().answer().to_vec();
+    let gen = json!({ "prompt": rec.prompt, "max_new_tokens": want.len() }).to_string();
+    let (st, g) = http(a, "POST", "/generate", Some(&gen));
+    assert_eq!(st, 200, "{g}");
+    assert_eq!(ids(&g["tokens"]), want, "{g}");
+    assert_eq!(g["text"].as_str().unwrap().trim(), rec.target_new);
+    let (_, edited) = http(a, "POST", "/score", Some(&text));
+    assert_ne!(edited["logprobs"], before["logprobs"]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let save = json!({ "dir": dir.path().join("edited") }).to_string();
+    let (st, saved) = http(a, "POST", "/save", Some(&save));
+    assert_eq!(st, 200, "{saved}");
+    assert!(dir.path().join("edited/model.safetensors").is_file());
+
+    let (st, reset) = http(a, "POST", "/reset", None);
+    assert_eq!(st, 200, "{reset}");
+    assert_eq!(reset["edits_total"], 0);
+    assert_eq!(reset["restored_params"], 6);
+    let (_, after) = http(a, "POST", "/score", Some(&text));
+    // JSON carries f64 exactly (shortest round-trip form): the same bits as before the edit.
+    assert_eq!(after, before);
+
+    let (st, mem) = http(a, "GET", "/memory", None);
+    assert_eq!(st, 200);
+    let dev = &mem["devices"][0];
+    assert_eq!((dev["role"].as_str(), dev["device"].as_str()), (Some("main"), Some("cpu")));
+    assert!(dev["current_allocated_bytes"].as_u64().unwrap() > 0 && dev["process_wide"] == true);
+    let (_, health) = http(a, "GET", "/health", None);
+    assert_eq!(health["edits_total"], 0);
+
+    // The saved directory carries the edit.
+    let reloaded = Session::open(&dir.path().join("edited"), None, &SessionOptions::default()).unwrap();
+    assert_eq!(reloaded.score("The capital of France is Rome").unwrap().logprobs, ids_f64(&edited["logprobs"]));
+
+    let stats = server.stop();
+    assert_eq!(stats.server_errors, 0, "{stats:?}");
+    assert_eq!(stats.model_requests, 8, "{stats:?}");
+}
+
+fn ids_f64(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|t| t.as_f64().unwrap()).collect()
+}
+
+fn rss() -> u64 {
+    dualedit::device::memory::sample(tch::Device::Cpu).unwrap().current_allocated_bytes
+}
+
+/// What one request of the burst sends and what a correct answer is.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Score,
+    Generate,
+    Health,
+    Memory,
+    NotFound,
+    EditWithoutEditor,
+}
+
+const KINDS: [Kind; 6] = [Kind::Score, Kind::Generate, Kind::Health, Kind::Memory, Kind::NotFound, Kind::EditWithoutEditor];
+
+struct Expected {
+    score: Value,
+    generate: Value,
+}
+
+/// 200 requests at once (one thread each, released together); returns the status counts.
+fn burst(a: SocketAddr, expected: &Arc<Expected>) -> std::collections::BTreeMap<u16, usize> {
+    let n = 200;
+    let barrier = Arc::new(Barrier::new(n));
+    let threads: Vec<_> = (0..n)
+        .map(|i| {
+            let (barrier, expected) = (barrier.clone(), expected.clone());
+            std::thread::spawn(move || {
+                let kind = KINDS[i % KINDS.len()];
+                barrier.wait();
+                let (st, body) = match kind {
+                    Kind::Score => http(a, "POST", "/score", Some(r#"{"text": "The capital of France is Paris"}"#)),
+                    Kind::Generate => http(a, "POST", "/generate", Some(r#"{"prompt": "Once upon a time", "max_new_tokens": 8}"#)),
+                    Kind::Health => http(a, "GET", "/health", None),
+                    Kind::Memory => http(a, "GET", "/memory", None),
+                    Kind::NotFound => http(a, "GET", "/nope", None),
+                    Kind::EditWithoutEditor => http(a, "POST", "/edit", Some(r#"{"requests": [{"prompt": "a b", "target_new": "c"}]}"#)),
+                };
+                let model = matches!(kind, Kind::Score | Kind::Generate | Kind::EditWithoutEditor);
+                if st == 503 {
+                    assert!(model, "{kind:?} answered 503");
+                    assert_eq!(body["kind"], "queue_full", "{body}");
+                    assert!(body["error"].as_str().unwrap().contains("queue full"), "{body}");
+                    return st;
+                }
+                match kind {
+                    Kind::Score => assert_eq!((st, &body), (200, &expected.score)),
+                    Kind::Generate => assert_eq!((st, &body), (200, &expected.generate)),
+                    Kind::Health => assert_eq!((st, body["status"].as_str()), (200, Some("ok"))),
+                    Kind::Memory => assert!(st == 200 && body["devices"][0]["current_allocated_bytes"].as_u64().unwrap() > 0),
+                    Kind::NotFound => assert_eq!((st, body["kind"].as_str()), (404, Some("not_found"))),
+                    Kind::EditWithoutEditor => {
+                        assert_eq!(st, 422, "{body}");
+                        assert!(body["error"].as_str().unwrap().contains("no editor"), "{body}");
+                    }
+                }
+                st
+            })
+        })
+        .collect();
+    let mut counts = std::collections::BTreeMap::new();
+    for t in threads {
+        *counts.entry(t.join().expect("a client thread failed its checks")).or_insert(0) += 1;
+    }
+    counts
+}
+
+#[test]
+fn burst_of_200_concurrent_mixed_requests() {
+    let start = Instant::now();
+    let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
+    let expected = Arc::new(Expected {
+        score: serde_json::to_value(session.score("The capital of France is Paris").unwrap()).unwrap(),
+        generate: serde_json::to_value(session.generate("Once upon a time", 8).unwrap()).unwrap(),
+    });
+    // A small queue so that the bound is actually reached.
+    let opts = ServeOptions { queue: 4, ..ServeOptions::default() };
+    let server = Running::start(session, opts);
+    let warm = burst(server.addr, &expected);
+    let rss_before = rss();
+    let counts = burst(server.addr, &expected);
+    let rss_after = rss();
+    let ok_model = counts.get(&200).copied().unwrap_or(0);
+    eprintln!("warm-up {warm:?}; burst {counts:?}; rss {rss_before} -> {rss_after}");
+    assert_eq!(counts.values().sum::<usize>(), 200);
+    assert!(ok_model > 0);
+    // Memory is flat: no per-request growth survives the burst.
+    let grew = rss_after as i64 - rss_before as i64;
+    assert!(grew < 48 << 20, "process RSS grew by {} MiB over 200 requests", grew >> 20);
+    // Still serving, with the same answers.
+    assert_eq!(http(server.addr, "POST", "/score", Some(r#"{"text": "The capital of France is Paris"}"#)), (200, expected.score.clone()));
+    let stats = server.stop();
+    assert_eq!(stats.requests, 401);
+    assert_eq!(stats.server_errors as usize, stats.rejected_queue_full as usize, "{stats:?}");
+    assert!(start.elapsed() < Duration::from_secs(60), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn bad_requests_get_the_right_4xx_and_leave_the_session_intact() {
+    let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
+    let reference = serde_json::to_value(session.score("The capital of France is Paris").unwrap()).unwrap();
+    let server = Running::start(session, ServeOptions { max_body_bytes: 4096, ..ServeOptions::default() });
+    let a = server.addr;
+    let long = "word ".repeat(200);
+    let valid_edit = r#"{"requests": [{"prompt": "The capital of France is", "target_new": "Rome"}]}"#;
+    let cases: Vec<(&str, &str, Option<String>, u16, &str)> = vec![
+        ("POST", "/score", Some("{not json".into()), 400, "malformed JSON"),
+        ("POST", "/score", Some("".into()), 400, "malformed JSON"),
+        ("POST", "/score", Some("[1, 2]".into()), 400, "must be a JSON object"),
+        ("POST", "/score", Some("{}".into()), 400, "missing field `text`"),
+        ("POST", "/score", Some(r#"{"txt": "a b"}"#.into()), 400, "unknown field `txt`"),
+        ("POST", "/score", Some(r#"{"text": 5}"#.into()), 400, "field `text` must be a string"),
+        ("POST", "/generate", Some(r#"{"max_new_tokens": 3}"#.into()), 400, "missing field `prompt`"),
+        ("POST", "/generate", Some(r#"{"prompt": "a", "max_new_tokens": -1}"#.into()), 400, "field `max_new_tokens` must be a non-negative integer"),
+        ("POST", "/edit", Some("{}".into()), 400, "missing field `requests`"),
+        ("POST", "/edit", Some(r#"{"requests": {"prompt": "a"}}"#.into()), 400, "field `requests` must be an array"),
+        ("POST", "/edit", Some(r#"{"requests": []}"#.into()), 400, "no records"),
+        ("POST", "/edit", Some(r#"{"requests": [{"prompt": "a b"}]}"#.into()), 400, "target_new"),
+        ("POST", "/edit", Some(r#"{"requests": [{"prompt": "", "target_new": "x"}]}"#.into()), 400, "record 0"),
+        ("POST", "/save", Some("{}".into()), 400, "missing field `dir`"),
+        ("POST", "/save", Some(r#"{"dir": " "}"#.into()), 400, "empty"),
+        ("GET", "/nope", None, 404, "no route /nope"),
+        ("POST", "/", Some("{}".into()), 404, "no route /"),
+        ("GET", "/score", None, 405, "takes POST"),
+        ("POST", "/health", Some("{}".into()), 405, "takes GET"),
+        ("DELETE", "/edit", None, 405, "takes POST"),
+        ("POST", "/score", Some(format!(r#"{{"text": "{}"}}"#, "x".repeat(5000))), 413, "larger than the limit"),
+        ("POST", "/generate", Some(json!({ "prompt": long }).to_string()), 422, "longer than the model's context"),
+        ("POST", "/score", Some(json!({ "text": long }).to_string()), 422, "longer than the model's context"),
+        ("POST", "/edit", Some(json!({ "requests": [{ "prompt": long, "target_new": "x" }] }).to_string()), 422, "no editor"),
+        ("POST", "/edit", Some(valid_edit.into()), 422, "no editor"),
+        ("POST", "/score", Some(r#"{"text": "   "}"#.into()), 422, "empty"),
+        ("POST", "/generate", Some(r#"{"prompt": ""}"#.into()), 422, "empty"),
+    ];
+    for (method, path, body, status, needle) in &cases {
+        let (st, v) = http(a, method, path, body.as_deref());
+        let err = v["error"].as_str().unwrap_or_else(|| panic!("{method} {path}: no error message in {v}"));
+        assert_eq!(st, *status, "{method} {path} {body:?}: {v}");
+        assert!(err.contains(needle), "{method} {path} {body:?}: {err:?} lacks {needle:?}");
+        assert!(v["kind"].is_string(), "{v}");
+    }
+    // Nothing above touched the model.
+    assert_eq!(http(a, "POST", "/score", Some(r#"{"text": "The capital of France is Paris"}"#)), (200, reference));
+    assert_eq!(http(a, "GET", "/health", None).1["status"], "ok");
+    let stats = server.stop();
+    assert_eq!(stats.server_errors, 0, "{stats:?}");
+    assert_eq!(stats.client_errors as usize, cases.len(), "{stats:?}");
+}
+
+#[test]
+fn save_root_confines_saves() {
+    let root = tempfile::tempdir().unwrap();
+    let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
+    let server = Running::start(session, ServeOptions { save_root: Some(root.path().to_path_buf()), ..ServeOptions::default() });
+    for bad in ["/tmp/x", "../x", "a/../../x"] {
+        let (st, v) = http(server.addr, "POST", "/save", Some(&json!({ "dir": bad }).to_string()));
+        assert_eq!(st, 400, "{bad}: {v}");
+    }
+    let (st, v) = http(server.addr, "POST", "/save", Some(r#"{"dir": "m/edited"}"#));
+    assert_eq!(st, 200, "{v}");
+    assert!(root.path().join("m/edited/config.json").is_file());
+    server.stop();
+}
+
+/// `dualedit serve` on port 0; returns the child and the address it printed.
+fn spawn_binary() -> (std::process::Child, SocketAddr, BufReader<std::process::ChildStderr>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        .args(["serve", "--model"])
+        .arg(fixture("gpt2"))
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "serve exited before listening");
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    (child, addr, err)
+}
+
+#[test]
+fn sigint_and_sigterm_finish_in_flight_requests_and_exit_cleanly() {
+    for signal in ["-INT", "-TERM"] {
+        let (mut child, addr, mut stderr) = spawn_binary();
+        assert_eq!(http(addr, "GET", "/health", None).0, 200);
+        // Traffic that is still arriving when the signal does.
+        let stop = Arc::new(AtomicBool::new(false));
+        let clients: Vec<_> = (0..4)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut answered = Vec::new();
+                    while !stop.load(Ordering::SeqCst) {
+                        match try_http(addr, "POST", "/generate", Some(r#"{"prompt": "Once upon a time", "max_new_tokens": 30}"#)) {
+                            Ok((st, v)) => answered.push((st, v)),
+                            Err(_) => break, // the listener is gone
+                        }
+                    }
+                    answered
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let status = Command::new("kill").arg(signal).arg(child.id().to_string()).status().unwrap();
+        assert!(status.success());
+        let t0 = Instant::now();
+        let exit = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20), "serve did not exit after SIG{signal}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        stop.store(true, Ordering::SeqCst);
+        assert!(exit.success(), "{signal}: exit status {exit:?}");
+        let mut rest = String::new();
+        stderr.read_to_string(&mut rest).unwrap();
+        assert!(rest.contains("stopped after"), "{rest}");
+        let mut n = 0;
+        for c in clients {
+            for (st, v) in c.join().unwrap() {
+                // Every request that got an answer got a whole, correct one: 200 with the
+                // generation, or 503 for one queued when the shutdown began.
+                assert!(st == 200 && v["tokens"].is_array() || st == 503 && v["kind"] == "shutting_down", "{st}: {v}");
+                n += 1;
+            }
+        }
+        assert!(n > 0, "no request was answered before SIG{signal}");
+    }
+}
