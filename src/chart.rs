@@ -24,6 +24,8 @@ pub const HEIGHT: u32 = 720;
 
 const MIB: f64 = 1024.0 * 1024.0;
 const FONT_FAMILY: &str = "sans-serif";
+/// Size of the phase names along the boundary lines.
+const LABEL_PX: i32 = 14;
 
 /// Places a font is usually found; the first readable one wins.
 const FONT_CANDIDATES: &[&str] = &[
@@ -199,7 +201,7 @@ fn draw(series: &[Series], marks: &[(f64, String)], path: &Path, text: bool) -> 
     let y_fmt = |v: &f64| format!("{v:.0}");
     {
         let mut mesh = chart.configure_mesh();
-        mesh.light_line_style(RGBColor(235, 235, 235)).bold_line_style(RGBColor(200, 200, 200));
+        mesh.light_line_style(RGBColor(244, 244, 244)).bold_line_style(RGBColor(215, 215, 215)).max_light_lines(2);
         if text {
             mesh.x_desc("seconds since start")
                 .y_desc("allocated (MiB)")
@@ -213,17 +215,21 @@ fn draw(series: &[Series], marks: &[(f64, String)], path: &Path, text: bool) -> 
         mesh.draw()?;
     }
 
-    // Phase boundaries: a grey vertical line each, names rotated along them; names closer
-    // than a text line to the previous drawn one are skipped rather than overprinted.
+    // Phase boundaries: a grey vertical line each, its phase name written upwards just
+    // right of it; a name closer than one text line to the previous one is skipped rather
+    // than overprinted.
     let grey = RGBColor(150, 150, 150);
+    let top = chart.backend_coord(&(0.0, y_hi)).1;
     let mut last_label_px: Option<i32> = None;
     for (t, phase) in marks {
         chart.draw_series(DashedLineSeries::new([(*t, 0.0), (*t, y_hi)], 4, 4, grey.stroke_width(1)))?;
         if text {
             let (px, _) = chart.backend_coord(&(*t, y_hi));
-            if last_label_px.is_none_or(|p| px - p >= 16) {
-                let style = TextStyle::from((FONT_FAMILY, 13).into_font()).color(&RGBColor(90, 90, 90)).transform(FontTransform::Rotate90);
-                root.draw(&Text::new(phase.clone(), (px + 3, chart.backend_coord(&(0.0, y_hi)).1 + 4), style))?;
+            if last_label_px.is_none_or(|p| px - p >= LABEL_PX + 2) {
+                let font = TextStyle::from((FONT_FAMILY, LABEL_PX).into_font()).color(&RGBColor(80, 80, 80));
+                let (w, _) = root.estimate_text_size(phase, &font)?;
+                let style = font.transform(FontTransform::Rotate270);
+                root.draw(&Text::new(phase.clone(), (px + 5, top + 6 + w as i32), style))?;
                 last_label_px = Some(px);
             }
         }

@@ -109,13 +109,13 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
     use crate::device::memory::{format_bytes, MemoryTracker};
     use crate::eval::{evaluate, make_edit};
     use crate::model::ParamView;
-    use crate::run::{greedy, load_examples, open_engine, open_method};
+    use crate::run::{greedy, load_examples, open_method};
     let start = std::time::Instant::now();
     let w = |out: &mut dyn std::io::Write, s: String| writeln!(out, "{s}").map_err(|e| crate::Error::io("<stdout>", e));
     let mut tracker = MemoryTracker::new(&plan.roles());
     let method_spec = MethodSpec::Mend { editor: editor_dir(root) };
     let common = Common { model: model_dir(root), plan, dtype: tch::Kind::Float, seed: 0, report: None };
-    let engine = open_engine(&common, &crate::run::edit_params_of(&method_spec)?, &mut tracker)?;
+    let engine = crate::run::open_engine_for(&common, &method_spec, &mut tracker)?;
     let mut method = open_method(&method_spec, &engine)?;
     let info = engine.lm.model.info();
     w(out, format!(

@@ -523,6 +523,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
     let dout_sum: i64 = edited.iter().map(|p| p.d_out).sum();
     let editors = editor_shapes(cfg, &edited);
     let e_params: i64 = editors.iter().map(|e| e.parameters).sum();
+    let e_shared: i64 = editors.iter().filter(|e| e.n_modes > 1).map(|e| e.parameters).sum();
     let stats_elems: i64 = editors.iter().map(|e| 2 * (e.d_in + e.d_out)).sum();
     // Largest single editor tensor (U or V of the widest MLP).
     let e_max: i64 = editors
@@ -593,14 +594,19 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 info.n_params * s,
             );
         }
-        let e_txt = editors
-            .iter()
-            .map(|e| {
+        let e_txt = {
+            // Identical editors (same widths, rank, modes) are written once with a count.
+            let mut kinds: Vec<(String, usize)> = Vec::new();
+            for e in &editors {
                 let ws: Vec<String> = e.widths.iter().map(|w| w.to_string()).collect();
-                format!("{}·(2·w·r+w+2·m·w) w={} r={} m={}", cfg.n_hidden + 1, ws.join("/"), e.rank, e.n_modes)
-            })
-            .collect::<Vec<_>>()
-            .join(" + ");
+                let k = format!("(n_hidden+1)·(2·w·r+w+2·m·w) w={} r={} m={}", ws.join("/"), e.rank, e.n_modes);
+                match kinds.iter_mut().find(|(x, _)| *x == k) {
+                    Some((_, c)) => *c += 1,
+                    None => kinds.push((k, 1)),
+                }
+            }
+            kinds.into_iter().map(|(k, c)| if c > 1 { format!("{c}×{k}") } else { k }).collect::<Vec<_>>().join(" + ")
+        };
         add(phase, Role::Main, &[Resident], "editor parameters (f32)", format!("[{e_txt}]·4 = {}·4", num(e_params)), e_params * 4);
         if train {
             add(phase, Role::Main, &[Resident], "editor gradients (f32)", format!("{}·4", num(e_params)), e_params * 4);
@@ -704,7 +710,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
             add(
                 phase,
                 Role::Main,
-                &[EditedForward, Backward],
+                &[EditedForward],
                 "edited weights W' kept by the graph",
                 format!("Σ_saved d_in·d_out·s = {}·{s}", num(w_kept_elems)),
                 w_kept_elems * s,
@@ -795,7 +801,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
             add(
                 phase,
                 Role::Main,
-                &[EditedForward, Backward],
+                &[EditedForward],
                 "log_softmax copies kept for backward (outer, locality, exp(base))",
                 format!("3·B·kept·V·4 = 3·{nk}·{v}·4"),
                 3 * nk * v * 4,
@@ -807,6 +813,17 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 "gradients w.r.t. W' + one weight's backward temporaries",
                 format!("Σ_P d_in·d_out·s + 3·max_P d_in·d_out·4 = {}·{s} + 3·{}·4", num(w_elems), num(w_max)),
                 w_elems * s + 3 * w_max * 4,
+            );
+            // A shared editor is used once per edited weight: autograd sums the per-use
+            // gradients of each of its tensors in a buffer and adds it to .grad only after
+            // the last use, so every such tensor has a gradient buffer during backward.
+            add(
+                phase,
+                Role::Main,
+                &[Backward],
+                "editor gradient buffers (shared editors) + one incoming gradient",
+                format!("Σ_editors used >1× params·4 + largest tensor·4 = {}·4 + {}·4", num(e_shared), num(e_max)),
+                (e_shared + e_max) * 4,
             );
             add(
                 phase,
@@ -905,7 +922,8 @@ impl MemoryPlan {
             .unwrap_or(0)
     }
 
-    /// The plan as a text table: every item with its formula and bytes, then the totals.
+    /// The plan as a text table: every item with its bytes and, under it, its formula;
+    /// then each device's peak per phase.
     pub fn table(&self) -> String {
         let sh = &self.shape;
         let mut out = String::new();
@@ -917,7 +935,7 @@ impl MemoryPlan {
         let _ = writeln!(out, "memory plan: {} ({} parameters, {}), {placement}", sh.architecture, num(sh.n_params), sh.dtype);
         let _ = writeln!(
             out,
-            "assumes: batch {} × {} tokens, {} labelled positions per example; {} edited weights from layer {} in {} editor(s), {} editor parameters",
+            "assumes batch {} x {} tokens with {} labelled positions per example; {} edited weights from layer {} on; {} editor(s), {} parameters",
             sh.batch_size,
             sh.tokens_per_example,
             sh.kept_per_example,
@@ -926,25 +944,23 @@ impl MemoryPlan {
             sh.editors.len(),
             num(sh.editor_parameters)
         );
-        let _ = writeln!(out, "s = {} bytes per weight element; peaks are resident + the largest other group", sh.dtype_bytes);
+        let _ = writeln!(
+            out,
+            "s = {} bytes per weight element; B batch, T tokens, kept labelled positions, V vocabulary, P edited weights",
+            sh.dtype_bytes
+        );
+        let _ = writeln!(out, "a device's peak = its resident items + the largest of its other groups (they are never alive together)");
         for phase in [Phase::Train, Phase::Edit] {
             let title = match phase {
-                Phase::Train => "TRAIN (one meta-training micro-step, optimiser step, checkpoint)",
-                Phase::Edit => "EDIT (one edit with a trained editor and its scoring)",
+                Phase::Train => "TRAIN: one meta-training micro-step, the optimiser step, a checkpoint write",
+                Phase::Edit => "EDIT: one edit with a trained editor, then scoring the edited model",
             };
             let _ = writeln!(out, "\n{title}");
-            let _ = writeln!(out, "{:<5} {:<28} {:<58} {:<70} {:>11}", "role", "when", "item", "formula", "bytes");
+            let _ = writeln!(out, "{:<5} {:<25} {:>10}  item / formula", "role", "alive during", "bytes");
             for it in self.items.iter().filter(|i| i.phase == phase) {
                 let when: Vec<&str> = it.groups.iter().map(|g| g.name()).collect();
-                let _ = writeln!(
-                    out,
-                    "{:<5} {:<28} {:<58} {:<70} {:>11}",
-                    it.role.name(),
-                    when.join(","),
-                    it.item,
-                    it.formula,
-                    format_bytes(it.bytes)
-                );
+                let _ = writeln!(out, "{:<5} {:<25} {:>10}  {}", it.role.name(), when.join(","), format_bytes(it.bytes), it.item);
+                let _ = writeln!(out, "{:<5} {:<25} {:>10}    = {}", "", "", "", it.formula);
             }
             for t in self.totals.iter().filter(|t| t.phase == phase) {
                 let groups: Vec<String> = t
@@ -955,18 +971,18 @@ impl MemoryPlan {
                     .collect();
                 let _ = writeln!(
                     out,
-                    "total {} ({}): {} = resident {} + max({}) -> peak during {}",
+                    "PEAK {} ({}): {}  = resident {} + {} (largest of: {})",
                     t.device,
                     t.roles.join("+"),
                     format_bytes(t.peak_bytes),
                     format_bytes(t.by_group.get(&Group::Resident).copied().unwrap_or(0)),
-                    groups.join(", "),
-                    t.peak_group.name()
+                    t.peak_group.name(),
+                    groups.join(", ")
                 );
             }
             if phase == Phase::Train && sh.main != "cpu" {
                 let host: u64 = self.items.iter().filter(|i| i.phase == phase && i.role == Role::Host).map(|i| i.bytes).sum();
-                let _ = writeln!(out, "host memory (not on {}): {} during checkpoint writes", sh.main, format_bytes(host));
+                let _ = writeln!(out, "host memory (not on {}): {} while a checkpoint is written", sh.main, format_bytes(host));
             }
         }
         out
@@ -1022,14 +1038,14 @@ mod tests {
         assert!(sub_train > weights, "the sub-device holds the replica and the edited forwards");
         // Editor state stays on main.
         assert!(split.group_bytes("cuda:0", Phase::Train, Group::Resident) > weights + 4 * single.shape.editor_parameters as u64);
-        assert!(split.table().contains("total cuda:1 (sub)"));
+        assert!(split.table().contains("PEAK cuda:1 (sub)"));
         assert!(serde_json::to_string(&split).unwrap().contains("\"peak_bytes\""));
     }
 
     #[test]
     fn bad_options_are_refused() {
         assert!(PlanOptions::new("gpu", None, Kind::Float, 8, None).is_err());
-        let m = gpt2(2, 64, 100);
+        let m = gpt2(3, 64, 100);
         // Beyond the context: capped as runs cap max_length.
         let o = PlanOptions::new("cpu", None, Kind::Float, 1000, None).unwrap();
         assert_eq!(plan_model(&m, &MendConfig::default(), &o).unwrap().shape.tokens_per_example, 128);

@@ -155,6 +155,19 @@ pub fn open_method(spec: &MethodSpec, engine: &Engine) -> Result<Method> {
     })
 }
 
+/// Opens the engine for a method: with an editor, on the weights it was trained to edit
+/// (a model without them is another model than the editor's).
+pub fn open_engine_for(c: &Common, spec: &MethodSpec, tracker: &mut MemoryTracker) -> Result<Engine> {
+    let names = edit_params_of(spec)?;
+    open_engine(c, &names, tracker).map_err(|e| match (spec, e) {
+        (MethodSpec::Mend { editor }, Error::Input(msg)) => Error::file(
+            editor.join(checkpoint::EDITOR_JSON),
+            format!("editor was trained for another model than {}: {msg}", c.model.display()),
+        ),
+        (_, e) => e,
+    })
+}
+
 /// Edit parameters an editor checkpoint was trained on (so the engine captures those).
 pub fn edit_params_of(spec: &MethodSpec) -> Result<Vec<String>> {
     match spec {
@@ -191,7 +204,7 @@ pub struct EvalOutput {
 pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
-    let engine = open_engine(&o.common, &edit_params_of(&o.method)?, &mut tracker)?;
+    let engine = open_engine_for(&o.common, &o.method, &mut tracker)?;
     let mut method = open_method(&o.method, &engine)?;
     let load_s = t0.elapsed().as_secs_f64();
     let (_, examples) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length)?;
@@ -239,7 +252,7 @@ pub struct RequestResult {
 pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
-    let mut engine = open_engine(&o.common, &edit_params_of(&o.method)?, &mut tracker)?;
+    let mut engine = open_engine_for(&o.common, &o.method, &mut tracker)?;
     let mut method = open_method(&o.method, &engine)?;
     let (records, examples) = load_examples(&engine, &o.requests, DatasetKind::Requests, None, o.max_length)?;
     let refs: Vec<&EditExample> = examples.iter().collect();

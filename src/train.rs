@@ -141,6 +141,53 @@ pub fn validate(engine: &Engine, editor: &mut Editor, val: &[EditExample]) -> Re
     Ok(ValLog { step: 0, loss: sum.loss / n, edit_acc: sum.edit_acc / n, loc_kl: sum.loc_kl / n })
 }
 
+/// Env var for fault injection in tests: an impossible allocation at this step, to
+/// exercise the out-of-memory path end to end on a machine with memory to spare.
+pub const FAULT_OOM_STEP: &str = "DUALEDIT_FAULT_OOM_STEP";
+
+/// The micro-batches of one optimiser step: forwards, backwards, accumulated gradients.
+fn accumulate(
+    engine: &Engine,
+    editor: &mut Editor,
+    setup: &TrainSetup,
+    step: usize,
+    seed: i64,
+    mut tracker: Option<&mut MemoryTracker>,
+    phase: &mut &'static str,
+) -> Result<StepLosses> {
+    let cfg = setup.config;
+    let pad = engine.lm.tokenizer.pad_id();
+    let n = setup.train.len();
+    let k = cfg.accumulate as f64;
+    let mut acc = StepLosses::default();
+    for micro in 0..cfg.accumulate {
+        let base = (step * cfg.accumulate + micro) * cfg.batch_size;
+        let batch: Vec<&EditExample> = (0..cfg.batch_size).map(|j| &setup.train[example_at(n, seed, base + j)]).collect();
+        let b = EditBatches::new(&batch, pad, engine.plan.main);
+        *phase = "capture, editor and edited forwards";
+        let (loss, parts) = meta_loss(engine, editor, &b, true)?;
+        if std::env::var(FAULT_OOM_STEP).ok().and_then(|v| v.parse::<usize>().ok()) == Some(step) {
+            let _ = Tensor::f_empty([1i64 << 50], (tch::Kind::Float, engine.plan.sub))?;
+        }
+        if let (Some(t), 0) = (tracker.as_deref_mut(), micro) {
+            t.mark("edited_forward")?;
+        }
+        *phase = "backward";
+        crate::error::guard(|| {
+            (loss / k).f_backward()?;
+            Ok(())
+        })?;
+        if let (Some(t), 0) = (tracker.as_deref_mut(), micro) {
+            t.mark("backward")?;
+        }
+        acc.loss += parts.loss / k;
+        acc.edit_nll += parts.edit_nll / k;
+        acc.loc_kl += parts.loc_kl / k;
+        acc.edit_acc += parts.edit_acc / k;
+    }
+    Ok(acc)
+}
+
 /// Runs meta-training; writes the best editor (by validation loss) and the training state
 /// to `setup.out`.
 pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: &mut MemoryTracker) -> Result<TrainReport> {
@@ -174,8 +221,6 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     if let Some(t) = &saved_adam {
         adam.load_state(t, counters.adam_step)?;
     }
-    let pad = engine.lm.tokenizer.pad_id();
-    let n = setup.train.len();
     let bar = if setup.progress {
         indicatif::ProgressBar::new(cfg.max_steps as u64)
     } else {
@@ -195,29 +240,20 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     while counters.step < cfg.max_steps {
         let step = counters.step;
         let mark = step < first_step + 2 || step % cfg.val_every == 0;
-        let mut acc = StepLosses::default();
-        for micro in 0..cfg.accumulate {
-            let base = (step * cfg.accumulate + micro) * cfg.batch_size;
-            let batch: Vec<&EditExample> =
-                (0..cfg.batch_size).map(|k| &setup.train[example_at(n, counters.seed, base + k)]).collect();
-            let b = EditBatches::new(&batch, pad, engine.plan.main);
-            let (loss, parts) = meta_loss(engine, editor, &b, true)?;
-            if mark && micro == 0 {
-                tracker.mark("edited_forward")?;
+        let mut phase = "start";
+        let acc = match accumulate(engine, editor, setup, step, counters.seed, mark.then_some(&mut *tracker), &mut phase) {
+            Ok(acc) => acc,
+            Err(e @ (Error::OutOfMemory(_) | Error::Torch(_))) => {
+                // Keep what was learned: the editor has not been touched by this step.
+                adam.zero_grad();
+                checkpoint::save_state(out, editor, &adam, &counters)?;
+                if !out.join(checkpoint::EDITOR_FILE).exists() {
+                    checkpoint::save_editor(out, editor, engine, counters.step)?;
+                }
+                return Err(crate::device::oom::diagnose(e, step, phase, engine, cfg, tracker, out));
             }
-            crate::error::guard(|| {
-                (loss / cfg.accumulate as f64).f_backward()?;
-                Ok(())
-            })?;
-            if mark && micro == 0 {
-                tracker.mark("backward")?;
-            }
-            let k = cfg.accumulate as f64;
-            acc.loss += parts.loss / k;
-            acc.edit_nll += parts.edit_nll / k;
-            acc.loc_kl += parts.loc_kl / k;
-            acc.edit_acc += parts.edit_acc / k;
-        }
+            Err(e) => return Err(e),
+        };
         let grad_norm = adam.clip(cfg.grad_clip);
         if !acc.loss.is_finite() || !grad_norm.is_finite() {
             counters.skipped_steps += 1;
@@ -225,6 +261,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             adam.zero_grad();
             warn!(step, loss = acc.loss, grad_norm, "non-finite loss or gradient; step skipped");
             if consecutive_bad >= cfg.max_bad_steps {
+                checkpoint::save_state(out, editor, &adam, &counters)?;
                 return Err(Error::Torch(format!(
                     "{consecutive_bad} consecutive non-finite steps at step {step}; the last good editor is in {} (try a lower lr or edit_lr)",
                     out.display()

@@ -8,6 +8,15 @@
 //! memory; nothing is read from disk. The estimate must be within ±15 % of the measurement
 //! for meta-training (micro-steps with backward and Adam), for the checkpoint write and for
 //! editing with the editor in evaluation mode.
+//!
+//! The children run with `MALLOC_MMAP_THRESHOLD_=131072`. glibc's default *dynamic* mmap
+//! threshold rises to the size of the largest block freed (up to 32 MiB), after which the
+//! editor's and the edited weights' tensors (9–30 MiB each here) come from the heap, and
+//! freed heap blocks stay resident: the peak RSS then exceeds the live bytes by 35–55 %
+//! (memory the process holds, not memory its tensors need). A fixed threshold hands such
+//! blocks back on free, so RSS tracks what the planner estimates: live bytes. Set
+//! `DUALEDIT_PLANNER_DEFAULT_MALLOC=1` to measure with glibc's defaults instead (figures
+//! printed, not checked).
 use std::collections::BTreeMap;
 use std::process::Command;
 
@@ -48,7 +57,9 @@ const CASES: &[Case] = &[
     Case { name: "gpt2s-rank1920", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: false },
     // Small editor, longer batch, edits from block 4 upward: activations matter more.
     Case { name: "gpt2s-rank256-deep", rank: 256, batch: 2, tokens: 128, kept: 64, edit_layers: &[4, 6, 8, 10, 11], split: false },
-    // The dual-device path on one CPU: replica and W' copies on "sub".
+    // The dual-device path on one CPU: the mover's W' copies and logits on "sub". (The
+    // replica is not a copy here: `to_device` onto the device a tensor is already on
+    // returns the same storage, so the test takes the replica out of the plan.)
     Case { name: "gpt2s-rank1920-split", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: true },
 ];
 
@@ -116,6 +127,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
     reset_peak(Device::Cpu).unwrap();
     let (base, _) = rss();
     let mut out = BTreeMap::new();
+    let start = std::time::Instant::now();
 
     let cfg = config_of(case);
     let model = gpt2_small();
@@ -142,7 +154,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
     // Editing with a trained editor (evaluation mode): edit, then score the edited model.
     let mut method = Method::Mend(editor);
     let mut edit_peak = 0u64;
-    for _ in 0..2 {
+    for _ in 0..1 {
         let (_, p) = peak_during(base, || {
             let _g = tch::no_grad_guard();
             let ov = make_edit(&engine, &mut method, &batches.inner).unwrap();
@@ -160,7 +172,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
     let (net, lrs) = editor.trainables();
     let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
     let (mut fwd, mut bwd, mut step) = (0u64, 0u64, 0u64);
-    for i in 0..3 {
+    for i in 0..2 {
         let (loss, f) = peak_during(base, || meta_loss(&engine, &mut editor, &batches, true).unwrap().0);
         let (_, b) = peak_during(base, || loss.backward());
         drop(loss);
@@ -184,6 +196,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
     let counters = TrainCounters { step: 3, adam_step: 3, best_val: 0.0, stale_validations: 0, skipped_steps: 0, seed: 0 };
     let (_, ck) = peak_during(base, || save_state(dir.path(), &editor, &adam, &counters).unwrap());
     out.insert("checkpoint_peak".into(), ck as f64);
+    out.insert("seconds".into(), start.elapsed().as_secs_f64());
     out
 }
 
@@ -196,14 +209,18 @@ fn measure_case() {
     println!("\n{RESULT_TAG}{}", serde_json::to_string(&figures).unwrap());
 }
 
+fn default_malloc() -> bool {
+    std::env::var_os("DUALEDIT_PLANNER_DEFAULT_MALLOC").is_some_and(|v| v == "1")
+}
+
 fn run_child(case: &Case) -> BTreeMap<String, f64> {
     let exe = std::env::current_exe().unwrap();
-    let out = Command::new(exe)
-        .args(["measure_case", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-        .env(CASE_ENV, case.name)
-        .env("MALLOC_MMAP_THRESHOLD_", "131072")
-        .output()
-        .unwrap();
+    let mut cmd = Command::new(exe);
+    cmd.args(["measure_case", "--exact", "--ignored", "--nocapture", "--test-threads=1"]).env(CASE_ENV, case.name);
+    if !default_malloc() {
+        cmd.env("MALLOC_MMAP_THRESHOLD_", "131072");
+    }
+    let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "case {} failed:\n{stdout}\n{}", case.name, String::from_utf8_lossy(&out.stderr));
     let line = stdout.lines().find_map(|l| l.split_once(RESULT_TAG).map(|(_, r)| r)).unwrap_or_else(|| panic!("no result from case {}:\n{stdout}", case.name));
@@ -221,8 +238,12 @@ fn estimate_matches_measured_peak_rss() {
         let m = run_child(case);
         let plan = plan_of(case);
         let g = |phase, group| plan.group_bytes("cpu", phase, group) as f64;
-        let resident_train = g(Phase::Train, Group::Resident);
-        let resident_edit = g(Phase::Edit, Group::Resident);
+        // On one CPU the "replica" shares the weights' storage (see CASES).
+        let aliased = |phase| -> f64 {
+            plan.items.iter().filter(|i| i.phase == phase && i.item.contains("replica")).map(|i| i.bytes as f64).sum()
+        };
+        let resident_train = g(Phase::Train, Group::Resident) - aliased(Phase::Train);
+        let resident_edit = g(Phase::Edit, Group::Resident) - aliased(Phase::Edit);
         let checks = [
             // The whole micro-step (capture, edited forwards, backward, Adam): resident + max.
             (
@@ -235,9 +256,16 @@ fn estimate_matches_measured_peak_rss() {
                 m["train_forward_peak"].max(m["train_backward_peak"]).max(m["train_step_peak"]),
             ),
             ("checkpoint write", resident_train + g(Phase::Train, Group::Checkpoint), m["checkpoint_peak"]),
-            ("edit", plan.peak("cpu", Phase::Edit) as f64, m["edit_peak"]),
+            ("edit", plan.peak("cpu", Phase::Edit) as f64 - aliased(Phase::Edit), m["edit_peak"]),
         ];
-        eprintln!("case {}: loaded {:.1} MiB (planned resident for editing {:.1} MiB)", case.name, m["loaded"] / MIB, resident_edit / MIB);
+        eprintln!(
+            "case {}: {:.0} s; loaded {:.1} MiB (planned resident for editing {:.1} MiB){}",
+            case.name,
+            m["seconds"],
+            m["loaded"] / MIB,
+            resident_edit / MIB,
+            if default_malloc() { "; glibc default malloc, not checked" } else { "" }
+        );
         eprintln!(
             "  measured train phases: forward {:.1}, backward {:.1}, step {:.1} MiB; planned groups: capture {:.1}, edited_forward {:.1}, backward {:.1}, optimizer_step {:.1} over resident {:.1} MiB",
             m["train_forward_peak"] / MIB,
@@ -252,7 +280,7 @@ fn estimate_matches_measured_peak_rss() {
         for (what, planned, measured) in checks {
             let err = planned / measured - 1.0;
             eprintln!("  {what:<17} planned {:>8.1} MiB  measured {:>8.1} MiB  ({:+.1} %)", planned / MIB, measured / MIB, 100.0 * err);
-            if err.abs() > TOLERANCE {
+            if err.abs() > TOLERANCE && !default_malloc() {
                 failures.push(format!("{} {what}: planned {:.1} MiB, measured {:.1} MiB ({:+.1} %)", case.name, planned / MIB, measured / MIB, 100.0 * err));
             }
         }

@@ -2,6 +2,7 @@
 //! memory accounting.
 pub mod memory;
 pub mod mover;
+pub mod oom;
 pub mod worker;
 
 use tch::Device;

@@ -1,0 +1,68 @@
+//! Turning an allocation failure into a diagnosis: which device held how much, in which
+//! phase it failed, and the concrete change that would make the run fit.
+use std::path::Path;
+
+use tch::Kind;
+
+use super::memory::{format_bytes, MemoryTracker};
+use crate::config::MendConfig;
+use crate::mend::Engine;
+use crate::Error;
+
+/// Builds the error a run stops with after `err` at optimiser step `step`.
+pub fn diagnose(
+    err: Error,
+    step: usize,
+    phase: &str,
+    engine: &Engine,
+    cfg: &MendConfig,
+    tracker: &mut MemoryTracker,
+    out: &Path,
+) -> Error {
+    let _ = tracker.mark("failure");
+    let what = match &err {
+        Error::OutOfMemory(m) => m.clone(),
+        other => other.to_string(),
+    };
+    let mut msg = format!("{what}\n  at optimiser step {step}, in phase: {phase}\n  per device:\n");
+    for (role, m) in tracker.summary() {
+        msg.push_str(&format!(
+            "    {role:<5} {:<8} peak allocated {:>10}  peak reserved {:>10}{}\n",
+            m.device,
+            format_bytes(m.peak_allocated_bytes),
+            format_bytes(m.peak_reserved_bytes),
+            if m.process_wide { " (process-wide)" } else { "" }
+        ));
+    }
+    msg.push_str("  what would make it fit:\n");
+    for a in advice(engine, cfg) {
+        msg.push_str(&format!("    - {a}\n"));
+    }
+    msg.push_str(&format!("  training state saved in {} (continue with --resume)", out.display()));
+    match err {
+        Error::OutOfMemory(_) => Error::OutOfMemory(msg),
+        _ => Error::Torch(msg),
+    }
+}
+
+/// Changes that reduce the peak, most effective first, given the current setup.
+pub fn advice(engine: &Engine, cfg: &MendConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    if !engine.plan.split {
+        out.push("run the edited forwards on a second device: --sub-device cuda:1 (or --sub-device cpu)".into());
+    }
+    if engine.lm.params.kind() == Kind::Float {
+        out.push("load the model in bf16 (--dtype bf16): weights and activations take half the memory; editor maths stays f32".into());
+    }
+    if cfg.max_length > 64 {
+        out.push(format!("lower max_length in the config (now {}): activations and logits grow with it", cfg.max_length));
+    }
+    if cfg.batch_size > 1 {
+        out.push(format!("use batch_size 1 with accumulate {} (same effective batch)", cfg.batch_size * cfg.accumulate));
+    }
+    if cfg.rank > 256 {
+        out.push(format!("a smaller editor rank (now {}): the editor, its gradients and Adam state shrink with it", cfg.rank));
+    }
+    out.push("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when reserved is much larger than allocated (fragmentation)".into());
+    out
+}

@@ -1,0 +1,193 @@
+//! Long-run robustness: resume equals an uninterrupted run, a killed checkpoint write
+//! never corrupts the previous checkpoint, out-of-memory and persistent NaN stop with a
+//! diagnosis after saving, bad files give one clear error.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use dualedit::config::MendConfig;
+use dualedit::data::DatasetKind;
+use dualedit::device::DevicePlan;
+use dualedit::run::{run_train, Common, TrainOptions};
+use tch::{Device, Kind};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+const RECORDS: &str = r#"[
+  {"prompt": "The capital of France is", "target_new": "Rome", "rephrase_prompt": "France has its capital in",
+   "locality_prompt": "The Eiffel Tower is located in", "locality_ground_truth": "Paris"},
+  {"prompt": "The capital of Italy is", "target_new": "Paris", "rephrase_prompt": "Italy's capital city is",
+   "locality_prompt": "The city of Rome is in", "locality_ground_truth": "Italy"},
+  {"prompt": "The Eiffel Tower is in", "target_new": "London", "rephrase_prompt": "The tower of Eiffel is in",
+   "locality_prompt": "The capital of France is", "locality_ground_truth": "Paris"},
+  {"prompt": "Rome is the capital of", "target_new": "France", "rephrase_prompt": "Rome is the capital city of",
+   "locality_prompt": "Paris is the capital of", "locality_ground_truth": "France"},
+  {"prompt": "Paris is a city in", "target_new": "Spain", "rephrase_prompt": "The city of Paris lies in",
+   "locality_prompt": "Rome is a city in", "locality_ground_truth": "Italy"}
+]"#;
+
+fn options(dir: &Path, out: &str, config: MendConfig, resume: bool) -> TrainOptions {
+    let data = dir.join("cf.json");
+    if !data.exists() {
+        std::fs::write(&data, RECORDS).unwrap();
+    }
+    TrainOptions {
+        common: Common {
+            model: fixture("gpt2"),
+            plan: DevicePlan::single(Device::Cpu),
+            dtype: Kind::Float,
+            seed: 11,
+            report: Some(dir.join(format!("{out}-report.json"))),
+        },
+        data,
+        ds: DatasetKind::Counterfact,
+        config,
+        out: dir.join(out),
+        limit: None,
+        resume,
+        progress: false,
+    }
+}
+
+fn config(max_steps: usize) -> MendConfig {
+    MendConfig {
+        rank: 16,
+        lr: 1e-3,
+        edit_lr: 1e-3,
+        lr_lr: 1e-3,
+        accumulate: 2,
+        max_steps,
+        val_every: 2,
+        val_records: 1,
+        early_stop_patience: 100,
+        max_length: 64,
+        ..MendConfig::default()
+    }
+}
+
+#[test]
+fn resume_continues_with_the_same_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let (full, _) = run_train(&options(dir.path(), "full", config(8), false)).unwrap();
+    let (first, _) = run_train(&options(dir.path(), "part", config(4), false)).unwrap();
+    assert_eq!(first.steps, 4);
+    let (rest, _) = run_train(&options(dir.path(), "part", config(8), true)).unwrap();
+    assert_eq!(rest.history.first().map(|h| h.step), Some(5), "resumed run starts after step 4");
+    for (a, b) in full.history[4..].iter().zip(&rest.history) {
+        assert_eq!(a.step, b.step);
+        assert!((a.loss - b.loss).abs() <= 1e-6 * (1.0 + a.loss.abs()), "step {}: {} vs {}", a.step, a.loss, b.loss);
+    }
+}
+
+#[test]
+fn killed_while_checkpointing_leaves_a_loadable_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("cf.json");
+    std::fs::write(&data, RECORDS).unwrap();
+    let cfg = dir.path().join("cfg.json");
+    // Validate (and write checkpoints) every step, so kills land inside writes often.
+    std::fs::write(&cfg, r#"{"rank": 64, "accumulate": 1, "max_steps": 100000, "val_every": 1, "val_records": 1, "early_stop_patience": 100000, "max_length": 64, "lr": 1e-4}"#).unwrap();
+    let out = dir.path().join("ed");
+    for (i, wait_ms) in [1500u64, 2300, 3100].iter().enumerate() {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+            .args(["train", "--model", fixture("gpt2").to_str().unwrap(), "--data", data.to_str().unwrap(), "--ds", "counterfact"])
+            .args(["--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()])
+            .args(if i > 0 { vec!["--resume"] } else { vec![] })
+            .stderr(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(*wait_ms));
+        child.kill().unwrap(); // SIGKILL: no chance to clean up
+        child.wait().unwrap();
+        if !out.join("editor.safetensors").exists() {
+            continue; // killed before the first checkpoint
+        }
+        let lm = dualedit::model::load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
+        let engine = dualedit::mend::Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
+        dualedit::mend::checkpoint::load_editor(&out, &engine).expect("checkpoint loads after a kill");
+        let mut editor = dualedit::mend::Editor::new(&MendConfig { rank: 64, ..MendConfig::default() }, engine.edit_params.clone(), Device::Cpu).unwrap();
+        dualedit::mend::checkpoint::load_state(&out, &mut editor).expect("training state loads after a kill");
+    }
+    assert!(out.join("editor.safetensors").exists(), "no checkpoint was ever written");
+}
+
+#[test]
+fn out_of_memory_stops_with_a_diagnosis_after_saving() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(dir.path(), "oom", config(6), false);
+    let cfg = dir.path().join("cfg.json");
+    std::fs::write(&cfg, serde_json::to_string(&opts.config).unwrap()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        .env(dualedit::train::FAULT_OOM_STEP, "3")
+        .args(["train", "--model", fixture("gpt2").to_str().unwrap(), "--data", opts.data.to_str().unwrap()])
+        .args(["--ds", "counterfact", "--config", cfg.to_str().unwrap(), "--out", opts.out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(!err.contains("panicked"), "{err}");
+    for needle in ["out of memory", "step 3", "phase", "main", "what would make it fit", "--sub-device", "bf16", "--resume"] {
+        assert!(err.contains(needle), "diagnosis lacks {needle:?}: {err}");
+    }
+    assert!(opts.out.join("train_state.safetensors").exists());
+    assert!(opts.out.join("editor.safetensors").exists());
+    // And the run continues from there.
+    let (rep, _) = run_train(&options(dir.path(), "oom", config(6), true)).unwrap();
+    assert_eq!(rep.steps, 6);
+    assert_eq!(rep.history.first().map(|h| h.step), Some(4));
+}
+
+#[test]
+fn persistent_nan_stops_the_run_and_keeps_the_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = MendConfig { edit_lr: 1e38, max_bad_steps: 3, ..config(20) };
+    let err = run_train(&options(dir.path(), "nan", cfg, false)).unwrap_err().to_string();
+    assert!(err.contains("non-finite") && err.contains("3 consecutive"), "{err}");
+    assert!(dir.path().join("nan/train_state.safetensors").exists());
+}
+
+fn cli(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dualedit")).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn bad_files_give_one_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture("gpt2");
+    let m = model.to_str().unwrap();
+    // Truncated data file.
+    let data = dir.path().join("trunc.json");
+    std::fs::write(&data, &RECORDS[..RECORDS.len() / 2]).unwrap();
+    let (ok, err) = cli(&["eval", "--model", m, "--method", "unedited", "--data", data.to_str().unwrap(), "--ds", "counterfact"]);
+    assert!(!ok && err.contains("trunc.json") && err.trim().lines().count() == 1, "{err}");
+    // Unknown --ds.
+    let (ok, err) = cli(&["eval", "--model", m, "--method", "unedited", "--data", data.to_str().unwrap(), "--ds", "squad"]);
+    assert!(!ok && err.contains("squad"), "{err}");
+    // An editor trained for another model.
+    let good = dir.path().join("cf.json");
+    std::fs::write(&good, RECORDS).unwrap();
+    let (rep, _) = run_train(&options(dir.path(), "ed", config(2), false)).unwrap();
+    let (ok, err) = cli(&[
+        "eval", "--model", fixture("qwen2").to_str().unwrap(), "--editor", rep.editor_dir.to_str().unwrap(),
+        "--data", good.to_str().unwrap(), "--ds", "counterfact",
+    ]);
+    assert!(!ok && err.contains("another model"), "{err}");
+    // A truncated editor checkpoint.
+    let ed = rep.editor_dir.join("editor.safetensors");
+    let bytes = std::fs::read(&ed).unwrap();
+    std::fs::write(&ed, &bytes[..bytes.len() / 3]).unwrap();
+    let (ok, err) = cli(&["eval", "--model", m, "--editor", rep.editor_dir.to_str().unwrap(), "--data", good.to_str().unwrap(), "--ds", "counterfact"]);
+    assert!(!ok && err.contains("editor.safetensors") && err.trim().lines().count() == 1, "{err}");
+    // Impossible config values.
+    let cfg = dir.path().join("bad.json");
+    std::fs::write(&cfg, r#"{"rank": 0}"#).unwrap();
+    let (ok, err) = cli(&["train", "--model", m, "--data", good.to_str().unwrap(), "--ds", "counterfact", "--config", cfg.to_str().unwrap(), "--out", dir.path().join("x").to_str().unwrap()]);
+    assert!(!ok && err.contains("bad.json") && err.contains("rank"), "{err}");
+    // An empty data file.
+    std::fs::write(&data, "[]").unwrap();
+    let (ok, err) = cli(&["eval", "--model", m, "--method", "unedited", "--data", data.to_str().unwrap(), "--ds", "counterfact"]);
+    assert!(!ok && err.contains("no records"), "{err}");
+}
