@@ -473,8 +473,11 @@ fn compare(c: CompareCmd) -> anyhow::Result<()> {
 
 fn eval(a: EvalArgs) -> anyhow::Result<()> {
     let opts = eval_options(&a)?;
-    let bar = if a.json { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(opts.limit.unwrap_or(0) as u64) };
-    let (out, path) = run::run_eval(&opts, |i, _| bar.set_position(i as u64 + 1))?;
+    let bar = if a.json { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new_spinner() };
+    let (out, path) = run::run_eval(&opts, |i, m| {
+        bar.set_message(format!("{} records edited (last: reliability {:.2})", i + 1, m.reliability));
+        bar.tick();
+    })?;
     bar.finish_and_clear();
     if a.json {
         let mut v = serde_json::to_value(&out.summary)?;

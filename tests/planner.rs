@@ -30,7 +30,7 @@ use dualedit::mend::optim::Adam;
 use dualedit::mend::{losses, Editor, Engine};
 use dualedit::model::gpt2::{Gpt2, Gpt2Config};
 use dualedit::model::{random_params, LoadedModel, Model, Tokenizer};
-use dualedit::planner::{plan_model, Group, MemoryPlan, Phase, PlanOptions};
+use dualedit::planner::{plan_dir, plan_model, Group, MemoryPlan, Phase, PlanOptions};
 use dualedit::train::{meta_loss, EditBatches};
 use tch::{Device, Kind, Tensor};
 
@@ -286,4 +286,57 @@ fn estimate_matches_measured_peak_rss() {
         }
     }
     assert!(failures.is_empty(), "estimates off by more than ±15 %:\n{}", failures.join("\n"));
+}
+
+/// LLaMA-2-7B's config.json, alone in its directory: the planner never needs the weights.
+const LLAMA_7B: &str = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+  "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+  "rms_norm_eps": 1e-05, "vocab_size": 32000, "hidden_act": "silu", "rope_theta": 10000.0, "tie_word_embeddings": false}"#;
+
+#[test]
+fn plans_a_7b_model_from_config_json_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), LLAMA_7B).unwrap();
+    let opts = PlanOptions::new("cuda:0", Some("cuda:1"), Kind::BFloat16, 64, Some(8)).unwrap();
+    let plan = plan_dir(dir.path(), &MendConfig::default(), &opts).unwrap();
+    assert_eq!(plan.shape.n_params, 6_738_415_616);
+    // One shared editor per shape over cat(x, δ), 4096 + 11008 wide: ~230 M parameters.
+    assert_eq!(plan.shape.editors.len(), 2);
+    assert!((plan.shape.editor_parameters - 232_601_600).abs() < 1_000);
+    assert_eq!(plan.shape.first_edited_layer, 29);
+    let weights = 6_738_415_616u64 * 2;
+    let main = plan.peak("cuda:0", Phase::Train);
+    let sub = plan.peak("cuda:1", Phase::Train);
+    // main: weights + editor, its gradients and Adam moments (f32); sub: replica + edited forwards.
+    assert!(main > weights + 16 * plan.shape.editor_parameters as u64);
+    assert!(sub > weights && sub < main);
+    assert!(plan.peak("cuda:0", Phase::Edit) < main);
+
+    // The command line prints exactly one JSON object with --json.
+    let cfg = dir.path().join("mend.json");
+    std::fs::write(&cfg, "{}").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        .args(["plan", "--model"])
+        .arg(dir.path())
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--device", "cuda:0", "--sub-device", "cuda:1", "--dtype", "bf16", "--max-length", "64", "--kept-tokens", "8", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let totals = v["totals"].as_array().unwrap();
+    assert_eq!(totals.len(), 4);
+    assert_eq!(totals[0]["device"], "cuda:0");
+    assert_eq!(totals[0]["peak_bytes"].as_u64().unwrap(), main);
+    // Without --json: the table, with every item's formula.
+    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        .args(["plan", "--model"])
+        .arg(dir.path())
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("model weights") && text.contains("= n_params·s") && text.contains("PEAK cpu (main+sub)"), "{text}");
 }
