@@ -93,7 +93,9 @@ struct Series {
 
 /// Groups samples by device: roles on one device are sampled together, so they share a line.
 fn series_of(samples: &[PhaseSample]) -> Vec<Series> {
-    let mut by_device: BTreeMap<String, (Vec<String>, Vec<(f64, f64, f64)>)> = BTreeMap::new();
+    type Roles = Vec<String>;
+    type Points = Vec<(f64, f64, f64)>;
+    let mut by_device: BTreeMap<String, (Roles, Points)> = BTreeMap::new();
     let mut order: Vec<String> = Vec::new();
     for s in samples {
         let entry = by_device.entry(s.device.clone()).or_insert_with(|| {

@@ -8,17 +8,17 @@ use tch::{Device, Kind, Tensor};
 
 use crate::{Error, Result};
 
-/// Writes `bytes` to `path` atomically: a temp file in the same directory, fsync, rename.
-/// A reader (or a crash) sees the old file or the new one, never a torn one.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+/// Writes `path` atomically: `write` fills a temp file in the same directory, which is
+/// fsynced and renamed over `path`. A reader (or a crash) sees the old file or the new
+/// one, never a torn one.
+fn replace_atomically(path: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>) -> Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
     let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
+        write(&tmp)?;
+        std::fs::File::open(&tmp)?.sync_all()?;
         std::fs::rename(&tmp, path)?;
         // Persist the rename itself.
         if let Ok(d) = std::fs::File::open(dir) {
@@ -30,6 +30,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     result.map_err(|e| Error::io(path, e))
+}
+
+/// Writes `bytes` to `path` atomically.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    replace_atomically(path, |tmp| std::fs::File::create(tmp)?.write_all(bytes))
 }
 
 pub fn write_json_atomic(path: &Path, value: &impl serde::Serialize) -> Result<()> {
@@ -59,27 +64,50 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
     })
 }
 
+/// A tensor as the safetensors writer sees it: its bytes are produced only when the
+/// writer reaches it, so saving an editor and its optimiser state costs one tensor of
+/// extra host memory, not a second copy of everything.
+struct LazyBytes {
+    tensor: Tensor,
+    dtype: Dtype,
+    shape: Vec<usize>,
+}
+
+impl safetensors::View for LazyBytes {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        let t = self.tensor.to_device(Device::Cpu).contiguous();
+        let mut bytes = vec![0u8; self.data_len()];
+        // Kinds and sizes were checked when the view was built; a failed copy here would
+        // be a device error, which the writer cannot report: leave zeros and log it.
+        if let Err(e) = t.f_copy_data_u8(&mut bytes, t.numel()) {
+            tracing::error!("copying a tensor for saving failed: {e}");
+        }
+        std::borrow::Cow::Owned(bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.tensor.numel() * self.tensor.kind().elt_size_in_bytes()
+    }
+}
+
 /// Serialises named tensors (and string metadata) as safetensors, atomically.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)], metadata: HashMap<String, String>) -> Result<()> {
-    let mut data = Vec::with_capacity(tensors.len());
-    for (name, t) in tensors {
-        let t = t.detach().to_device(Device::Cpu).contiguous();
-        let mut bytes = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
-        t.f_copy_data_u8(&mut bytes, t.numel())?;
-        let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
-        data.push((name.clone(), dtype_of(t.kind())?, shape, bytes));
-    }
-    let views = data
+    let views = tensors
         .iter()
-        .map(|(n, dt, shape, bytes)| {
-            safetensors::tensor::TensorView::new(*dt, shape.clone(), bytes)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| Error::file(path, format!("tensor {n:?}: {e}")))
+        .map(|(name, t)| {
+            let shape = t.size().iter().map(|&d| d as usize).collect();
+            Ok((name.clone(), LazyBytes { tensor: t.detach(), dtype: dtype_of(t.kind())?, shape }))
         })
         .collect::<Result<Vec<_>>>()?;
     let meta = (!metadata.is_empty()).then_some(metadata);
-    let bytes = safetensors::tensor::serialize(views, meta).map_err(|e| Error::file(path, e.to_string()))?;
-    write_atomic(path, &bytes)
+    replace_atomically(path, |tmp| {
+        safetensors::tensor::serialize_to_file(views, meta, tmp).map_err(|e| std::io::Error::other(e.to_string()))
+    })
 }
 
 /// Reads every tensor (on the CPU, in its stored kind) and the metadata of a safetensors file.

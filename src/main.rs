@@ -563,7 +563,13 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let session = dualedit::session::Session::open(&a.model, a.editor.as_deref(), &session_opts)?;
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
-    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))?;
+    // First SIGINT/SIGTERM: finish the request in flight, then exit. A second one: now.
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("stopping: finishing the request in flight (signal again to exit at once)");
+    })?;
     eprintln!("dualedit serving {} on http://{} (Ctrl-C to stop)", a.model.display(), server.local_addr());
     let stats = server.run(session, &stop)?;
     eprintln!("stopped after {} requests ({} ran on the model)", stats.requests, stats.model_requests);

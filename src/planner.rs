@@ -389,10 +389,17 @@ fn layer_saved(dm: &Dims, s: i64, res_rg: bool, edited: &[String]) -> (i64, bool
     }
 }
 
-/// Activations saved for backward by a forward of `n` tokens with the `edited` weights
-/// requiring grad: (total bytes, per-layer bytes-per-token from the first edited layer,
-/// names of edited weights whose `W'` the graph keeps).
-fn saved_activations(dm: &Dims, s: i64, edited: &[(i64, String)]) -> (i64, Vec<(i64, i64)>, Vec<(i64, String)>) {
+/// Activations saved for backward by a forward with the `edited` weights requiring grad,
+/// from the first edited layer up.
+/// What a forward with grad keeps: bytes per token, the same per layer `(layer, bytes)`,
+/// and the `(layer, matrix)` of edited weights whose `W'` the graph keeps.
+struct Saved {
+    per_token: i64,
+    per_layer: Vec<(i64, i64)>,
+    w_kept: Vec<(i64, String)>,
+}
+
+fn saved_activations(dm: &Dims, s: i64, edited: &[(i64, String)]) -> Saved {
     let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(dm.n_layers);
     let mut res_rg = false;
     let mut per_token = 0;
@@ -413,7 +420,7 @@ fn saved_activations(dm: &Dims, s: i64, edited: &[(i64, String)]) -> (i64, Vec<(
             Family::Llama => dm.d * 4 + 4,
         };
     }
-    (per_token, per_layer, kept)
+    Saved { per_token, per_layer, w_kept: kept }
 }
 
 /// Live tensors of a forward without grad, per token: one layer's working set.
@@ -470,7 +477,7 @@ fn num(n: i64) -> String {
     let s = n.abs().to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -533,7 +540,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         .unwrap_or(0);
 
     let located: Vec<(i64, String)> = edited.iter().map(|p| (p.layer, p.matrix.clone())).collect();
-    let (act_per_token, per_layer, w_kept) = saved_activations(&dm, s, &located);
+    let Saved { per_token: act_per_token, per_layer, w_kept } = saved_activations(&dm, s, &located);
     let first_layer = per_layer.first().map(|(l, _)| *l).unwrap_or(0);
     let w_kept_elems: i64 = edited
         .iter()
@@ -1008,8 +1015,8 @@ mod tests {
         let dm = dims(&m);
         let last: Vec<(i64, String)> = vec![(5, "mlp.c_fc".into()), (5, "mlp.c_proj".into())];
         let two: Vec<(i64, String)> = vec![(4, "mlp.c_fc".into()), (5, "mlp.c_fc".into()), (5, "mlp.c_proj".into())];
-        let (a, la, ka) = saved_activations(&dm, 4, &last);
-        let (b, lb, _) = saved_activations(&dm, 4, &two);
+        let Saved { per_token: a, per_layer: la, w_kept: ka } = saved_activations(&dm, 4, &last);
+        let Saved { per_token: b, per_layer: lb, .. } = saved_activations(&dm, 4, &two);
         assert_eq!(la.len(), 1);
         assert_eq!(lb.len(), 2);
         assert!(b > a);

@@ -478,6 +478,15 @@ fn reply<T: Serialize>(r: Result<T>) -> Reply {
 }
 
 fn run_op(session: &mut Session, op: Op) -> Reply {
+    let (status, mut body) = run_session_op(session, op);
+    if body["kind"] == "out_of_memory" {
+        // What was in use when it ran out, to size the next attempt.
+        body["memory"] = session.memory().map(|m| json!(m)).unwrap_or(Value::Null);
+    }
+    (status, body)
+}
+
+fn run_session_op(session: &mut Session, op: Op) -> Reply {
     match op {
         Op::Edit(records) => reply(session.edit(&records)),
         Op::Score { text } => reply(session.score(&text)),

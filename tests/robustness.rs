@@ -89,7 +89,7 @@ fn killed_while_checkpointing_leaves_a_loadable_checkpoint() {
     // Validate (and write checkpoints) every step, so kills land inside writes often.
     std::fs::write(&cfg, r#"{"rank": 64, "accumulate": 1, "max_steps": 100000, "val_every": 1, "val_records": 1, "early_stop_patience": 100000, "max_length": 64, "lr": 1e-4}"#).unwrap();
     let out = dir.path().join("ed");
-    for (i, wait_ms) in [1500u64, 2300, 3100].iter().enumerate() {
+    for (i, wait_ms) in [150u64, 230, 310, 470].iter().enumerate() {
         let mut child = Command::new(env!("CARGO_BIN_EXE_dualedit"))
             .args(["train", "--model", fixture("gpt2").to_str().unwrap(), "--data", data.to_str().unwrap(), "--ds", "counterfact"])
             .args(["--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()])
@@ -98,19 +98,27 @@ fn killed_while_checkpointing_leaves_a_loadable_checkpoint() {
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();
+        // Wait for the run to be writing checkpoints (one per step), then kill it at an
+        // arbitrary moment: with a write every step, kills land inside writes often.
+        let spawned = std::time::SystemTime::now();
+        let written_since_spawn = || {
+            std::fs::metadata(out.join("train_state.safetensors")).and_then(|m| m.modified()).map(|t| t > spawned).unwrap_or(false)
+        };
+        let start = std::time::Instant::now();
+        while !written_since_spawn() && start.elapsed().as_secs() < 120 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(written_since_spawn(), "round {i}: the run wrote no checkpoint within 120 s");
         std::thread::sleep(std::time::Duration::from_millis(*wait_ms));
         child.kill().unwrap(); // SIGKILL: no chance to clean up
         child.wait().unwrap();
-        if !out.join("editor.safetensors").exists() {
-            continue; // killed before the first checkpoint
-        }
+        assert!(out.join("editor.safetensors").exists(), "no checkpoint was written");
         let lm = dualedit::model::load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
         let engine = dualedit::mend::Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
         dualedit::mend::checkpoint::load_editor(&out, &engine).expect("checkpoint loads after a kill");
         let mut editor = dualedit::mend::Editor::new(&MendConfig { rank: 64, ..MendConfig::default() }, engine.edit_params.clone(), Device::Cpu).unwrap();
         dualedit::mend::checkpoint::load_state(&out, &mut editor).expect("training state loads after a kill");
     }
-    assert!(out.join("editor.safetensors").exists(), "no checkpoint was ever written");
 }
 
 #[test]

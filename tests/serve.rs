@@ -18,6 +18,14 @@ use dualedit::serve::{ServeOptions, ServeStats, Server};
 use dualedit::session::{Session, SessionOptions};
 use serde_json::{json, Value};
 
+/// The tests of this file run one at a time: the burst test reads the process's resident
+/// set, which the other tests (loading models, training an editor) would disturb.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A server running on its own thread until `stop`.
 struct Running {
     addr: SocketAddr,
@@ -111,6 +119,7 @@ fn ids(v: &Value) -> Vec<i64> {
 
 #[test]
 fn edit_generate_save_reset_over_http() {
+    let _serial = serial();
     let (session, _editor) = trained_editor_session();
     let server = Running::start(session, ServeOptions::default());
     let a = server.addr;
@@ -248,6 +257,7 @@ fn burst(a: SocketAddr, expected: &Arc<Expected>) -> std::collections::BTreeMap<
 
 #[test]
 fn burst_of_200_concurrent_mixed_requests() {
+    let _serial = serial();
     let start = Instant::now();
     let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
     let expected = Arc::new(Expected {
@@ -265,19 +275,24 @@ fn burst_of_200_concurrent_mixed_requests() {
     eprintln!("warm-up {warm:?}; burst {counts:?}; rss {rss_before} -> {rss_after}");
     assert_eq!(counts.values().sum::<usize>(), 200);
     assert!(ok_model > 0);
+    // 200 clients at once against a queue of 4: the bound is reached, and answered 503.
+    let full = warm.get(&503).copied().unwrap_or(0) + counts.get(&503).copied().unwrap_or(0);
+    assert!(counts.get(&503).copied().unwrap_or(0) > 0, "the queue bound was never reached");
     // Memory is flat: no per-request growth survives the burst.
     let grew = rss_after as i64 - rss_before as i64;
-    assert!(grew < 48 << 20, "process RSS grew by {} MiB over 200 requests", grew >> 20);
+    assert!(grew < 16 << 20, "process RSS grew by {} MiB over 200 requests", grew >> 20);
     // Still serving, with the same answers.
     assert_eq!(http_text(server.addr, "POST", "/score", Some(r#"{"text": "The capital of France is Paris"}"#)), (200, expected.score.clone()));
     let stats = server.stop();
     assert_eq!(stats.requests, 401);
-    assert_eq!(stats.server_errors as usize, stats.rejected_queue_full as usize, "{stats:?}");
+    assert_eq!(stats.rejected_queue_full as usize, full, "{stats:?}");
+    assert_eq!(stats.server_errors, stats.rejected_queue_full, "{stats:?}");
     assert!(start.elapsed() < Duration::from_secs(60), "took {:?}", start.elapsed());
 }
 
 #[test]
 fn bad_requests_get_the_right_4xx_and_leave_the_session_intact() {
+    let _serial = serial();
     let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
     let reference = as_body(&session.score("The capital of France is Paris").unwrap());
     let server = Running::start(session, ServeOptions { max_body_bytes: 4096, ..ServeOptions::default() });
@@ -330,6 +345,7 @@ fn bad_requests_get_the_right_4xx_and_leave_the_session_intact() {
 
 #[test]
 fn save_root_confines_saves() {
+    let _serial = serial();
     let root = tempfile::tempdir().unwrap();
     let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
     let server = Running::start(session, ServeOptions { save_root: Some(root.path().to_path_buf()), ..ServeOptions::default() });
@@ -367,6 +383,7 @@ fn spawn_binary() -> (std::process::Child, SocketAddr, BufReader<std::process::C
 
 #[test]
 fn sigint_and_sigterm_finish_in_flight_requests_and_exit_cleanly() {
+    let _serial = serial();
     for signal in ["-INT", "-TERM"] {
         let (mut child, addr, mut stderr) = spawn_binary();
         assert_eq!(http(addr, "GET", "/health", None).0, 200);

@@ -115,7 +115,8 @@ fn bad_input_is_a_typed_error_and_leaves_the_session_intact() {
     assert!(matches!(s.score("  ").unwrap_err(), Error::Input(_)));
     assert!(matches!(s.generate("", 3).unwrap_err(), Error::Input(_)));
     // A prompt that fits but whose continuation does not stops at the context.
-    let near = "word ".repeat(40);
+    let tok = &s.engine().lm.tokenizer;
+    let near = (1..).map(|n| "word ".repeat(n)).find(|p| tok.encode(p).unwrap().len() + 4 >= s.max_positions()).unwrap();
     let g = s.generate(&near, 1000).unwrap();
     assert_eq!(g.finish_reason, "context");
     assert_eq!(g.prompt_tokens + g.tokens.len(), s.max_positions());
@@ -161,11 +162,11 @@ fn cached_equals_full(name: &str) {
     let mut cached = prompt.clone();
     let mut feed = prompt.clone();
     let mut worst = 0f64;
-    for step in 0..steps {
+    for reference in &full_logits {
         let t = Tensor::from_slice(&feed).unsqueeze(0);
         let out = lm.model.forward_cached(&view, &ForwardInput::new(&t, &none), &mut cache).unwrap();
         let l = out.logits.get(0).get(feed.len() as i64 - 1);
-        worst = worst.max((&l - &full_logits[step]).abs().max().double_value(&[]));
+        worst = worst.max((&l - reference).abs().max().double_value(&[]));
         let next = l.argmax(-1, false).int64_value(&[]);
         cached.push(next);
         feed = vec![next];
@@ -229,6 +230,7 @@ fn session_generate_equals_full_recompute_greedy() {
                 }
             }
             assert_eq!(g.tokens, want, "{name}: {prompt:?}");
+            assert_eq!(g.finish_reason, if want.len() == 20 { "length" } else { "eos" });
             assert_eq!(g.text, lm.tokenizer.decode(&want).unwrap());
         }
     }

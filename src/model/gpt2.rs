@@ -116,7 +116,7 @@ impl Gpt2 {
 
     pub fn default_edit_params(&self) -> Vec<String> {
         let n = self.config.n_layer;
-        (n.saturating_sub(3)..n)
+        ((n - 3).max(0)..n)
             .flat_map(|i| {
                 ["c_fc", "c_proj"].map(|m| format!("transformer.h.{i}.mlp.{m}.weight"))
             })

@@ -167,7 +167,7 @@ impl Llama {
         } else {
             &["gate_proj", "up_proj", "down_proj"]
         };
-        (n.saturating_sub(3)..n)
+        ((n - 3).max(0)..n)
             .flat_map(|i| mats.iter().map(move |m| format!("model.layers.{i}.mlp.{m}.weight")))
             .collect()
     }

@@ -14,7 +14,15 @@ use dualedit::session::Session;
 use dualedit::train::{meta_loss, EditBatches};
 use tch::{Device, Kind};
 
+/// One intra-op thread: the fixtures are tiny, and several tests (and the server's model
+/// thread) running libtorch ops at once on a few cores otherwise oversubscribe them badly.
+pub fn init() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| tch::set_num_threads(1));
+}
+
 pub fn fixture(name: &str) -> PathBuf {
+    init();
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
