@@ -1,7 +1,10 @@
 //! The device split on a CPU-only machine: a split plan on one device runs the replica,
 //! the mover, the worker thread and the cross-device backward, and must give the same
 //! numbers as the single-device run.
-use std::path::{Path, PathBuf};
+mod common;
+use std::path::PathBuf;
+
+use common::{fixture, TRAIN_RECORDS};
 
 use dualedit::compare::{compare_eval, compare_train};
 use dualedit::config::MendConfig;
@@ -9,23 +12,6 @@ use dualedit::data::DatasetKind;
 use dualedit::device::{memory, DevicePlan};
 use dualedit::run::{Common, EvalOptions, MethodSpec, TrainOptions};
 use tch::{Device, Kind};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
-const RECORDS: &str = r#"[
-  {"prompt": "The capital of France is", "target_new": "Rome", "ground_truth": "Paris", "rephrase_prompt": "France has its capital in",
-   "locality_prompt": "The Eiffel Tower is located in", "locality_ground_truth": "Paris"},
-  {"prompt": "The capital of Italy is", "target_new": "Paris", "ground_truth": "Rome", "rephrase_prompt": "Italy's capital city is",
-   "locality_prompt": "The city of Rome is in", "locality_ground_truth": "Italy"},
-  {"prompt": "The Eiffel Tower is in", "target_new": "London", "ground_truth": "Paris", "rephrase_prompt": "The tower of Eiffel is in",
-   "locality_prompt": "The capital of France is", "locality_ground_truth": "Paris"},
-  {"prompt": "The capital of Italy is not", "target_new": "France", "ground_truth": "Paris", "rephrase_prompt": "Italy's capital is not",
-   "locality_prompt": "The Eiffel Tower is in", "locality_ground_truth": "Paris"},
-  {"prompt": "Rome is the capital of", "target_new": "France", "ground_truth": "Italy", "rephrase_prompt": "Rome is the capital city of",
-   "locality_prompt": "Paris is the capital of", "locality_ground_truth": "France"}
-]"#;
 
 fn common(report: PathBuf) -> Common {
     Common { model: fixture("gpt2"), plan: DevicePlan::single(Device::Cpu), dtype: Kind::Float, seed: 5, report: Some(report) }
@@ -35,7 +21,7 @@ fn common(report: PathBuf) -> Common {
 fn split_training_and_evaluation_match_single_device() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("cf.json");
-    std::fs::write(&data, RECORDS).unwrap();
+    std::fs::write(&data, TRAIN_RECORDS).unwrap();
     let config = MendConfig {
         rank: 16,
         lr: 1e-3,

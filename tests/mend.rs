@@ -1,7 +1,10 @@
 //! MEND: identity editor = autograd, normalisation statistics, checkpoints, training
 //! raises the target's probability, bad input.
+mod common;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use common::{fixture, RECORDS};
 
 use dualedit::config::MendConfig;
 use dualedit::data::easyedit::{parse_records, DatasetKind};
@@ -13,23 +16,10 @@ use dualedit::model::{load_model, ForwardInput, Overrides, ParamView};
 use dualedit::train::{meta_loss, EditBatches};
 use tch::{Device, Kind, Tensor};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
 fn engine(name: &str) -> Engine {
     let lm = load_model(&fixture(name), Device::Cpu, Kind::Float).unwrap();
     Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap()
 }
-
-const RECORDS: &str = r#"[
-  {"prompt": "The capital of France is", "target_new": "Rome", "rephrase_prompt": "France has its capital in",
-   "locality_prompt": "The Eiffel Tower is located in", "locality_ground_truth": "Paris"},
-  {"prompt": "The capital of Italy is", "target_new": "Paris", "rephrase_prompt": "Italy's capital city is",
-   "locality_prompt": "The city of Rome is in", "locality_ground_truth": "Italy"},
-  {"prompt": "The Eiffel Tower is in", "target_new": "London", "rephrase_prompt": "The tower of Eiffel is in",
-   "locality_prompt": "The capital of France is", "locality_ground_truth": "Paris"}
-]"#;
 
 fn examples(engine: &Engine) -> Vec<dualedit::data::EditExample> {
     let (recs, _) = parse_records(RECORDS, Path::new("inline.json"), DatasetKind::Requests).unwrap();

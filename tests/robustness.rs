@@ -1,7 +1,10 @@
 //! Long-run robustness: resume equals an uninterrupted run, a killed checkpoint write
 //! never corrupts the previous checkpoint, out-of-memory and persistent NaN stop with a
 //! diagnosis after saving, bad files give one clear error.
-use std::path::{Path, PathBuf};
+mod common;
+use std::path::Path;
+
+use common::{fixture, TRAIN_RECORDS};
 use std::process::Command;
 
 use dualedit::config::MendConfig;
@@ -10,27 +13,10 @@ use dualedit::device::DevicePlan;
 use dualedit::run::{run_train, Common, TrainOptions};
 use tch::{Device, Kind};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
-const RECORDS: &str = r#"[
-  {"prompt": "The capital of France is", "target_new": "Rome", "rephrase_prompt": "France has its capital in",
-   "locality_prompt": "The Eiffel Tower is located in", "locality_ground_truth": "Paris"},
-  {"prompt": "The capital of Italy is", "target_new": "Paris", "rephrase_prompt": "Italy's capital city is",
-   "locality_prompt": "The city of Rome is in", "locality_ground_truth": "Italy"},
-  {"prompt": "The Eiffel Tower is in", "target_new": "London", "rephrase_prompt": "The tower of Eiffel is in",
-   "locality_prompt": "The capital of France is", "locality_ground_truth": "Paris"},
-  {"prompt": "Rome is the capital of", "target_new": "France", "rephrase_prompt": "Rome is the capital city of",
-   "locality_prompt": "Paris is the capital of", "locality_ground_truth": "France"},
-  {"prompt": "Paris is a city in", "target_new": "Spain", "rephrase_prompt": "The city of Paris lies in",
-   "locality_prompt": "Rome is a city in", "locality_ground_truth": "Italy"}
-]"#;
-
 fn options(dir: &Path, out: &str, config: MendConfig, resume: bool) -> TrainOptions {
     let data = dir.join("cf.json");
     if !data.exists() {
-        std::fs::write(&data, RECORDS).unwrap();
+        std::fs::write(&data, TRAIN_RECORDS).unwrap();
     }
     TrainOptions {
         common: Common {
@@ -84,7 +70,7 @@ fn resume_continues_with_the_same_losses() {
 fn killed_while_checkpointing_leaves_a_loadable_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("cf.json");
-    std::fs::write(&data, RECORDS).unwrap();
+    std::fs::write(&data, TRAIN_RECORDS).unwrap();
     let cfg = dir.path().join("cfg.json");
     // Validate (and write checkpoints) every step, so kills land inside writes often.
     std::fs::write(&cfg, r#"{"rank": 64, "accumulate": 1, "max_steps": 100000, "val_every": 1, "val_records": 1, "early_stop_patience": 100000, "max_length": 64, "lr": 1e-4}"#).unwrap();
@@ -168,7 +154,7 @@ fn bad_files_give_one_clear_error() {
     let m = model.to_str().unwrap();
     // Truncated data file.
     let data = dir.path().join("trunc.json");
-    std::fs::write(&data, &RECORDS[..RECORDS.len() / 2]).unwrap();
+    std::fs::write(&data, &TRAIN_RECORDS[..TRAIN_RECORDS.len() / 2]).unwrap();
     let (ok, err) = cli(&["eval", "--model", m, "--method", "unedited", "--data", data.to_str().unwrap(), "--ds", "counterfact"]);
     assert!(!ok && err.contains("trunc.json") && err.trim().lines().count() == 1, "{err}");
     // Unknown --ds.
@@ -176,7 +162,7 @@ fn bad_files_give_one_clear_error() {
     assert!(!ok && err.contains("squad"), "{err}");
     // An editor trained for another model.
     let good = dir.path().join("cf.json");
-    std::fs::write(&good, RECORDS).unwrap();
+    std::fs::write(&good, TRAIN_RECORDS).unwrap();
     let (rep, _) = run_train(&options(dir.path(), "ed", config(2), false)).unwrap();
     let (ok, err) = cli(&[
         "eval", "--model", fixture("qwen2").to_str().unwrap(), "--editor", rep.editor_dir.to_str().unwrap(),

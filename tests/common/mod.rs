@@ -35,6 +35,20 @@ pub const RECORDS: &str = r#"[
    "locality_prompt": "The capital of France is", "locality_ground_truth": "Paris"}
 ]"#;
 
+/// Five CounterFact-style records, enough for a training run with a validation split.
+pub const TRAIN_RECORDS: &str = r#"[
+  {"prompt": "The capital of France is", "target_new": "Rome", "ground_truth": "Paris", "rephrase_prompt": "France has its capital in",
+   "locality_prompt": "The Eiffel Tower is located in", "locality_ground_truth": "Paris"},
+  {"prompt": "The capital of Italy is", "target_new": "Paris", "ground_truth": "Rome", "rephrase_prompt": "Italy's capital city is",
+   "locality_prompt": "The city of Rome is in", "locality_ground_truth": "Italy"},
+  {"prompt": "The Eiffel Tower is in", "target_new": "London", "ground_truth": "Paris", "rephrase_prompt": "The tower of Eiffel is in",
+   "locality_prompt": "The capital of France is", "locality_ground_truth": "Paris"},
+  {"prompt": "Rome is the capital of", "target_new": "France", "ground_truth": "Italy", "rephrase_prompt": "Rome is the capital city of",
+   "locality_prompt": "Paris is the capital of", "locality_ground_truth": "France"},
+  {"prompt": "Paris is a city in", "target_new": "Spain", "ground_truth": "France", "rephrase_prompt": "The city of Paris lies in",
+   "locality_prompt": "Rome is a city in", "locality_ground_truth": "Italy"}
+]"#;
+
 pub fn records() -> Vec<EditRecord> {
     parse_records(RECORDS, Path::new("inline.json"), DatasetKind::Requests).unwrap().0
 }
