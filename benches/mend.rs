@@ -48,6 +48,7 @@ fn example(seed: i64) -> Example {
 }
 
 fn main() {
+    memory::release_freed_host_memory();
     let dir = model_dir();
     let lm = load_model(dir.path(), Device::Cpu, Kind::Float).expect("load");
     let engine = Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).expect("engine");

@@ -63,6 +63,10 @@ pub struct MendConfig {
     pub max_bad_steps: usize,
     /// Tokens beyond which an example is refused.
     pub max_length: usize,
+    /// Keep only each block's input during the edited forwards (outer, locality) and
+    /// recompute the blocks one at a time in the backward: activation memory of one block
+    /// instead of all edited ones, for one more forward of those blocks.
+    pub recompute: bool,
 }
 
 impl Default for MendConfig {
@@ -89,6 +93,7 @@ impl Default for MendConfig {
             early_stop_patience: 5,
             max_bad_steps: 20,
             max_length: 128,
+            recompute: false,
         }
     }
 }

@@ -423,6 +423,20 @@ fn saved_activations(dm: &Dims, s: i64, edited: &[(i64, String)]) -> Saved {
     Saved { per_token, per_layer, w_kept: kept }
 }
 
+/// With recomputation ([`MendConfig::recompute`]): the bytes per token one block keeps for
+/// its backward while it is recomputed, for the largest block from the first edited one
+/// up (its input requires grad, except the first's), and that block.
+fn recompute_block_max(dm: &Dims, s: i64, edited: &[(i64, String)]) -> (i64, i64) {
+    let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(dm.n_layers);
+    (first..dm.n_layers)
+        .map(|layer| {
+            let mats: Vec<String> = edited.iter().filter(|(l, _)| *l == layer).map(|(_, m)| m.clone()).collect();
+            (layer_saved(dm, s, layer > first, &mats).0, layer)
+        })
+        .max()
+        .unwrap_or((0, first))
+}
+
 /// Live tensors of a forward without grad, per token: one layer's working set.
 fn inference_working_set(dm: &Dims, s: i64) -> i64 {
     match dm.family {
@@ -711,7 +725,52 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 3 * w_max * 4,
             );
         }
-        if train && !o.split {
+        let recompute = train && cfg.recompute;
+        let w_block_max: i64 = {
+            let mut per_block: BTreeMap<i64, i64> = BTreeMap::new();
+            for p in &edited {
+                *per_block.entry(p.layer).or_default() += p.numel();
+            }
+            per_block.values().copied().max().unwrap_or(0)
+        };
+        if recompute {
+            // W' stays alive as the editor's output; the forwards read detached leaves of
+            // it (the same storage on one device, one copy on a split sub-device).
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward],
+                "edited weights W' (full tensors)",
+                format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
+                w_elems * s,
+            );
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward, Backward],
+                "recompute: ∂loss/∂W' summed over outer + locality (kept for the editor's backward; on sub first when split)",
+                format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
+                w_elems * s,
+            );
+            add(
+                phase,
+                fwd_role,
+                &[EditedForward],
+                "recompute: ∂loss/∂W' of one block before it is added in",
+                format!("max_block Σ d_in·d_out·s = {}·{s}", num(w_block_max)),
+                w_block_max * s,
+            );
+            if o.split {
+                add(
+                    phase,
+                    Role::Sub,
+                    &[EditedForward],
+                    "recompute: W' leaves on sub (one copy for both passes) + the sum of ∂loss/∂W' before the copy back",
+                    format!("2·Σ_P d_in·d_out·s = 2·{}·{s}", num(w_elems)),
+                    2 * w_elems * s,
+                );
+            }
+        } else if train && !o.split {
             // On one device the graph keeps the W' of every edited weight whose input
             // needs grad (all but the lowest) until backward.
             add(
@@ -740,7 +799,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 w_elems * s,
             );
         }
-        if o.split {
+        if o.split && !recompute {
             if train {
                 add(
                     phase,
@@ -767,7 +826,28 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         }
 
         // --- edited forwards
-        if train {
+        if recompute {
+            // One forward at a time (outer, then locality): its block inputs, then one
+            // block recomputed with grad, the hidden-state gradients in and out of it.
+            let kept_blocks = dm.n_layers - first_layer + 1;
+            let (block_max, block_at) = recompute_block_max(&dm, s, &located);
+            add(
+                phase,
+                fwd_role,
+                &[EditedForward],
+                "recompute: block inputs of one edited forward (blocks ≥ first edited + the last hidden state)",
+                format!("B·T·(L − L{first_layer} + 1)·d·s = {n}·{kept_blocks}·{}·{s}", dm.d),
+                n * kept_blocks * dm.d * s,
+            );
+            add(
+                phase,
+                fwd_role,
+                &[EditedForward],
+                "recompute: activations of the largest recomputed block + its backward temporaries",
+                format!("B·T·(L{block_at} bytes/token + (2d + f)·s) = {n}·({block_max} + {}·{s})", 2 * dm.d + dm.f),
+                n * (block_max + (2 * dm.d + dm.f) * s),
+            );
+        } else if train {
             add(
                 phase,
                 fwd_role,
@@ -1047,6 +1127,31 @@ mod tests {
         assert!(split.group_bytes("cuda:0", Phase::Train, Group::Resident) > weights + 4 * single.shape.editor_parameters as u64);
         assert!(split.table().contains("PEAK cuda:1 (sub)"));
         assert!(serde_json::to_string(&split).unwrap().contains("\"peak_bytes\""));
+    }
+
+    #[test]
+    fn recompute_keeps_block_inputs_instead_of_activations() {
+        let m = gpt2(12, 64, 100);
+        let deep: Vec<String> = [2, 5, 8, 11].iter().flat_map(|l| ["c_fc", "c_proj"].map(|x| format!("transformer.h.{l}.mlp.{x}.weight"))).collect();
+        let o = PlanOptions::new("cpu", None, Kind::Float, 128, Some(8)).unwrap();
+        let plain = MendConfig { rank: 8, batch_size: 4, edit_params: deep, ..MendConfig::default() };
+        let rc = MendConfig { recompute: true, ..plain.clone() };
+        let (a, b) = (plan_model(&m, &plain, &o).unwrap(), plan_model(&m, &rc, &o).unwrap());
+        let fwd = |p: &MemoryPlan| p.group_bytes("cpu", Phase::Train, Group::EditedForward);
+        assert!(fwd(&b) < fwd(&a), "recompute {} vs {}", fwd(&b), fwd(&a));
+        // Capture and editing are untouched.
+        assert_eq!(a.group_bytes("cpu", Phase::Train, Group::Capture), b.group_bytes("cpu", Phase::Train, Group::Capture));
+        assert_eq!(a.peak("cpu", Phase::Edit), b.peak("cpu", Phase::Edit));
+        // Block inputs of blocks 2..11 plus the last hidden state: 11 · B·T·d·4.
+        let inputs = b.items.iter().find(|i| i.item.starts_with("recompute: block inputs")).unwrap();
+        assert_eq!(inputs.bytes, 11 * 4 * 128 * 64 * 4);
+        assert!(!b.items.iter().any(|i| i.item.starts_with("edited forwards: activations")));
+        // Split: the W' leaves and the gradient sum on sub, one copy each.
+        let mut os = o.clone();
+        os.split = true;
+        let split = plan_model(&m, &rc, &os).unwrap();
+        assert!(split.items.iter().any(|i| i.role == Role::Sub && i.item.contains("W' leaves on sub")));
+        assert!(!split.items.iter().any(|i| i.item.contains("one per edited forward")));
     }
 
     #[test]

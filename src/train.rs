@@ -12,7 +12,8 @@ use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::memory::MemoryTracker;
 use crate::mend::checkpoint::{self, TrainCounters};
 use crate::mend::optim::Adam;
-use crate::mend::{losses, Editor, Engine};
+use crate::mend::{losses, Editor, Engine, LogitsLoss, Pending};
+use crate::model::Overrides;
 use crate::rng::SplitMix64;
 use crate::{Error, Result};
 
@@ -47,6 +48,11 @@ impl EditBatches {
 }
 
 /// Forward of the meta-training loss for one micro-batch; returns the differentiable loss.
+///
+/// With `recompute` in the config (and the edit differentiable), the edited forwards and
+/// their backward run here, block by block ([`Engine::edited_grads`]); the tensor returned
+/// then has the loss's value and, as its gradient w.r.t. each edited weight `W'`, exactly
+/// `∂loss/∂W'`, so its backward reaches the editor just as the ordinary loss's would.
 pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training: bool) -> Result<(Tensor, StepLosses)> {
     let cfg = editor.config.clone();
     let (_, factors) = engine.capture(&b.inner)?;
@@ -54,6 +60,9 @@ pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training
     // device's worker while the sub-device computes the edited forwards.
     let base_loc = b.loc.as_ref().map(|l| engine.base_logits_async(l)).transpose()?;
     let overrides = engine.edit(editor, &factors, training)?;
+    if cfg.recompute && overrides.values().any(Tensor::requires_grad) {
+        return recomputed_meta_loss(engine, &cfg, b, &overrides, base_loc);
+    }
     let post_outer = engine.edited_logits(&overrides, &b.outer)?;
     let targets = b.outer.kept_targets();
     let l_edit = losses::nll(&post_outer, &targets);
@@ -73,6 +82,64 @@ pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training
         edit_acc: acc.iter().sum::<f64>() / acc.len().max(1) as f64,
     };
     Ok((loss, parts))
+}
+
+/// [`meta_loss`] with the edited forwards recomputed block by block in their backward.
+///
+/// The losses are computed as in [`meta_loss`] (the weighted terms are what each pass
+/// differentiates, so the gradients match the ordinary backward's). The returned tensor is
+/// `Σ_i ⟨W'_i, G_i⟩` with `G_i = ∂loss/∂W'_i` detached, whose gradient w.r.t. `W'_i` is
+/// `G_i`, shifted by a constant to carry the loss's value.
+fn recomputed_meta_loss(
+    engine: &Engine,
+    cfg: &MendConfig,
+    b: &EditBatches,
+    overrides: &Overrides,
+    base_loc: Option<Pending>,
+) -> Result<(Tensor, StepLosses)> {
+    let targets = b.outer.kept_targets();
+    let mut outer: Option<(Tensor, Tensor)> = None;
+    let mut loc: Option<Tensor> = None;
+    let grads = {
+        let mut passes: Vec<(&TokenBatch, LogitsLoss)> = vec![(
+            &b.outer,
+            Box::new(|logits: &Tensor| {
+                let l = losses::nll(logits, &targets);
+                outer = Some((logits.detach(), l.detach()));
+                Ok(&l * cfg.c_edit)
+            }),
+        )];
+        if let (Some(l), Some(base)) = (&b.loc, base_loc) {
+            passes.push((
+                l,
+                Box::new(|logits: &Tensor| {
+                    let kl = losses::kl(&base.wait()?, logits);
+                    loc = Some(kl.detach());
+                    Ok(&kl * cfg.c_loc)
+                }),
+            ));
+        }
+        engine.edited_grads(overrides, passes)?
+    };
+    let (post_outer, l_edit) = outer.ok_or_else(|| Error::Torch("the edited forward of edit_outer did not run".into()))?;
+    crate::error::guard(|| {
+        let (acc, _) = losses::token_accuracy(&post_outer, &targets, &b.outer.kept_rows(), b.outer.batch_size());
+        let l_loc = loc.unwrap_or_else(|| Tensor::zeros([], (tch::Kind::Float, engine.plan.main)));
+        let loss = &l_edit * cfg.c_edit + &l_loc * cfg.c_loc;
+        let inner = grads
+            .iter()
+            .map(|(name, g)| (&overrides[name] * g).sum(tch::Kind::Float))
+            .fold(Tensor::zeros([], (tch::Kind::Float, engine.plan.main)), |a, b| a + b);
+        // Value: the loss (inner − inner = 0 exactly); gradient: that of `inner`.
+        let surrogate = &inner - inner.detach() + &loss;
+        let parts = StepLosses {
+            loss: loss.double_value(&[]),
+            edit_nll: l_edit.double_value(&[]),
+            loc_kl: l_loc.double_value(&[]),
+            edit_acc: acc.iter().sum::<f64>() / acc.len().max(1) as f64,
+        };
+        Ok((surrogate, parts))
+    })
 }
 
 /// Deterministic data order: position `g` of the endless stream of examples, reshuffled

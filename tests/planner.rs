@@ -50,17 +50,31 @@ struct Case {
     edit_layers: &'static [i64],
     /// Replica + mover on the one CPU (the dual-device code path).
     split: bool,
+    /// Edited forwards recomputed block by block in their backward.
+    recompute: bool,
 }
 
 const CASES: &[Case] = &[
     // MEND's defaults (rank 1920, last 3 MLPs), one short example.
-    Case { name: "gpt2s-rank1920", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: false },
+    Case { name: "gpt2s-rank1920", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: false, recompute: false },
     // Small editor, longer batch, edits from block 4 upward: activations matter more.
-    Case { name: "gpt2s-rank256-deep", rank: 256, batch: 2, tokens: 128, kept: 64, edit_layers: &[4, 6, 8, 10, 11], split: false },
+    Case { name: "gpt2s-rank256-deep", rank: 256, batch: 2, tokens: 128, kept: 64, edit_layers: &[4, 6, 8, 10, 11], split: false, recompute: false },
     // The dual-device path on one CPU: the mover's W' copies and logits on "sub". (The
     // replica is not a copy here: `to_device` onto the device a tensor is already on
     // returns the same storage, so the test takes the replica out of the plan.)
-    Case { name: "gpt2s-rank1920-split", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: true },
+    Case { name: "gpt2s-rank1920-split", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: true, recompute: false },
+    // The deep case with recomputation: block inputs and one block's activations instead
+    // of every edited block's.
+    Case {
+        name: "gpt2s-rank256-deep-recompute",
+        rank: 256,
+        batch: 2,
+        tokens: 128,
+        kept: 64,
+        edit_layers: &[4, 6, 8, 10, 11],
+        split: false,
+        recompute: true,
+    },
 ];
 
 fn gpt2_small() -> Model {
@@ -77,7 +91,7 @@ fn config_of(case: &Case) -> MendConfig {
         .iter()
         .flat_map(|l| ["c_fc", "c_proj"].map(|m| format!("transformer.h.{l}.mlp.{m}.weight")))
         .collect();
-    MendConfig { rank: case.rank, batch_size: case.batch, accumulate: 1, edit_params, ..MendConfig::default() }
+    MendConfig { rank: case.rank, batch_size: case.batch, accumulate: 1, edit_params, recompute: case.recompute, ..MendConfig::default() }
 }
 
 fn plan_of(case: &Case) -> MemoryPlan {

@@ -54,6 +54,9 @@ pub fn advice(engine: &Engine, cfg: &MendConfig) -> Vec<String> {
     if engine.lm.params.kind() == Kind::Float {
         out.push("load the model in bf16 (--dtype bf16): weights and activations take half the memory; editor maths stays f32".into());
     }
+    if !cfg.recompute {
+        out.push("recompute the edited forwards in the backward (--recompute): keeps one block's activations instead of every edited block's".into());
+    }
     if cfg.max_length > 64 {
         out.push(format!("lower max_length in the config (now {}): activations and logits grow with it", cfg.max_length));
     }

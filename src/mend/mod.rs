@@ -35,6 +35,10 @@ pub struct Engine {
     main_worker: Option<Worker>,
 }
 
+/// A loss of the edited model's logits at a batch's scored positions (`[N, V]`, on the
+/// main device), for [`Engine::edited_grads`]: a differentiable scalar.
+pub type LogitsLoss<'a> = Box<dyn FnOnce(&Tensor) -> Result<Tensor> + 'a>;
+
 /// Unedited logits that may still be computing on the main device's worker.
 pub enum Pending {
     Ready(Tensor),
@@ -160,6 +164,46 @@ impl Engine {
                 Ok(self.mover.to_main(&out.logits))
             }),
         }
+    }
+
+    /// `Σ_passes ∂loss/∂W'` for every edited weight, with each edited forward's blocks
+    /// recomputed in the backward instead of keeping their activations
+    /// ([`crate::model::recompute`]). Each pass is a batch and a loss of the edited
+    /// model's logits at its scored positions (given on the main device, as
+    /// [`Engine::edited_logits`] returns them).
+    ///
+    /// As with [`Engine::edited_logits`], the forwards and their backward run on the
+    /// sub-device: `W'` goes there once (detached, as leaves), the batches and logits go
+    /// through the mover, and the summed gradients come back to the main device through
+    /// it. Returns the gradients by name, on the main device, detached: the caller takes
+    /// them into the editor's graph (see `train::meta_loss`).
+    pub fn edited_grads(&self, overrides: &Overrides, passes: Vec<(&TokenBatch, LogitsLoss<'_>)>) -> Result<Overrides> {
+        if passes.is_empty() {
+            return Err(Error::input("edited_grads needs at least one batch"));
+        }
+        let none = HashSet::new();
+        let store = self.replica.as_ref().unwrap_or(&self.lm.params);
+        let wrt: Vec<String> = self.edit_params.iter().map(|p| p.name.clone()).filter(|n| overrides.contains_key(n)).collect();
+        let leaves: Overrides = crate::error::guard(|| {
+            Ok(tch::no_grad(|| {
+                wrt.iter().map(|n| (n.clone(), self.mover.to_sub(&overrides[n].detach()).set_requires_grad(true))).collect()
+            }))
+        })?;
+        let view = ParamView::new(store, Some(&leaves));
+        let mut total: Vec<Option<Tensor>> = wrt.iter().map(|_| None).collect();
+        for (batch, loss) in passes {
+            let sub_batch = self.mover.batch_to_sub(batch);
+            crate::model::recompute::grad_by_blocks(
+                &self.lm.model,
+                &view,
+                &sub_batch.forward_input(&none),
+                &wrt,
+                &mut total,
+                |logits| loss(&self.mover.to_main(logits)),
+            )?;
+        }
+        let total: Vec<Tensor> = total.into_iter().collect::<Option<_>>().ok_or_else(|| Error::Torch("an edited weight got no gradient".into()))?;
+        crate::error::guard(|| Ok(wrt.into_iter().zip(total).map(|(n, g)| (n, self.mover.to_main(&g))).collect()))
     }
 
     /// Makes an edit permanent (sequential editing): writes `W'` into the frozen weights on

@@ -1,11 +1,11 @@
 //! GPT-2 (`GPT2LMHeadModel`), matching Hugging Face transformers numerically.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use serde::Deserialize;
 use tch::Tensor;
 
 use super::{activation, attend, check_activation, keep_rows, linear_captured, position_ids, AttnMask};
-use super::{ForwardInput, ForwardOutput, KvCache, ModelInfo, ParamView, WeightLayout};
+use super::{BlockContext, Capture, ForwardInput, ForwardOutput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
@@ -136,44 +136,70 @@ impl Gpt2 {
     /// The forward, continuing after the tokens in `cache` when there is one (positions
     /// offset by the cached length; see [`super::Model::forward_cached`]).
     pub(crate) fn forward_with(&self, p: &ParamView, input: &ForwardInput, mut cache: Option<&mut KvCache>) -> Result<ForwardOutput> {
-        let c = &self.config;
-        let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
-        let (nh, hd) = (c.n_head, c.n_embd / c.n_head);
         let mut captures = BTreeMap::new();
         let past = cache.as_ref().map_or(0, |c| c.len());
+        let (mut x, ctx) = self.embed(p, input, past)?;
+        for i in 0..self.config.n_layer.max(0) as usize {
+            x = self.block(p, i, &x, &ctx, input.capture, &mut captures, cache.as_deref_mut())?;
+        }
+        let logits = self.head(p, &x, input.keep)?;
+        Ok(ForwardOutput { logits, captures })
+    }
+
+    /// Token + position embeddings, and what every block shares.
+    pub(crate) fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
+        let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
         let mut pos = position_ids(input.input_ids, input.attention_mask);
         if past > 0 {
             pos += past;
         }
         let mask = AttnMask::new(input.attention_mask, t, past, input.input_ids.device());
-        let mut x = Tensor::embedding(p.get("transformer.wte.weight")?, input.input_ids, -1, false, false)
+        let x = Tensor::embedding(p.get("transformer.wte.weight")?, input.input_ids, -1, false, false)
             + Tensor::embedding(p.get("transformer.wpe.weight")?, &pos, -1, false, false);
+        Ok((x, BlockContext { batch: b, tokens: t, mask, rope: None }))
+    }
+
+    /// Block `i`: attention and MLP, each behind a pre-norm and a residual connection.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn block(
+        &self,
+        p: &ParamView,
+        i: usize,
+        x: &Tensor,
+        ctx: &BlockContext,
+        capture: &HashSet<String>,
+        captures: &mut BTreeMap<String, Capture>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let (b, t) = (ctx.batch, ctx.tokens);
+        let (nh, hd) = (c.n_head, c.n_embd / c.n_head);
         let conv = WeightLayout::Conv1d;
-        for i in 0..c.n_layer {
-            let pre = format!("transformer.h.{i}");
-            let h = Self::layer_norm(p, &format!("{pre}.ln_1"), &x, c.layer_norm_epsilon)?;
-            let qkv = linear_captured(p, input.capture, &mut captures, conv, &format!("{pre}.attn.c_attn"), &h, true)?;
-            let heads = |t_: &Tensor| t_.reshape([b, t, nh, hd]).transpose(1, 2);
-            let parts = qkv.split(c.n_embd, 2);
-            let (k, v) = (heads(&parts[1]), heads(&parts[2]));
-            let (k, v) = match cache.as_deref_mut() {
-                Some(kv) => kv.extend(i as usize, k, v),
-                None => (k, v),
-            };
-            let y = attend(&heads(&parts[0]), &k, &v, &mask);
-            let y = y.transpose(1, 2).reshape([b, t, c.n_embd]);
-            let y = linear_captured(p, input.capture, &mut captures, conv, &format!("{pre}.attn.c_proj"), &y, true)?;
-            x = x + y;
-            let h = Self::layer_norm(p, &format!("{pre}.ln_2"), &x, c.layer_norm_epsilon)?;
-            let h = linear_captured(p, input.capture, &mut captures, conv, &format!("{pre}.mlp.c_fc"), &h, true)?;
-            let h = activation(&c.activation_function, &h);
-            let h = linear_captured(p, input.capture, &mut captures, conv, &format!("{pre}.mlp.c_proj"), &h, true)?;
-            x = x + h;
-        }
-        let x = Self::layer_norm(p, "transformer.ln_f", &x, c.layer_norm_epsilon)?;
-        let x = keep_rows(x, input.keep);
-        // GPT-2 ties the LM head to the token embedding.
-        let logits = x.matmul(&p.get("transformer.wte.weight")?.tr());
-        Ok(ForwardOutput { logits, captures })
+        let pre = format!("transformer.h.{i}");
+        let h = Self::layer_norm(p, &format!("{pre}.ln_1"), x, c.layer_norm_epsilon)?;
+        let qkv = linear_captured(p, capture, captures, conv, &format!("{pre}.attn.c_attn"), &h, true)?;
+        let heads = |t_: &Tensor| t_.reshape([b, t, nh, hd]).transpose(1, 2);
+        let parts = qkv.split(c.n_embd, 2);
+        let (k, v) = (heads(&parts[1]), heads(&parts[2]));
+        let (k, v) = match cache {
+            Some(kv) => kv.extend(i, k, v),
+            None => (k, v),
+        };
+        let y = attend(&heads(&parts[0]), &k, &v, &ctx.mask);
+        let y = y.transpose(1, 2).reshape([b, t, c.n_embd]);
+        let y = linear_captured(p, capture, captures, conv, &format!("{pre}.attn.c_proj"), &y, true)?;
+        let x = x + y;
+        let h = Self::layer_norm(p, &format!("{pre}.ln_2"), &x, c.layer_norm_epsilon)?;
+        let h = linear_captured(p, capture, captures, conv, &format!("{pre}.mlp.c_fc"), &h, true)?;
+        let h = activation(&c.activation_function, &h);
+        let h = linear_captured(p, capture, captures, conv, &format!("{pre}.mlp.c_proj"), &h, true)?;
+        Ok(x + h)
+    }
+
+    /// Final layer norm, the kept rows, and the LM head (tied to the token embedding).
+    pub(crate) fn head(&self, p: &ParamView, x: &Tensor, keep: Option<&Tensor>) -> Result<Tensor> {
+        let x = Self::layer_norm(p, "transformer.ln_f", x, self.config.layer_norm_epsilon)?;
+        let x = keep_rows(x, keep);
+        Ok(x.matmul(&p.get("transformer.wte.weight")?.tr()))
     }
 }

@@ -3,13 +3,13 @@
 //! One implementation covers them: RMSNorm, rotary embeddings (Hugging Face's
 //! rotate-half convention), grouped-query attention and a gated SiLU MLP. Qwen2 differs
 //! only in its q/k/v biases and its config defaults.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
 use super::{activation, attend, check_activation, keep_rows, linear_captured, position_ids, AttnMask};
-use super::{ForwardInput, ForwardOutput, KvCache, ModelInfo, ParamView, WeightLayout};
+use super::{BlockContext, Capture, ForwardInput, ForwardOutput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
@@ -199,59 +199,87 @@ impl Llama {
     /// The forward, continuing after the tokens in `cache` when there is one (RoPE
     /// positions offset by the cached length; see [`super::Model::forward_cached`]).
     pub(crate) fn forward_with(&self, p: &ParamView, input: &ForwardInput, mut cache: Option<&mut KvCache>) -> Result<ForwardOutput> {
-        let c = &self.config;
-        let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
-        let (nh, nkv, hd) = (c.num_attention_heads, self.kv_heads(), self.head_dim());
-        let lin = WeightLayout::Linear;
         let mut captures = BTreeMap::new();
         let past = cache.as_ref().map_or(0, |c| c.len());
+        let (mut x, ctx) = self.embed(p, input, past)?;
+        for i in 0..self.config.num_hidden_layers.max(0) as usize {
+            x = self.block(p, i, &x, &ctx, input.capture, &mut captures, cache.as_deref_mut())?;
+        }
+        let logits = self.head(p, &x, input.keep)?;
+        Ok(ForwardOutput { logits, captures })
+    }
+
+    /// Token embeddings, and what every block shares (mask, rotary tables).
+    pub(crate) fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
+        let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
         let mask = AttnMask::new(input.attention_mask, t, past, input.input_ids.device());
-        let mut x = Tensor::embedding(p.get("model.embed_tokens.weight")?, input.input_ids, -1, false, false);
+        let x = Tensor::embedding(p.get("model.embed_tokens.weight")?, input.input_ids, -1, false, false);
         let mut pos = position_ids(input.input_ids, input.attention_mask);
         if past > 0 {
             pos += past;
         }
-        let (cos, sin) = self.rope(&pos, x.kind());
+        let rope = self.rope(&pos, x.kind());
+        Ok((x, BlockContext { batch: b, tokens: t, mask, rope: Some(rope) }))
+    }
+
+    /// Block `i`: grouped-query attention with rotary positions and a gated MLP, each
+    /// behind an RMSNorm and a residual connection.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn block(
+        &self,
+        p: &ParamView,
+        i: usize,
+        x: &Tensor,
+        ctx: &BlockContext,
+        cap: &HashSet<String>,
+        captures: &mut BTreeMap<String, Capture>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let (b, t) = (ctx.batch, ctx.tokens);
+        let (nh, nkv, hd) = (c.num_attention_heads, self.kv_heads(), self.head_dim());
+        let lin = WeightLayout::Linear;
+        let (cos, sin) = ctx.rope.as_ref().ok_or_else(|| Error::Torch("block context without rotary tables".into()))?;
         let rotate = |q: &Tensor| {
             let halves = q.chunk(2, -1);
             let rotated = Tensor::cat(&[&(-&halves[1]), &halves[0]], -1);
-            q * &cos + rotated * &sin
+            q * cos + rotated * sin
         };
-        for i in 0..c.num_hidden_layers {
-            let pre = format!("model.layers.{i}");
-            let cap = input.capture;
-            let h = self.rms_norm(p, &format!("{pre}.input_layernorm.weight"), &x)?;
-            let q = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.self_attn.q_proj"), &h, self.qkv_bias)?;
-            let k = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.self_attn.k_proj"), &h, self.qkv_bias)?;
-            let v = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.self_attn.v_proj"), &h, self.qkv_bias)?;
-            let q = rotate(&q.reshape([b, t, nh, hd]).transpose(1, 2));
-            let k = rotate(&k.reshape([b, t, nkv, hd]).transpose(1, 2));
-            let v = v.reshape([b, t, nkv, hd]).transpose(1, 2);
-            // Cached before the GQA repeat: the cache holds n_kv heads, not n_heads.
-            let (k, v) = match cache.as_deref_mut() {
-                Some(kv) => kv.extend(i as usize, k, v),
-                None => (k, v),
-            };
-            let (k, v) = if nkv != nh {
-                let rep = nh / nkv;
-                (k.repeat_interleave_self_int(rep, 1, None), v.repeat_interleave_self_int(rep, 1, None))
-            } else {
-                (k, v)
-            };
-            let y = attend(&q, &k, &v, &mask).transpose(1, 2).reshape([b, t, nh * hd]);
-            let y = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.self_attn.o_proj"), &y, c.attention_bias)?;
-            x = x + y;
-            let h = self.rms_norm(p, &format!("{pre}.post_attention_layernorm.weight"), &x)?;
-            let g = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.mlp.gate_proj"), &h, c.mlp_bias)?;
-            let u = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.mlp.up_proj"), &h, c.mlp_bias)?;
-            let m = activation(&c.hidden_act, &g) * u;
-            let m = linear_captured(p, cap, &mut captures, lin, &format!("{pre}.mlp.down_proj"), &m, c.mlp_bias)?;
-            x = x + m;
-        }
-        let x = self.rms_norm(p, "model.norm.weight", &x)?;
-        let x = keep_rows(x, input.keep);
-        let head = if c.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-        let logits = x.linear(p.get(head)?, None::<Tensor>);
-        Ok(ForwardOutput { logits, captures })
+        let pre = format!("model.layers.{i}");
+        let h = self.rms_norm(p, &format!("{pre}.input_layernorm.weight"), x)?;
+        let q = linear_captured(p, cap, captures, lin, &format!("{pre}.self_attn.q_proj"), &h, self.qkv_bias)?;
+        let k = linear_captured(p, cap, captures, lin, &format!("{pre}.self_attn.k_proj"), &h, self.qkv_bias)?;
+        let v = linear_captured(p, cap, captures, lin, &format!("{pre}.self_attn.v_proj"), &h, self.qkv_bias)?;
+        let q = rotate(&q.reshape([b, t, nh, hd]).transpose(1, 2));
+        let k = rotate(&k.reshape([b, t, nkv, hd]).transpose(1, 2));
+        let v = v.reshape([b, t, nkv, hd]).transpose(1, 2);
+        // Cached before the GQA repeat: the cache holds n_kv heads, not n_heads.
+        let (k, v) = match cache {
+            Some(kv) => kv.extend(i, k, v),
+            None => (k, v),
+        };
+        let (k, v) = if nkv != nh {
+            let rep = nh / nkv;
+            (k.repeat_interleave_self_int(rep, 1, None), v.repeat_interleave_self_int(rep, 1, None))
+        } else {
+            (k, v)
+        };
+        let y = attend(&q, &k, &v, &ctx.mask).transpose(1, 2).reshape([b, t, nh * hd]);
+        let y = linear_captured(p, cap, captures, lin, &format!("{pre}.self_attn.o_proj"), &y, c.attention_bias)?;
+        let x = x + y;
+        let h = self.rms_norm(p, &format!("{pre}.post_attention_layernorm.weight"), &x)?;
+        let g = linear_captured(p, cap, captures, lin, &format!("{pre}.mlp.gate_proj"), &h, c.mlp_bias)?;
+        let u = linear_captured(p, cap, captures, lin, &format!("{pre}.mlp.up_proj"), &h, c.mlp_bias)?;
+        let m = activation(&c.hidden_act, &g) * u;
+        let m = linear_captured(p, cap, captures, lin, &format!("{pre}.mlp.down_proj"), &m, c.mlp_bias)?;
+        Ok(x + m)
+    }
+
+    /// Final RMSNorm, the kept rows, and the LM head (or the tied embedding).
+    pub(crate) fn head(&self, p: &ParamView, x: &Tensor, keep: Option<&Tensor>) -> Result<Tensor> {
+        let x = self.rms_norm(p, "model.norm.weight", x)?;
+        let x = keep_rows(x, keep);
+        let head = if self.config.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
+        Ok(x.linear(p.get(head)?, None::<Tensor>))
     }
 }

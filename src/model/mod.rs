@@ -7,6 +7,7 @@ pub mod gpt2;
 pub mod llama;
 pub mod loader;
 pub mod params;
+pub mod recompute;
 pub mod tokenizer;
 
 use std::collections::{BTreeMap, HashSet};
@@ -151,6 +152,21 @@ impl KvCache {
     }
 }
 
+/// What every block of one forward shares: shapes, the attention mask, the rotary tables.
+///
+/// Built by [`Model::embed`] together with the hidden states the first block reads;
+/// [`Model::block`] runs one block, [`Model::head`] the final norm and LM head. Running
+/// embed, every block and the head in turn is exactly [`Model::forward`] (which does
+/// that); a caller that needs the blocks one at a time (recomputation in the backward,
+/// see [`recompute`]) uses them directly.
+pub struct BlockContext {
+    pub(crate) batch: i64,
+    pub(crate) tokens: i64,
+    pub(crate) mask: AttnMask,
+    /// cos/sin tables `[B, 1, T, head_dim]` (rotary families only).
+    pub(crate) rope: Option<(Tensor, Tensor)>,
+}
+
 pub struct ForwardOutput {
     /// `[B, T, V]`, or `[N, V]` for the N kept positions in row-major order.
     pub logits: Tensor,
@@ -211,6 +227,57 @@ impl Model {
                 Err(e)
             }
         }
+    }
+
+    /// Hidden states the first block reads, `[B, T, D]`, and what the blocks share.
+    /// `past` is the number of tokens already in a KV cache (0 without one).
+    pub fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
+        crate::error::guard(|| match self {
+            Model::Gpt2(m) => m.embed(p, input, past),
+            Model::Llama(m) => m.embed(p, input, past),
+        })
+    }
+
+    /// Block `i` (0-based) applied to its input `x`; records `(x, h)` of the layers whose
+    /// weights are in `capture` into `captures`.
+    pub fn block(
+        &self,
+        p: &ParamView,
+        i: usize,
+        x: &Tensor,
+        ctx: &BlockContext,
+        capture: &HashSet<String>,
+        captures: &mut BTreeMap<String, Capture>,
+    ) -> Result<Tensor> {
+        crate::error::guard(|| match self {
+            Model::Gpt2(m) => m.block(p, i, x, ctx, capture, captures, None),
+            Model::Llama(m) => m.block(p, i, x, ctx, capture, captures, None),
+        })
+    }
+
+    /// Final norm and LM head over the last block's output: logits at the `keep`
+    /// positions (`[N, V]`), or everywhere (`[B, T, V]`) without `keep`.
+    pub fn head(&self, p: &ParamView, x: &Tensor, keep: Option<&Tensor>) -> Result<Tensor> {
+        crate::error::guard(|| match self {
+            Model::Gpt2(m) => m.head(p, x, keep),
+            Model::Llama(m) => m.head(p, x, keep),
+        })
+    }
+
+    /// Number of transformer blocks.
+    pub fn n_blocks(&self) -> usize {
+        self.info().n_layers.max(0) as usize
+    }
+
+    /// The block that reads parameter `name`, `None` for parameters outside the blocks
+    /// (embeddings, final norm, LM head).
+    pub fn block_of(&self, name: &str) -> Option<usize> {
+        let prefix = match self {
+            Model::Gpt2(_) => "transformer.h.",
+            Model::Llama(_) => "model.layers.",
+        };
+        let (idx, _) = name.strip_prefix(prefix)?.split_once('.')?;
+        idx.parse().ok().filter(|i| *i < self.n_blocks())
     }
 
     pub fn info(&self) -> ModelInfo {
