@@ -85,9 +85,17 @@ impl Adam {
                 if !g.defined() {
                     continue;
                 }
-                *m = &*m * BETA1 + &g * (1.0 - BETA1);
-                *v = &*v * BETA2 + g.square() * (1.0 - BETA2);
-                let update = (&*m / c1) / ((&*v / c2).sqrt() + EPS) * group.lr;
+                // In place where possible: the editor's tensors are tens of MB each, and
+                // every temporary is an allocation, a page-fault storm and a pass over memory.
+                *m *= BETA1;
+                *m += &g * (1.0 - BETA1);
+                *v *= BETA2;
+                *v += g.square() * (1.0 - BETA2);
+                let mut denom = &*v / c2;
+                let _ = denom.sqrt_();
+                denom += EPS;
+                let mut update = &*m / denom;
+                update *= group.lr / c1;
                 let _ = p.f_sub_(&update);
             }
         }
