@@ -111,6 +111,9 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
     use crate::model::ParamView;
     use crate::run::{greedy, load_examples, open_method};
     let start = std::time::Instant::now();
+    // A sub-million-parameter model gains nothing from a second thread, and libtorch's
+    // OpenMP threads spin badly when another process holds the other core.
+    tch::set_num_threads(1);
     let w = |out: &mut dyn std::io::Write, s: String| writeln!(out, "{s}").map_err(|e| crate::Error::io("<stdout>", e));
     let mut tracker = MemoryTracker::new(&plan.roles());
     let method_spec = MethodSpec::Mend { editor: editor_dir(root) };

@@ -11,8 +11,17 @@ use dualedit::pretrain::PretrainConfig;
 use dualedit::run::{run_eval, Common, EvalOptions, MethodSpec};
 use tch::{Device, Kind};
 
+/// The tests of this file run one at a time: the demo's time limit is about the demo, not
+/// about sharing two cores with a pretraining run.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn pipeline_runs_end_to_end_at_small_scale() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let spec = BuildSpec {
         world: WorldConfig { seed: 3, n_entities: 24, n_edit_train: 60, n_edit_holdout: 10 },
@@ -44,6 +53,7 @@ fn pipeline_runs_end_to_end_at_small_scale() {
 
 #[test]
 fn shipped_default_meets_its_targets() {
+    let _serial = serial();
     let root = shipped_root();
     let opts = EvalOptions {
         common: Common {
@@ -84,6 +94,7 @@ fn walk(p: &Path) -> u64 {
 
 #[test]
 fn demo_shows_edits_metrics_and_memory_quickly() {
+    let _serial = serial();
     let start = std::time::Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_dualedit")).args(["demo"]).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
