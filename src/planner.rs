@@ -924,9 +924,9 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 phase,
                 Role::Host,
                 &[Checkpoint],
-                "checkpoint write: tensor bytes + serialised file",
-                format!("2·(3·editor + stats + lrs)·4 = 2·{}·4", num(3 * e_params + stats_elems + 3 * p_count)),
-                2 * (3 * e_params + stats_elems + 3 * p_count) * 4,
+                "checkpoint write: streamed, one tensor's bytes at a time",
+                format!("largest editor tensor·4 = {}·4", num(e_max)),
+                e_max * 4,
             );
         } else {
             add(
