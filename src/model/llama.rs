@@ -9,7 +9,7 @@ use serde::Deserialize;
 use tch::{Kind, Tensor};
 
 use super::{activation, attend, check_activation, keep_rows, linear_captured, position_ids, AttnMask};
-use super::{BlockContext, Capture, ForwardInput, ForwardOutput, KvCache, ModelInfo, ParamView, WeightLayout};
+use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
@@ -190,23 +190,6 @@ impl Llama {
         let freqs = pos.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
         let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
         (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
-    }
-
-    pub fn forward(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
-        self.forward_with(p, input, None)
-    }
-
-    /// The forward, continuing after the tokens in `cache` when there is one (RoPE
-    /// positions offset by the cached length; see [`super::Model::forward_cached`]).
-    pub(crate) fn forward_with(&self, p: &ParamView, input: &ForwardInput, mut cache: Option<&mut KvCache>) -> Result<ForwardOutput> {
-        let mut captures = BTreeMap::new();
-        let past = cache.as_ref().map_or(0, |c| c.len());
-        let (mut x, ctx) = self.embed(p, input, past)?;
-        for i in 0..self.config.num_hidden_layers.max(0) as usize {
-            x = self.block(p, i, &x, &ctx, input.capture, &mut captures, cache.as_deref_mut())?;
-        }
-        let logits = self.head(p, &x, input.keep)?;
-        Ok(ForwardOutput { logits, captures })
     }
 
     /// Token embeddings, and what every block shares (mask, rotary tables).

@@ -193,10 +193,24 @@ pub enum Model {
 
 impl Model {
     pub fn forward(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
-        crate::error::guard(|| match self {
-            Model::Gpt2(m) => m.forward(p, input),
-            Model::Llama(m) => m.forward(p, input),
-        })
+        crate::error::guard(|| self.forward_with(p, input, None))
+    }
+
+    /// Embedding, every block, head: the one forward loop of all families, continuing
+    /// after the tokens in `cache` when there is one.
+    fn forward_with(&self, p: &ParamView, input: &ForwardInput, mut cache: Option<&mut KvCache>) -> Result<ForwardOutput> {
+        let mut captures = BTreeMap::new();
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let (mut x, ctx) = self.embed(p, input, past)?;
+        for i in 0..self.n_blocks() {
+            let cache = cache.as_deref_mut();
+            x = match self {
+                Model::Gpt2(m) => m.block(p, i, &x, &ctx, input.capture, &mut captures, cache)?,
+                Model::Llama(m) => m.block(p, i, &x, &ctx, input.capture, &mut captures, cache)?,
+            };
+        }
+        let logits = self.head(p, &x, input.keep)?;
+        Ok(ForwardOutput { logits, captures })
     }
 
     /// A forward of new tokens after those already in `cache`, which it extends: positions
@@ -213,10 +227,7 @@ impl Model {
                 "{past} cached + {t} new tokens is longer than the model's context of {max}"
             )));
         }
-        let out = crate::error::guard(|| match self {
-            Model::Gpt2(m) => m.forward_with(p, input, Some(&mut *cache)),
-            Model::Llama(m) => m.forward_with(p, input, Some(&mut *cache)),
-        });
+        let out = crate::error::guard(|| self.forward_with(p, input, Some(&mut *cache)));
         match out {
             Ok(o) => {
                 cache.len = past + t;
