@@ -254,3 +254,56 @@ fn forward_input_keeps_only_scored_positions() {
     let n: i64 = (ex[0].inner.answer().len() + ex[1].inner.answer().len()) as i64;
     assert_eq!(out.logits.size()[0], n);
 }
+
+/// One editor pass over the rows of all weights that share an editor gives the same
+/// pseudo-gradients as one pass per weight (per-row modes select each weight's scale/shift).
+#[test]
+fn grouped_editor_pass_equals_one_pass_per_weight() {
+    for name in ["gpt2", "llama"] {
+        let engine = engine(name);
+        let ex = examples(&engine);
+        let cfg = MendConfig { rank: 16, ..MendConfig::default() };
+        tch::manual_seed(3);
+        let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+        // Statistics from a few edits, and a non-identity network with distinct per-mode rows.
+        for e in &ex {
+            let b = TokenBatch::collate(&[&e.inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
+            let (_, f) = engine.capture(&b).unwrap();
+            let _ = editor.pseudo_grads(&f, true);
+        }
+        tch::no_grad(|| {
+            for (n, mut t) in editor.named_tensors() {
+                if n.ends_with(".u") || n.ends_with(".scale") || n.ends_with(".shift") {
+                    let _ = t.f_add_(&(Tensor::randn_like(&t) * 0.1)).unwrap();
+                }
+            }
+        });
+        let b = TokenBatch::collate(&[&ex[0].inner, &ex[1].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
+        let (_, factors) = engine.capture(&b).unwrap();
+        let grouped = editor.pseudo_grads(&factors, false);
+        assert!(editor.params.len() > 2, "{name}: several weights share editors");
+        for (i, g) in grouped.iter().enumerate() {
+            let single = editor.pseudo_grad(i, &factors[i], false);
+            let rel = (&single - g).norm().double_value(&[]) / single.norm().double_value(&[]);
+            assert!(rel < 1e-5, "{name}: param {i}: relative difference {rel}");
+        }
+    }
+}
+
+/// Batches leave out each example's last token (only ever a target); the scored logits
+/// equal those of a forward over the whole text.
+#[test]
+fn collate_drops_only_the_unread_last_token() {
+    let engine = engine("gpt2");
+    let ex = examples(&engine);
+    let e = &ex[0].inner;
+    let b = TokenBatch::collate(&[e], engine.lm.tokenizer.pad_id(), Device::Cpu);
+    assert_eq!(b.input_ids.size()[1] as usize, e.ids.len() - 1);
+    let short = engine.base_logits(&b).unwrap();
+    let ids = Tensor::from_slice(&e.ids).unsqueeze(0);
+    let none = Default::default();
+    let full = engine.lm.model.forward(&ParamView::frozen(&engine.lm.params), &ForwardInput::new(&ids, &none)).unwrap().logits;
+    let scored = full.narrow(1, e.answer_start as i64 - 1, (e.ids.len() - e.answer_start) as i64).squeeze_dim(0);
+    assert_eq!(short.size(), scored.size());
+    assert!((&short - &scored).abs().max().double_value(&[]) < 1e-4);
+}

@@ -57,16 +57,21 @@ pub const IGNORE: i64 = -100;
 
 impl TokenBatch {
     /// Right-pads `examples` and scores the answer tokens of each.
+    ///
+    /// The last token of an example is only ever a target: no scored position reads it
+    /// (attention is causal), so it is left out of the input, which saves one row of every
+    /// matmul and never changes a scored logit.
     pub fn collate(examples: &[&Example], pad_id: i64, device: Device) -> Self {
-        let t = examples.iter().map(|e| e.ids.len()).max().unwrap_or(1).max(1);
+        let input_len = |e: &Example| e.ids.len().saturating_sub(1).max(1).min(e.ids.len());
+        let t = examples.iter().map(|e| input_len(e)).max().unwrap_or(1).max(1);
         let b = examples.len();
         let mut ids = vec![pad_id; b * t];
         let mut mask = vec![0i64; b * t];
         let mut targets = vec![IGNORE; b * t];
         for (i, e) in examples.iter().enumerate() {
-            let row = i * t;
-            ids[row..row + e.ids.len()].copy_from_slice(&e.ids);
-            mask[row..row + e.ids.len()].fill(1);
+            let (row, n) = (i * t, input_len(e));
+            ids[row..row + n].copy_from_slice(&e.ids[..n]);
+            mask[row..row + n].fill(1);
             for pos in e.answer_start.max(1)..e.ids.len() {
                 targets[row + pos - 1] = e.ids[pos];
             }

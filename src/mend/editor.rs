@@ -103,9 +103,10 @@ impl LrLinear {
         }
     }
 
-    fn forward(&self, x: &Tensor, mode: i64) -> Tensor {
+    /// `modes` `[N]` (int64): the mode of each row, selecting its scale/shift.
+    fn forward(&self, x: &Tensor, modes: &Tensor) -> Tensor {
         let pre = x.matmul(&self.v.tr()).matmul(&self.u.tr()) + &self.bias;
-        let pre = pre * self.scale.get(mode) + self.shift.get(mode);
+        let pre = pre * self.scale.index_select(0, modes) + self.shift.index_select(0, modes);
         let act = if self.relu { pre.relu() } else { pre };
         act + x
     }
@@ -132,8 +133,8 @@ impl IdMlp {
         Self { layers }
     }
 
-    fn forward(&self, x: &Tensor, mode: i64) -> Tensor {
-        self.layers.iter().fold(x.shallow_clone(), |h, l| l.forward(&h, mode))
+    fn forward(&self, x: &Tensor, modes: &Tensor) -> Tensor {
+        self.layers.iter().fold(x.shallow_clone(), |h, l| l.forward(&h, modes))
     }
 }
 
@@ -164,23 +165,24 @@ impl GradientTransform {
         Self { mlp_x, mlp_d, x_stats: RunningStats::new(d_in, device), d_stats: RunningStats::new(d_out, device), d_in, d_out }
     }
 
-    /// As the reference code: factors are normalised before their MLP; a factor that has
-    /// no MLP (x_only, delta_only, one_sided) passes through as it came.
-    fn forward(&self, x: &Tensor, d: &Tensor, mode: i64, cfg: &MendConfig) -> (Tensor, Tensor) {
-        let norm = |s: &RunningStats, t: &Tensor| if cfg.norm { s.normalise(t) } else { t.shallow_clone() };
+    /// Transformed factors of the rows in `f`: `x`/`d` as captured, `xn`/`dn` normalised,
+    /// `modes` the mode of each row. As the reference code: a factor that has an MLP is
+    /// transformed from its normalised form, one without (x_only, delta_only, one_sided)
+    /// passes through as it came.
+    fn forward(&self, f: &GroupRows, cfg: &MendConfig) -> (Tensor, Tensor) {
         if cfg.mode == EditorMode::Combine {
             let mlp = self.mlp_x.as_ref().expect("combine editor has its MLP");
-            let out = mlp.forward(&Tensor::cat(&[&norm(&self.x_stats, x), &norm(&self.d_stats, d)], -1), mode);
+            let out = mlp.forward(&Tensor::cat(&[&f.xn, &f.dn], -1), &f.modes);
             let parts = out.split_with_sizes([self.d_in, self.d_out], -1);
             return (parts[0].shallow_clone(), parts[1].shallow_clone());
         }
         let xt = match &self.mlp_x {
-            Some(m) => m.forward(&norm(&self.x_stats, x), mode),
-            None => x.shallow_clone(),
+            Some(m) => m.forward(&f.xn, &f.modes),
+            None => f.x.shallow_clone(),
         };
         let dt = match &self.mlp_d {
-            Some(m) => m.forward(&norm(&self.d_stats, d), mode),
-            None => d.shallow_clone(),
+            Some(m) => m.forward(&f.dn, &f.modes),
+            None => f.d.shallow_clone(),
         };
         (xt, dt)
     }
@@ -200,6 +202,15 @@ impl GradientTransform {
 pub struct Factors {
     pub x: Tensor,
     pub delta: Tensor,
+}
+
+/// The factor rows of every weight one editor transforms, stacked for one pass.
+struct GroupRows {
+    x: Tensor,
+    d: Tensor,
+    xn: Tensor,
+    dn: Tensor,
+    modes: Tensor,
 }
 
 /// The trained (or training) MEND editor for a set of edited weights.
@@ -246,27 +257,72 @@ impl Editor {
         self.device
     }
 
-    /// Transformed factors `(x̃, δ̃)` of parameter `i`; updates the normalisation
+    /// Transformed factors `(x̃, δ̃)` of parameter `i` alone; updates the normalisation
     /// statistics first when `training`.
     pub fn transform(&mut self, i: usize, f: &Factors, training: bool) -> (Tensor, Tensor) {
-        let (key, mode) = &self.assignment[i];
+        self.transform_group(&[i], &[f], training).pop().expect("one parameter in, one out")
+    }
+
+    /// Transformed factors of parameters `idx` (all assigned to one editor), in one pass
+    /// of that editor's MLP over all their rows: rows are independent, so this equals one
+    /// pass per weight, but reads the editor's matrices once instead of once per weight.
+    /// Statistics are updated weight by weight and each weight is normalised right after
+    /// its own update, as the reference code does when it calls the editor per weight.
+    fn transform_group(&mut self, idx: &[usize], factors: &[&Factors], training: bool) -> Vec<(Tensor, Tensor)> {
+        let key = &self.assignment[idx[0]].0;
         let t = self.transforms.get_mut(key).expect("every param has an editor");
-        let x = f.x.to_device(self.device).to_kind(Kind::Float);
-        let d = f.delta.to_device(self.device).to_kind(Kind::Float);
-        if training && self.config.norm {
-            t.x_stats.update(&x);
-            t.d_stats.update(&d);
+        let (mut rows, mut xs, mut ds, mut xns, mut dns, mut modes) = (vec![], vec![], vec![], vec![], vec![], vec![]);
+        for (&i, f) in idx.iter().zip(factors) {
+            debug_assert_eq!(&self.assignment[i].0, key);
+            let x = f.x.to_device(self.device).to_kind(Kind::Float);
+            let d = f.delta.to_device(self.device).to_kind(Kind::Float);
+            let norm = self.config.norm;
+            if training && norm {
+                t.x_stats.update(&x);
+                t.d_stats.update(&d);
+            }
+            let n = x.size()[0];
+            rows.push(n);
+            xns.push(if norm { t.x_stats.normalise(&x) } else { x.shallow_clone() });
+            dns.push(if norm { t.d_stats.normalise(&d) } else { d.shallow_clone() });
+            modes.push(Tensor::full([n], self.assignment[i].1, (Kind::Int64, self.device)));
+            xs.push(x);
+            ds.push(d);
         }
-        t.forward(&x, &d, *mode, &self.config)
+        let group = GroupRows {
+            x: Tensor::cat(&xs, 0),
+            d: Tensor::cat(&ds, 0),
+            xn: Tensor::cat(&xns, 0),
+            dn: Tensor::cat(&dns, 0),
+            modes: Tensor::cat(&modes, 0),
+        };
+        let (xt, dt) = t.forward(&group, &self.config);
+        xt.split_with_sizes(&rows, 0).into_iter().zip(dt.split_with_sizes(&rows, 0)).collect()
     }
 
     /// The pseudo-gradient `Σ_rows δ̃ x̃ᵀ` of parameter `i`, in the weight's own layout.
     pub fn pseudo_grad(&mut self, i: usize, f: &Factors, training: bool) -> Tensor {
         let (xt, dt) = self.transform(i, f, training);
-        match self.params[i].layout {
-            WeightLayout::Linear => dt.tr().matmul(&xt),
-            WeightLayout::Conv1d => xt.tr().matmul(&dt),
+        self.params[i].layout.outer(&xt, &dt)
+    }
+
+    /// Pseudo-gradients of every edited parameter, one editor pass per shared editor.
+    pub fn pseudo_grads(&mut self, factors: &[Factors], training: bool) -> Vec<Tensor> {
+        let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+        for (i, (key, _)) in self.assignment.iter().enumerate() {
+            match groups.iter_mut().find(|(k, _)| k == key) {
+                Some((_, v)) => v.push(i),
+                None => groups.push((key.clone(), vec![i])),
+            }
         }
+        let mut out: Vec<Option<Tensor>> = (0..self.params.len()).map(|_| None).collect();
+        for (_, idx) in groups {
+            let fs: Vec<&Factors> = idx.iter().map(|&i| &factors[i]).collect();
+            for (&i, (xt, dt)) in idx.iter().zip(self.transform_group(&idx, &fs, training)) {
+                out[i] = Some(self.params[i].layout.outer(&xt, &dt));
+            }
+        }
+        out.into_iter().map(|g| g.expect("every param is in a group")).collect()
     }
 
     /// The edited weights `W ∓ lr_i · ∇̃W_i` for every edited parameter, as overrides
@@ -278,9 +334,10 @@ impl Editor {
         training: bool,
     ) -> Vec<Tensor> {
         let sign = if self.config.descent { -1.0 } else { 1.0 };
-        (0..self.params.len())
-            .map(|i| {
-                let g = self.pseudo_grad(i, &factors[i], training);
+        self.pseudo_grads(factors, training)
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| {
                 let w = weights[i];
                 let step = self.edit_lrs.get(i as i64) * g * sign;
                 (w.to_kind(Kind::Float) + step.to_device(w.device())).to_kind(w.kind())

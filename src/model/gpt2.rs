@@ -183,6 +183,6 @@ impl Gpt2 {
     pub(crate) fn head(&self, p: &ParamView, x: &Tensor, keep: Option<&Tensor>) -> Result<Tensor> {
         let x = Self::layer_norm(p, "transformer.ln_f", x, self.config.layer_norm_epsilon)?;
         let x = keep_rows(x, keep);
-        Ok(x.matmul(&p.get("transformer.wte.weight")?.tr()))
+        Ok(super::lm_head(&x, p.get("transformer.wte.weight")?))
     }
 }

@@ -263,6 +263,6 @@ impl Llama {
         let x = self.rms_norm(p, "model.norm.weight", x)?;
         let x = keep_rows(x, keep);
         let head = if self.config.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-        Ok(x.linear(p.get(head)?, None::<Tensor>))
+        Ok(super::lm_head(&x, p.get(head)?))
     }
 }
