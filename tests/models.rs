@@ -218,3 +218,23 @@ fn bad_inputs_give_one_clear_error() {
     // A directory that does not exist.
     assert_clean_error(&run(Path::new("/nonexistent/model"), &[]), &["/nonexistent/model"]);
 }
+
+/// The LM head's fast paths (few rows: (W·xᵀ)ᵀ forward, chunked g·W backward) equal the
+/// plain products, for a vocabulary that is not a multiple of the chunk size.
+#[test]
+fn lm_head_fast_paths_equal_plain_products() {
+    tch::manual_seed(0);
+    let w = Tensor::randn([5000, 48], (Kind::Float, Device::Cpu));
+    for rows in [1, 3, 17, 80] {
+        let x = Tensor::randn([rows, 48], (Kind::Float, Device::Cpu));
+        let plain = x.matmul(&w.tr());
+        assert!(max_abs_diff(&dualedit::model::lm_head(&x, &w), &plain) < 1e-4, "forward, {rows} rows");
+        let g = Tensor::randn([rows, 5000], (Kind::Float, Device::Cpu));
+        let got = dualedit::model::lm_head_input_grad(&g, &w);
+        let want = g.matmul(&w);
+        assert!(max_abs_diff(&got, &want) < 1e-3 * want.abs().max().double_value(&[]), "backward, {rows} rows");
+    }
+    // [B, T, D] input keeps its leading dimensions.
+    let x = Tensor::randn([2, 3, 48], (Kind::Float, Device::Cpu));
+    assert_eq!(dualedit::model::lm_head(&x, &w).size(), vec![2, 3, 5000]);
+}

@@ -339,8 +339,9 @@ impl Editor {
             .enumerate()
             .map(|(i, g)| {
                 let w = weights[i];
-                let step = self.edit_lrs.get(i as i64) * g * sign;
-                (w.to_kind(Kind::Float) + step.to_device(w.device())).to_kind(w.kind())
+                // One fused op (W + g·lr): the weights are the largest tensors here.
+                let lr = (self.edit_lrs.get(i as i64) * sign).to_device(w.device());
+                w.to_kind(Kind::Float).addcmul(&g.to_device(w.device()), &lr).to_kind(w.kind())
             })
             .collect()
     }

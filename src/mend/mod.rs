@@ -15,7 +15,7 @@ pub use editor::{EditedParam, Editor, Factors};
 use crate::data::TokenBatch;
 use crate::device::worker::Worker;
 use crate::device::{DevicePlan, Mover};
-use crate::model::{LoadedModel, Overrides, ParamStore, ParamView};
+use crate::model::{lm_head, lm_head_input_grad, LoadedModel, Overrides, ParamStore, ParamView};
 use crate::{Error, Result};
 
 /// A loaded model placed according to a device plan, with the weights MEND edits.
@@ -94,8 +94,23 @@ impl Engine {
                 .map(|p| Ok((p.name.clone(), self.weight(&p.name)?.detach().set_requires_grad(true))))
                 .collect::<Result<_>>()?;
             let view = ParamView::new(&self.lm.params, Some(&overrides));
-            let out = self.lm.model.forward(&view, &batch.forward_input(&self.capture_set))?;
-            let loss = losses::nll(&out.logits, &batch.kept_targets());
+            let out = self.lm.model.forward_hidden(&view, &batch.forward_input(&self.capture_set))?;
+            // The head's part of the backward by hand: ∂NLL/∂logits = (softmax − onehot)/N,
+            // then through the head with `lm_head_input_grad` (autograd's product for it is
+            // the slowest step of the capture); autograd takes over from the final hidden
+            // states through the surrogate ⟨hidden, g⟩, whose gradient w.r.t. them is g.
+            let (nll, g_hidden) = tch::no_grad(|| -> Result<(f64, Tensor)> {
+                let w = self.lm.model.head_weight(&view)?;
+                let logits = lm_head(&out.logits.detach(), w).to_kind(Kind::Float);
+                let targets = batch.kept_targets();
+                let logp = logits.log_softmax(-1, Kind::Float);
+                let n = targets.size()[0].max(1);
+                let nll = -logp.gather(1, &targets.unsqueeze(1), false).sum(Kind::Float).double_value(&[]) / n as f64;
+                let onehot = logp.zeros_like().scatter_value(1, &targets.unsqueeze(1), 1.0);
+                let g_logits = (logp.exp() - onehot) / n as f64;
+                Ok((nll, lm_head_input_grad(&g_logits.to_kind(w.kind()), w).to_kind(out.logits.kind())))
+            })?;
+            let loss = (&out.logits * g_hidden).sum(Kind::Float);
             let hs: Vec<&Tensor> = self
                 .edit_params
                 .iter()
@@ -117,7 +132,7 @@ impl Engine {
                     Factors { x: x.index_select(0, &idx), delta: delta.index_select(0, &idx) }
                 })
                 .collect();
-            Ok((loss.double_value(&[]), factors))
+            Ok((nll, factors))
         }))
     }
 

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Deserialize;
 use tch::Tensor;
 
-use super::{activation, attend, check_activation, keep_rows, linear_captured, position_ids, AttnMask};
+use super::{activation, attend, check_activation, linear_captured, position_ids, AttnMask};
 use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
@@ -179,10 +179,13 @@ impl Gpt2 {
         Ok(x + h)
     }
 
-    /// Final layer norm, the kept rows, and the LM head (tied to the token embedding).
-    pub(crate) fn head(&self, p: &ParamView, x: &Tensor, keep: Option<&Tensor>) -> Result<Tensor> {
-        let x = Self::layer_norm(p, "transformer.ln_f", x, self.config.layer_norm_epsilon)?;
-        let x = keep_rows(x, keep);
-        Ok(super::lm_head(&x, p.get("transformer.wte.weight")?))
+    /// Final layer norm over the last block's output.
+    pub(crate) fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
+        Self::layer_norm(p, "transformer.ln_f", x, self.config.layer_norm_epsilon)
+    }
+
+    /// The LM head's weight (tied to the token embedding).
+    pub(crate) fn head_weight_name(&self) -> &'static str {
+        "transformer.wte.weight"
     }
 }

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
-use super::{activation, attend, check_activation, keep_rows, linear_captured, position_ids, AttnMask};
+use super::{activation, attend, check_activation, linear_captured, position_ids, AttnMask};
 use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
@@ -258,11 +258,13 @@ impl Llama {
         Ok(x + m)
     }
 
-    /// Final RMSNorm, the kept rows, and the LM head (or the tied embedding).
-    pub(crate) fn head(&self, p: &ParamView, x: &Tensor, keep: Option<&Tensor>) -> Result<Tensor> {
-        let x = self.rms_norm(p, "model.norm.weight", x)?;
-        let x = keep_rows(x, keep);
-        let head = if self.config.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-        Ok(super::lm_head(&x, p.get(head)?))
+    /// Final RMSNorm over the last block's output.
+    pub(crate) fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
+        self.rms_norm(p, "model.norm.weight", x)
+    }
+
+    /// The LM head's weight (or the tied embedding).
+    pub(crate) fn head_weight_name(&self) -> &'static str {
+        if self.config.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" }
     }
 }

@@ -205,9 +205,31 @@ impl Model {
         crate::error::guard(|| self.forward_with(p, input, None))
     }
 
+    /// The forward without the LM head: `logits` holds the final normalised hidden states
+    /// at the kept positions (`[N, D]`, or `[B, T, D]` without `keep`), for callers that
+    /// apply the head themselves ([`lm_head`], [`lm_head_input_grad`]).
+    pub fn forward_hidden(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
+        crate::error::guard(|| {
+            let (x, captures) = self.run_blocks(p, input, None)?;
+            Ok(ForwardOutput { logits: keep_rows(self.final_norm(p, &x)?, input.keep), captures })
+        })
+    }
+
     /// Embedding, every block, head: the one forward loop of all families, continuing
     /// after the tokens in `cache` when there is one.
-    fn forward_with(&self, p: &ParamView, input: &ForwardInput, mut cache: Option<&mut KvCache>) -> Result<ForwardOutput> {
+    fn forward_with(&self, p: &ParamView, input: &ForwardInput, cache: Option<&mut KvCache>) -> Result<ForwardOutput> {
+        let (x, captures) = self.run_blocks(p, input, cache)?;
+        let logits = self.head(p, &x, input.keep)?;
+        Ok(ForwardOutput { logits, captures })
+    }
+
+    /// Embedding and every block: the last block's output and the captured layers.
+    fn run_blocks(
+        &self,
+        p: &ParamView,
+        input: &ForwardInput,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<(Tensor, BTreeMap<String, Capture>)> {
         let mut captures = BTreeMap::new();
         let past = cache.as_ref().map_or(0, |c| c.len());
         let (mut x, ctx) = self.embed(p, input, past)?;
@@ -218,8 +240,7 @@ impl Model {
                 Model::Llama(m) => m.block(p, i, &x, &ctx, input.capture, &mut captures, cache)?,
             };
         }
-        let logits = self.head(p, &x, input.keep)?;
-        Ok(ForwardOutput { logits, captures })
+        Ok((x, captures))
     }
 
     /// A forward of new tokens after those already in `cache`, which it extends: positions
@@ -278,9 +299,22 @@ impl Model {
     /// Final norm and LM head over the last block's output: logits at the `keep`
     /// positions (`[N, V]`), or everywhere (`[B, T, V]`) without `keep`.
     pub fn head(&self, p: &ParamView, x: &Tensor, keep: Option<&Tensor>) -> Result<Tensor> {
-        crate::error::guard(|| match self {
-            Model::Gpt2(m) => m.head(p, x, keep),
-            Model::Llama(m) => m.head(p, x, keep),
+        crate::error::guard(|| Ok(lm_head(&keep_rows(self.final_norm(p, x)?, keep), self.head_weight(p)?)))
+    }
+
+    /// Final layer norm (GPT-2) or RMSNorm (LLaMA family) over the last block's output.
+    pub fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Model::Gpt2(m) => m.final_norm(p, x),
+            Model::Llama(m) => m.final_norm(p, x),
+        }
+    }
+
+    /// The LM head's weight `[vocab, D]`.
+    pub fn head_weight<'a>(&self, p: &'a ParamView) -> Result<&'a Tensor> {
+        p.get(match self {
+            Model::Gpt2(m) => m.head_weight_name(),
+            Model::Llama(m) => m.head_weight_name(),
         })
     }
 
@@ -400,7 +434,7 @@ const SKINNY_HEAD_ROWS: i64 = 64;
 /// x·Wᵀ reads the 50k×768 matrix at a fraction of memory bandwidth; computing (W·xᵀ)ᵀ
 /// streams W row by row and measured 6× faster for 3 rows and still faster for 34,
 /// with a backward no slower (GPT-2-small, see BENCHMARKS.md).
-pub(crate) fn lm_head(x: &Tensor, w: &Tensor) -> Tensor {
+pub fn lm_head(x: &Tensor, w: &Tensor) -> Tensor {
     let d = w.size()[1];
     let mut shape = x.size();
     let rows = x.numel() as i64 / d.max(1);
@@ -411,6 +445,35 @@ pub(crate) fn lm_head(x: &Tensor, w: &Tensor) -> Tensor {
         *last = w.size()[0];
     }
     w.matmul(&x.reshape([rows, d]).tr()).tr().contiguous().reshape(shape)
+}
+
+/// Rows of the LM head weight per chunk in [`lm_head_input_grad`].
+const HEAD_GRAD_CHUNK: i64 = 1024;
+
+/// `g·W`: the gradient of `x·Wᵀ` w.r.t. `x` for logit gradients `g` `[N, vocab]`.
+///
+/// This sums over the vocabulary, and libtorch's CPU GEMM does that for a handful of rows
+/// at a fraction of memory bandwidth (37 ms for 3 rows of GPT-2's head). Splitting the
+/// vocabulary into chunks and summing one batched product per chunk reads W once at
+/// bandwidth speed (about 15 ms), and the sum is the same up to rounding.
+pub fn lm_head_input_grad(g: &Tensor, w: &Tensor) -> Tensor {
+    let (n, v, d) = (g.size()[0], w.size()[0], w.size()[1]);
+    let chunks = v / HEAD_GRAD_CHUNK;
+    if n > SKINNY_HEAD_ROWS || chunks < 2 {
+        return g.matmul(w);
+    }
+    let split = chunks * HEAD_GRAD_CHUNK;
+    let main = g
+        .narrow(1, 0, split)
+        .reshape([n, chunks, HEAD_GRAD_CHUNK])
+        .transpose(0, 1)
+        .bmm(&w.narrow(0, 0, split).reshape([chunks, HEAD_GRAD_CHUNK, d]))
+        .sum_dim_intlist(0, false, w.kind());
+    if split == v {
+        main
+    } else {
+        main + g.narrow(1, split, v - split).matmul(&w.narrow(0, split, v - split))
+    }
 }
 
 /// Final hidden states `[B, T, D]` -> the kept rows `[N, D]` (or all of them as `[B, T, D]`).
