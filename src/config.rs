@@ -41,6 +41,11 @@ pub struct MendConfig {
     pub descent: bool,
     pub c_edit: f64,
     pub c_loc: f64,
+    /// Score the edit target after the edit prompt itself too, not only after its
+    /// rephrase (EasyEdit scores the rephrase only). On CounterFact the locality prompts
+    /// share the edit prompt's template, so a locality-weighted editor trained on the
+    /// rephrase alone learns to leave the edit prompt unchanged as well.
+    pub inner_in_edit_loss: bool,
     /// Adam learning rate of the editor network.
     pub lr: f64,
     /// Initial per-layer edit learning rate.
@@ -81,6 +86,7 @@ impl Default for MendConfig {
             descent: true,
             c_edit: 0.1,
             c_loc: 1.0,
+            inner_in_edit_loss: false,
             lr: 1e-6,
             edit_lr: 1e-4,
             lr_lr: 1e-4,

@@ -30,6 +30,8 @@ pub struct StepLosses {
 /// Inner / outer / locality batches of a group of examples.
 pub struct EditBatches {
     pub inner: TokenBatch,
+    /// What the edit loss scores: the rephrases, then (with `inner_in_edit_loss`) the
+    /// edit prompts themselves.
     pub outer: TokenBatch,
     pub loc: Option<TokenBatch>,
     /// Outer and locality examples in one batch (outer rows first) when there is locality
@@ -39,9 +41,22 @@ pub struct EditBatches {
 }
 
 impl EditBatches {
+    /// The batches EasyEdit builds: the edit loss scores the rephrases.
     pub fn new(examples: &[&EditExample], pad: i64, device: tch::Device) -> Self {
+        Self::build(examples, pad, device, false)
+    }
+
+    /// The batches `cfg` asks for (see [`MendConfig::inner_in_edit_loss`]).
+    pub fn for_config(examples: &[&EditExample], pad: i64, device: tch::Device, cfg: &MendConfig) -> Self {
+        Self::build(examples, pad, device, cfg.inner_in_edit_loss)
+    }
+
+    fn build(examples: &[&EditExample], pad: i64, device: tch::Device, inner_in_edit_loss: bool) -> Self {
         let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
-        let outer: Vec<&Example> = examples.iter().map(|e| &e.outer).collect();
+        let mut outer: Vec<&Example> = examples.iter().map(|e| &e.outer).collect();
+        if inner_in_edit_loss {
+            outer.extend(&inner);
+        }
         let loc: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
         let both: Vec<&Example> = outer.iter().chain(&loc).copied().collect();
         Self {
@@ -209,7 +224,7 @@ pub fn validate(engine: &Engine, editor: &mut Editor, val: &[EditExample]) -> Re
     let pad = engine.lm.tokenizer.pad_id();
     let mut sum = StepLosses::default();
     for e in val {
-        let b = EditBatches::new(&[e], pad, engine.plan.main);
+        let b = EditBatches::for_config(&[e], pad, engine.plan.main, &editor.config);
         let (_, l) = meta_loss(engine, editor, &b, false)?;
         sum.loss += l.loss;
         sum.edit_acc += l.edit_acc;
@@ -241,7 +256,7 @@ fn accumulate(
     for micro in 0..cfg.accumulate {
         let base = (step * cfg.accumulate + micro) * cfg.batch_size;
         let batch: Vec<&EditExample> = (0..cfg.batch_size).map(|j| &setup.train[example_at(n, seed, base + j)]).collect();
-        let b = EditBatches::new(&batch, pad, engine.plan.main);
+        let b = EditBatches::for_config(&batch, pad, engine.plan.main, &editor.config);
         *phase = "capture, editor and edited forwards";
         let (loss, parts) = meta_loss(engine, editor, &b, true)?;
         if std::env::var(FAULT_OOM_STEP).ok().and_then(|v| v.parse::<usize>().ok()) == Some(step) {
