@@ -180,9 +180,8 @@ fn dual_device_path_gives_the_same_losses() {
     let cfg = MendConfig { rank: 16, lr: 1e-3, ..MendConfig::default() };
     let pad = single.lm.tokenizer.pad_id();
     let mut runs = Vec::new();
-    for engine in [&single, &dual] {
-        tch::manual_seed(3);
-        let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let (a, b) = common::twin_editors(&cfg, &single.edit_params);
+    for (engine, mut editor) in [(&single, a), (&dual, b)] {
         let (net, lrs) = editor.trainables();
         let mut adam = dualedit::mend::optim::Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
         let mut losses = Vec::new();

@@ -45,10 +45,11 @@ fn lockstep(plain: &Engine, recomputed: &Engine, steps: usize) -> (Trace, Trace)
     let ex = examples(plain);
     let pad = plain.lm.tokenizer.pad_id();
     let mut sides = Vec::new();
-    for recompute in [false, true] {
-        let cfg = MendConfig { rank: 16, lr: 1e-3, edit_lr: 1e-2, lr_lr: 1e-3, recompute, ..MendConfig::default() };
-        tch::manual_seed(7);
-        let editor = Editor::new(&cfg, plain.edit_params.clone(), Device::Cpu).unwrap();
+    let cfg = |recompute| MendConfig { rank: 16, lr: 1e-3, edit_lr: 1e-2, lr_lr: 1e-3, recompute, ..MendConfig::default() };
+    let (a, mut b) = common::twin_editors(&cfg(false), &plain.edit_params);
+    b.config = cfg(true);
+    for editor in [a, b] {
+        let cfg = editor.config.clone();
         let (net, lrs) = editor.trainables();
         let adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
         sides.push((editor, adam, Trace::new()));
