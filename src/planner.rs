@@ -591,7 +591,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         items.push(PlanItem { phase, role, device, groups: groups.to_vec(), item: item.into(), formula, bytes: bytes.max(0) as u64 });
     };
     use Group::*;
-    let n_fwd = 2; // outer + locality
+    let n_fwd = 2; // rows of text per edit in the edited forward: rephrase + locality
     let sd = dtype_name(o.dtype);
 
     for phase in [Phase::Train, Phase::Edit] {
@@ -733,9 +733,29 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
             }
             per_block.values().copied().max().unwrap_or(0)
         };
-        if recompute {
-            // W' stays alive as the editor's output; the forwards read detached leaves of
-            // it (the same storage on one device, one copy on a split sub-device).
+        if train && !o.split && !recompute {
+            // On one device the graph keeps the W' of every edited weight whose input
+            // needs grad (all but the lowest) until backward.
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward],
+                "edited weights W' kept by the graph",
+                format!("Σ_saved d_in·d_out·s = {}·{s}", num(w_kept_elems)),
+                w_kept_elems * s,
+            );
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward],
+                "edited weights W' of the lowest edited weights",
+                format!("Σ_first d_in·d_out·s = {}·{s}", num(w_unkept_elems)),
+                w_unkept_elems * s,
+            );
+        } else {
+            // With recomputation W' stays alive as the editor's output and the forwards
+            // read detached leaves of it (the same storage on one device, one copy on a
+            // split sub-device).
             add(
                 phase,
                 Role::Main,
@@ -744,6 +764,8 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
                 w_elems * s,
             );
+        }
+        if recompute {
             add(
                 phase,
                 Role::Main,
@@ -770,59 +792,18 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                     2 * w_elems * s,
                 );
             }
-        } else if train && !o.split {
-            // On one device the graph keeps the W' of every edited weight whose input
-            // needs grad (all but the lowest) until backward.
+        }
+        if o.split && !recompute {
+            // One edited forward reads rephrase and locality text together, so one copy
+            // of W' crosses to the sub-device (kept by the graph until the backward).
             add(
                 phase,
-                Role::Main,
+                Role::Sub,
                 &[EditedForward],
-                "edited weights W' kept by the graph",
-                format!("Σ_saved d_in·d_out·s = {}·{s}", num(w_kept_elems)),
-                w_kept_elems * s,
-            );
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward],
-                "edited weights W' of the lowest edited weights",
-                format!("Σ_first d_in·d_out·s = {}·{s}", num(w_unkept_elems)),
-                w_unkept_elems * s,
-            );
-        } else {
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward],
-                "edited weights W' (full tensors)",
+                "W' copy on sub (one edited forward)",
                 format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
                 w_elems * s,
             );
-        }
-        if o.split && !recompute {
-            if train {
-                add(
-                    phase,
-                    Role::Sub,
-                    &[EditedForward],
-                    "W' copies on sub (one per edited forward, kept by the graph)",
-                    format!(
-                        "{n_fwd}·Σ_saved d_in·d_out·s + Σ_first d_in·d_out·s = {n_fwd}·{}·{s} + {}·{s}",
-                        num(w_kept_elems),
-                        num(w_unkept_elems)
-                    ),
-                    (n_fwd * w_kept_elems + w_unkept_elems) * s,
-                );
-            } else {
-                add(
-                    phase,
-                    Role::Sub,
-                    &[EditedForward],
-                    "W' copies on sub (during one forward)",
-                    format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
-                    w_elems * s,
-                );
-            }
         }
 
         // --- edited forwards

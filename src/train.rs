@@ -93,21 +93,34 @@ pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training
         }
         None => (engine.edited_logits(&overrides, &b.outer)?, None),
     };
-    let targets = b.outer.kept_targets();
-    let l_edit = losses::nll(&post_outer, &targets);
-    let (acc, _) = losses::token_accuracy(&post_outer, &targets, &b.outer.kept_rows(), b.outer.batch_size());
+    let l_edit = losses::nll(&post_outer, &b.outer.kept_targets());
     let l_loc = match (post_loc, base_loc) {
-        (Some(post), Some(base)) => losses::kl(&base.wait()?, &post),
-        _ => Tensor::zeros([], (tch::Kind::Float, engine.plan.main)),
+        (Some(post), Some(base)) => Some(losses::kl(&base.wait()?, &post)),
+        _ => None,
     };
-    let loss = &l_edit * cfg.c_edit + &l_loc * cfg.c_loc;
+    Ok(weigh(engine, &cfg, b, &post_outer, &l_edit, l_loc))
+}
+
+/// The weighted loss `c_edit·NLL + c_loc·KL` and its parts, from the edited logits of the
+/// edit-loss batch and the two terms (no locality text: a zero KL).
+fn weigh(
+    engine: &Engine,
+    cfg: &MendConfig,
+    b: &EditBatches,
+    post_outer: &Tensor,
+    l_edit: &Tensor,
+    l_loc: Option<Tensor>,
+) -> (Tensor, StepLosses) {
+    let l_loc = l_loc.unwrap_or_else(|| Tensor::zeros([], (tch::Kind::Float, engine.plan.main)));
+    let (acc, _) = losses::token_accuracy(post_outer, &b.outer.kept_targets(), &b.outer.kept_rows(), b.outer.batch_size());
+    let loss = l_edit * cfg.c_edit + &l_loc * cfg.c_loc;
     let parts = StepLosses {
         loss: loss.double_value(&[]),
         edit_nll: l_edit.double_value(&[]),
         loc_kl: l_loc.double_value(&[]),
         edit_acc: acc.iter().sum::<f64>() / acc.len().max(1) as f64,
     };
-    Ok((loss, parts))
+    (loss, parts)
 }
 
 /// [`meta_loss`] with the edited forwards recomputed block by block in their backward.
@@ -149,21 +162,13 @@ fn recomputed_meta_loss(
     };
     let (post_outer, l_edit) = outer.ok_or_else(|| Error::Torch("the edited forward of edit_outer did not run".into()))?;
     crate::error::guard(|| {
-        let (acc, _) = losses::token_accuracy(&post_outer, &targets, &b.outer.kept_rows(), b.outer.batch_size());
-        let l_loc = loc.unwrap_or_else(|| Tensor::zeros([], (tch::Kind::Float, engine.plan.main)));
-        let loss = &l_edit * cfg.c_edit + &l_loc * cfg.c_loc;
+        let (loss, parts) = weigh(engine, cfg, b, &post_outer, &l_edit, loc);
         let inner = grads
             .iter()
             .map(|(name, g)| (&overrides[name] * g).sum(tch::Kind::Float))
             .fold(Tensor::zeros([], (tch::Kind::Float, engine.plan.main)), |a, b| a + b);
         // Value: the loss (inner − inner = 0 exactly); gradient: that of `inner`.
         let surrogate = &inner - inner.detach() + &loss;
-        let parts = StepLosses {
-            loss: loss.double_value(&[]),
-            edit_nll: l_edit.double_value(&[]),
-            loc_kl: l_loc.double_value(&[]),
-            edit_acc: acc.iter().sum::<f64>() / acc.len().max(1) as f64,
-        };
         Ok((surrogate, parts))
     })
 }

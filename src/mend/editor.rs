@@ -178,11 +178,11 @@ impl GradientTransform {
         }
         let xt = match &self.mlp_x {
             Some(m) => m.forward(&f.xn, &f.modes),
-            None => f.x.shallow_clone(),
+            None => Tensor::cat(&f.x, 0),
         };
         let dt = match &self.mlp_d {
             Some(m) => m.forward(&f.dn, &f.modes),
-            None => f.d.shallow_clone(),
+            None => Tensor::cat(&f.d, 0),
         };
         (xt, dt)
     }
@@ -204,10 +204,11 @@ pub struct Factors {
     pub delta: Tensor,
 }
 
-/// The factor rows of every weight one editor transforms, stacked for one pass.
+/// The factor rows of every weight one editor transforms, stacked for one pass (the
+/// factors as captured stay per weight: only a factor without an MLP needs them).
 struct GroupRows {
-    x: Tensor,
-    d: Tensor,
+    x: Vec<Tensor>,
+    d: Vec<Tensor>,
     xn: Tensor,
     dn: Tensor,
     modes: Tensor,
@@ -290,8 +291,8 @@ impl Editor {
             ds.push(d);
         }
         let group = GroupRows {
-            x: Tensor::cat(&xs, 0),
-            d: Tensor::cat(&ds, 0),
+            x: xs,
+            d: ds,
             xn: Tensor::cat(&xns, 0),
             dn: Tensor::cat(&dns, 0),
             modes: Tensor::cat(&modes, 0),

@@ -6,6 +6,17 @@ pub fn nll(logits: &Tensor, targets: &Tensor) -> Tensor {
     logits.to_kind(Kind::Float).cross_entropy_for_logits(targets)
 }
 
+/// [`nll`]'s value and its gradient w.r.t. `logits`, `(softmax − onehot(targets)) / N`,
+/// computed directly (no graph): for callers that backpropagate through the LM head by hand.
+pub fn nll_and_grad(logits: &Tensor, targets: &Tensor) -> (f64, Tensor) {
+    let logp = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    let n = targets.size()[0].max(1) as f64;
+    let idx = targets.unsqueeze(1);
+    let nll = -logp.gather(1, &idx, false).sum(Kind::Float).double_value(&[]) / n;
+    let onehot = logp.zeros_like().scatter_value(1, &idx, 1.0);
+    (nll, (logp.exp() - onehot) / n)
+}
+
 /// `KL(p_base ‖ p_post)` per position, averaged: the locality loss. `base` carries no grad.
 pub fn kl(base: &Tensor, post: &Tensor) -> Tensor {
     let base_lp = base.to_kind(Kind::Float).log_softmax(-1, Kind::Float);

@@ -101,13 +101,7 @@ impl Engine {
             // states through the surrogate ⟨hidden, g⟩, whose gradient w.r.t. them is g.
             let (nll, g_hidden) = tch::no_grad(|| -> Result<(f64, Tensor)> {
                 let w = self.lm.model.head_weight(&view)?;
-                let logits = lm_head(&out.logits.detach(), w).to_kind(Kind::Float);
-                let targets = batch.kept_targets();
-                let logp = logits.log_softmax(-1, Kind::Float);
-                let n = targets.size()[0].max(1);
-                let nll = -logp.gather(1, &targets.unsqueeze(1), false).sum(Kind::Float).double_value(&[]) / n as f64;
-                let onehot = logp.zeros_like().scatter_value(1, &targets.unsqueeze(1), 1.0);
-                let g_logits = (logp.exp() - onehot) / n as f64;
+                let (nll, g_logits) = losses::nll_and_grad(&lm_head(&out.logits.detach(), w), &batch.kept_targets());
                 Ok((nll, lm_head_input_grad(&g_logits.to_kind(w.kind()), w).to_kind(out.logits.kind())))
             })?;
             let loss = (&out.logits * g_hidden).sum(Kind::Float);

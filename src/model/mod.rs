@@ -234,11 +234,7 @@ impl Model {
         let past = cache.as_ref().map_or(0, |c| c.len());
         let (mut x, ctx) = self.embed(p, input, past)?;
         for i in 0..self.n_blocks() {
-            let cache = cache.as_deref_mut();
-            x = match self {
-                Model::Gpt2(m) => m.block(p, i, &x, &ctx, input.capture, &mut captures, cache)?,
-                Model::Llama(m) => m.block(p, i, &x, &ctx, input.capture, &mut captures, cache)?,
-            };
+            x = self.block_cached(p, i, &x, &ctx, input.capture, &mut captures, cache.as_deref_mut())?;
         }
         Ok((x, captures))
     }
@@ -290,10 +286,25 @@ impl Model {
         capture: &HashSet<String>,
         captures: &mut BTreeMap<String, Capture>,
     ) -> Result<Tensor> {
-        crate::error::guard(|| match self {
-            Model::Gpt2(m) => m.block(p, i, x, ctx, capture, captures, None),
-            Model::Llama(m) => m.block(p, i, x, ctx, capture, captures, None),
-        })
+        crate::error::guard(|| self.block_cached(p, i, x, ctx, capture, captures, None))
+    }
+
+    /// [`Model::block`], extending `cache` when there is one.
+    #[allow(clippy::too_many_arguments)]
+    fn block_cached(
+        &self,
+        p: &ParamView,
+        i: usize,
+        x: &Tensor,
+        ctx: &BlockContext,
+        capture: &HashSet<String>,
+        captures: &mut BTreeMap<String, Capture>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        match self {
+            Model::Gpt2(m) => m.block(p, i, x, ctx, capture, captures, cache),
+            Model::Llama(m) => m.block(p, i, x, ctx, capture, captures, cache),
+        }
     }
 
     /// Final norm and LM head over the last block's output: logits at the `keep`
