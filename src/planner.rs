@@ -1132,7 +1132,7 @@ mod tests {
         os.split = true;
         let split = plan_model(&m, &rc, &os).unwrap();
         assert!(split.items.iter().any(|i| i.role == Role::Sub && i.item.contains("W' leaves on sub")));
-        assert!(!split.items.iter().any(|i| i.item.contains("W' copy on sub (one edited forward)")));
+        assert!(!split.items.iter().any(|i| i.phase == Phase::Train && i.item.contains("W' copy on sub (one edited forward)")));
     }
 
     #[test]
