@@ -92,9 +92,15 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
     Ok(BuildReport { pretrain: pre, train_steps: train.steps, holdout: eval.summary, seconds: start.elapsed().as_secs_f64() })
 }
 
-/// The shipped default, next to the crate (the demo works from any working directory).
+/// The shipped default: `data/` of the source tree the binary was built from (so the demo
+/// works from any working directory), else `data/` in the working directory or beside the
+/// executable (a binary copied to another machine with the repository).
 pub fn shipped_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("data")
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("data");
+    let exe_dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf));
+    let mut candidates = vec![built.clone(), PathBuf::from("data")];
+    candidates.extend(exe_dir.map(|d| d.join("data")));
+    candidates.into_iter().find(|d| d.join("model").join("config.json").is_file()).unwrap_or(built)
 }
 
 #[derive(Debug, Clone, Serialize)]

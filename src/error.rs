@@ -4,9 +4,10 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A file could not be read or written.
-    #[error("{}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    /// A file could not be read or written. (The I/O error is part of the message, not a
+    /// `source`, so that `{:#}` chains print it once.)
+    #[error("{}: {err}", path.display())]
+    Io { path: PathBuf, err: std::io::Error },
 
     /// A file was read but its content is wrong (malformed JSON, missing key, bad shape, ...).
     #[error("{}: {msg}", path.display())]
@@ -44,7 +45,7 @@ impl From<tch::TchError> for Error {
 
 impl Error {
     pub fn io(path: impl AsRef<Path>, source: std::io::Error) -> Self {
-        Error::Io { path: path.as_ref().to_path_buf(), source }
+        Error::Io { path: path.as_ref().to_path_buf(), err: source }
     }
     pub fn file(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
         Error::File { path: path.as_ref().to_path_buf(), msg: msg.into() }
@@ -88,12 +89,35 @@ pub fn guard<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
                 .cloned()
                 .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
-            let first = msg.lines().next().unwrap_or("").to_string();
+            let first = panic_summary(&msg);
             if msg.contains("out of memory") || msg.contains("can't allocate") {
                 Err(Error::OutOfMemory(first))
             } else {
                 Err(Error::Torch(first))
             }
         }
+    }
+}
+
+/// The libtorch message inside a tch panic, without the unwrap wrapper and the C++
+/// backtrace. tch panics with "called Result::unwrap() on an Err value: Torch(...)", the
+/// libtorch message inside escaped as by `{:?}` and followed by its backtrace.
+fn panic_summary(msg: &str) -> String {
+    let inner = msg.split_once("Torch(\"").map(|(_, rest)| rest).unwrap_or(msg);
+    let end = [inner.find("\\n"), inner.find('\n'), inner.find("\")")].into_iter().flatten().min().unwrap_or(inner.len());
+    inner[..end].trim().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panic_summary_keeps_the_libtorch_message_only() {
+        let tch = r#"called `Result::unwrap()` on an `Err` value: Torch("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in https://docs\nframe #0: c10::Error")"#;
+        assert_eq!(panic_summary(tch), "CUDA error: out of memory");
+        assert_eq!(panic_summary("plain message\nsecond line"), "plain message");
+        let e = guard(|| -> Result<()> { panic!("{}", tch) }).unwrap_err();
+        assert!(matches!(&e, Error::OutOfMemory(m) if m == "CUDA error: out of memory"), "{e}");
     }
 }

@@ -156,6 +156,9 @@ struct PretrainArgs {
     batch: usize,
     #[arg(long, default_value_t = 2e-3)]
     lr: f64,
+    /// Where to train: cpu or cuda:N (the result is the same HF directory either way).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Args)]
@@ -527,7 +530,8 @@ fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
         seed: 7,
         target_accuracy: 1.01,
     };
-    let rep = dualedit::pretrain::pretrain(&corpus, &probe, &cfg, &a.out, tch::Device::Cpu)?;
+    let device = dualedit::device::parse_device(&a.device)?;
+    let rep = dualedit::pretrain::pretrain(&corpus, &probe, &cfg, &a.out, device)?;
     println!("{}", serde_json::to_string_pretty(&rep)?);
     Ok(())
 }
@@ -583,14 +587,8 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn main() -> ExitCode {
-    dualedit::device::memory::release_freed_host_memory();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
-    let cli = Cli::parse();
-    let result = match cli.command {
+fn dispatch(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Score(a) => score(a),
         Command::Train(a) => train(a),
         Command::Edit(a) => edit(a),
@@ -601,6 +599,21 @@ fn main() -> ExitCode {
         Command::BuildDefault(a) => build_default(a),
         Command::Serve(a) => serve(a),
         Command::Plan(a) => plan(a),
+    }
+}
+
+fn main() -> ExitCode {
+    dualedit::device::memory::release_freed_host_memory();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    // tch panics on libtorch errors outside the guarded model code (a CUDA allocation while
+    // loading, say): one line of error, never a backtrace.
+    let result = match dualedit::error::guard(|| Ok(dispatch(cli.command))) {
+        Ok(r) => r,
+        Err(e) => Err(e.into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -847,7 +847,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 n * inference_working_set(&dm, s),
             );
         }
-        if o.split {
+        if o.split && !train {
             add(
                 phase,
                 Role::Sub,
@@ -858,9 +858,11 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
             );
         }
         if train {
+            // The meta-training losses are computed where the edited logits are (only the
+            // scalar loss crosses back), so these live on the sub-device when split.
             add(
                 phase,
-                Role::Main,
+                fwd_role,
                 &[EditedForward],
                 "logits at labelled positions (outer, locality, base locality)",
                 format!("3·B·kept·V·s = 3·{nk}·{v}·{s}"),
@@ -868,7 +870,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
             );
             add(
                 phase,
-                Role::Main,
+                fwd_role,
                 &[EditedForward],
                 "log_softmax copies kept for backward (outer, locality, exp(base))",
                 format!("3·B·kept·V·4 = 3·{nk}·{v}·4"),
@@ -1106,6 +1108,14 @@ mod tests {
         assert!(sub_train > weights, "the sub-device holds the replica and the edited forwards");
         // Editor state stays on main.
         assert!(split.group_bytes("cuda:0", Phase::Train, Group::Resident) > weights + 4 * single.shape.editor_parameters as u64);
+        // Training losses are computed on the sub-device: no vocabulary-sized tensor of the
+        // edited forwards is planned on main, and only the edit phase copies logits back.
+        let logits_of = |p: &MemoryPlan, phase: Phase| -> Vec<Role> {
+            p.items.iter().filter(|i| i.phase == phase && i.item.starts_with("logits")).map(|i| i.role).collect()
+        };
+        assert_eq!(logits_of(&split, Phase::Train), vec![Role::Sub]);
+        assert_eq!(logits_of(&single, Phase::Train), vec![Role::Main]);
+        assert!(logits_of(&split, Phase::Edit).contains(&Role::Main));
         assert!(split.table().contains("PEAK cuda:1 (sub)"));
         assert!(serde_json::to_string(&split).unwrap().contains("\"peak_bytes\""));
     }

@@ -108,7 +108,8 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     }
     info!(train = train_set.len(), val = val_set.len(), "meta-training");
     tch::manual_seed(o.common.seed);
-    let mut editor = Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main)?;
+    let mut editor = crate::error::guard(|| Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main))
+        .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine, &o.config, &mut tracker, &o.out))?;
     tracker.mark("editor")?;
     std::fs::create_dir_all(&o.out).map_err(|e| Error::io(&o.out, e))?;
     let setup = TrainSetup {

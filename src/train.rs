@@ -76,43 +76,48 @@ impl EditBatches {
 /// `∂loss/∂W'`, so its backward reaches the editor just as the ordinary loss's would.
 pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training: bool) -> Result<(Tensor, StepLosses)> {
     let cfg = editor.config.clone();
-    let (_, factors) = engine.capture(&b.inner)?;
-    // The unedited reference for locality does not depend on the edit: it runs on the main
-    // device's worker while the sub-device computes the edited forwards.
+    // The unedited reference for locality does not depend on the edit: when split, it runs
+    // on the sub-device's worker while the main device captures and runs the editor.
     let base_loc = b.loc.as_ref().map(|l| engine.base_logits_async(l)).transpose()?;
+    let (_, factors) = engine.capture(&b.inner)?;
     let overrides = engine.edit(editor, &factors, training)?;
+    // Targets go where the edited logits are: the losses are computed on the sub-device and
+    // only the scalar loss comes back (autograd carries its gradient across).
+    let targets = engine.mover.to_sub(&b.outer.kept_targets());
     if cfg.recompute && overrides.values().any(Tensor::requires_grad) {
-        return recomputed_meta_loss(engine, &cfg, b, &overrides, base_loc);
+        return recomputed_meta_loss(engine, &cfg, b, &targets, &overrides, base_loc);
     }
     let (post_outer, post_loc) = match &b.edited {
         Some(both) => {
-            let logits = engine.edited_logits(&overrides, both)?;
-            let n_outer = b.outer.kept_targets().size()[0];
+            let logits = engine.edited_logits_on_sub(&overrides, both)?;
+            let n_outer = targets.size()[0];
             let n_loc = logits.size()[0] - n_outer;
             (logits.narrow(0, 0, n_outer), Some(logits.narrow(0, n_outer, n_loc)))
         }
-        None => (engine.edited_logits(&overrides, &b.outer)?, None),
+        None => (engine.edited_logits_on_sub(&overrides, &b.outer)?, None),
     };
-    let l_edit = losses::nll(&post_outer, &b.outer.kept_targets());
+    let l_edit = losses::nll(&post_outer, &targets);
     let l_loc = match (post_loc, base_loc) {
         (Some(post), Some(base)) => Some(losses::kl(&base.wait()?, &post)),
         _ => None,
     };
-    Ok(weigh(engine, &cfg, b, &post_outer, &l_edit, l_loc))
+    let (loss, parts) = weigh(&cfg, b, &targets, &post_outer, &l_edit, l_loc);
+    Ok((engine.mover.to_main(&loss), parts))
 }
 
 /// The weighted loss `c_edit·NLL + c_loc·KL` and its parts, from the edited logits of the
 /// edit-loss batch and the two terms (no locality text: a zero KL).
 fn weigh(
-    engine: &Engine,
     cfg: &MendConfig,
     b: &EditBatches,
+    targets: &Tensor,
     post_outer: &Tensor,
     l_edit: &Tensor,
     l_loc: Option<Tensor>,
 ) -> (Tensor, StepLosses) {
-    let l_loc = l_loc.unwrap_or_else(|| Tensor::zeros([], (tch::Kind::Float, engine.plan.main)));
-    let (acc, _) = losses::token_accuracy(post_outer, &b.outer.kept_targets(), &b.outer.kept_rows(), b.outer.batch_size());
+    let l_loc = l_loc.unwrap_or_else(|| l_edit.zeros_like());
+    let rows = b.outer.kept_rows().to_device(post_outer.device());
+    let (acc, _) = losses::token_accuracy(post_outer, targets, &rows, b.outer.batch_size());
     let loss = l_edit * cfg.c_edit + &l_loc * cfg.c_loc;
     let parts = StepLosses {
         loss: loss.double_value(&[]),
@@ -133,17 +138,17 @@ fn recomputed_meta_loss(
     engine: &Engine,
     cfg: &MendConfig,
     b: &EditBatches,
+    targets: &Tensor,
     overrides: &Overrides,
     base_loc: Option<Pending>,
 ) -> Result<(Tensor, StepLosses)> {
-    let targets = b.outer.kept_targets();
     let mut outer: Option<(Tensor, Tensor)> = None;
     let mut loc: Option<Tensor> = None;
     let grads = {
         let mut passes: Vec<(&TokenBatch, LogitsLoss)> = vec![(
             &b.outer,
             Box::new(|logits: &Tensor| {
-                let l = losses::nll(logits, &targets);
+                let l = losses::nll(logits, targets);
                 outer = Some((logits.detach(), l.detach()));
                 Ok(&l * cfg.c_edit)
             }),
@@ -162,13 +167,13 @@ fn recomputed_meta_loss(
     };
     let (post_outer, l_edit) = outer.ok_or_else(|| Error::Torch("the edited forward of edit_outer did not run".into()))?;
     crate::error::guard(|| {
-        let (loss, parts) = weigh(engine, cfg, b, &post_outer, &l_edit, loc);
+        let (loss, parts) = weigh(cfg, b, targets, &post_outer, &l_edit, loc);
         let inner = grads
             .iter()
             .map(|(name, g)| (&overrides[name] * g).sum(tch::Kind::Float))
             .fold(Tensor::zeros([], (tch::Kind::Float, engine.plan.main)), |a, b| a + b);
         // Value: the loss (inner − inner = 0 exactly); gradient: that of `inner`.
-        let surrogate = &inner - inner.detach() + &loss;
+        let surrogate = &inner - inner.detach() + engine.mover.to_main(&loss);
         Ok((surrogate, parts))
     })
 }
@@ -315,7 +320,8 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         warn!(dir = %out.display(), "--resume given but no training state found; starting afresh");
     }
     let (net, lrs) = editor.trainables();
-    let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
+    let mut adam = crate::error::guard(|| Ok(Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)])))
+        .map_err(|e| crate::device::oom::diagnose(e, counters.step, "optimizer setup", engine, cfg, tracker, out))?;
     if let Some(t) = &saved_adam {
         adam.load_state(t, counters.adam_step)?;
     }
@@ -352,11 +358,22 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             }
             Err(e) => return Err(e),
         };
-        let grad_norm = adam.clip(cfg.grad_clip);
+        // A failure in the optimiser step may leave the editor half-updated: nothing is
+        // saved then, and the state from the last validation (if any) stays the resume point.
+        let grad_norm = crate::error::guard(|| {
+            let grad_norm = adam.clip(cfg.grad_clip);
+            if !acc.loss.is_finite() || !grad_norm.is_finite() {
+                adam.zero_grad();
+            } else {
+                adam.step();
+                adam.zero_grad();
+            }
+            Ok(grad_norm)
+        })
+        .map_err(|e| crate::device::oom::diagnose(e, step, "optimizer_step", engine, cfg, tracker, out))?;
         if !acc.loss.is_finite() || !grad_norm.is_finite() {
             counters.skipped_steps += 1;
             consecutive_bad += 1;
-            adam.zero_grad();
             warn!(step, loss = acc.loss, grad_norm, "non-finite loss or gradient; step skipped");
             if consecutive_bad >= cfg.max_bad_steps {
                 checkpoint::save_state(out, editor, &adam, &counters)?;
@@ -367,8 +384,6 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             }
         } else {
             consecutive_bad = 0;
-            adam.step();
-            adam.zero_grad();
         }
         counters.step += 1;
         counters.adam_step = adam.step;
@@ -390,7 +405,8 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             let mut v = if setup.val.is_empty() {
                 ValLog { step: 0, loss: acc.loss, edit_acc: acc.edit_acc, loc_kl: acc.loc_kl }
             } else {
-                validate(engine, editor, setup.val)?
+                crate::error::guard(|| validate(engine, editor, setup.val))
+                    .map_err(|e| crate::device::oom::diagnose(e, counters.step, "validation", engine, cfg, tracker, out))?
             };
             v.step = counters.step;
             info!(step = v.step, loss = v.loss, edit_acc = v.edit_acc, loc_kl = v.loc_kl, "validation");

@@ -198,7 +198,8 @@ fn dual_device_path_gives_the_same_losses() {
     for (a, b) in runs[0].iter().zip(&runs[1]) {
         assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "single {a} vs dual {b}");
     }
-    // Only edited weights, batches and logits crossed: never a frozen weight.
+    // Only edited weights and batches went to the sub-device, never a frozen weight; only
+    // the scalar loss came back (the losses are computed where the logits are).
     let moved = dual.mover.stats();
     assert_eq!(single.mover.stats().transfers, 0);
     let edited_bytes: u64 = dual.edit_params.iter().map(|p| p.shape.iter().product::<i64>() as u64 * 4).sum();
@@ -210,6 +211,7 @@ fn dual_device_path_gives_the_same_losses() {
     assert!(per_step >= edited_bytes as f64, "moved {per_step} bytes per step, edited weights are {edited_bytes}");
     assert!(per_step < edited_bytes as f64 + 4096.0, "moved {per_step} bytes per step, edited weights are {edited_bytes}");
     assert!(per_step < total_frozen as f64 * 2.0);
+    assert_eq!(moved.bytes_to_main, 6 * 4, "one f32 loss per step comes back: {moved:?}");
 }
 
 #[test]

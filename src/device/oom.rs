@@ -9,7 +9,8 @@ use crate::config::MendConfig;
 use crate::mend::Engine;
 use crate::Error;
 
-/// Builds the error a run stops with after `err` at optimiser step `step`.
+/// Builds the error a run stops with after `err` at optimiser step `step` (the message says
+/// where the training state is, if one was saved in `out`).
 pub fn diagnose(
     err: Error,
     step: usize,
@@ -38,7 +39,11 @@ pub fn diagnose(
     for a in advice(engine, cfg) {
         msg.push_str(&format!("    - {a}\n"));
     }
-    msg.push_str(&format!("  training state saved in {} (continue with --resume)", out.display()));
+    if out.join(crate::mend::checkpoint::STATE_FILE).exists() {
+        msg.push_str(&format!("  training state saved in {} (continue with --resume)", out.display()));
+    } else {
+        msg.push_str("  no training state was saved yet");
+    }
     match err {
         Error::OutOfMemory(_) => Error::OutOfMemory(msg),
         _ => Error::Torch(msg),

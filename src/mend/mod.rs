@@ -31,12 +31,13 @@ pub struct Engine {
     pub mover: Mover,
     pub edit_params: Vec<EditedParam>,
     capture_set: HashSet<String>,
-    /// Computes unedited logits on the main device while the sub-device works (split only).
-    main_worker: Option<Worker>,
+    /// Computes the unedited locality logits on the sub-device, from the replica, while the
+    /// main device captures and runs the editor (split only).
+    sub_worker: Option<Worker>,
 }
 
 /// A loss of the edited model's logits at a batch's scored positions (`[N, V]`, on the
-/// main device), for [`Engine::edited_grads`]: a differentiable scalar.
+/// sub-device), for [`Engine::edited_grads`]: a differentiable scalar.
 pub type LogitsLoss<'a> = Box<dyn FnOnce(&Tensor) -> Result<Tensor> + 'a>;
 
 /// Unedited logits that may still be computing on the main device's worker.
@@ -71,12 +72,11 @@ impl Engine {
             info!(bytes = r.nbytes(), "sub-device replica of the frozen weights built");
         }
         let capture_set = names.iter().cloned().collect();
-        let main_worker = if plan.split {
-            Some(Worker::spawn(lm.model.clone(), lm.params.shallow_clone(), "main")?)
-        } else {
-            None
+        let sub_worker = match &replica {
+            Some(r) => Some(Worker::spawn(lm.model.clone(), r.shallow_clone(), "sub")?),
+            None => None,
         };
-        Ok(Self { mover: Mover::new(&plan), lm, replica, plan, edit_params, capture_set, main_worker })
+        Ok(Self { mover: Mover::new(&plan), lm, replica, plan, edit_params, capture_set, sub_worker })
     }
 
     pub fn edit_names(&self) -> Vec<String> {
@@ -151,11 +151,13 @@ impl Engine {
         Ok(self.lm.model.forward(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none))?.logits)
     }
 
-    /// Starts the unedited logits of `batch` on the main device: on its worker thread when
-    /// the plan is split (so they overlap with the sub-device's edited forwards), else now.
+    /// Starts the unedited logits of `batch` where the training losses are computed (the
+    /// sub-device when split, see [`Engine::edited_logits_on_sub`]): on the sub-device's
+    /// worker, from the replica, so they overlap with the capture and the editor on the
+    /// main device; without a split, now.
     pub fn base_logits_async(&self, batch: &TokenBatch) -> Result<Pending> {
-        match &self.main_worker {
-            Some(w) => Ok(Pending::Waiting(w.submit(batch.to_device(self.plan.main))?)),
+        match &self.sub_worker {
+            Some(w) => Ok(Pending::Waiting(w.submit(self.mover.batch_to_sub(batch))?)),
             None => Ok(Pending::Ready(self.base_logits(batch)?)),
         }
     }
@@ -163,14 +165,22 @@ impl Engine {
     /// Logits of the edited model `θ + Δ` at the batch's scored positions, computed on the
     /// sub-device and returned on the main device (differentiable w.r.t. `overrides`).
     pub fn edited_logits(&self, overrides: &Overrides, batch: &TokenBatch) -> Result<Tensor> {
+        let logits = self.edited_logits_on_sub(overrides, batch)?;
+        Ok(self.mover.to_main(&logits))
+    }
+
+    /// [`Engine::edited_logits`] left on the sub-device (the main device when not split).
+    /// Meta-training computes its losses there and brings back only the scalar loss: the
+    /// logits (`[N, V]`, with a vocabulary of 50k–150k) and their log-softmax are then
+    /// never held by the main device, whose memory the split is there to relieve.
+    pub fn edited_logits_on_sub(&self, overrides: &Overrides, batch: &TokenBatch) -> Result<Tensor> {
         let none = HashSet::new();
         match &self.replica {
             None => Ok(self.lm.model.forward(&ParamView::new(&self.lm.params, Some(overrides)), &batch.forward_input(&none))?.logits),
             Some(replica) => crate::error::guard(|| {
                 let moved: Overrides = overrides.iter().map(|(n, t)| (n.clone(), self.mover.to_sub(t))).collect();
                 let sub_batch = self.mover.batch_to_sub(batch);
-                let out = self.lm.model.forward(&ParamView::new(replica, Some(&moved)), &sub_batch.forward_input(&none))?;
-                Ok(self.mover.to_main(&out.logits))
+                Ok(self.lm.model.forward(&ParamView::new(replica, Some(&moved)), &sub_batch.forward_input(&none))?.logits)
             }),
         }
     }
@@ -178,13 +188,12 @@ impl Engine {
     /// `Σ_passes ∂loss/∂W'` for every edited weight, with each edited forward's blocks
     /// recomputed in the backward instead of keeping their activations
     /// ([`crate::model::recompute`]). Each pass is a batch and a loss of the edited
-    /// model's logits at its scored positions (given on the main device, as
-    /// [`Engine::edited_logits`] returns them).
+    /// model's logits at its scored positions (given on the sub-device, as
+    /// [`Engine::edited_logits_on_sub`] returns them).
     ///
     /// As with [`Engine::edited_logits`], the forwards and their backward run on the
-    /// sub-device: `W'` goes there once (detached, as leaves), the batches and logits go
-    /// through the mover, and the summed gradients come back to the main device through
-    /// it. Returns the gradients by name, on the main device, detached: the caller takes
+    /// sub-device: `W'` goes there once (detached, as leaves), the batches go through the
+    /// mover, and the summed gradients come back to the main device through it. Returns the gradients by name, on the main device, detached: the caller takes
     /// them into the editor's graph (see `train::meta_loss`).
     pub fn edited_grads(&self, overrides: &Overrides, passes: Vec<(&TokenBatch, LogitsLoss<'_>)>) -> Result<Overrides> {
         if passes.is_empty() {
@@ -208,7 +217,7 @@ impl Engine {
                 &sub_batch.forward_input(&none),
                 &wrt,
                 &mut total,
-                |logits| loss(&self.mover.to_main(logits)),
+                |logits| loss(logits),
             )?;
         }
         let total: Vec<Tensor> = total.into_iter().collect::<Option<_>>().ok_or_else(|| Error::Torch("an edited weight got no gradient".into()))?;
