@@ -1,6 +1,6 @@
-//! A worker thread per device for work that does not depend on the edit, so it overlaps
-//! with the edited forwards on the other device (the unedited model's locality logits on
-//! the main device while the sub-device runs θ + Δ).
+//! A worker thread for work that does not depend on the edit, so it overlaps with the
+//! other device's work (the unedited model's locality logits, from the sub-device's
+//! replica, while the main device captures gradients and runs the editor).
 //!
 //! The worker owns shallow clones of the frozen weights (same storage, no copy): tch
 //! tensors are `Send` but not `Sync`, so each thread holds its own handles. Grad mode is

@@ -40,7 +40,7 @@ pub struct Engine {
 /// sub-device), for [`Engine::edited_grads`]: a differentiable scalar.
 pub type LogitsLoss<'a> = Box<dyn FnOnce(&Tensor) -> Result<Tensor> + 'a>;
 
-/// Unedited logits that may still be computing on the main device's worker.
+/// Unedited logits that may still be computing on the sub-device's worker.
 pub enum Pending {
     Ready(Tensor),
     Waiting(crossbeam::channel::Receiver<Result<Tensor>>),
@@ -193,8 +193,9 @@ impl Engine {
     ///
     /// As with [`Engine::edited_logits`], the forwards and their backward run on the
     /// sub-device: `W'` goes there once (detached, as leaves), the batches go through the
-    /// mover, and the summed gradients come back to the main device through it. Returns the gradients by name, on the main device, detached: the caller takes
-    /// them into the editor's graph (see `train::meta_loss`).
+    /// mover, and the summed gradients come back to the main device through it. Returns
+    /// the gradients by name, on the main device, detached: the caller takes them into
+    /// the editor's graph (see `train::meta_loss`).
     pub fn edited_grads(&self, overrides: &Overrides, passes: Vec<(&TokenBatch, LogitsLoss<'_>)>) -> Result<Overrides> {
         if passes.is_empty() {
             return Err(Error::input("edited_grads needs at least one batch"));
