@@ -234,7 +234,7 @@ impl Model {
         let past = cache.as_ref().map_or(0, |c| c.len());
         let (mut x, ctx) = self.embed(p, input, past)?;
         for i in 0..self.n_blocks() {
-            x = self.block_cached(p, i, &x, &ctx, input.capture, &mut captures, cache.as_deref_mut())?;
+            x = self.block(p, i, &x, &ctx, input.capture, &mut captures, cache.as_deref_mut())?;
         }
         Ok((x, captures))
     }
@@ -276,22 +276,9 @@ impl Model {
     }
 
     /// Block `i` (0-based) applied to its input `x`; records `(x, h)` of the layers whose
-    /// weights are in `capture` into `captures`.
-    pub fn block(
-        &self,
-        p: &ParamView,
-        i: usize,
-        x: &Tensor,
-        ctx: &BlockContext,
-        capture: &HashSet<String>,
-        captures: &mut BTreeMap<String, Capture>,
-    ) -> Result<Tensor> {
-        crate::error::guard(|| self.block_cached(p, i, x, ctx, capture, captures, None))
-    }
-
-    /// [`Model::block`], extending `cache` when there is one.
+    /// weights are in `capture` into `captures`, and extends `cache` when there is one.
     #[allow(clippy::too_many_arguments)]
-    fn block_cached(
+    pub fn block(
         &self,
         p: &ParamView,
         i: usize,
@@ -301,10 +288,10 @@ impl Model {
         captures: &mut BTreeMap<String, Capture>,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        match self {
+        crate::error::guard(|| match self {
             Model::Gpt2(m) => m.block(p, i, x, ctx, capture, captures, cache),
             Model::Llama(m) => m.block(p, i, x, ctx, capture, captures, cache),
-        }
+        })
     }
 
     /// Final norm and LM head over the last block's output: logits at the `keep`

@@ -66,7 +66,7 @@ pub fn grad_by_blocks(
             let (mut x, ctx) = model.embed(p, input, 0)?;
             let mut inputs = Vec::with_capacity(n - first);
             for i in 0..n {
-                let y = model.block(p, i, &x, &ctx, &none, &mut scratch)?;
+                let y = model.block(p, i, &x, &ctx, &none, &mut scratch, None)?;
                 if i >= first {
                     inputs.push(x);
                 }
@@ -91,7 +91,7 @@ pub fn grad_by_blocks(
             let need_input = i > first;
             let mut out = tch::with_grad(|| -> Result<Vec<Tensor>> {
                 let x = x.set_requires_grad(need_input);
-                let y = model.block(p, i, &x, &ctx, &none, &mut scratch)?;
+                let y = model.block(p, i, &x, &ctx, &none, &mut scratch, None)?;
                 let surrogate = (y * &g).sum(Kind::Float);
                 let mut leaves: Vec<&Tensor> = Vec::with_capacity(mine.len() + 1);
                 if need_input {
