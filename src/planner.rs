@@ -753,9 +753,8 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 w_unkept_elems * s,
             );
         } else {
-            // With recomputation W' stays alive as the editor's output and the forwards
-            // read detached leaves of it (the same storage on one device, one copy on a
-            // split sub-device).
+            // Otherwise (recomputation, a split plan, or an edit) W' stays alive whole as
+            // the editor's output; what the forwards read of it is counted below.
             add(
                 phase,
                 Role::Main,

@@ -362,12 +362,10 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         // saved then, and the state from the last validation (if any) stays the resume point.
         let grad_norm = crate::error::guard(|| {
             let grad_norm = adam.clip(cfg.grad_clip);
-            if !acc.loss.is_finite() || !grad_norm.is_finite() {
-                adam.zero_grad();
-            } else {
+            if acc.loss.is_finite() && grad_norm.is_finite() {
                 adam.step();
-                adam.zero_grad();
             }
+            adam.zero_grad();
             Ok(grad_norm)
         })
         .map_err(|e| crate::device::oom::diagnose(e, step, "optimizer_step", engine, cfg, tracker, out))?;
