@@ -163,8 +163,7 @@ pub fn pretrain(corpus: &[String], probe: &[(String, String)], cfg: &PretrainCon
     let none = HashSet::new();
     while steps < cfg.steps {
         // Cosine decay to 10 % keeps the last steps from bouncing off memorised facts.
-        let progress = steps as f64 / cfg.steps as f64;
-        adam.groups[0].lr = cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()));
+        adam.groups[0].lr = cfg.lr * crate::config::LrSchedule::Cosine.factor(steps, cfg.steps);
         let mut batch = Vec::with_capacity(cfg.batch_size);
         while batch.len() < cfg.batch_size {
             if cursor == order.len() {

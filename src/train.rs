@@ -7,7 +7,7 @@ use serde::Serialize;
 use tch::Tensor;
 use tracing::{info, warn};
 
-use crate::config::MendConfig;
+use crate::config::{MendConfig, SelectBy};
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::memory::MemoryTracker;
 use crate::mend::checkpoint::{self, TrainCounters};
@@ -25,6 +25,9 @@ pub struct StepLosses {
     pub loc_kl: f64,
     /// Token accuracy of the new target on the rephrase after the edit.
     pub edit_acc: f64,
+    /// Share of locality tokens whose top-1 prediction the edit left unchanged (1 without
+    /// locality text): the locality metric, as `eval` computes it.
+    pub loc_acc: f64,
 }
 
 /// Inner / outer / locality batches of a group of examples.
@@ -97,25 +100,33 @@ pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training
         None => (engine.edited_logits_on_sub(&overrides, &b.outer)?, None),
     };
     let l_edit = losses::nll(&post_outer, &targets);
-    let l_loc = match (post_loc, base_loc) {
-        (Some(post), Some(base)) => Some(losses::kl(&base.wait()?, &post)),
+    let loc = match (post_loc, &b.loc, base_loc) {
+        (Some(post), Some(l), Some(base)) => Some(locality(l, &base.wait()?, &post)),
         _ => None,
     };
-    let (loss, parts) = weigh(&cfg, b, &targets, &post_outer, &l_edit, l_loc);
+    let (loss, parts) = weigh(&cfg, b, &targets, &post_outer, &l_edit, loc);
     Ok((engine.mover.to_main(&loss), parts))
 }
 
+/// The locality KL (differentiable) and the share of locality tokens whose top-1
+/// prediction is unchanged, from the unedited and edited logits of the locality batch.
+fn locality(loc: &TokenBatch, base: &Tensor, post: &Tensor) -> (Tensor, f64) {
+    let rows = loc.kept_rows().to_device(post.device());
+    let agree = losses::agreement(&post.detach(), base, &rows, loc.batch_size());
+    (losses::kl(base, post), agree.iter().sum::<f64>() / agree.len().max(1) as f64)
+}
+
 /// The weighted loss `c_edit·NLL + c_loc·KL` and its parts, from the edited logits of the
-/// edit-loss batch and the two terms (no locality text: a zero KL).
+/// edit-loss batch and the locality terms of [`locality`] (no locality text: a zero KL).
 fn weigh(
     cfg: &MendConfig,
     b: &EditBatches,
     targets: &Tensor,
     post_outer: &Tensor,
     l_edit: &Tensor,
-    l_loc: Option<Tensor>,
+    loc: Option<(Tensor, f64)>,
 ) -> (Tensor, StepLosses) {
-    let l_loc = l_loc.unwrap_or_else(|| l_edit.zeros_like());
+    let (l_loc, loc_acc) = loc.unwrap_or_else(|| (l_edit.zeros_like(), 1.0));
     let rows = b.outer.kept_rows().to_device(post_outer.device());
     let (acc, _) = losses::token_accuracy(post_outer, targets, &rows, b.outer.batch_size());
     let loss = l_edit * cfg.c_edit + &l_loc * cfg.c_loc;
@@ -124,6 +135,7 @@ fn weigh(
         edit_nll: l_edit.double_value(&[]),
         loc_kl: l_loc.double_value(&[]),
         edit_acc: acc.iter().sum::<f64>() / acc.len().max(1) as f64,
+        loc_acc,
     };
     (loss, parts)
 }
@@ -143,7 +155,7 @@ fn recomputed_meta_loss(
     base_loc: Option<Pending>,
 ) -> Result<(Tensor, StepLosses)> {
     let mut outer: Option<(Tensor, Tensor)> = None;
-    let mut loc: Option<Tensor> = None;
+    let mut loc: Option<(Tensor, f64)> = None;
     let grads = {
         let mut passes: Vec<(&TokenBatch, LogitsLoss)> = vec![(
             &b.outer,
@@ -157,8 +169,8 @@ fn recomputed_meta_loss(
             passes.push((
                 l,
                 Box::new(|logits: &Tensor| {
-                    let kl = losses::kl(&base.wait()?, logits);
-                    loc = Some(kl.detach());
+                    let (kl, agree) = locality(l, &base.wait()?, logits);
+                    loc = Some((kl.detach(), agree));
                     Ok(&kl * cfg.c_loc)
                 }),
             ));
@@ -194,6 +206,7 @@ pub struct StepLog {
     pub edit_nll: f64,
     pub loc_kl: f64,
     pub edit_acc: f64,
+    pub loc_acc: f64,
     pub grad_norm: f64,
 }
 
@@ -203,12 +216,24 @@ pub struct ValLog {
     pub loss: f64,
     pub edit_acc: f64,
     pub loc_kl: f64,
+    pub loc_acc: f64,
+}
+
+impl ValLog {
+    /// What checkpoint selection and early stopping minimise (see [`SelectBy`]).
+    pub fn criterion(&self, by: SelectBy) -> f64 {
+        match by {
+            SelectBy::Loss => self.loss,
+            SelectBy::Accuracy => -(self.edit_acc + self.loc_acc),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TrainReport {
     pub steps: usize,
     pub skipped_steps: usize,
+    /// Best validation criterion: the loss, or −(edit_acc + loc_acc) with `select_by: accuracy`.
     pub best_val_loss: f64,
     pub seconds_per_step: f64,
     pub editor_parameters: i64,
@@ -239,9 +264,10 @@ pub fn validate(engine: &Engine, editor: &mut Editor, val: &[EditExample]) -> Re
         sum.loss += l.loss;
         sum.edit_acc += l.edit_acc;
         sum.loc_kl += l.loc_kl;
+        sum.loc_acc += l.loc_acc;
     }
     let n = val.len().max(1) as f64;
-    Ok(ValLog { step: 0, loss: sum.loss / n, edit_acc: sum.edit_acc / n, loc_kl: sum.loc_kl / n })
+    Ok(ValLog { step: 0, loss: sum.loss / n, edit_acc: sum.edit_acc / n, loc_kl: sum.loc_kl / n, loc_acc: sum.loc_acc / n })
 }
 
 /// Env var for fault injection in tests: an impossible allocation at this step, to
@@ -287,6 +313,7 @@ fn accumulate(
         acc.edit_nll += parts.edit_nll / k;
         acc.loc_kl += parts.loc_kl / k;
         acc.edit_acc += parts.edit_acc / k;
+        acc.loc_acc += parts.loc_acc / k;
     }
     Ok(acc)
 }
@@ -360,6 +387,9 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         };
         // A failure in the optimiser step may leave the editor half-updated: nothing is
         // saved then, and the state from the last validation (if any) stays the resume point.
+        let decay = cfg.lr_schedule.factor(step, cfg.max_steps);
+        adam.groups[0].lr = cfg.lr * decay;
+        adam.groups[1].lr = cfg.lr_lr * decay;
         let grad_norm = crate::error::guard(|| {
             let grad_norm = adam.clip(cfg.grad_clip);
             if acc.loss.is_finite() && grad_norm.is_finite() {
@@ -394,22 +424,27 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             edit_nll: acc.edit_nll,
             loc_kl: acc.loc_kl,
             edit_acc: acc.edit_acc,
+            loc_acc: acc.loc_acc,
             grad_norm,
         });
         bar.set_position(counters.step as u64);
-        bar.set_message(format!("loss {:.4} edit_acc {:.2} loc_kl {:.4}", acc.loss, acc.edit_acc, acc.loc_kl));
+        bar.set_message(format!(
+            "loss {:.4} edit_acc {:.2} loc_kl {:.4} loc_acc {:.2}",
+            acc.loss, acc.edit_acc, acc.loc_kl, acc.loc_acc
+        ));
         let last = counters.step == cfg.max_steps;
         if counters.step % cfg.val_every == 0 || last {
             let mut v = if setup.val.is_empty() {
-                ValLog { step: 0, loss: acc.loss, edit_acc: acc.edit_acc, loc_kl: acc.loc_kl }
+                ValLog { step: 0, loss: acc.loss, edit_acc: acc.edit_acc, loc_kl: acc.loc_kl, loc_acc: acc.loc_acc }
             } else {
                 crate::error::guard(|| validate(engine, editor, setup.val))
                     .map_err(|e| crate::device::oom::diagnose(e, counters.step, "validation", engine, cfg, tracker, out))?
             };
             v.step = counters.step;
-            info!(step = v.step, loss = v.loss, edit_acc = v.edit_acc, loc_kl = v.loc_kl, "validation");
-            if v.loss < counters.best_val {
-                counters.best_val = v.loss;
+            info!(step = v.step, loss = v.loss, edit_acc = v.edit_acc, loc_kl = v.loc_kl, loc_acc = v.loc_acc, "validation");
+            let score = v.criterion(cfg.select_by);
+            if score < counters.best_val {
+                counters.best_val = score;
                 counters.stale_validations = 0;
                 checkpoint::save_editor(out, editor, engine, counters.step)?;
             } else {
@@ -418,7 +453,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             validations.push(v);
             checkpoint::save_state(out, editor, &adam, &counters)?;
             if counters.stale_validations >= cfg.early_stop_patience {
-                info!(step = counters.step, "early stopping: validation loss has not improved");
+                info!(step = counters.step, "early stopping: validation has not improved");
                 stopped_early = true;
                 break;
             }

@@ -330,3 +330,21 @@ fn inner_in_edit_loss_scores_the_edit_prompt_too() {
     assert!(a.edit_nll.is_finite() && (a.edit_nll - b.edit_nll).abs() > 1e-6, "{a:?} vs {b:?}");
     assert!((a.loc_kl - b.loc_kl).abs() < 1e-5, "locality is scored the same way: {a:?} vs {b:?}");
 }
+
+/// Validation's locality accuracy is the locality metric `eval` reports for the same edits
+/// (what `select_by: accuracy` ranks checkpoints by).
+#[test]
+fn validation_locality_accuracy_is_the_eval_metric() {
+    let engine = engine("gpt2");
+    let ex = examples(&engine);
+    // Edits strong enough to move some locality predictions.
+    let cfg = MendConfig { rank: 16, edit_lr: 30.0, ..MendConfig::default() };
+    tch::manual_seed(1);
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let val = dualedit::train::validate(&engine, &mut editor, &ex).unwrap();
+    let recs = dualedit::eval::evaluate(&engine, &mut dualedit::eval::Method::Mend(editor), &ex, |_, _| {}).unwrap();
+    let loc: Vec<f64> = recs.iter().map(|r| r.locality.unwrap()).collect();
+    let mean = loc.iter().sum::<f64>() / loc.len() as f64;
+    assert!((val.loc_acc - mean).abs() < 1e-9, "validation {} vs eval {mean} ({loc:?})", val.loc_acc);
+    assert!(mean < 1.0, "the edits should change some locality predictions: {loc:?}");
+}

@@ -79,7 +79,7 @@ fn lockstep(plain: &Engine, recomputed: &Engine, steps: usize) -> (Trace, Trace)
     // Validation (no grad) takes the ordinary path either way and must agree too.
     for (engine, (editor, _, trace)) in [plain, recomputed].into_iter().zip(sides.iter_mut()) {
         let val = validate(engine, editor, &ex[..2]).unwrap();
-        trace.push((StepLosses { loss: val.loss, edit_nll: 0.0, loc_kl: val.loc_kl, edit_acc: val.edit_acc }, BTreeMap::new()));
+        trace.push((StepLosses { loss: val.loss, edit_nll: 0.0, loc_kl: val.loc_kl, edit_acc: val.edit_acc, loc_acc: val.loc_acc }, BTreeMap::new()));
     }
     let mut traces = sides.into_iter().map(|(_, _, t)| t);
     (traces.next().unwrap(), traces.next().unwrap())
@@ -98,6 +98,7 @@ fn assert_same(what: &str, plain: &Trace, recomputed: &Trace) {
             ("edit_nll", lp.edit_nll, lr.edit_nll),
             ("loc_kl", lp.loc_kl, lr.loc_kl),
             ("edit_acc", lp.edit_acc, lr.edit_acc),
+            ("loc_acc", lp.loc_acc, lr.loc_acc),
         ] {
             assert!(close(a, b), "{what} step {step}: {name} {a} without recompute, {b} with");
             worst.0 = worst.0.max((a - b).abs() / a.abs().max(1e-12));
