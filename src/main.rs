@@ -378,12 +378,16 @@ fn train_options(a: TrainArgs) -> anyhow::Result<TrainOptions> {
 }
 
 fn train(a: TrainArgs) -> anyhow::Result<()> {
-    let (rep, path) = run::run_train(&train_options(a)?)?;
+    let opts = train_options(a)?;
+    let (rep, path) = run::run_train(&opts)?;
+    let (what, best) = match opts.config.select_by {
+        dualedit::config::SelectBy::Loss => ("loss", rep.best_val_loss),
+        dualedit::config::SelectBy::Accuracy => ("edit_acc + loc_acc", -rep.best_val_loss),
+    };
     println!(
-        "trained {} steps ({} skipped), best validation loss {:.4}, {:.3} s/step; editor in {}",
+        "trained {} steps ({} skipped), best validation {what} {best:.4}, {:.3} s/step; editor in {}",
         rep.steps,
         rep.skipped_steps,
-        rep.best_val_loss,
         rep.seconds_per_step,
         rep.editor_dir.display()
     );
