@@ -277,6 +277,8 @@ impl Model {
 
     /// Block `i` (0-based) applied to its input `x`; records `(x, h)` of the layers whose
     /// weights are in `capture` into `captures`, and extends `cache` when there is one.
+    /// Not guarded against libtorch panics itself: its callers (`forward`, the recomputed
+    /// backward) guard the whole pass once.
     #[allow(clippy::too_many_arguments)]
     pub fn block(
         &self,
@@ -288,10 +290,10 @@ impl Model {
         captures: &mut BTreeMap<String, Capture>,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        crate::error::guard(|| match self {
+        match self {
             Model::Gpt2(m) => m.block(p, i, x, ctx, capture, captures, cache),
             Model::Llama(m) => m.block(p, i, x, ctx, capture, captures, cache),
-        })
+        }
     }
 
     /// Final norm and LM head over the last block's output: logits at the `keep`
