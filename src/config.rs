@@ -200,4 +200,19 @@ mod tests {
         let cfg: MendConfig = serde_json::from_str(r#"{"lr_schedule": "cosine", "select_by": "accuracy"}"#).unwrap();
         assert_eq!((cfg.lr_schedule, cfg.select_by), (LrSchedule::Cosine, SelectBy::Accuracy));
     }
+
+    /// Every preset users are pointed to parses and validates.
+    #[test]
+    fn every_preset_in_configs_loads() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "json") {
+                MendConfig::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
+                n += 1;
+            }
+        }
+        assert!(n >= 6, "only {n} presets found in {}", dir.display());
+    }
 }

@@ -17,8 +17,13 @@ use dualedit::train::{meta_loss, EditBatches};
 use tch::{Device, Kind, Tensor};
 
 fn engine(name: &str) -> Engine {
+    engine_editing(name, &[])
+}
+
+/// An engine editing `edits` (empty: the model's default MLP weights).
+fn engine_editing(name: &str, edits: &[String]) -> Engine {
     let lm = load_model(&fixture(name), Device::Cpu, Kind::Float).unwrap();
-    Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap()
+    Engine::new(lm, DevicePlan::single(Device::Cpu), edits).unwrap()
 }
 
 fn examples(engine: &Engine) -> Vec<dualedit::data::EditExample> {
@@ -33,7 +38,10 @@ fn identity_config() -> MendConfig {
 /// With U = 0 and no normalisation the editor is the identity, so its pseudo-gradient
 /// Σ δ xᵀ must equal autograd's gradient of the edit loss w.r.t. each edited weight.
 fn identity_equals_autograd(name: &str) {
-    let engine = engine(name);
+    identity_equals_autograd_on(engine(name), name);
+}
+
+fn identity_equals_autograd_on(engine: Engine, name: &str) {
     let ex = examples(&engine);
     let batch = TokenBatch::collate(&[&ex[0].inner, &ex[1].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
     let (_, factors) = engine.capture(&batch).unwrap();
@@ -67,6 +75,17 @@ fn identity_editor_equals_autograd_conv1d() {
 #[test]
 fn identity_editor_equals_autograd_linear() {
     identity_equals_autograd("llama");
+}
+
+/// Attention weights are edited as MLP weights are: the output projection, whose inputs
+/// carry what attention read from the subject, and the fused QKV projection.
+#[test]
+fn identity_editor_equals_autograd_attention() {
+    let edits: Vec<String> = ["h.0.attn.c_proj", "h.2.attn.c_proj", "h.1.attn.c_attn", "h.2.mlp.c_fc"]
+        .iter()
+        .map(|n| format!("transformer.{n}.weight"))
+        .collect();
+    identity_equals_autograd_on(engine_editing("gpt2", &edits), "gpt2 attention");
 }
 
 #[test]
