@@ -30,6 +30,17 @@ pub struct StepLosses {
     pub loc_acc: f64,
 }
 
+impl StepLosses {
+    /// Adds `w` times each figure of `o`: means over micro-batches or validation records.
+    fn add_scaled(&mut self, o: &StepLosses, w: f64) {
+        self.loss += o.loss * w;
+        self.edit_nll += o.edit_nll * w;
+        self.loc_kl += o.loc_kl * w;
+        self.edit_acc += o.edit_acc * w;
+        self.loc_acc += o.loc_acc * w;
+    }
+}
+
 /// Inner / outer / locality batches of a group of examples.
 pub struct EditBatches {
     pub inner: TokenBatch,
@@ -220,6 +231,10 @@ pub struct ValLog {
 }
 
 impl ValLog {
+    fn at(step: usize, l: &StepLosses) -> Self {
+        Self { step, loss: l.loss, edit_acc: l.edit_acc, loc_kl: l.loc_kl, loc_acc: l.loc_acc }
+    }
+
     /// What checkpoint selection and early stopping minimise (see [`SelectBy`]).
     pub fn criterion(&self, by: SelectBy) -> f64 {
         match by {
@@ -257,17 +272,13 @@ pub struct TrainSetup<'a> {
 pub fn validate(engine: &Engine, editor: &mut Editor, val: &[EditExample]) -> Result<ValLog> {
     let _g = tch::no_grad_guard();
     let pad = engine.lm.tokenizer.pad_id();
-    let mut sum = StepLosses::default();
+    let mut mean = StepLosses::default();
     for e in val {
         let b = EditBatches::for_config(&[e], pad, engine.plan.main, &editor.config);
         let (_, l) = meta_loss(engine, editor, &b, false)?;
-        sum.loss += l.loss;
-        sum.edit_acc += l.edit_acc;
-        sum.loc_kl += l.loc_kl;
-        sum.loc_acc += l.loc_acc;
+        mean.add_scaled(&l, 1.0 / val.len() as f64);
     }
-    let n = val.len().max(1) as f64;
-    Ok(ValLog { step: 0, loss: sum.loss / n, edit_acc: sum.edit_acc / n, loc_kl: sum.loc_kl / n, loc_acc: sum.loc_acc / n })
+    Ok(ValLog::at(0, &mean))
 }
 
 /// Env var for fault injection in tests: an impossible allocation at this step, to
@@ -309,11 +320,7 @@ fn accumulate(
         if let (Some(t), 0) = (tracker.as_deref_mut(), micro) {
             t.mark("backward")?;
         }
-        acc.loss += parts.loss / k;
-        acc.edit_nll += parts.edit_nll / k;
-        acc.loc_kl += parts.loc_kl / k;
-        acc.edit_acc += parts.edit_acc / k;
-        acc.loc_acc += parts.loc_acc / k;
+        acc.add_scaled(&parts, 1.0 / k);
     }
     Ok(acc)
 }
@@ -435,7 +442,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         let last = counters.step == cfg.max_steps;
         if counters.step % cfg.val_every == 0 || last {
             let mut v = if setup.val.is_empty() {
-                ValLog { step: 0, loss: acc.loss, edit_acc: acc.edit_acc, loc_kl: acc.loc_kl, loc_acc: acc.loc_acc }
+                ValLog::at(0, &acc)
             } else {
                 crate::error::guard(|| validate(engine, editor, setup.val))
                     .map_err(|e| crate::device::oom::diagnose(e, counters.step, "validation", engine, cfg, tracker, out))?
