@@ -69,6 +69,20 @@ fn main() {
     loss.backward();
 
     let inner = TokenBatch::collate(&[&ex.inner], pad, Device::Cpu);
+    // The two halves of an edit, to see where its time goes.
+    c.bench_function("mend_gpt2_small/capture_17tok", |bench| {
+        bench.iter(|| {
+            let _g = tch::no_grad_guard();
+            black_box(engine.capture(&inner).expect("capture"))
+        })
+    });
+    let (_, factors) = engine.capture(&inner).expect("capture");
+    c.bench_function("mend_gpt2_small/editor_17tok", |bench| {
+        bench.iter(|| {
+            let _g = tch::no_grad_guard();
+            black_box(engine.edit(&mut editor, &factors, false).expect("edit"))
+        })
+    });
     c.bench_function("mend_gpt2_small/edit_17tok", |bench| {
         bench.iter(|| {
             let _g = tch::no_grad_guard();

@@ -544,7 +544,6 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
     let dout_sum: i64 = edited.iter().map(|p| p.d_out).sum();
     let editors = editor_shapes(cfg, &edited);
     let e_params: i64 = editors.iter().map(|e| e.parameters).sum();
-    let e_shared: i64 = editors.iter().filter(|e| e.n_modes > 1).map(|e| e.parameters).sum();
     let stats_elems: i64 = editors.iter().map(|e| 2 * (e.d_in + e.d_out)).sum();
     // Largest single editor tensor (U or V of the widest MLP).
     let e_max: i64 = editors
@@ -707,23 +706,8 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 format!("rows·Σ_P [(n_hidden+1)·(3w+r)+w]·4 = {e_rows}·{}·4", num(e_act_elems)),
                 e_rows * e_act_elems * 4,
             );
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward, Backward],
-                "pseudo-gradients ∇̃W (f32, kept for the edit-lr gradient)",
-                format!("Σ_P d_in·d_out·4 = {}·4", num(w_elems)),
-                w_elems * 4,
-            );
-        } else {
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward],
-                "pseudo-gradient temporaries (f32, one weight at a time)",
-                format!("3·max_P d_in·d_out·4 = 3·{}·4", num(w_max)),
-                3 * w_max * 4,
-            );
+            // W' is one GEMM accumulating (lr·x̃)ᵀδ̃ into W (`WeightLayout::add_outer`): no
+            // pseudo-gradient is formed, and the graph keeps only the factors.
         }
         let recompute = train && cfg.recompute;
         let w_block_max: i64 = {
@@ -883,16 +867,16 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 format!("Σ_P d_in·d_out·s + 3·max_P d_in·d_out·4 = {}·{s} + 3·{}·4", num(w_elems), num(w_max)),
                 w_elems * s + 3 * w_max * 4,
             );
-            // A shared editor is used once per edited weight: autograd sums the per-use
-            // gradients of each of its tensors in a buffer and adds it to .grad only after
-            // the last use, so every such tensor has a gradient buffer during backward.
+            // Each editor runs once per micro-batch (all its weights' rows in one pass), and
+            // its products give gradients in the parameters' own layout, which .grad
+            // accumulates in place: one incoming gradient at a time.
             add(
                 phase,
                 Role::Main,
                 &[Backward],
-                "editor gradient buffers (shared editors) + one incoming gradient",
-                format!("Σ_editors used >1× params·4 + largest tensor·4 = {}·4 + {}·4", num(e_shared), num(e_max)),
-                (e_shared + e_max) * 4,
+                "one incoming editor gradient",
+                format!("largest editor tensor·4 = {}·4", num(e_max)),
+                e_max * 4,
             );
             add(
                 phase,

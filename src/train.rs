@@ -337,6 +337,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         step: 0,
         adam_step: 0,
         best_val: f64::INFINITY,
+        best_val_by: Some(cfg.select_by),
         stale_validations: 0,
         skipped_steps: 0,
         seed: setup.seed,
@@ -349,6 +350,16 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         }
         info!(step = c.step, "resuming");
         counters = c;
+        if let Some(by) = counters.best_val_by.filter(|&by| by != cfg.select_by) {
+            warn!(
+                saved = ?by,
+                now = ?cfg.select_by,
+                "select_by changed since the saved run: the best editor so far was picked by the other criterion, so selection and early stopping start over"
+            );
+            counters.best_val = f64::INFINITY;
+            counters.stale_validations = 0;
+        }
+        counters.best_val_by = Some(cfg.select_by);
         saved_adam = Some(tensors);
     } else if setup.resume {
         warn!(dir = %out.display(), "--resume given but no training state found; starting afresh");

@@ -309,6 +309,15 @@ fn grouped_editor_pass_equals_one_pass_per_weight() {
             let rel = (&single - g).norm().double_value(&[]) / single.norm().double_value(&[]);
             assert!(rel < 1e-5, "{name}: param {i}: relative difference {rel}");
         }
+        // The edited weights (one fused GEMM each) are W − lr_i · pseudo-gradient.
+        let weights: Vec<Tensor> = editor.params.iter().map(|p| engine.weight(&p.name).unwrap().shallow_clone()).collect();
+        let refs: Vec<&Tensor> = weights.iter().collect();
+        let edited = editor.edited_weights(&refs, &factors, false);
+        for (i, (w2, g)) in edited.iter().zip(&grouped).enumerate() {
+            let want = &weights[i] - g * editor.edit_lrs.get(i as i64);
+            let rel = (&want - w2).norm().double_value(&[]) / (&want - &weights[i]).norm().double_value(&[]);
+            assert!(rel < 1e-4, "{name}: edited weight {i}: relative difference {rel} of the update");
+        }
     }
 }
 

@@ -207,7 +207,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
     out.insert("train_step_peak".into(), step as f64);
 
     let dir = tempfile::tempdir().unwrap();
-    let counters = TrainCounters { step: 3, adam_step: 3, best_val: 0.0, stale_validations: 0, skipped_steps: 0, seed: 0 };
+    let counters = TrainCounters { step: 3, adam_step: 3, best_val: 0.0, best_val_by: None, stale_validations: 0, skipped_steps: 0, seed: 0 };
     let (_, ck) = peak_during(base, || save_state(dir.path(), &editor, &adam, &counters).unwrap());
     out.insert("checkpoint_peak".into(), ck as f64);
     out.insert("seconds".into(), start.elapsed().as_secs_f64());

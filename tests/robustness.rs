@@ -7,7 +7,7 @@ use std::path::Path;
 use common::{fixture, TRAIN_RECORDS};
 use std::process::Command;
 
-use dualedit::config::MendConfig;
+use dualedit::config::{MendConfig, SelectBy};
 use dualedit::data::DatasetKind;
 use dualedit::device::DevicePlan;
 use dualedit::run::{run_train, Common, TrainOptions};
@@ -64,6 +64,18 @@ fn resume_continues_with_the_same_losses() {
         assert_eq!(a.step, b.step);
         assert!((a.loss - b.loss).abs() <= 1e-6 * (1.0 + a.loss.abs()), "step {}: {} vs {}", a.step, a.loss, b.loss);
     }
+}
+
+/// The best validation so far is measured by `select_by`; resuming with the other criterion
+/// starts the selection over instead of comparing a loss with −(edit_acc + loc_acc).
+#[test]
+fn resume_with_another_select_by_restarts_selection() {
+    let dir = tempfile::tempdir().unwrap();
+    let by_accuracy = MendConfig { select_by: SelectBy::Accuracy, ..config(4) };
+    let (first, _) = run_train(&options(dir.path(), "sel", by_accuracy, false)).unwrap();
+    assert!(first.best_val_loss <= 0.0, "accuracy criterion is −(edit_acc + loc_acc): {}", first.best_val_loss);
+    let (rest, _) = run_train(&options(dir.path(), "sel", config(6), true)).unwrap();
+    assert!(rest.best_val_loss > 0.0, "after resuming with select_by loss the best is a loss: {}", rest.best_val_loss);
 }
 
 #[test]

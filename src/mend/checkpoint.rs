@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 use super::{EditedParam, Editor, Engine};
-use crate::config::MendConfig;
+use crate::config::{MendConfig, SelectBy};
 use crate::io::{read_safetensors, write_json_atomic, write_safetensors};
 use crate::{Error, Result};
 
@@ -149,6 +149,10 @@ pub struct TrainCounters {
     pub step: usize,
     pub adam_step: i64,
     pub best_val: f64,
+    /// The criterion `best_val` was measured by (absent in states saved before it was
+    /// recorded): a resumed run with another `select_by` cannot compare against it.
+    #[serde(default)]
+    pub best_val_by: Option<SelectBy>,
     pub stale_validations: usize,
     pub skipped_steps: usize,
     pub seed: i64,

@@ -105,7 +105,10 @@ impl LrLinear {
 
     /// `modes` `[N]` (int64): the mode of each row, selecting its scale/shift.
     fn forward(&self, x: &Tensor, modes: &Tensor) -> Tensor {
-        let pre = x.matmul(&self.v.tr()).matmul(&self.u.tr()) + &self.bias;
+        // `U·(V·xᵀ)` then transposed, rather than `x·Vᵀ·Uᵀ`: the same product, measured
+        // 15–35 % faster forward and 10 % faster forward + backward for 16–96 rows on CPU
+        // (see `WeightLayout::apply`).
+        let pre = self.u.matmul(&self.v.matmul(&x.tr())).tr() + &self.bias;
         let pre = pre * self.scale.index_select(0, modes) + self.shift.index_select(0, modes);
         let act = if self.relu { pre.relu() } else { pre };
         act + x
@@ -307,8 +310,9 @@ impl Editor {
         self.params[i].layout.outer(&xt, &dt)
     }
 
-    /// Pseudo-gradients of every edited parameter, one editor pass per shared editor.
-    pub fn pseudo_grads(&mut self, factors: &[Factors], training: bool) -> Vec<Tensor> {
+    /// Transformed factors `(x̃, δ̃)` of every edited parameter, one editor pass per shared
+    /// editor.
+    fn transform_all(&mut self, factors: &[Factors], training: bool) -> Vec<(Tensor, Tensor)> {
         let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
         for (i, (key, _)) in self.assignment.iter().enumerate() {
             match groups.iter_mut().find(|(k, _)| k == key) {
@@ -316,14 +320,20 @@ impl Editor {
                 None => groups.push((key.clone(), vec![i])),
             }
         }
-        let mut out: Vec<Option<Tensor>> = (0..self.params.len()).map(|_| None).collect();
+        let mut out: Vec<Option<(Tensor, Tensor)>> = (0..self.params.len()).map(|_| None).collect();
         for (_, idx) in groups {
             let fs: Vec<&Factors> = idx.iter().map(|&i| &factors[i]).collect();
-            for (&i, (xt, dt)) in idx.iter().zip(self.transform_group(&idx, &fs, training)) {
-                out[i] = Some(self.params[i].layout.outer(&xt, &dt));
+            for (&i, t) in idx.iter().zip(self.transform_group(&idx, &fs, training)) {
+                out[i] = Some(t);
             }
         }
-        out.into_iter().map(|g| g.expect("every param is in a group")).collect()
+        out.into_iter().map(|t| t.expect("every param is in a group")).collect()
+    }
+
+    /// Pseudo-gradients of every edited parameter, one editor pass per shared editor.
+    pub fn pseudo_grads(&mut self, factors: &[Factors], training: bool) -> Vec<Tensor> {
+        let ts = self.transform_all(factors, training);
+        ts.iter().zip(&self.params).map(|((xt, dt), p)| p.layout.outer(xt, dt)).collect()
     }
 
     /// The edited weights `W ∓ lr_i · ∇̃W_i` for every edited parameter, as overrides
@@ -335,14 +345,19 @@ impl Editor {
         training: bool,
     ) -> Vec<Tensor> {
         let sign = if self.config.descent { -1.0 } else { 1.0 };
-        self.pseudo_grads(factors, training)
-            .into_iter()
+        let ts = self.transform_all(factors, training);
+        ts.into_iter()
             .enumerate()
-            .map(|(i, g)| {
+            .map(|(i, (xt, dt))| {
                 let w = weights[i];
-                // One fused op (W + g·lr): the weights are the largest tensors here.
-                let lr = (self.edit_lrs.get(i as i64) * sign).to_device(w.device());
-                w.to_kind(Kind::Float).addcmul(&g.to_device(w.device()), &lr).to_kind(w.kind())
+                let dev = w.device();
+                // `W + Σ (lr·x̃) δ̃ᵀ` as one GEMM accumulating into a copy of W. Forming the
+                // pseudo-gradient first and adding it makes two more passes over a weight-sized
+                // tensor (21 ms against 2.7 ms for three GPT-2-small c_fc weights), and in
+                // training the graph would keep every pseudo-gradient for the rates' gradient.
+                let lr = (self.edit_lrs.get(i as i64) * sign).to_device(dev);
+                let xt = xt.to_device(dev) * lr;
+                self.params[i].layout.add_outer(&w.to_kind(Kind::Float), &xt, &dt.to_device(dev)).to_kind(w.kind())
             })
             .collect()
     }
