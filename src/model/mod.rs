@@ -76,22 +76,11 @@ impl WeightLayout {
             if let Some(last) = shape.last_mut() {
                 *last = a.size()[0];
             }
-            let h = a.matmul(&x.reshape([rows, d_in]).tr()).tr();
-            let h = match b {
-                Some(b) => h + b,
-                None => h,
-            };
-            return h.reshape(shape);
+            return with_bias(a.matmul(&x.reshape([rows, d_in]).tr()).tr().reshape(shape), b);
         }
         match self {
             WeightLayout::Linear => x.linear(w, b),
-            WeightLayout::Conv1d => {
-                let h = x.matmul(w);
-                match b {
-                    Some(b) => h + b,
-                    None => h,
-                }
-            }
+            WeightLayout::Conv1d => with_bias(x.matmul(w), b),
         }
     }
 }
@@ -455,6 +444,13 @@ pub(crate) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttnMask) -> Ten
         AttnMask::Causal => Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, true, None, false),
         AttnMask::Keys(m) => Tensor::scaled_dot_product_attention(q, k, v, Some(m), 0.0, false, None, false),
         AttnMask::All => Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, false, None, false),
+    }
+}
+
+fn with_bias(h: Tensor, b: Option<&Tensor>) -> Tensor {
+    match b {
+        Some(b) => h + b,
+        None => h,
     }
 }
 
