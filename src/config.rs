@@ -179,6 +179,9 @@ impl MendConfig {
         if self.batch_size == 0 || self.accumulate == 0 {
             return fail("batch_size and accumulate must be at least 1");
         }
+        if self.max_steps == 0 || self.early_stop_patience == 0 {
+            return fail("max_steps and early_stop_patience must be at least 1");
+        }
         if self.val_every == 0 || self.max_bad_steps == 0 || self.max_length < 2 {
             return fail("val_every and max_bad_steps must be at least 1, max_length at least 2");
         }

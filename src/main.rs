@@ -246,7 +246,7 @@ struct TrainArgs {
     #[arg(long)]
     max_steps: Option<usize>,
     /// Use only the first N records of the file.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     limit: Option<usize>,
     /// Continue from the training state in --out.
     #[arg(long)]
@@ -257,7 +257,7 @@ struct TrainArgs {
     recompute: bool,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum MethodArg {
     Mend,
     Ft,
@@ -281,6 +281,12 @@ struct MethodArgs {
 
 impl MethodArgs {
     fn resolve(&self) -> anyhow::Result<MethodSpec> {
+        if self.editor.is_some() && self.method != MethodArg::Mend {
+            anyhow::bail!("--editor is only used with --method mend");
+        }
+        if !(self.ft_lr.is_finite() && self.ft_lr > 0.0) {
+            anyhow::bail!("--ft-lr must be a positive number, got {}", self.ft_lr);
+        }
         Ok(match self.method {
             MethodArg::Mend => MethodSpec::Mend {
                 editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend needs --editor DIR"))?,
@@ -324,7 +330,7 @@ struct EvalArgs {
     #[arg(long)]
     ds: String,
     /// Evaluate only the first N records.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     limit: Option<usize>,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
@@ -358,6 +364,7 @@ fn dataset(ds: &str) -> anyhow::Result<DatasetKind> {
 
 fn train_options(a: TrainArgs) -> anyhow::Result<TrainOptions> {
     let ds = dataset(&a.ds)?;
+    dualedit::run::check_report_path(a.common.report.as_deref(), &[&a.config])?;
     let mut config = MendConfig::from_file(&a.config)?;
     if let Some(n) = a.max_steps {
         config.max_steps = n;
@@ -516,6 +523,10 @@ fn demo(a: DemoArgs) -> anyhow::Result<()> {
 
 fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
     let ds = dataset(&a.ds)?;
+    if !(a.lr.is_finite() && a.lr > 0.0) || a.batch == 0 || a.steps == 0 {
+        anyhow::bail!("--lr must be a positive number and --batch, --steps at least 1 (got {}, {}, {})", a.lr, a.batch, a.steps);
+    }
+    dualedit::run::check_new_model_dir(&a.out)?;
     let mut records = Vec::new();
     for f in &a.data {
         records.extend(dualedit::data::load_records(f, ds)?.0);

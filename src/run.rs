@@ -71,6 +71,35 @@ fn report<M: Serialize>(
     }
 }
 
+/// Checks a run's report path before any work: it must not be one of the run's input
+/// files (writing the report would replace it), and its folder must be creatable, so a
+/// long run does not fail at its very end.
+pub fn check_report_path(report: Option<&Path>, inputs: &[&Path]) -> Result<()> {
+    let Some(report) = report else { return Ok(()) };
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    if let Some(input) = inputs.iter().find(|i| same(report, i)) {
+        return Err(Error::file(report, format!("--report would overwrite an input of this run ({}); choose another path", input.display())));
+    }
+    if let Some(dir) = report.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create the folder for --report: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Refuses to write a model into a folder that already holds one (the source model or any
+/// other), which would replace it or leave a mix of two models' files.
+pub fn check_new_model_dir(dir: &Path) -> Result<()> {
+    for f in ["config.json", "model.safetensors", "model.safetensors.index.json"] {
+        if dir.join(f).exists() {
+            return Err(Error::file(dir, format!("already holds a model ({f}); choose a new or empty folder")));
+        }
+    }
+    Ok(())
+}
+
 /// Reads a dataset and tokenises it, keeping the first `limit` records.
 pub fn load_examples(engine: &Engine, path: &Path, ds: DatasetKind, limit: Option<usize>, max_len: usize) -> Result<(Vec<EditRecord>, Vec<EditExample>)> {
     let (mut records, _) = load_records(path, ds)?;
@@ -96,6 +125,18 @@ pub struct TrainOptions {
 
 /// Meta-trains an editor; the report goes to `<out>/report.json` unless told otherwise.
 pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
+    check_report_path(o.common.report.as_deref(), &[&o.data])?;
+    // Never replace a trained editor: only --resume continues (and then rewrites) it.
+    if o.out.join(checkpoint::EDITOR_FILE).exists() && !(o.resume && o.out.join(checkpoint::STATE_FILE).exists()) {
+        return Err(Error::file(
+            &o.out,
+            if o.resume {
+                "holds an editor but no training state to resume it from; choose another --out to train a new one"
+            } else {
+                "already holds an editor; pass --resume to continue its training, or choose another --out"
+            },
+        ));
+    }
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
     let engine = open_engine(&o.common, &o.config.edit_params, &mut tracker)?;
@@ -107,6 +148,9 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
         return Err(Error::file(&o.data, "no records left for training after holding out the validation split"));
     }
     info!(train = train_set.len(), val = val_set.len(), "meta-training");
+    if val_set.is_empty() {
+        tracing::warn!("no validation split (val_records is 0 or there are fewer than 5 records): the editor is selected by its training-batch loss");
+    }
     tch::manual_seed(o.common.seed);
     let mut editor = crate::error::guard(|| Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main))
         .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine, &o.config, &mut tracker, &o.out))?;
@@ -126,6 +170,17 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("train".to_string(), t1.elapsed().as_secs_f64())]);
     let path = o.common.report.clone().unwrap_or_else(|| o.out.join("report.json"));
     let path = report("train", &o.common, &engine, &rep, seconds, &tracker).write(&path, &tracker)?;
+    if !o.out.join(checkpoint::EDITOR_FILE).exists() {
+        return Err(Error::file(
+            &o.out,
+            format!(
+                "no editor was saved: {} steps ran ({} skipped as non-finite) and no validation gave a finite result; report in {}",
+                rep.steps,
+                rep.skipped_steps,
+                path.display()
+            ),
+        ));
+    }
     Ok((rep, path))
 }
 
@@ -203,6 +258,7 @@ pub struct EvalOutput {
 
 /// Edits each record from the unedited model and measures it (EasyEdit's protocol).
 pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
+    check_report_path(o.common.report.as_deref(), &[&o.data])?;
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
     let engine = open_engine_for(&o.common, &o.method, &mut tracker)?;
@@ -251,6 +307,10 @@ pub struct RequestResult {
 /// Applies requests as one batch (or one after another), measures them after all edits,
 /// and optionally saves the edited model as a Hugging Face directory.
 pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
+    check_report_path(o.common.report.as_deref(), &[&o.requests])?;
+    if let Some(dir) = &o.save {
+        check_new_model_dir(dir)?;
+    }
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
     let mut engine = open_engine_for(&o.common, &o.method, &mut tracker)?;
@@ -317,6 +377,7 @@ pub fn greedy(engine: &Engine, params: &ParamView, prompt: &[i64], n: usize) -> 
 
 /// Writes the (edited) model as a Hugging Face directory that `score` and transformers load.
 pub fn save_model(engine: &Engine, dir: &Path) -> Result<()> {
+    check_new_model_dir(dir)?;
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     crate::io::write_json_atomic(&dir.join("config.json"), &engine.lm.config_json)?;
     let tok = engine.lm.tokenizer.path();

@@ -197,3 +197,82 @@ fn bad_files_give_one_clear_error() {
     let (ok, err) = cli(&["eval", "--model", m, "--method", "unedited", "--data", data.to_str().unwrap(), "--ds", "counterfact"]);
     assert!(!ok && err.contains("no records"), "{err}");
 }
+
+/// Nothing a user wrote or trained is replaced: a trained editor in --out (without
+/// --resume), a model folder given to --save (the source model included), an input file
+/// given as --report. Each is refused up front with one error naming the path.
+#[test]
+fn user_files_are_never_overwritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let (rep, _) = run_train(&options(dir.path(), "ed", config(2), false)).unwrap();
+    let editor = rep.editor_dir.join("editor.safetensors");
+    let before = std::fs::read(&editor).unwrap();
+    let err = run_train(&options(dir.path(), "ed", config(2), false)).unwrap_err().to_string();
+    assert!(err.contains("already holds an editor") && err.contains("--resume"), "{err}");
+    std::fs::remove_file(rep.editor_dir.join("train_state.safetensors")).unwrap();
+    let err = run_train(&options(dir.path(), "ed", config(2), true)).unwrap_err().to_string();
+    assert!(err.contains("no training state"), "{err}");
+    assert_eq!(std::fs::read(&editor).unwrap(), before, "the editor is untouched");
+
+    // --save into a folder that holds a model (here: a copy of the source model).
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(fixture("gpt2").join(f), model.join(f)).unwrap();
+    }
+    let weights = std::fs::read(model.join("model.safetensors")).unwrap();
+    let requests = dir.path().join("cf.json");
+    let (r, m) = (requests.to_str().unwrap(), model.to_str().unwrap());
+    let (ok, err) = cli(&["edit", "--model", m, "--method", "ft", "--requests", r, "--save", m]);
+    assert!(!ok && err.contains("already holds a model") && err.trim().lines().count() == 1, "{err}");
+    assert_eq!(std::fs::read(model.join("model.safetensors")).unwrap(), weights);
+
+    // --report naming the data file.
+    let data = std::fs::read(&requests).unwrap();
+    let (ok, err) = cli(&["eval", "--model", m, "--method", "unedited", "--data", r, "--ds", "counterfact", "--report", r]);
+    assert!(!ok && err.contains("--report would overwrite"), "{err}");
+    assert_eq!(std::fs::read(&requests).unwrap(), data);
+}
+
+/// A run that saves no editor (nothing to train, or no finite validation) is an error, not
+/// a success that points at a missing file.
+#[test]
+fn a_run_without_an_editor_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = run_train(&options(dir.path(), "zero", config(0), false)).unwrap_err().to_string();
+    assert!(err.contains("max_steps"), "{err}");
+    // Every step non-finite, but fewer than max_bad_steps in a row: the run ends normally.
+    let cfg = MendConfig { edit_lr: 1e38, max_bad_steps: 100, ..config(2) };
+    let err = run_train(&options(dir.path(), "nan", cfg, false)).unwrap_err().to_string();
+    assert!(err.contains("no editor was saved") && err.contains("2 skipped"), "{err}");
+}
+
+/// Config sizes that are not positive or absurdly large, a checkpoint with more blocks than
+/// its config, and a tokenizer larger than the model's vocabulary are refused at load.
+#[test]
+fn implausible_model_folders_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture("gpt2");
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let variant = |name: &str, key: &str, value: serde_json::Value| {
+        let d = dir.path().join(name);
+        std::fs::create_dir(&d).unwrap();
+        for f in ["model.safetensors", "tokenizer.json"] {
+            std::fs::copy(src.join(f), d.join(f)).unwrap();
+        }
+        let mut c = config.clone();
+        c[key] = value;
+        std::fs::write(d.join("config.json"), c.to_string()).unwrap();
+        d
+    };
+    let load = |d: &Path| dualedit::model::load_model(d, Device::Cpu, Kind::Float).map(|_| ()).unwrap_err().to_string();
+    let err = load(&variant("huge", "n_layer", serde_json::json!(1_000_000_000_000i64)));
+    assert!(err.contains("config.json") && err.contains("n_layer"), "{err}");
+    let err = load(&variant("negative", "n_layer", serde_json::json!(-1)));
+    assert!(err.contains("n_layer"), "{err}");
+    let fewer = config["n_layer"].as_i64().unwrap() - 1;
+    let err = load(&variant("fewer", "n_layer", serde_json::json!(fewer)));
+    assert!(err.contains("model.safetensors") && err.contains(&format!("block {fewer}")), "{err}");
+    let err = load(&variant("small_vocab", "vocab_size", serde_json::json!(8)));
+    assert!(err.contains("tokenizer.json") && err.contains("does not belong"), "{err}");
+}

@@ -168,12 +168,13 @@ pub fn parse_records(
         ));
     }
     if !report.skipped.is_empty() {
+        let shown: Vec<String> = report.skipped.iter().take(5).map(|(i, why)| format!("record {i}: {why}")).collect();
+        let more = if report.skipped.len() > 5 { ", …" } else { "" };
         tracing::warn!(
             file = %path.display(),
-            skipped = report.skipped.len(),
-            total,
-            "skipped {} of {total} records with an empty prompt or target",
-            report.skipped.len()
+            "skipped {} of {total} records ({}{more})",
+            report.skipped.len(),
+            shown.join("; ")
         );
     }
     Ok((records, report))

@@ -178,7 +178,9 @@ pub fn load_state(dir: &Path, editor: &mut Editor) -> Result<(BTreeMap<String, T
         stats_counts: BTreeMap<String, f64>,
     }
     let meta: Meta = read_meta(&path, &raw)?;
-    editor.load_tensors(&tensors, &meta.stats_counts).map_err(|e| Error::file(&path, e.to_string()))?;
+    editor.load_tensors(&tensors, &meta.stats_counts).map_err(|e| {
+        Error::file(&path, format!("{e}: the saved training state was made for another model or editor config (rank, n_hidden, mode, shared, edit_params), so --resume cannot continue it"))
+    })?;
     let tensors = tensors.into_iter().map(|(k, v)| (k, v.to_device(Device::Cpu))).collect();
     Ok((tensors, meta.counters))
 }

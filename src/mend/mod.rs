@@ -60,11 +60,20 @@ impl Engine {
     pub fn new(lm: LoadedModel, plan: DevicePlan, edit_names: &[String]) -> Result<Self> {
         let names: Vec<String> = if edit_names.is_empty() { lm.model.default_edit_params() } else { edit_names.to_vec() };
         let mut edit_params = Vec::with_capacity(names.len());
-        for name in &names {
-            let layout = lm.model.layout(name).ok_or_else(|| {
-                Error::input(format!("{name:?} is not the weight of a linear layer of {}", lm.model.info().architecture))
+        let model_dir = lm.dir.display();
+        for (i, name) in names.iter().enumerate() {
+            if names[..i].contains(name) {
+                return Err(Error::input(format!("edit_params lists {name:?} twice")));
+            }
+            let w = lm.params.get(name).ok_or_else(|| {
+                Error::input(format!("edit_params names {name:?}, which is not a parameter of the model in {model_dir}"))
             })?;
-            let w = lm.params.get(name).ok_or_else(|| Error::input(format!("{name:?} is not a parameter of the model")))?;
+            let layout = lm.model.layout(name).ok_or_else(|| {
+                Error::input(format!(
+                    "edit_params names {name:?}, which is not the weight of a linear layer of {} (model in {model_dir})",
+                    lm.model.info().architecture
+                ))
+            })?;
             edit_params.push(EditedParam { name: name.clone(), shape: w.size(), layout });
         }
         let replica = if plan.split { Some(lm.params.replicate(plan.sub)?) } else { None };

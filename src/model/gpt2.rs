@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Deserialize;
 use tch::Tensor;
 
-use super::{activation, attend, check_activation, linear_captured, position_ids, AttnMask};
+use super::{activation, attend, check_activation, check_sizes, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH, linear_captured, position_ids, AttnMask};
 use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
@@ -48,7 +48,15 @@ pub struct Gpt2 {
 impl Gpt2 {
     pub fn new(config: Gpt2Config) -> Result<Self> {
         let c = &config;
-        if c.n_embd <= 0 || c.n_head <= 0 || c.n_embd % c.n_head != 0 {
+        check_sizes(&[
+            ("vocab_size", c.vocab_size, MAX_VOCAB_OR_CONTEXT),
+            ("n_embd", c.n_embd, MAX_WIDTH),
+            ("n_layer", c.n_layer, MAX_LAYERS),
+            ("n_head", c.n_head, MAX_LAYERS),
+            ("n_positions", c.n_positions, MAX_VOCAB_OR_CONTEXT),
+            ("n_inner", c.n_inner.unwrap_or(1), MAX_WIDTH),
+        ])?;
+        if c.n_embd % c.n_head != 0 {
             return Err(Error::input(format!("n_embd {} is not divisible by n_head {}", c.n_embd, c.n_head)));
         }
         if !c.scale_attn_weights || c.scale_attn_by_inverse_layer_idx || c.reorder_and_upcast_attn {

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
-use super::{activation, attend, check_activation, linear_captured, position_ids, AttnMask};
+use super::{activation, attend, check_activation, check_sizes, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH, linear_captured, position_ids, AttnMask};
 use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
@@ -63,9 +63,15 @@ pub struct Llama {
 impl Llama {
     pub fn new(config: LlamaConfig, architecture: &str) -> Result<Self> {
         let c = &config;
-        if c.num_attention_heads <= 0 || c.hidden_size <= 0 {
-            return Err(Error::input("num_attention_heads and hidden_size must be positive"));
-        }
+        check_sizes(&[
+            ("vocab_size", c.vocab_size, MAX_VOCAB_OR_CONTEXT),
+            ("hidden_size", c.hidden_size, MAX_WIDTH),
+            ("intermediate_size", c.intermediate_size, MAX_WIDTH),
+            ("num_hidden_layers", c.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", c.num_attention_heads, MAX_LAYERS),
+            ("max_position_embeddings", c.max_position_embeddings, MAX_VOCAB_OR_CONTEXT),
+            ("head_dim", c.head_dim.unwrap_or(1), MAX_WIDTH),
+        ])?;
         let kv = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
         if kv <= 0 || c.num_attention_heads % kv != 0 {
             return Err(Error::input(format!(

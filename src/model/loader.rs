@@ -106,11 +106,23 @@ fn canonical_name(model: &Model, name: &str) -> String {
     }
 }
 
+/// Block index of a per-block tensor name (`transformer.h.7.…`, `model.layers.7.…`).
+fn block_index(name: &str) -> Option<i64> {
+    let mut parts = name.split('.');
+    while let Some(p) = parts.next() {
+        if p == "h" || p == "layers" {
+            return parts.next()?.parse().ok();
+        }
+    }
+    None
+}
+
 /// Reads every tensor the architecture needs from `files`, converted to `kind` on `device`.
 /// Checks presence and shape of each expected parameter; unknown extra tensors (buffers such
 /// as GPT-2's `attn.bias`, a tied `lm_head.weight`) are ignored.
 pub fn read_weights(model: &Model, files: &[PathBuf], device: Device, kind: Kind) -> Result<HashMap<String, Tensor>> {
     let expected: HashMap<String, Vec<i64>> = model.expected_params().into_iter().collect();
+    let n_layers = model.info().n_layers;
     let mut out = HashMap::with_capacity(expected.len());
     for path in files {
         let file = std::fs::File::open(path).map_err(|e| match e.kind() {
@@ -125,6 +137,12 @@ pub fn read_weights(model: &Model, files: &[PathBuf], device: Device, kind: Kind
         for (name, view) in st.tensors() {
             let name = canonical_name(model, &name);
             let Some(shape) = expected.get(&name) else {
+                if let Some(i) = block_index(&name).filter(|&i| i >= n_layers) {
+                    return Err(Error::file(
+                        path,
+                        format!("tensor {name:?} belongs to block {i}, but config.json describes {n_layers} blocks"),
+                    ));
+                }
                 debug!(tensor = %name, file = %path.display(), "ignoring tensor the architecture does not use");
                 continue;
             };
@@ -140,6 +158,10 @@ pub fn read_weights(model: &Model, files: &[PathBuf], device: Device, kind: Kind
             let t = crate::error::guard(|| {
                 Ok(Tensor::f_from_data_size(view.data(), &actual, src_kind)?.to_kind(kind).to_device(device))
             })?;
+            // A NaN or infinite weight makes every output NaN; say so here, not as NaN metrics.
+            if crate::error::guard(|| Ok(t.f_isfinite()?.f_all()?.f_int64_value(&[])?))? == 0 {
+                return Err(Error::file(path, format!("tensor {name:?} contains NaN or infinite values")));
+            }
             out.insert(name, t);
         }
     }
@@ -158,11 +180,22 @@ pub fn read_weights(model: &Model, files: &[PathBuf], device: Device, kind: Kind
 
 /// Loads a Hugging Face model directory onto `device` in `kind`.
 pub fn load_model(dir: &Path, device: Device, kind: Kind) -> Result<LoadedModel> {
+    if dir.is_file() {
+        return Err(Error::file(dir, "is a file; --model takes the model's directory"));
+    }
     if !dir.is_dir() {
         return Err(Error::file(dir, "model directory not found"));
     }
     let (model, config_json) = read_config(dir)?;
-    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = Tokenizer::from_file(&tok_path)?;
+    let vocab = model.info().vocab_size;
+    if tokenizer.vocab_size() as i64 > vocab {
+        return Err(Error::file(
+            &tok_path,
+            format!("has {} tokens but config.json's vocab_size is {vocab}: the tokenizer does not belong to this model", tokenizer.vocab_size()),
+        ));
+    }
     let files = weight_files(dir)?;
     let tensors = read_weights(&model, &files, device, kind)?;
     let params = ParamStore::new(tensors, device, kind);

@@ -541,6 +541,23 @@ pub(crate) fn linear_captured(
     Ok(h)
 }
 
+/// Bounds for a config.json's size fields: far beyond any released model, small enough
+/// that the tensors a config implies can be listed and counted without overflow.
+pub(crate) const MAX_LAYERS: i64 = 4096;
+pub(crate) const MAX_WIDTH: i64 = 1 << 20;
+pub(crate) const MAX_VOCAB_OR_CONTEXT: i64 = 1 << 24;
+
+/// Refuses size fields `(name, value, max)` that are not in `1..=max`, at load time: such a
+/// config would otherwise allocate without bound or run without any block.
+pub(crate) fn check_sizes(fields: &[(&str, i64, i64)]) -> Result<()> {
+    for &(name, v, max) in fields {
+        if !(1..=max).contains(&v) {
+            return Err(crate::Error::input(format!("{name} = {v} is not a plausible size (expected 1 to {max})")));
+        }
+    }
+    Ok(())
+}
+
 /// Activation functions as Hugging Face configs spell them.
 const ACTIVATIONS: &[&str] = &["gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "relu", "silu", "swish"];
 
