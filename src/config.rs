@@ -150,7 +150,7 @@ impl Default for MendConfig {
 
 impl MendConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::io::read_text(path)?;
         let cfg: MendConfig =
             serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid MEND config: {e}")))?;
         cfg.validate().map_err(|e| Error::file(path, e.to_string()))?;

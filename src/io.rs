@@ -32,6 +32,19 @@ fn replace_atomically(path: &Path, write: impl FnOnce(&Path) -> std::io::Result<
     result.map_err(|e| Error::io(path, e))
 }
 
+/// Reads a text file a user wrote (data, config): a directory or a missing file is named
+/// as such, and a leading UTF-8 byte-order mark (as some editors save) is dropped.
+pub fn read_text(path: &Path) -> Result<String> {
+    if path.is_dir() {
+        return Err(Error::file(path, "is a directory, expected a file"));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    Ok(match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    })
+}
+
 /// Writes `bytes` to `path` atomically.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     replace_atomically(path, |tmp| std::fs::File::create(tmp)?.write_all(bytes))

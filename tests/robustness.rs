@@ -276,3 +276,18 @@ fn implausible_model_folders_are_refused() {
     let err = load(&variant("small_vocab", "vocab_size", serde_json::json!(8)));
     assert!(err.contains("tokenizer.json") && err.contains("does not belong"), "{err}");
 }
+
+/// Files saved with a UTF-8 byte-order mark load; a directory given as a file is named so.
+#[test]
+fn byte_order_marks_and_directories() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("bom.json");
+    std::fs::write(&data, format!("\u{feff}{TRAIN_RECORDS}")).unwrap();
+    let (records, _) = dualedit::data::load_records(&data, DatasetKind::Counterfact).unwrap();
+    assert!(!records.is_empty());
+    let cfg = dir.path().join("cfg.json");
+    std::fs::write(&cfg, "\u{feff}{\"rank\": 8}").unwrap();
+    assert_eq!(MendConfig::from_file(&cfg).unwrap().rank, 8);
+    let err = dualedit::data::load_records(dir.path(), DatasetKind::Counterfact).unwrap_err().to_string();
+    assert!(err.contains("is a directory"), "{err}");
+}

@@ -102,7 +102,7 @@ pub struct LoadReport {
 
 /// Read and parse an EasyEdit JSON file. See [`parse_records`] for the rules.
 pub fn load_records(path: &Path, kind: DatasetKind) -> Result<(Vec<EditRecord>, LoadReport)> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::io::read_text(path)?;
     parse_records(&text, path, kind)
 }
 

@@ -125,6 +125,9 @@ pub fn read_weights(model: &Model, files: &[PathBuf], device: Device, kind: Kind
     let n_layers = model.info().n_layers;
     let mut out = HashMap::with_capacity(expected.len());
     for path in files {
+        if path.is_dir() {
+            return Err(Error::file(path, "is a directory, expected a safetensors file"));
+        }
         let file = std::fs::File::open(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Error::file(path, "weights file not found"),
             _ => Error::io(path, e),
