@@ -55,7 +55,7 @@ fn main() {
     let cfg = MendConfig::default();
     tch::manual_seed(0);
     let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).expect("editor");
-    let ex = EditExample { inner: example(1), outer: example(2), loc: Some(example(3)), portability: vec![] };
+    let ex = EditExample { inner: example(1), outer: example(2), rephrased: true, loc: Some(example(3)), portability: vec![] };
     let pad = 0;
     let mut c = Criterion::default()
         .sample_size(10)

@@ -84,7 +84,7 @@ fn batches(engine: &Engine) -> EditBatches {
         Example { ids: Vec::<i64>::try_from(&ids).expect("ids"), answer_start: TOKENS - KEPT }
     };
     let examples: Vec<EditExample> =
-        (0..BATCH).map(|_| EditExample { inner: example(), outer: example(), loc: Some(example()), portability: vec![] }).collect();
+        (0..BATCH).map(|_| EditExample { inner: example(), outer: example(), rephrased: true, loc: Some(example()), portability: vec![] }).collect();
     let refs: Vec<&EditExample> = examples.iter().collect();
     EditBatches::new(&refs, engine.lm.tokenizer.pad_id(), Device::Cpu)
 }

@@ -106,14 +106,16 @@ pub fn compare_eval(o: &EvalOptions, dual_plan: DevicePlan, out: &Path) -> Resul
         let t = Instant::now();
         let (res, path) = run_eval(&opts, |_, _| {})?;
         let s = &res.summary;
-        let metrics = BTreeMap::from([
+        let mut metrics = BTreeMap::from([
             ("reliability".to_string(), s.reliability),
-            ("generalization".to_string(), s.generalization),
             ("locality".to_string(), s.locality),
             ("edit_success".to_string(), s.edit_success),
             ("nll_pre".to_string(), s.nll_pre),
             ("nll_post".to_string(), s.nll_post),
         ]);
+        if let Some(g) = s.generalization {
+            metrics.insert("generalization".to_string(), g);
+        }
         sides.push(side(&plan, metrics, read_memory(&path)?, t.elapsed().as_secs_f64(), path));
     }
     let dual = sides.pop().expect("two sides");

@@ -67,7 +67,8 @@ pub fn make_edit(engine: &Engine, method: &mut Method, inner: &TokenBatch) -> Re
 #[derive(Debug, Clone, Serialize)]
 pub struct RecordMetrics {
     pub reliability: f64,
-    pub generalization: f64,
+    /// None when the record has no rephrase (EasyEdit then has no rephrase accuracy).
+    pub generalization: Option<f64>,
     pub locality: Option<f64>,
     pub portability: Option<f64>,
     pub edit_success: bool,
@@ -80,7 +81,8 @@ pub struct RecordMetrics {
 pub struct Summary {
     pub n: usize,
     pub reliability: f64,
-    pub generalization: f64,
+    /// Mean over records with a rephrase; null when none has one.
+    pub generalization: Option<f64>,
     pub locality: f64,
     /// Mean over records with portability questions; absent when none has any.
     pub portability: Option<f64>,
@@ -100,7 +102,7 @@ impl Summary {
         Self {
             n,
             reliability: mean(&|r| Some(r.reliability)).unwrap_or(0.0),
-            generalization: mean(&|r| Some(r.generalization)).unwrap_or(0.0),
+            generalization: mean(&|r| r.generalization),
             // No locality prompt: nothing could change, counted as kept.
             locality: mean(&|r| r.locality).unwrap_or(1.0),
             portability: mean(&|r| r.portability),
@@ -181,7 +183,7 @@ pub fn measure_after(
         };
         out.push(RecordMetrics {
             reliability: rel.acc[i],
-            generalization: gen.acc[i],
+            generalization: e.rephrased.then(|| gen.acc[i]),
             locality,
             portability,
             edit_success: rel.exact[i],

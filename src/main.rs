@@ -406,7 +406,6 @@ fn print_summary(s: &dualedit::eval::Summary) {
     println!("{:<16} {:>8}", "metric", "value");
     for (k, v) in [
         ("reliability", s.reliability),
-        ("generalization", s.generalization),
         ("locality", s.locality),
         ("edit_success", s.edit_success),
         ("nll_pre", s.nll_pre),
@@ -414,6 +413,10 @@ fn print_summary(s: &dualedit::eval::Summary) {
         ("edit_seconds", s.edit_seconds),
     ] {
         println!("{k:<16} {v:>8.4}");
+    }
+    match s.generalization {
+        Some(g) => println!("{:<16} {:>8.4}", "generalization", g),
+        None => println!("{:<16} {:>8}", "generalization", "- (no rephrases)"),
     }
     if let Some(p) = s.portability {
         println!("{:<16} {:>8.4}", "portability", p);
@@ -439,12 +442,12 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
     }
     for (i, r) in out.requests.iter().enumerate() {
         println!(
-            "[{i}] {:?} -> {:?}: now answers {:?} (reliability {:.2}, generalization {:.2}, locality {})",
+            "[{i}] {:?} -> {:?}: now answers {:?} (reliability {:.2}, generalization {}, locality {})",
             r.prompt,
             r.target_new,
             r.answer_after,
             r.metrics.reliability,
-            r.metrics.generalization,
+            r.metrics.generalization.map_or("-".into(), |g| format!("{g:.2}")),
             r.metrics.locality.map_or("-".into(), |l| format!("{l:.2}"))
         );
     }

@@ -157,6 +157,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
         .map(|_| EditExample {
             inner: example(case.tokens, case.kept, vocab),
             outer: example(case.tokens, case.kept, vocab),
+            rephrased: true,
             loc: Some(example(case.tokens, case.kept, vocab)),
             portability: Vec::new(),
         })

@@ -291,3 +291,32 @@ fn byte_order_marks_and_directories() {
     let err = dualedit::data::load_records(dir.path(), DatasetKind::Counterfact).unwrap_err().to_string();
     assert!(err.contains("is a directory"), "{err}");
 }
+
+/// Generalisation is measured only for requests with a rephrase (EasyEdit has no rephrase
+/// accuracy otherwise), and is null in the summary when no request has one.
+#[test]
+fn generalization_only_where_there_is_a_rephrase() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = fixture("gpt2");
+    let run = |name: &str, records: &str| -> serde_json::Value {
+        let path = dir.path().join(name);
+        std::fs::write(&path, records).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+            .args(["edit", "--model", m.to_str().unwrap(), "--method", "ft", "--requests", path.to_str().unwrap(), "--json"])
+            .args(["--report", dir.path().join(format!("{name}.report.json")).to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let mixed = run(
+        "mixed.json",
+        r#"[{"prompt": "The capital of France is", "target_new": "Rome", "rephrase_prompt": "France has its capital in"},
+            {"prompt": "The capital of Italy is", "target_new": "Paris"}]"#,
+    );
+    let reqs = mixed["requests"].as_array().unwrap();
+    assert!(reqs[0]["generalization"].is_f64() && reqs[1]["generalization"].is_null(), "{mixed}");
+    assert_eq!(mixed["generalization"], reqs[0]["generalization"], "the mean is over rephrased requests only");
+    let none = run("none.json", r#"[{"prompt": "The capital of Italy is", "target_new": "Paris"}]"#);
+    assert!(none["generalization"].is_null() && none["reliability"].is_f64(), "{none}");
+}

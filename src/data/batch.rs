@@ -31,8 +31,10 @@ pub struct EditExample {
     /// Prompt + new target: the example the editor sees.
     pub inner: Example,
     /// Rephrased prompt + new target: where the edit must generalise (falls back to the
-    /// prompt itself when a record has no rephrase).
+    /// prompt itself when a record has no rephrase, so training still has an outer example).
     pub outer: Example,
+    /// Whether `outer` is a real rephrase: generalisation is only measured when it is.
+    pub rephrased: bool,
     /// An unrelated prompt + its answer: what the edit must leave alone.
     pub loc: Option<Example>,
     /// Questions whose answers should follow from the edit (EasyEdit's portability).

@@ -38,7 +38,7 @@ pub fn prepare(tok: &Tokenizer, records: &[EditRecord], max_len: usize, path: &P
                 .iter()
                 .map(|(p, a)| check("portability prompt + answer", Example::new(tok, p, a).map_err(fail)?))
                 .collect::<Result<Vec<_>>>()?;
-            Ok(EditExample { inner, outer, loc, portability })
+            Ok(EditExample { inner, outer, rephrased: r.rephrase.is_some(), loc, portability })
         })
         .collect()
 }
