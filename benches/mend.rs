@@ -48,7 +48,7 @@ fn example(seed: i64) -> Example {
 }
 
 fn main() {
-    memory::release_freed_host_memory();
+    memory::tune_host_allocator();
     let dir = model_dir();
     let lm = load_model(dir.path(), Device::Cpu, Kind::Float).expect("load");
     let engine = Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).expect("engine");

@@ -621,7 +621,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    dualedit::device::memory::release_freed_host_memory();
+    dualedit::device::memory::tune_host_allocator();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
