@@ -2,7 +2,7 @@
 //!
 //! Random f32 weights (`random_params`), batch 1, 64 random token ids. Run with
 //! `./x bench --bench forward`; results are recorded in BENCHMARKS.md.
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Duration;
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
@@ -56,13 +56,13 @@ fn bench_forward(c: &mut Criterion) {
             let overrides: Overrides = edit
                 .iter()
                 .map(|n| (n.clone(), store.get(n).expect("edit weight").detach().set_requires_grad(true)))
-                .collect::<HashMap<_, _>>();
+                .collect();
             let view = ParamView::new(&store, Some(&overrides));
             let out = model.forward(&view, &ForwardInput::new(&ids, &no_capture)).expect("forward");
             // Position t predicts token t+1 (Hugging Face's shift).
             let logits = out.logits.narrow(1, 0, SEQ - 1).reshape([-1, vocab]);
             let loss = logits.cross_entropy_loss::<Tensor>(&targets, None, Reduction::Mean, -100, 0.0);
-            let weights: Vec<&Tensor> = edit.iter().map(|n| &overrides[n]).collect();
+            let weights: Vec<&Tensor> = edit.iter().map(|n| &overrides.dense()[n]).collect();
             let grads = Tensor::run_backward(&[&loss], &weights, false, false);
             black_box(grads)
         })

@@ -1,6 +1,7 @@
 //! MEND on a GPT-2-small-shaped model (124 M parameters, random weights) on CPU, with the
 //! default MEND config (rank 1920, combine, shared, last 3 MLPs), 17-token examples:
-//! one edit (gradient capture + editor + edited weights) and one meta-training step
+//! one edit as `edit`/`eval` make it (gradient capture + editor, the change kept as
+//! low-rank factors: `Engine::edit_low_rank`) and one meta-training step
 //! (micro-batch forward/backward + amortised Adam step over `accumulate` micro-batches).
 //! After the timings it prints the peak resident set of the process.
 //!
@@ -80,14 +81,14 @@ fn main() {
     c.bench_function("mend_gpt2_small/editor_17tok", |bench| {
         bench.iter(|| {
             let _g = tch::no_grad_guard();
-            black_box(engine.edit(&mut editor, &factors, false).expect("edit"))
+            black_box(engine.edit_low_rank(&mut editor, &factors).expect("edit"))
         })
     });
     c.bench_function("mend_gpt2_small/edit_17tok", |bench| {
         bench.iter(|| {
             let _g = tch::no_grad_guard();
             let (_, factors) = engine.capture(&inner).expect("capture");
-            black_box(engine.edit(&mut editor, &factors, false).expect("edit"))
+            black_box(engine.edit_low_rank(&mut editor, &factors).expect("edit"))
         })
     });
 

@@ -710,6 +710,9 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
             // pseudo-gradient is formed, and the graph keeps only the factors.
         }
         let recompute = train && cfg.recompute;
+        // An edit outside training keeps the change of f32 weights as its factors
+        // (`Engine::edit_low_rank`): no W' is built.
+        let factored = !train && s == 4;
         let w_block_max: i64 = {
             let mut per_block: BTreeMap<i64, i64> = BTreeMap::new();
             for p in &edited {
@@ -736,9 +739,19 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 format!("Σ_first d_in·d_out·s = {}·{s}", num(w_unkept_elems)),
                 w_unkept_elems * s,
             );
+        } else if factored {
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward],
+                "the edit as factors (lr·x̃, δ̃), f32",
+                format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
+                n * din_dout * 4,
+            );
         } else {
-            // Otherwise (recomputation, a split plan, or an edit) W' stays alive whole as
-            // the editor's output; what the forwards read of it is counted below.
+            // Otherwise (recomputation, a split plan, or an edit of a non-f32 model) W'
+            // stays alive whole as the editor's output; what the forwards read of it is
+            // counted below.
             add(
                 phase,
                 Role::Main,
@@ -776,7 +789,16 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 );
             }
         }
-        if o.split && !recompute {
+        if o.split && factored {
+            add(
+                phase,
+                Role::Sub,
+                &[EditedForward],
+                "the edit's factors on sub",
+                format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
+                n * din_dout * 4,
+            );
+        } else if o.split && !recompute {
             // One edited forward reads rephrase and locality text together, so one copy
             // of W' crosses to the sub-device (kept by the graph until the backward).
             add(

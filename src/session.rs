@@ -261,7 +261,7 @@ impl Session {
         let overrides = eval::make_edit(engine, method, &batch)?;
         let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
         let metrics = eval::measure_after(engine, &overrides, &refs, &before, per_request)?;
-        for name in overrides.keys() {
+        for name in overrides.names() {
             if !self.originals.contains_key(name) {
                 self.originals.insert(name.clone(), self.engine.weight(name)?.shallow_clone());
             }
@@ -338,7 +338,8 @@ impl Session {
     /// every edit. Returns how many parameters were restored.
     pub fn reset(&mut self) -> Result<usize> {
         let n = self.originals.len();
-        self.engine.commit(&self.originals)?;
+        let originals: crate::model::Overrides = self.originals.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        self.engine.commit(&originals)?;
         self.originals.clear();
         self.edits_total = 0;
         Ok(n)

@@ -98,7 +98,7 @@ pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training
     // Targets go where the edited logits are: the losses are computed on the sub-device and
     // only the scalar loss comes back (autograd carries its gradient across).
     let targets = engine.mover.to_sub(&b.outer.kept_targets());
-    if cfg.recompute && overrides.values().any(Tensor::requires_grad) {
+    if cfg.recompute && overrides.dense().values().any(Tensor::requires_grad) {
         return recomputed_meta_loss(engine, &cfg, b, &targets, &overrides, base_loc);
     }
     let (post_outer, post_loc) = match &b.edited {
@@ -193,7 +193,7 @@ fn recomputed_meta_loss(
         let (loss, parts) = weigh(cfg, b, targets, &post_outer, &l_edit, loc);
         let inner = grads
             .iter()
-            .map(|(name, g)| (&overrides[name] * g).sum(tch::Kind::Float))
+            .map(|(name, g)| (&overrides.dense()[name] * g).sum(tch::Kind::Float))
             .fold(Tensor::zeros([], (tch::Kind::Float, engine.plan.main)), |a, b| a + b);
         // Value: the loss (inner − inner = 0 exactly); gradient: that of `inner`.
         let surrogate = &inner - inner.detach() + engine.mover.to_main(&loss);

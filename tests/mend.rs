@@ -57,7 +57,7 @@ fn identity_equals_autograd_on(engine: Engine, name: &str) {
     let logits = engine.lm.model.forward(&view, &batch.forward_input(&none)).unwrap().logits;
     let loss = logits.cross_entropy_for_logits(&batch.kept_targets());
     let names: Vec<&String> = engine.edit_params.iter().map(|p| &p.name).collect();
-    let ws: Vec<&Tensor> = names.iter().map(|n| &leaves[*n]).collect();
+    let ws: Vec<&Tensor> = names.iter().map(|n| &leaves.dense()[*n]).collect();
     let grads = Tensor::run_backward(&[&loss], &ws, false, false);
     for (i, g) in grads.iter().enumerate() {
         let pseudo = editor.pseudo_grad(i, &factors[i], false);
@@ -180,14 +180,72 @@ fn training_raises_target_probability_and_checkpoint_round_trips() {
     let (mut loaded, meta) = checkpoint::load_editor(dir.path(), &engine).unwrap();
     assert_eq!(meta.step, 40);
     let ov2 = engine.edit(&mut loaded, &f, false).unwrap();
-    for (n, t) in &ov {
-        assert!((t - &ov2[n]).abs().max().double_value(&[]) < 1e-6, "{n} differs after reload");
+    for (n, t) in ov.dense() {
+        assert!((t - &ov2.dense()[n]).abs().max().double_value(&[]) < 1e-6, "{n} differs after reload");
     }
 
     // An editor trained for another model is refused with a clear error.
     let other = self::engine("qwen2");
     let err = checkpoint::load_editor(dir.path(), &other).unwrap_err().to_string();
     assert!(err.contains("editor.safetensors") && err.contains("another model"), "{err}");
+}
+
+/// An edit outside training keeps each f32 weight's change factored (`x·W + (x·aᵀ)·b`):
+/// it must score as the full `W'` does, on one device and across the split, and commit to
+/// exactly that `W'`.
+fn low_rank_edit_equals_dense(name: &str) {
+    let mut engine = engine(name);
+    let ex = examples(&engine);
+    tch::manual_seed(0);
+    // Random U so the editor is not the identity; norm on, as trained editors are.
+    let mut editor = Editor::new(&MendConfig { rank: 16, ..MendConfig::default() }, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let _g = tch::no_grad_guard();
+    for (n, t) in editor.named_tensors() {
+        if n.ends_with(".u") {
+            let _ = t.detach().copy_(&(Tensor::randn_like(&t) * 0.05));
+        }
+    }
+    let _ = editor.edit_lrs.detach().fill_(0.3);
+    let b = TokenBatch::collate(&[&ex[0].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
+    let (_, f) = engine.capture(&b).unwrap();
+    let dense = engine.edit(&mut editor, &f, false).unwrap();
+    let low = engine.edit_low_rank(&mut editor, &f).unwrap();
+    assert!(low.dense().is_empty(), "{name}: f32 weights stay factored");
+    assert_eq!(low.names().count(), engine.edit_params.len());
+    let probe = [&ex[0].inner, &ex[0].outer, &ex[1].inner];
+    let batch = TokenBatch::collate(&probe, engine.lm.tokenizer.pad_id(), Device::Cpu);
+    let want = engine.edited_logits(&dense, &batch).unwrap();
+    let got = engine.edited_logits(&low, &batch).unwrap();
+    let base = engine.base_logits(&batch).unwrap();
+    let moved = (&want - &base).abs().max().double_value(&[]);
+    assert!(moved > 1e-3, "{name}: the edit must change the logits ({moved})");
+    let err = (&got - &want).abs().max().double_value(&[]);
+    assert!(err < 1e-4 * (1.0 + moved), "{name}: low-rank vs dense logits differ by {err}");
+    // Across the split only the factors travel, and the logits are the same.
+    let lm = load_model(&fixture(name), Device::Cpu, Kind::Float).unwrap();
+    let dual = Engine::new(lm, DevicePlan::split_on(Device::Cpu, Device::Cpu), &[]).unwrap();
+    let split = dual.edited_logits(&low, &batch).unwrap();
+    assert!((&split - &want).abs().max().double_value(&[]) < 1e-4 * (1.0 + moved), "{name}: split differs");
+    let factor_bytes: i64 = f.iter().map(|f| f.x.numel() as i64 * 4 + f.delta.numel() as i64 * 4).sum();
+    let edited_bytes: i64 = dual.edit_params.iter().map(|p| p.shape.iter().product::<i64>() * 4).sum();
+    let carried = dual.mover.stats().bytes_to_sub as i64;
+    assert!(carried < factor_bytes + 4096 && carried < edited_bytes, "{name}: carried {carried} bytes");
+    // Committing writes the dense W'.
+    engine.commit(&low).unwrap();
+    for (n, w) in dense.dense() {
+        let err = (engine.weight(n).unwrap() - w).abs().max().double_value(&[]);
+        assert!(err < 1e-6, "{name}: committed {n} differs from W' by {err}");
+    }
+}
+
+#[test]
+fn low_rank_edit_equals_dense_conv1d() {
+    low_rank_edit_equals_dense("gpt2");
+}
+
+#[test]
+fn low_rank_edit_equals_dense_linear() {
+    low_rank_edit_equals_dense("llama");
 }
 
 #[test]

@@ -5,7 +5,7 @@ pub mod editor;
 pub mod losses;
 pub mod optim;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use tch::{Kind, Tensor};
 use tracing::info;
@@ -15,7 +15,7 @@ pub use editor::{EditedParam, Editor, Factors};
 use crate::data::TokenBatch;
 use crate::device::worker::Worker;
 use crate::device::{DevicePlan, Mover};
-use crate::model::{lm_head, lm_head_input_grad, LoadedModel, Overrides, ParamStore, ParamView};
+use crate::model::{lm_head, lm_head_input_grad, LoadedModel, LowRank, Overrides, ParamStore, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 /// A loaded model placed according to a device plan, with the weights MEND edits.
@@ -153,6 +153,27 @@ impl Engine {
         })
     }
 
+    /// The edit for the given factors, outside training: each edited f32 weight gets a
+    /// [`LowRank`] override (applied by the layers as `x·W + (x·aᵀ)·b`, never built as a
+    /// full weight unless committed); weights of other dtypes get `W'` itself, rounded
+    /// once, so that what is scored is what [`Engine::commit`] and `--save` would keep.
+    pub fn edit_low_rank(&self, editor: &mut Editor, factors: &[Factors]) -> Result<Overrides> {
+        crate::error::guard(|| {
+            let _g = tch::no_grad_guard();
+            let mut out = Overrides::new();
+            for (p, (a, b)) in self.edit_params.iter().zip(editor.edit_terms(factors, false)) {
+                let w = self.weight(&p.name)?;
+                let (a, b) = (a.to_device(w.device()), b.to_device(w.device()));
+                if w.kind() == Kind::Float {
+                    out.insert_low_rank(p.name.clone(), LowRank { a, b });
+                } else {
+                    out.insert(p.name.clone(), p.layout.add_outer(&w.to_kind(Kind::Float), &a, &b).to_kind(w.kind()));
+                }
+            }
+            Ok(out)
+        })
+    }
+
     /// Logits of the unedited model at the batch's scored positions, on the main device.
     pub fn base_logits(&self, batch: &TokenBatch) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
@@ -187,7 +208,7 @@ impl Engine {
         match &self.replica {
             None => Ok(self.lm.model.forward(&ParamView::new(&self.lm.params, Some(overrides)), &batch.forward_input(&none))?.logits),
             Some(replica) => crate::error::guard(|| {
-                let moved: Overrides = overrides.iter().map(|(n, t)| (n.clone(), self.mover.to_sub(t))).collect();
+                let moved = overrides.map(|t| self.mover.to_sub(t));
                 let sub_batch = self.mover.batch_to_sub(batch);
                 Ok(self.lm.model.forward(&ParamView::new(replica, Some(&moved)), &sub_batch.forward_input(&none))?.logits)
             }),
@@ -205,16 +226,17 @@ impl Engine {
     /// mover, and the summed gradients come back to the main device through it. Returns
     /// the gradients by name, on the main device, detached: the caller takes them into
     /// the editor's graph (see `train::meta_loss`).
-    pub fn edited_grads(&self, overrides: &Overrides, passes: Vec<(&TokenBatch, LogitsLoss<'_>)>) -> Result<Overrides> {
+    pub fn edited_grads(&self, overrides: &Overrides, passes: Vec<(&TokenBatch, LogitsLoss<'_>)>) -> Result<HashMap<String, Tensor>> {
         if passes.is_empty() {
             return Err(Error::input("edited_grads needs at least one batch"));
         }
         let none = HashSet::new();
         let store = self.replica.as_ref().unwrap_or(&self.lm.params);
-        let wrt: Vec<String> = self.edit_params.iter().map(|p| p.name.clone()).filter(|n| overrides.contains_key(n)).collect();
+        let dense = overrides.dense();
+        let wrt: Vec<String> = self.edit_params.iter().map(|p| p.name.clone()).filter(|n| dense.contains_key(n)).collect();
         let leaves: Overrides = crate::error::guard(|| {
             Ok(tch::no_grad(|| {
-                wrt.iter().map(|n| (n.clone(), self.mover.to_sub(&overrides[n].detach()).set_requires_grad(true))).collect()
+                wrt.iter().map(|n| (n.clone(), self.mover.to_sub(&dense[n].detach()).set_requires_grad(true))).collect()
             }))
         })?;
         let view = ParamView::new(store, Some(&leaves));
@@ -237,11 +259,13 @@ impl Engine {
     /// Makes an edit permanent (sequential editing): writes `W'` into the frozen weights on
     /// both devices.
     pub fn commit(&mut self, overrides: &Overrides) -> Result<()> {
-        for (name, t) in overrides {
+        let layouts: HashMap<&str, WeightLayout> = self.edit_params.iter().map(|p| (p.name.as_str(), p.layout)).collect();
+        let _g = tch::no_grad_guard();
+        for (name, t) in self.lm.params.materialise(overrides, |n| layouts.get(n).copied())? {
             let t = t.detach();
-            self.lm.params.set(name, t.shallow_clone())?;
+            self.lm.params.set(&name, t.shallow_clone())?;
             if let Some(r) = self.replica.as_mut() {
-                r.set(name, t)?;
+                r.set(&name, t)?;
             }
         }
         Ok(())

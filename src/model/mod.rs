@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashSet};
 use tch::{Device, Tensor};
 
 pub use loader::{load_model, parse_dtype, random_params, LoadedModel};
-pub use params::{Overrides, ParamStore, ParamView};
+pub use params::{LowRank, Overrides, ParamStore, ParamView};
 pub use tokenizer::Tokenizer;
 
 use crate::Result;
@@ -534,7 +534,10 @@ pub(crate) fn linear_captured(
     let w_name = format!("{prefix}.weight");
     let w = p.get(&w_name)?;
     let b = if bias { Some(p.get(&format!("{prefix}.bias"))?) } else { None };
-    let h = layout.apply(x, w, b);
+    let mut h = layout.apply(x, w, b);
+    if let Some(delta) = p.low_rank(&w_name) {
+        h = h + delta.apply(x);
+    }
     if capture.contains(&w_name) {
         captures.insert(w_name, Capture { x: x.shallow_clone(), h: h.shallow_clone() });
     }

@@ -10,8 +10,87 @@ use tch::{Device, Kind, Tensor};
 
 use crate::{Error, Result};
 
-/// Edited tensors by parameter name (for example `W + Δ` for each edited weight).
-pub type Overrides = HashMap<String, Tensor>;
+/// A weight change kept as its factors: `W' = W + Σ_rows aᵢᵀ bᵢ`, with `a` `[r, d_in]` and
+/// `b` `[r, d_out]` (MEND's update `lr·Σ δ̃ x̃ᵀ` has one row per edit token).
+///
+/// A layer applies it as `x·W + (x·aᵀ)·b`: for a handful of rows that is two small
+/// products, where building `W'` writes a whole weight-sized tensor per edited weight
+/// (9 MiB each for GPT-2 small's MLP) and the dual-device split would carry it to the
+/// sub-device.
+#[derive(Debug)]
+pub struct LowRank {
+    pub a: Tensor,
+    pub b: Tensor,
+}
+
+impl LowRank {
+    /// `x·aᵀ·b` for `x` `[.., d_in]`, in f32, cast to `x`'s kind.
+    pub fn apply(&self, x: &Tensor) -> Tensor {
+        x.to_kind(Kind::Float).matmul(&self.a.tr()).matmul(&self.b).to_kind(x.kind())
+    }
+}
+
+/// The edited weights a forward reads instead of the frozen ones, by parameter name: each
+/// either replaced outright (`W'`, which meta-training differentiates through) or changed
+/// by a [`LowRank`] term (what an edit outside training applies; see
+/// [`ParamStore::materialise`] for the weight it stands for).
+#[derive(Debug, Default)]
+pub struct Overrides {
+    dense: HashMap<String, Tensor>,
+    low_rank: HashMap<String, LowRank>,
+}
+
+impl Overrides {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.dense.is_empty() && self.low_rank.is_empty()
+    }
+
+    /// Every overridden name, dense or low-rank.
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.dense.keys().chain(self.low_rank.keys())
+    }
+
+    /// The replaced weights (not the low-rank ones).
+    pub fn dense(&self) -> &HashMap<String, Tensor> {
+        &self.dense
+    }
+
+    pub fn insert(&mut self, name: String, value: Tensor) {
+        self.low_rank.remove(&name);
+        self.dense.insert(name, value);
+    }
+
+    pub fn insert_low_rank(&mut self, name: String, value: LowRank) {
+        self.dense.remove(&name);
+        self.low_rank.insert(name, value);
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.dense.get(name)
+    }
+
+    pub fn low_rank(&self, name: &str) -> Option<&LowRank> {
+        self.low_rank.get(name)
+    }
+
+    /// The same overrides with every tensor passed through `f` (a move to another device).
+    pub fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> Overrides {
+        Overrides {
+            dense: self.dense.iter().map(|(n, t)| (n.clone(), f(t))).collect(),
+            low_rank: self.low_rank.iter().map(|(n, l)| (n.clone(), LowRank { a: f(&l.a), b: f(&l.b) })).collect(),
+        }
+    }
+}
+
+impl FromIterator<(String, Tensor)> for Overrides {
+    fn from_iter<I: IntoIterator<Item = (String, Tensor)>>(iter: I) -> Self {
+        Overrides { dense: iter.into_iter().collect(), low_rank: HashMap::new() }
+    }
+}
 
 /// The frozen weights of one model on one device, by Hugging Face parameter name.
 #[derive(Debug)]
@@ -69,6 +148,27 @@ impl ParamStore {
         ParamStore { tensors, device: self.device, kind: self.kind }
     }
 
+    /// The weight every override of `overrides` stands for, as full tensors: dense ones as
+    /// they are, low-rank ones added to this store's weight (`layout` gives each weight's
+    /// orientation).
+    pub fn materialise(
+        &self,
+        overrides: &Overrides,
+        layout: impl Fn(&str) -> Option<super::WeightLayout>,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let mut out: Vec<(String, Tensor)> = overrides.dense.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        for (name, l) in &overrides.low_rank {
+            let w = self.get(name).ok_or_else(|| Error::input(format!("unknown parameter {name:?}")))?;
+            let layout = layout(name).ok_or_else(|| Error::input(format!("{name:?} is not a linear layer's weight")))?;
+            let dev = w.device();
+            let new = crate::error::guard(|| {
+                Ok(layout.add_outer(&w.to_kind(Kind::Float), &l.a.to_device(dev), &l.b.to_device(dev)).to_kind(w.kind()))
+            })?;
+            out.push((name.clone(), new));
+        }
+        Ok(out)
+    }
+
     /// Replaces one tensor in place (used when an edit is committed to the weights).
     pub fn set(&mut self, name: &str, value: Tensor) -> Result<()> {
         let slot = self
@@ -118,5 +218,11 @@ impl<'a> ParamView<'a> {
         self.store
             .get(name)
             .ok_or_else(|| Error::Torch(format!("parameter {name:?} is not loaded")))
+    }
+
+    /// The low-rank change to `name`, if it has one (its frozen weight is what
+    /// [`ParamView::get`] returns).
+    pub fn low_rank(&self, name: &str) -> Option<&'a LowRank> {
+        self.overrides.and_then(|o| o.low_rank(name))
     }
 }
