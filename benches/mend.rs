@@ -81,14 +81,14 @@ fn main() {
     c.bench_function("mend_gpt2_small/editor_17tok", |bench| {
         bench.iter(|| {
             let _g = tch::no_grad_guard();
-            black_box(engine.edit_low_rank(&mut editor, &factors).expect("edit"))
+            black_box(engine.edit_low_rank(&mut editor, &factors, false).expect("edit"))
         })
     });
     c.bench_function("mend_gpt2_small/edit_17tok", |bench| {
         bench.iter(|| {
             let _g = tch::no_grad_guard();
             let (_, factors) = engine.capture(&inner).expect("capture");
-            black_box(engine.edit_low_rank(&mut editor, &factors).expect("edit"))
+            black_box(engine.edit_low_rank(&mut editor, &factors, false).expect("edit"))
         })
     });
 

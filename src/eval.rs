@@ -59,7 +59,7 @@ pub fn make_edit(engine: &Engine, method: &mut Method, inner: &TokenBatch) -> Re
         }
         Method::Mend(editor) => {
             let (_, factors) = engine.capture(inner)?;
-            engine.edit_low_rank(editor, &factors)
+            engine.edit_low_rank(editor, &factors, false)
         }
     }
 }

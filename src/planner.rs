@@ -710,9 +710,9 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
             // pseudo-gradient is formed, and the graph keeps only the factors.
         }
         let recompute = train && cfg.recompute;
-        // An edit outside training keeps the change of f32 weights as its factors
-        // (`Engine::edit_low_rank`): no W' is built.
-        let factored = !train && s == 4;
+        // Without recomputation the change of f32 weights stays as its factors
+        // (`Engine::edit_low_rank`): no W' is built, kept, or differentiated.
+        let factored = !recompute && s == 4;
         let w_block_max: i64 = {
             let mut per_block: BTreeMap<i64, i64> = BTreeMap::new();
             for p in &edited {
@@ -720,7 +720,16 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
             }
             per_block.values().copied().max().unwrap_or(0)
         };
-        if train && !o.split && !recompute {
+        if factored {
+            add(
+                phase,
+                Role::Main,
+                &[EditedForward],
+                "the edit as factors (lr·x̃, δ̃), f32",
+                format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
+                n * din_dout * 4,
+            );
+        } else if train && !o.split && !recompute {
             // On one device the graph keeps the W' of every edited weight whose input
             // needs grad (all but the lowest) until backward.
             add(
@@ -739,19 +748,9 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 format!("Σ_first d_in·d_out·s = {}·{s}", num(w_unkept_elems)),
                 w_unkept_elems * s,
             );
-        } else if factored {
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward],
-                "the edit as factors (lr·x̃, δ̃), f32",
-                format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
-                n * din_dout * 4,
-            );
         } else {
-            // Otherwise (recomputation, a split plan, or an edit of a non-f32 model) W'
-            // stays alive whole as the editor's output; what the forwards read of it is
-            // counted below.
+            // Otherwise (recomputation, or a non-f32 model) W' stays alive whole as the
+            // editor's output; what the forwards read of it is counted below.
             add(
                 phase,
                 Role::Main,
@@ -881,14 +880,16 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 format!("3·B·kept·V·4 = 3·{nk}·{v}·4"),
                 3 * nk * v * 4,
             );
-            add(
-                phase,
-                Role::Main,
-                &[Backward],
-                "gradients w.r.t. W' + one weight's backward temporaries",
-                format!("Σ_P d_in·d_out·s + 3·max_P d_in·d_out·4 = {}·{s} + 3·{}·4", num(w_elems), num(w_max)),
-                w_elems * s + 3 * w_max * 4,
-            );
+            if !factored {
+                add(
+                    phase,
+                    Role::Main,
+                    &[Backward],
+                    "gradients w.r.t. W' + one weight's backward temporaries",
+                    format!("Σ_P d_in·d_out·s + 3·max_P d_in·d_out·4 = {}·{s} + 3·{}·4", num(w_elems), num(w_max)),
+                    w_elems * s + 3 * w_max * 4,
+                );
+            }
             // Each editor runs once per micro-batch (all its weights' rows in one pass), and
             // its products give gradients in the parameters' own layout, which .grad
             // accumulates in place: one incoming gradient at a time.

@@ -94,7 +94,10 @@ pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training
     // on the sub-device's worker while the main device captures and runs the editor.
     let base_loc = b.loc.as_ref().map(|l| engine.base_logits_async(l)).transpose()?;
     let (_, factors) = engine.capture(&b.inner)?;
-    let overrides = engine.edit(editor, &factors, training)?;
+    // Recomputation differentiates w.r.t. whole edited weights (`Engine::edited_grads`);
+    // otherwise the edit stays factored, and the backward reaches the editor through the
+    // factors without a weight-sized gradient.
+    let overrides = if cfg.recompute { engine.edit(editor, &factors, training)? } else { engine.edit_low_rank(editor, &factors, training)? };
     // Targets go where the edited logits are: the losses are computed on the sub-device and
     // only the scalar loss comes back (autograd carries its gradient across).
     let targets = engine.mover.to_sub(&b.outer.kept_targets());

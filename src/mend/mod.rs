@@ -153,15 +153,16 @@ impl Engine {
         })
     }
 
-    /// The edit for the given factors, outside training: each edited f32 weight gets a
-    /// [`LowRank`] override (applied by the layers as `x·W + (x·aᵀ)·b`, never built as a
-    /// full weight unless committed); weights of other dtypes get `W'` itself, rounded
+    /// The edit for the given factors with each edited f32 weight's change kept as a
+    /// [`LowRank`] override: the layers apply it as `x·W + (x·aᵀ)·b`, `W'` is never built
+    /// unless committed, and only the factors cross to the sub-device (and, in training,
+    /// only their gradients come back). Weights of other dtypes get `W'` itself, rounded
     /// once, so that what is scored is what [`Engine::commit`] and `--save` would keep.
-    pub fn edit_low_rank(&self, editor: &mut Editor, factors: &[Factors]) -> Result<Overrides> {
+    /// Differentiable w.r.t. the editor under grad mode, as [`Engine::edit`].
+    pub fn edit_low_rank(&self, editor: &mut Editor, factors: &[Factors], training: bool) -> Result<Overrides> {
         crate::error::guard(|| {
-            let _g = tch::no_grad_guard();
             let mut out = Overrides::new();
-            for (p, (a, b)) in self.edit_params.iter().zip(editor.edit_terms(factors, false)) {
+            for (p, (a, b)) in self.edit_params.iter().zip(editor.edit_terms(factors, training)) {
                 let w = self.weight(&p.name)?;
                 let (a, b) = (a.to_device(w.device()), b.to_device(w.device()));
                 if w.kind() == Kind::Float {
