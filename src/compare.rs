@@ -108,13 +108,15 @@ pub fn compare_eval(o: &EvalOptions, dual_plan: DevicePlan, out: &Path) -> Resul
         let s = &res.summary;
         let mut metrics = BTreeMap::from([
             ("reliability".to_string(), s.reliability),
-            ("locality".to_string(), s.locality),
             ("edit_success".to_string(), s.edit_success),
             ("nll_pre".to_string(), s.nll_pre),
             ("nll_post".to_string(), s.nll_post),
         ]);
         if let Some(g) = s.generalization {
             metrics.insert("generalization".to_string(), g);
+        }
+        if let Some(l) = s.locality {
+            metrics.insert("locality".to_string(), l);
         }
         sides.push(side(&plan, metrics, read_memory(&path)?, t.elapsed().as_secs_f64(), path));
     }

@@ -174,7 +174,7 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
     w(out, format!("held-out edits (each from the unedited model): n = {}", s.n))?;
     w(out, format!("  {:<16} {:>6.3}", "reliability", s.reliability))?;
     w(out, format!("  {:<16} {:>6}", "generalization", s.generalization.map_or("-".into(), |g| format!("{g:.3}"))))?;
-    w(out, format!("  {:<16} {:>6.3}", "locality", s.locality))?;
+    w(out, format!("  {:<16} {:>6}", "locality", s.locality.map_or("-".into(), |l| format!("{l:.3}"))))?;
     w(out, format!("  {:<16} {:>6.3}", "edit success", s.edit_success))?;
     w(out, format!("  {:<16} {:>6.1} ms", "time per edit", s.edit_seconds * 1e3))?;
     let memory = tracker.summary();

@@ -83,7 +83,9 @@ pub struct Summary {
     pub reliability: f64,
     /// Mean over records with a rephrase; null when none has one.
     pub generalization: Option<f64>,
-    pub locality: f64,
+    /// Mean over records with a locality prompt; null when none has one (an edit request
+    /// file may have none: nothing was measured, which is not the same as "kept").
+    pub locality: Option<f64>,
     /// Mean over records with portability questions; absent when none has any.
     pub portability: Option<f64>,
     pub edit_success: f64,
@@ -103,8 +105,7 @@ impl Summary {
             n,
             reliability: mean(&|r| Some(r.reliability)).unwrap_or(0.0),
             generalization: mean(&|r| r.generalization),
-            // No locality prompt: nothing could change, counted as kept.
-            locality: mean(&|r| r.locality).unwrap_or(1.0),
+            locality: mean(&|r| r.locality),
             portability: mean(&|r| r.portability),
             edit_success: mean(&|r| Some(if r.edit_success { 1.0 } else { 0.0 })).unwrap_or(0.0),
             nll_pre: mean(&|r| Some(r.nll_pre)).unwrap_or(0.0),

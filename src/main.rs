@@ -140,6 +140,7 @@ struct PretrainArgs {
     /// Output model directory.
     #[arg(long)]
     out: PathBuf,
+    /// BPE vocabulary size (at least 257: the 256 byte-level symbols and end-of-text).
     #[arg(long, default_value_t = 4096)]
     vocab: usize,
     #[arg(long, default_value_t = 256)]
@@ -406,7 +407,6 @@ fn print_summary(s: &dualedit::eval::Summary) {
     println!("{:<16} {:>8}", "metric", "value");
     for (k, v) in [
         ("reliability", s.reliability),
-        ("locality", s.locality),
         ("edit_success", s.edit_success),
         ("nll_pre", s.nll_pre),
         ("nll_post", s.nll_post),
@@ -417,6 +417,10 @@ fn print_summary(s: &dualedit::eval::Summary) {
     match s.generalization {
         Some(g) => println!("{:<16} {:>8.4}", "generalization", g),
         None => println!("{:<16} {:>8}", "generalization", "- (no rephrases)"),
+    }
+    match s.locality {
+        Some(l) => println!("{:<16} {:>8.4}", "locality", l),
+        None => println!("{:<16} {:>8}", "locality", "- (no locality prompts)"),
     }
     if let Some(p) = s.portability {
         println!("{:<16} {:>8.4}", "portability", p);
@@ -528,6 +532,11 @@ fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
     let ds = dataset(&a.ds)?;
     if !(a.lr.is_finite() && a.lr > 0.0) || a.batch == 0 || a.steps == 0 {
         anyhow::bail!("--lr must be a positive number and --batch, --steps at least 1 (got {}, {}, {})", a.lr, a.batch, a.steps);
+    }
+    if a.vocab < 257 {
+        // The byte-level BPE trainer always keeps its 256 byte symbols plus end-of-text, and
+        // would silently return a larger vocabulary than asked for.
+        anyhow::bail!("--vocab must be at least 257 (256 byte-level symbols and end-of-text), got {}", a.vocab);
     }
     dualedit::run::check_new_model_dir(&a.out)?;
     let mut records = Vec::new();

@@ -196,6 +196,10 @@ fn bad_files_give_one_clear_error() {
     std::fs::write(&data, "[]").unwrap();
     let (ok, err) = cli(&["eval", "--model", m, "--method", "unedited", "--data", data.to_str().unwrap(), "--ds", "counterfact"]);
     assert!(!ok && err.contains("no records"), "{err}");
+    // A BPE vocabulary smaller than the byte alphabet.
+    let (ok, err) = cli(&["pretrain", "--data", good.to_str().unwrap(), "--ds", "counterfact", "--out", dir.path().join("p").to_str().unwrap(), "--vocab", "100"]);
+    assert!(!ok && err.contains("--vocab") && err.contains("257"), "{err}");
+    assert!(!dir.path().join("p").exists(), "nothing is written for a refused run");
 }
 
 /// Nothing a user wrote or trained is replaced: a trained editor in --out (without
@@ -292,10 +296,11 @@ fn byte_order_marks_and_directories() {
     assert!(err.contains("is a directory"), "{err}");
 }
 
-/// Generalisation is measured only for requests with a rephrase (EasyEdit has no rephrase
-/// accuracy otherwise), and is null in the summary when no request has one.
+/// Generalisation (locality) is measured only for requests with a rephrase (a locality
+/// prompt), as EasyEdit has no such accuracy otherwise, and is null in the summary when no
+/// request has one.
 #[test]
-fn generalization_only_where_there_is_a_rephrase() {
+fn generalization_and_locality_only_where_measured() {
     let dir = tempfile::tempdir().unwrap();
     let m = fixture("gpt2");
     let run = |name: &str, records: &str| -> serde_json::Value {
@@ -311,12 +316,15 @@ fn generalization_only_where_there_is_a_rephrase() {
     };
     let mixed = run(
         "mixed.json",
-        r#"[{"prompt": "The capital of France is", "target_new": "Rome", "rephrase_prompt": "France has its capital in"},
+        r#"[{"prompt": "The capital of France is", "target_new": "Rome", "rephrase_prompt": "France has its capital in",
+             "locality_prompt": "The capital of Spain is", "locality_ground_truth": "Madrid"},
             {"prompt": "The capital of Italy is", "target_new": "Paris"}]"#,
     );
     let reqs = mixed["requests"].as_array().unwrap();
     assert!(reqs[0]["generalization"].is_f64() && reqs[1]["generalization"].is_null(), "{mixed}");
     assert_eq!(mixed["generalization"], reqs[0]["generalization"], "the mean is over rephrased requests only");
+    assert!(reqs[0]["locality"].is_f64() && reqs[1]["locality"].is_null(), "{mixed}");
+    assert_eq!(mixed["locality"], reqs[0]["locality"], "the mean is over requests with a locality prompt only");
     let none = run("none.json", r#"[{"prompt": "The capital of Italy is", "target_new": "Paris"}]"#);
-    assert!(none["generalization"].is_null() && none["reliability"].is_f64(), "{none}");
+    assert!(none["generalization"].is_null() && none["locality"].is_null() && none["reliability"].is_f64(), "{none}");
 }
