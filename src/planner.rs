@@ -3,8 +3,9 @@
 //!
 //! The estimate follows what the code does, item by item: frozen weights (main), the
 //! sub-device replica (when split), the editor with its gradients and Adam moments (f32,
-//! main), captured factors, the edited weights `W'` and their copies on the sub-device,
-//! the activations autograd keeps for the edited forwards, logits at labelled positions.
+//! main), captured factors, the edit (its low-rank factors for f32 weights, the edited
+//! weights `W'` otherwise) and its copy on the sub-device, the activations autograd keeps
+//! for the edited forwards, logits at labelled positions.
 //!
 //! Items are grouped by *when* they are alive. `resident` items live for the whole run;
 //! every other group is alive only during its part of a step (gradient capture, the edited
@@ -12,7 +13,8 @@
 //! not overlap. A device's peak is therefore `resident + max over the other groups`.
 //!
 //! Activations are counted by simulating which tensors each op saves for backward: a
-//! matmul saves its input only when its weight requires grad (an edited `W'`), a norm
+//! matmul saves its input only when its weight requires grad (an edited weight, or the
+//! factor `a` of a factored edit, whose `x·aᵀ` saves the same input), a norm
 //! saves its input only when that input requires grad, and so on. Nothing below the first
 //! edited weight requires grad, so the frozen layers below it keep no activations at all.
 use std::collections::BTreeMap;
