@@ -31,9 +31,9 @@ impl LowRank {
 }
 
 /// The edited weights a forward reads instead of the frozen ones, by parameter name: each
-/// either replaced outright (`W'`, which meta-training differentiates through) or changed
-/// by a [`LowRank`] term (what an edit outside training applies; see
-/// [`ParamStore::materialise`] for the weight it stands for).
+/// either replaced outright (`W'`: non-f32 weights, recomputed meta-training, the
+/// fine-tuning baseline) or changed by a [`LowRank`] term (MEND's edit of an f32 weight;
+/// see [`ParamStore::materialise`] for the weight it stands for).
 #[derive(Debug, Default)]
 pub struct Overrides {
     dense: HashMap<String, Tensor>,
