@@ -164,11 +164,11 @@ impl Engine {
             let mut out = Overrides::new();
             for (p, (a, b)) in self.edit_params.iter().zip(editor.edit_terms(factors, training)) {
                 let w = self.weight(&p.name)?;
-                let (a, b) = (a.to_device(w.device()), b.to_device(w.device()));
+                let edit = LowRank { a: a.to_device(w.device()), b: b.to_device(w.device()) };
                 if w.kind() == Kind::Float {
-                    out.insert_low_rank(p.name.clone(), LowRank { a, b });
+                    out.insert_low_rank(p.name.clone(), edit);
                 } else {
-                    out.insert(p.name.clone(), p.layout.add_outer(&w.to_kind(Kind::Float), &a, &b).to_kind(w.kind()));
+                    out.insert(p.name.clone(), edit.added_to(w, p.layout));
                 }
             }
             Ok(out)

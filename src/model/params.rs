@@ -28,6 +28,13 @@ impl LowRank {
     pub fn apply(&self, x: &Tensor) -> Tensor {
         x.to_kind(Kind::Float).matmul(&self.a.tr()).matmul(&self.b).to_kind(x.kind())
     }
+
+    /// The full weight `W + Σ_rows aᵀ b` in `layout`'s orientation: one GEMM accumulating
+    /// into a copy of `W`, in f32, returned in `W`'s kind on `W`'s device.
+    pub fn added_to(&self, w: &Tensor, layout: super::WeightLayout) -> Tensor {
+        let dev = w.device();
+        layout.add_outer(&w.to_kind(Kind::Float), &self.a.to_device(dev), &self.b.to_device(dev)).to_kind(w.kind())
+    }
 }
 
 /// The edited weights a forward reads instead of the frozen ones, by parameter name: each
@@ -160,11 +167,7 @@ impl ParamStore {
         for (name, l) in &overrides.low_rank {
             let w = self.get(name).ok_or_else(|| Error::input(format!("unknown parameter {name:?}")))?;
             let layout = layout(name).ok_or_else(|| Error::input(format!("{name:?} is not a linear layer's weight")))?;
-            let dev = w.device();
-            let new = crate::error::guard(|| {
-                Ok(layout.add_outer(&w.to_kind(Kind::Float), &l.a.to_device(dev), &l.b.to_device(dev)).to_kind(w.kind()))
-            })?;
-            out.push((name.clone(), new));
+            out.push((name.clone(), crate::error::guard(|| Ok(l.added_to(w, layout)))?));
         }
         Ok(out)
     }
