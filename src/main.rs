@@ -160,6 +160,10 @@ struct PretrainArgs {
     /// Where to train: cpu or cuda:N (the result is the same HF directory either way).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Also put each record's new target in the corpus, alone on its line (never after its
+    /// prompt), so the model can write the words edits ask for, as a pretrained LM can.
+    #[arg(long)]
+    with_new_targets: bool,
 }
 
 #[derive(Args)]
@@ -543,7 +547,7 @@ fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
     for f in &a.data {
         records.extend(dualedit::data::load_records(f, ds)?.0);
     }
-    let (corpus, probe) = dualedit::pretrain::corpus_from_records(&records);
+    let (corpus, probe) = dualedit::pretrain::corpus_from_records(&records, a.with_new_targets);
     let probe: Vec<_> = probe.into_iter().take(1000).collect();
     let cfg = dualedit::pretrain::PretrainConfig {
         vocab_size: a.vocab,

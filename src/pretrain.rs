@@ -218,7 +218,13 @@ pub fn reload(dir: &Path, device: Device) -> Result<LoadedModel> {
 /// A pretraining corpus from EasyEdit records: the true facts they state (prompt and
 /// rephrase with the ground truth, the locality prompt with its answer), and the
 /// `(prompt, ground truth)` pairs to probe what the model learned.
-pub fn corpus_from_records(records: &[crate::data::EditRecord]) -> (Vec<String>, Vec<(String, String)>) {
+///
+/// With `new_targets`, each record's new target also gets a line of its own (" architect."),
+/// never after its prompt. A pretrained LM can already write the words an edit asks for
+/// ("Python", "Virginia"); a tiny model learns words only from its corpus, and without
+/// these lines most zsRE targets are byte-pair strings it has never produced, so an edit
+/// would have to teach spelling as well as the fact.
+pub fn corpus_from_records(records: &[crate::data::EditRecord], new_targets: bool) -> (Vec<String>, Vec<(String, String)>) {
     let mut corpus = Vec::new();
     let mut probe = Vec::new();
     let join = |p: &str, a: &str| format!("{} {}.", p.trim_end(), a.trim());
@@ -233,6 +239,40 @@ pub fn corpus_from_records(records: &[crate::data::EditRecord]) -> (Vec<String>,
         if let (Some(lp), Some(la)) = (&r.locality_prompt, &r.locality_ground_truth) {
             corpus.push(join(lp, la));
         }
+        if new_targets && !r.target_new.trim().is_empty() {
+            corpus.push(format!(" {}.", r.target_new.trim()));
+        }
     }
     (corpus, probe)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::corpus_from_records;
+    use crate::data::EditRecord;
+
+    #[test]
+    fn new_targets_get_a_line_of_their_own() {
+        let r = EditRecord {
+            prompt: "What was Anton Grimus's career?".into(),
+            target_new: " architect ".into(),
+            subject: None,
+            ground_truth: Some("composer".into()),
+            rephrase: Some("What is Anton Grimus' career?".into()),
+            locality_prompt: Some("nq question: who wrote hamlet".into()),
+            locality_ground_truth: Some("Shakespeare".into()),
+            portability: vec![],
+        };
+        let (plain, probe) = corpus_from_records(std::slice::from_ref(&r), false);
+        assert_eq!(
+            plain,
+            ["What was Anton Grimus's career? composer.", "What is Anton Grimus' career? composer.", "nq question: who wrote hamlet Shakespeare."]
+        );
+        assert_eq!(probe, [(r.prompt.clone(), "composer".to_string())]);
+        let (with, _) = corpus_from_records(std::slice::from_ref(&r), true);
+        assert_eq!(with[..3], plain[..]);
+        // Alone, with the leading space it has after a prompt (the same BPE tokens).
+        assert_eq!(with[3], " architect.");
+        assert!(!with.iter().any(|l| l.contains("career") && l.contains("architect")));
+    }
 }

@@ -190,6 +190,31 @@ fn training_raises_target_probability_and_checkpoint_round_trips() {
     assert!(err.contains("editor.safetensors") && err.contains("another model"), "{err}");
 }
 
+/// At initialisation (U = 0) every pre-activation of the first editor layer is exactly 0.
+/// The reference code uses clamp(min = 0) there, whose gradient at 0 is 1, so that layer
+/// learns; relu's gradient at 0 is 0 and would leave it dead for the whole training.
+#[test]
+fn every_editor_layer_gets_a_gradient_at_initialisation() {
+    let engine = engine("gpt2");
+    let ex = examples(&engine);
+    let cfg = MendConfig { rank: 16, n_hidden: 1, ..MendConfig::default() };
+    tch::manual_seed(0);
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let b = EditBatches::new(&[&ex[0]], engine.lm.tokenizer.pad_id(), Device::Cpu);
+    let (loss, _) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+    loss.backward();
+    let mut checked = 0;
+    for (name, t) in editor.named_tensors() {
+        if name.ends_with(".u") || name.ends_with(".bias") {
+            let g = t.grad();
+            assert!(g.defined() && g.abs().max().double_value(&[]) > 0.0, "{name} got no gradient");
+            checked += 1;
+        }
+    }
+    // Two editors (c_fc and c_proj shapes) × two layers × (u, bias).
+    assert_eq!(checked, 8);
+}
+
 /// An edit outside training keeps each f32 weight's change factored (`x·W + (x·aᵀ)·b`):
 /// it must score as the full `W'` does, on one device and across the split, and commit to
 /// exactly that `W'`.

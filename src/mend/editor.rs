@@ -110,7 +110,10 @@ impl LrLinear {
         // (see `WeightLayout::apply`).
         let pre = self.u.matmul(&self.v.matmul(&x.tr())).tr() + &self.bias;
         let pre = pre * self.scale.index_select(0, modes) + self.shift.index_select(0, modes);
-        let act = if self.relu { pre.relu() } else { pre };
+        // clamp(min = 0), not relu: the same values, but a gradient of 1 at exactly 0, as
+        // the reference code has it. With U = 0 at start every pre-activation of the first
+        // layer is 0, and relu's zero gradient there would leave that layer dead for good.
+        let act = if self.relu { pre.clamp_min(0.0) } else { pre };
         act + x
     }
 
