@@ -2,9 +2,10 @@
 //! over the rank-1 factors `(x, δ)` of each edited weight, and learned edit rates.
 //!
 //! Follows the reference code (Mitchell et al., `mend/algs/mend.py` and `nn.py`):
-//! `LRLinear` layers `y = act((U(Vx) + b)·scale[mode] + shift[mode]) + x`, with ReLU on all
-//! but the last layer, `U = 0` at start so the editor starts as the identity, one editor
-//! per weight shape (with a per-weight "mode" selecting its scale/shift rows).
+//! `LRLinear` layers `y = act((U(Vx) + b)·scale[mode] + shift[mode]) + x`, with
+//! `clamp(min=0)` (ReLU with a gradient at 0) on all but the last layer, `U = 0` at start
+//! so the editor starts as the identity, one editor per weight shape (with a per-weight
+//! "mode" selecting its scale/shift rows).
 use std::collections::BTreeMap;
 
 use tch::{Device, Kind, Tensor};
