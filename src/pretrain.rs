@@ -239,7 +239,8 @@ pub fn corpus_from_records(records: &[crate::data::EditRecord], new_targets: boo
         if let (Some(lp), Some(la)) = (&r.locality_prompt, &r.locality_ground_truth) {
             corpus.push(join(lp, la));
         }
-        if new_targets && !r.target_new.trim().is_empty() {
+        // The loader has already refused records with an empty target.
+        if new_targets {
             corpus.push(format!(" {}.", r.target_new.trim()));
         }
     }

@@ -31,6 +31,12 @@ fn examples(engine: &Engine) -> Vec<dualedit::data::EditExample> {
     prepare(&engine.lm.tokenizer, &recs, 64, Path::new("inline.json")).unwrap()
 }
 
+/// A fresh editor for `engine`'s edited weights, its random init drawn after seeding.
+fn seeded_editor(engine: &Engine, cfg: &MendConfig, seed: i64) -> Editor {
+    tch::manual_seed(seed);
+    Editor::new(cfg, engine.edit_params.clone(), Device::Cpu).unwrap()
+}
+
 fn identity_config() -> MendConfig {
     MendConfig { norm: false, rank: 16, ..MendConfig::default() }
 }
@@ -147,8 +153,7 @@ fn training_raises_target_probability_and_checkpoint_round_trips() {
     let engine = engine("gpt2");
     let ex = examples(&engine);
     let cfg = MendConfig { rank: 32, lr: 1e-3, edit_lr: 1e-3, ..MendConfig::default() };
-    tch::manual_seed(0);
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut editor = seeded_editor(&engine, &cfg, 0);
     let (net, lrs) = editor.trainables();
     let mut adam = dualedit::mend::optim::Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
     let pad = engine.lm.tokenizer.pad_id();
@@ -198,8 +203,7 @@ fn every_editor_layer_gets_a_gradient_at_initialisation() {
     let engine = engine("gpt2");
     let ex = examples(&engine);
     let cfg = MendConfig { rank: 16, n_hidden: 1, ..MendConfig::default() };
-    tch::manual_seed(0);
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut editor = seeded_editor(&engine, &cfg, 0);
     let b = EditBatches::new(&[&ex[0]], engine.lm.tokenizer.pad_id(), Device::Cpu);
     let (loss, _) = meta_loss(&engine, &mut editor, &b, true).unwrap();
     loss.backward();
@@ -221,9 +225,8 @@ fn every_editor_layer_gets_a_gradient_at_initialisation() {
 fn low_rank_edit_equals_dense(name: &str) {
     let mut engine = engine(name);
     let ex = examples(&engine);
-    tch::manual_seed(0);
     // Random U so the editor is not the identity; norm on, as trained editors are.
-    let mut editor = Editor::new(&MendConfig { rank: 16, ..MendConfig::default() }, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut editor = seeded_editor(&engine, &MendConfig { rank: 16, ..MendConfig::default() }, 0);
     let _g = tch::no_grad_guard();
     for (n, t) in editor.named_tensors() {
         if n.ends_with(".u") {
@@ -368,8 +371,7 @@ fn grouped_editor_pass_equals_one_pass_per_weight() {
         let engine = engine(name);
         let ex = examples(&engine);
         let cfg = MendConfig { rank: 16, ..MendConfig::default() };
-        tch::manual_seed(3);
-        let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+        let mut editor = seeded_editor(&engine, &cfg, 3);
         // Statistics from a few edits, and a non-identity network with distinct per-mode rows.
         for e in &ex {
             let b = TokenBatch::collate(&[&e.inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
@@ -450,8 +452,7 @@ fn validation_locality_accuracy_is_the_eval_metric() {
     let ex = examples(&engine);
     // Edits strong enough to move some locality predictions.
     let cfg = MendConfig { rank: 16, edit_lr: 30.0, ..MendConfig::default() };
-    tch::manual_seed(1);
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut editor = seeded_editor(&engine, &cfg, 1);
     let val = dualedit::train::validate(&engine, &mut editor, &ex).unwrap();
     let recs = dualedit::eval::evaluate(&engine, &mut dualedit::eval::Method::Mend(editor), &ex, |_, _| {}).unwrap();
     let loc: Vec<f64> = recs.iter().map(|r| r.locality.unwrap()).collect();
