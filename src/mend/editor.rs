@@ -86,11 +86,12 @@ struct LrLinear {
     bias: Tensor,
     scale: Tensor,
     shift: Tensor,
-    relu: bool,
+    /// A hidden layer (all but the last): its output goes through `clamp(min = 0)`.
+    hidden: bool,
 }
 
 impl LrLinear {
-    fn new(width: i64, rank: i64, n_modes: i64, relu: bool, device: Device) -> Self {
+    fn new(width: i64, rank: i64, n_modes: i64, hidden: bool, device: Device) -> Self {
         let opts = (Kind::Float, device);
         // kaiming_uniform_(a=√5) on V [rank, width]: bound 1/√fan_in.
         let bound = 1.0 / (width as f64).sqrt();
@@ -100,7 +101,7 @@ impl LrLinear {
             bias: Tensor::zeros([width], opts).set_requires_grad(true),
             scale: Tensor::ones([n_modes, width], opts).set_requires_grad(true),
             shift: Tensor::zeros([n_modes, width], opts).set_requires_grad(true),
-            relu,
+            hidden,
         }
     }
 
@@ -114,7 +115,7 @@ impl LrLinear {
         // clamp(min = 0), not relu: the same values, but a gradient of 1 at exactly 0, as
         // the reference code has it. With U = 0 at start every pre-activation of the first
         // layer is 0, and relu's zero gradient there would leave that layer dead for good.
-        let act = if self.relu { pre.clamp_min(0.0) } else { pre };
+        let act = if self.hidden { pre.clamp_min(0.0) } else { pre };
         act + x
     }
 
