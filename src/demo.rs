@@ -59,7 +59,7 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
         .flat_map(|f| world.prompts(f).into_iter().map(move |p| (p, f.object.clone())))
         .collect();
     info!(facts = world.facts.len(), "pretraining the default model");
-    let pre = pretrain(&world.corpus(), &probe, &spec.pretrain, &model_dir(root), device)?;
+    let pre = pretrain(&world.corpus(), &probe, &spec.pretrain, &model_dir(root), device, false)?;
     info!(accuracy = pre.fact_accuracy, steps = pre.steps, "pretrained");
     let common = Common {
         model: model_dir(root),

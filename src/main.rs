@@ -562,7 +562,7 @@ fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
         target_accuracy: 1.01,
     };
     let device = dualedit::device::parse_device(&a.device)?;
-    let rep = dualedit::pretrain::pretrain(&corpus, &probe, &cfg, &a.out, device)?;
+    let rep = dualedit::pretrain::pretrain(&corpus, &probe, &cfg, &a.out, device, true)?;
     println!("{}", serde_json::to_string_pretty(&rep)?);
     Ok(())
 }

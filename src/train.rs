@@ -328,8 +328,19 @@ fn accumulate(
     Ok(acc)
 }
 
-/// Runs meta-training; writes the best editor (by validation loss) and the training state
-/// to `setup.out`.
+/// A step counter with elapsed time, ETA and a message (hidden when `show` is false, and
+/// by indicatif itself when stderr is not a terminal).
+pub(crate) fn progress_bar(steps: usize, show: bool) -> indicatif::ProgressBar {
+    let bar = if show { indicatif::ProgressBar::new(steps as u64) } else { indicatif::ProgressBar::hidden() };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// Runs meta-training; writes the best editor (by the `select_by` validation criterion)
+/// and the training state to `setup.out`.
 pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: &mut MemoryTracker) -> Result<TrainReport> {
     let cfg = setup.config;
     if setup.train.is_empty() {
@@ -373,15 +384,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     if let Some(t) = &saved_adam {
         adam.load_state(t, counters.adam_step)?;
     }
-    let bar = if setup.progress {
-        indicatif::ProgressBar::new(cfg.max_steps as u64)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let bar = progress_bar(cfg.max_steps, setup.progress);
     bar.set_position(counters.step as u64);
     let mut history = Vec::new();
     let mut validations = Vec::new();
