@@ -6,7 +6,7 @@ use std::path::Path;
 
 use common::{fixture, RECORDS};
 
-use dualedit::config::MendConfig;
+use dualedit::config::{EditorMode, MendConfig};
 use dualedit::data::easyedit::{parse_records, DatasetKind};
 use dualedit::data::examples::prepare;
 use dualedit::data::TokenBatch;
@@ -37,21 +37,24 @@ fn seeded_editor(engine: &Engine, cfg: &MendConfig, seed: i64) -> Editor {
     Editor::new(cfg, engine.edit_params.clone(), Device::Cpu).unwrap()
 }
 
-fn identity_config() -> MendConfig {
-    MendConfig { norm: false, rank: 16, ..MendConfig::default() }
+fn identity_config(mode: EditorMode) -> MendConfig {
+    MendConfig { norm: false, rank: 16, mode, ..MendConfig::default() }
 }
+
+const ALL_MODES: [EditorMode; 5] =
+    [EditorMode::Combine, EditorMode::XOnly, EditorMode::DeltaOnly, EditorMode::OneSided, EditorMode::Separate];
 
 /// With U = 0 and no normalisation the editor is the identity, so its pseudo-gradient
 /// Σ δ xᵀ must equal autograd's gradient of the edit loss w.r.t. each edited weight.
 fn identity_equals_autograd(name: &str) {
-    identity_equals_autograd_on(engine(name), name);
+    identity_equals_autograd_on(engine(name), name, EditorMode::Combine);
 }
 
-fn identity_equals_autograd_on(engine: Engine, name: &str) {
+fn identity_equals_autograd_on(engine: Engine, name: &str, mode: EditorMode) {
     let ex = examples(&engine);
     let batch = TokenBatch::collate(&[&ex[0].inner, &ex[1].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
     let (_, factors) = engine.capture(&batch).unwrap();
-    let mut editor = Editor::new(&identity_config(), engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut editor = Editor::new(&identity_config(mode), engine.edit_params.clone(), Device::Cpu).unwrap();
     // Autograd reference: the same loss with the edited weights as leaves.
     let leaves: Overrides = engine
         .edit_params
@@ -69,7 +72,7 @@ fn identity_equals_autograd_on(engine: Engine, name: &str) {
         let pseudo = editor.pseudo_grad(i, &factors[i], false);
         assert_eq!(pseudo.size(), g.size(), "{name}: {} layout", names[i]);
         let rel = (&pseudo - g).norm().double_value(&[]) / g.norm().double_value(&[]);
-        assert!(rel < 1e-4, "{name}: {}: relative error {rel}", names[i]);
+        assert!(rel < 1e-4, "{name} ({mode:?}): {}: relative error {rel}", names[i]);
     }
 }
 
@@ -91,7 +94,16 @@ fn identity_editor_equals_autograd_attention() {
         .iter()
         .map(|n| format!("transformer.{n}.weight"))
         .collect();
-    identity_equals_autograd_on(engine_editing("gpt2", &edits), "gpt2 attention");
+    identity_equals_autograd_on(engine_editing("gpt2", &edits), "gpt2 attention", EditorMode::Combine);
+}
+
+/// Every mode starts as the identity: a factor with an MLP goes through it (U = 0), one
+/// without passes as captured. `configs/zsre-small.json` uses `separate`.
+#[test]
+fn identity_editor_equals_autograd_in_every_mode() {
+    for mode in ALL_MODES {
+        identity_equals_autograd_on(engine("gpt2"), "gpt2", mode);
+    }
 }
 
 #[test]
@@ -150,9 +162,18 @@ fn target_logprob(engine: &Engine, overrides: &Overrides, e: &dualedit::data::Ex
 
 #[test]
 fn training_raises_target_probability_and_checkpoint_round_trips() {
+    training_raises_target_probability_and_round_trips(EditorMode::Combine);
+}
+
+#[test]
+fn separate_editor_trains_and_round_trips() {
+    training_raises_target_probability_and_round_trips(EditorMode::Separate);
+}
+
+fn training_raises_target_probability_and_round_trips(mode: EditorMode) {
     let engine = engine("gpt2");
     let ex = examples(&engine);
-    let cfg = MendConfig { rank: 32, lr: 1e-3, edit_lr: 1e-3, ..MendConfig::default() };
+    let cfg = MendConfig { rank: 32, lr: 1e-3, edit_lr: 1e-3, mode, ..MendConfig::default() };
     let mut editor = seeded_editor(&engine, &cfg, 0);
     let (net, lrs) = editor.trainables();
     let mut adam = dualedit::mend::optim::Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
@@ -169,7 +190,7 @@ fn training_raises_target_probability_and_checkpoint_round_trips() {
         first.get_or_insert(parts.edit_nll);
         last = parts.edit_nll;
     }
-    assert!(last < first.unwrap(), "edit NLL did not fall: {first:?} -> {last}");
+    assert!(last < first.unwrap(), "{mode:?}: edit NLL did not fall: {first:?} -> {last}");
     // The trained editor raises the new target's probability on an edit.
     let _g = tch::no_grad_guard();
     let b = TokenBatch::collate(&[&ex[0].inner], pad, Device::Cpu);
@@ -177,7 +198,7 @@ fn training_raises_target_probability_and_checkpoint_round_trips() {
     let ov = engine.edit(&mut editor, &f, false).unwrap();
     let before = target_logprob(&engine, &Overrides::new(), &ex[0].inner);
     let after = target_logprob(&engine, &ov, &ex[0].inner);
-    assert!(after > before + 0.1, "log p(target) {before} -> {after}");
+    assert!(after > before + 0.1, "{mode:?}: log p(target) {before} -> {after}");
 
     // Round trip: a reloaded editor makes exactly the same edit.
     let dir = tempfile::tempdir().unwrap();
@@ -186,7 +207,7 @@ fn training_raises_target_probability_and_checkpoint_round_trips() {
     assert_eq!(meta.step, 40);
     let ov2 = engine.edit(&mut loaded, &f, false).unwrap();
     for (n, t) in ov.dense() {
-        assert!((t - &ov2.dense()[n]).abs().max().double_value(&[]) < 1e-6, "{n} differs after reload");
+        assert!((t - &ov2.dense()[n]).abs().max().double_value(&[]) < 1e-6, "{mode:?}: {n} differs after reload");
     }
 
     // An editor trained for another model is refused with a clear error.
@@ -202,21 +223,23 @@ fn training_raises_target_probability_and_checkpoint_round_trips() {
 fn every_editor_layer_gets_a_gradient_at_initialisation() {
     let engine = engine("gpt2");
     let ex = examples(&engine);
-    let cfg = MendConfig { rank: 16, n_hidden: 1, ..MendConfig::default() };
-    let mut editor = seeded_editor(&engine, &cfg, 0);
-    let b = EditBatches::new(&[&ex[0]], engine.lm.tokenizer.pad_id(), Device::Cpu);
-    let (loss, _) = meta_loss(&engine, &mut editor, &b, true).unwrap();
-    loss.backward();
-    let mut checked = 0;
-    for (name, t) in editor.named_tensors() {
-        if name.ends_with(".u") || name.ends_with(".bias") {
-            let g = t.grad();
-            assert!(g.defined() && g.abs().max().double_value(&[]) > 0.0, "{name} got no gradient");
-            checked += 1;
+    // Two editors (c_fc and c_proj shapes) × MLPs per editor × two layers × (u, bias).
+    for (mode, mlps) in [(EditorMode::Combine, 1), (EditorMode::Separate, 2)] {
+        let cfg = MendConfig { rank: 16, n_hidden: 1, mode, ..MendConfig::default() };
+        let mut editor = seeded_editor(&engine, &cfg, 0);
+        let b = EditBatches::new(&[&ex[0]], engine.lm.tokenizer.pad_id(), Device::Cpu);
+        let (loss, _) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+        loss.backward();
+        let mut checked = 0;
+        for (name, t) in editor.named_tensors() {
+            if name.ends_with(".u") || name.ends_with(".bias") {
+                let g = t.grad();
+                assert!(g.defined() && g.abs().max().double_value(&[]) > 0.0, "{mode:?}: {name} got no gradient");
+                checked += 1;
+            }
         }
+        assert_eq!(checked, 2 * mlps * 2 * 2, "{mode:?}");
     }
-    // Two editors (c_fc and c_proj shapes) × two layers × (u, bias).
-    assert_eq!(checked, 8);
 }
 
 /// An edit outside training keeps each f32 weight's change factored (`x·W + (x·aᵀ)·b`):
