@@ -41,9 +41,6 @@ fn identity_config(mode: EditorMode) -> MendConfig {
     MendConfig { norm: false, rank: 16, mode, ..MendConfig::default() }
 }
 
-const ALL_MODES: [EditorMode; 5] =
-    [EditorMode::Combine, EditorMode::XOnly, EditorMode::DeltaOnly, EditorMode::OneSided, EditorMode::Separate];
-
 /// With U = 0 and no normalisation the editor is the identity, so its pseudo-gradient
 /// Σ δ xᵀ must equal autograd's gradient of the edit loss w.r.t. each edited weight.
 fn identity_equals_autograd(name: &str) {
@@ -101,7 +98,8 @@ fn identity_editor_equals_autograd_attention() {
 /// without passes as captured. `configs/zsre-small.json` uses `separate`.
 #[test]
 fn identity_editor_equals_autograd_in_every_mode() {
-    for mode in ALL_MODES {
+    use EditorMode::*;
+    for mode in [Combine, XOnly, DeltaOnly, OneSided, Separate] {
         identity_equals_autograd_on(engine("gpt2"), "gpt2", mode);
     }
 }
