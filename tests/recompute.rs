@@ -85,8 +85,13 @@ fn lockstep(plain: &Engine, recomputed: &Engine, steps: usize) -> (Trace, Trace)
     (traces.next().unwrap(), traces.next().unwrap())
 }
 
+/// Absolute slack on top of the relative `TOL`. The locality KL is small (~0.01 nats) but
+/// summed from log-probabilities of order 1, so f32 rounding and the thread-dependent
+/// order of libtorch's reductions move it by ~1e-7 absolute: ~1e-5 of its own size.
+const ABS_TOL: f64 = 1e-6;
+
 fn close(a: f64, b: f64) -> bool {
-    (a - b).abs() <= TOL * a.abs().max(b.abs()).max(1e-12)
+    (a - b).abs() <= TOL * a.abs().max(b.abs()) + ABS_TOL
 }
 
 fn assert_same(what: &str, plain: &Trace, recomputed: &Trace) {
