@@ -187,6 +187,9 @@ struct ScoreArgs {
     /// Text to score.
     #[arg(long)]
     text: String,
+    /// An image (PNG or JPEG) shown before the text; vision-language models only.
+    #[arg(long)]
+    image: Option<PathBuf>,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -346,14 +349,20 @@ fn score(args: ScoreArgs) -> anyhow::Result<()> {
     let device = dualedit::device::parse_device(&args.device)?;
     let kind = parse_dtype(&args.dtype)?;
     let lm = load_model(&args.model, device, kind)?;
-    let s = dualedit::score::score_text(&lm, &ParamView::frozen(&lm.params), &args.text)?;
+    let images: Vec<&std::path::Path> = args.image.iter().map(|p| p.as_path()).collect();
+    let s = dualedit::score::score_with_images(&lm, &ParamView::frozen(&lm.params), &args.text, &images)?;
     if args.json {
         println!("{}", serde_json::to_string(&s)?);
     } else {
+        if s.image_tokens > 0 {
+            println!("image: {} tokens before the text", s.image_tokens);
+        }
+        // Without an image the first token has nothing before it and is not scored.
+        let first = s.tokens.len() - s.logprobs.len();
         println!("{:>6}  {:>10}  token", "pos", "logprob");
         for (i, lp) in s.logprobs.iter().enumerate() {
-            let piece = lm.tokenizer.decode(&[s.tokens[i + 1]]).unwrap_or_default();
-            println!("{:>6}  {:>10.4}  {:?}", i + 1, lp, piece);
+            let piece = lm.tokenizer.decode(&[s.tokens[i + first]]).unwrap_or_default();
+            println!("{:>6}  {:>10.4}  {:?}", i + first, lp, piece);
         }
         println!("mean NLL {:.4} over {} tokens", s.mean_nll, s.logprobs.len());
     }

@@ -267,22 +267,26 @@ fn dims(model: &Model) -> Dims {
                 vocab: c.vocab_size,
             }
         }
-        Model::Llama(m) => {
-            let c = &m.config;
-            let hd = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads);
-            let kvh = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
-            Dims {
-                family: Family::Llama,
-                d: c.hidden_size,
-                f: c.intermediate_size,
-                heads: c.num_attention_heads,
-                q: c.num_attention_heads * hd,
-                kv: kvh * hd,
-                gqa: kvh != c.num_attention_heads,
-                n_layers: c.num_hidden_layers,
-                vocab: c.vocab_size,
-            }
-        }
+        Model::Llama(m) => llama_dims(&m.config),
+        // The text decoder is Qwen2's; the vision tower runs once per image, frozen.
+        Model::Qwen2Vl(m) => llama_dims(&m.config.text),
+    }
+}
+
+/// LLaMA / Qwen2 decoder sizes (also the text side of the VL family).
+fn llama_dims(c: &crate::model::llama::LlamaConfig) -> Dims {
+    let hd = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads);
+    let kvh = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
+    Dims {
+        family: Family::Llama,
+        d: c.hidden_size,
+        f: c.intermediate_size,
+        heads: c.num_attention_heads,
+        q: c.num_attention_heads * hd,
+        kv: kvh * hd,
+        gqa: kvh != c.num_attention_heads,
+        n_layers: c.num_hidden_layers,
+        vocab: c.vocab_size,
     }
 }
 

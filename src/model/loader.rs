@@ -11,6 +11,7 @@ use tracing::{debug, info};
 
 use super::gpt2::{Gpt2, Gpt2Config};
 use super::llama::{Llama, LlamaConfig};
+use super::qwen2_vl::Qwen2Vl;
 use super::{Model, ParamStore, Tokenizer};
 use crate::{Error, Result};
 
@@ -62,11 +63,14 @@ pub fn read_config(dir: &Path) -> Result<(Model, serde_json::Value)> {
             let cfg = serde_json::from_value::<LlamaConfig>(json.clone()).map_err(bad)?;
             Model::Llama(Llama::new(cfg, &arch).map_err(wrap)?)
         }
+        "Qwen2VLForConditionalGeneration" | "Qwen2_5_VLForConditionalGeneration" => {
+            Model::Qwen2Vl(Qwen2Vl::from_json(&json, &arch).map_err(wrap)?)
+        }
         other => {
             return Err(Error::file(
                 &path,
                 format!(
-                    "unknown architecture {other:?} (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)"
+                    "unknown architecture {other:?} (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration)"
                 ),
             ))
         }
@@ -102,6 +106,7 @@ fn canonical_name(model: &Model, name: &str) -> String {
         Model::Gpt2(_) if !name.starts_with("transformer.") && !name.starts_with("lm_head.") => {
             format!("transformer.{name}")
         }
+        Model::Qwen2Vl(_) => Qwen2Vl::canonical_name(name),
         _ => name.to_string(),
     }
 }

@@ -7,6 +7,7 @@ pub mod gpt2;
 pub mod llama;
 pub mod loader;
 pub mod params;
+pub mod qwen2_vl;
 pub mod recompute;
 pub mod tokenizer;
 
@@ -106,11 +107,17 @@ pub struct ForwardInput<'a> {
     pub keep: Option<&'a Tensor>,
     /// Weight names whose layer input/output to return.
     pub capture: &'a HashSet<String>,
+    /// M-RoPE position ids `[3, B, T]` (temporal, height, width) for vision-language
+    /// models; `None`: positions from the padding mask, equal on all three streams.
+    pub position_ids: Option<&'a Tensor>,
+    /// Image features `[N, D]` placed, in order, at the N `<|image_pad|>` tokens of
+    /// `input_ids` (vision-language models; see [`qwen2_vl::Qwen2Vl::image_features`]).
+    pub image_embeds: Option<&'a Tensor>,
 }
 
 impl<'a> ForwardInput<'a> {
     pub fn new(input_ids: &'a Tensor, capture: &'a HashSet<String>) -> Self {
-        Self { input_ids, attention_mask: None, keep: None, capture }
+        Self { input_ids, attention_mask: None, keep: None, capture, position_ids: None, image_embeds: None }
     }
 }
 
@@ -220,6 +227,8 @@ pub struct ModelInfo {
 pub enum Model {
     Gpt2(gpt2::Gpt2),
     Llama(llama::Llama),
+    /// Qwen2-VL / Qwen2.5-VL: the Qwen2 decoder with M-RoPE and a vision tower.
+    Qwen2Vl(qwen2_vl::Qwen2Vl),
 }
 
 impl Model {
@@ -294,6 +303,7 @@ impl Model {
         crate::error::guard(|| match self {
             Model::Gpt2(m) => m.embed(p, input, past),
             Model::Llama(m) => m.embed(p, input, past),
+            Model::Qwen2Vl(m) => m.embed(p, input, past),
         })
     }
 
@@ -315,6 +325,7 @@ impl Model {
         match self {
             Model::Gpt2(m) => m.block(p, i, x, ctx, capture, captures, cache),
             Model::Llama(m) => m.block(p, i, x, ctx, capture, captures, cache),
+            Model::Qwen2Vl(m) => m.block(p, i, x, ctx, capture, captures, cache),
         }
     }
 
@@ -329,6 +340,7 @@ impl Model {
         match self {
             Model::Gpt2(m) => m.final_norm(p, x),
             Model::Llama(m) => m.final_norm(p, x),
+            Model::Qwen2Vl(m) => m.final_norm(p, x),
         }
     }
 
@@ -337,6 +349,7 @@ impl Model {
         p.get(match self {
             Model::Gpt2(m) => m.head_weight_name(),
             Model::Llama(m) => m.head_weight_name(),
+            Model::Qwen2Vl(m) => m.head_weight_name(),
         })
     }
 
@@ -350,7 +363,7 @@ impl Model {
     pub fn block_of(&self, name: &str) -> Option<usize> {
         let prefix = match self {
             Model::Gpt2(_) => "transformer.h.",
-            Model::Llama(_) => "model.layers.",
+            Model::Llama(_) | Model::Qwen2Vl(_) => "model.layers.",
         };
         let (idx, _) = name.strip_prefix(prefix)?.split_once('.')?;
         idx.parse().ok().filter(|i| *i < self.n_blocks())
@@ -360,6 +373,7 @@ impl Model {
         match self {
             Model::Gpt2(m) => m.info(),
             Model::Llama(m) => m.info(),
+            Model::Qwen2Vl(m) => m.info(),
         }
     }
 
@@ -368,6 +382,7 @@ impl Model {
         match self {
             Model::Gpt2(m) => m.expected_params(),
             Model::Llama(m) => m.expected_params(),
+            Model::Qwen2Vl(m) => m.expected_params(),
         }
     }
 
@@ -376,6 +391,7 @@ impl Model {
         match self {
             Model::Gpt2(m) => m.layout(name),
             Model::Llama(m) => m.layout(name),
+            Model::Qwen2Vl(m) => m.layout(name),
         }
     }
 
@@ -384,6 +400,7 @@ impl Model {
         match self {
             Model::Gpt2(m) => m.default_edit_params(),
             Model::Llama(m) => m.default_edit_params(),
+            Model::Qwen2Vl(m) => m.default_edit_params(),
         }
     }
 }
