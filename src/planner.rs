@@ -27,6 +27,7 @@ use tch::Kind;
 use crate::config::{EditorMode, MendConfig};
 use crate::device::memory::format_bytes;
 use crate::model::loader::read_config;
+use crate::model::family::{split_block_name, Family};
 use crate::model::Model;
 use crate::{Error, Result};
 
@@ -227,174 +228,6 @@ fn dtype_name(k: Kind) -> &'static str {
     }
 }
 
-/// The architecture's sizes as the activation simulation needs them.
-#[derive(Debug, Clone, Copy)]
-enum Family {
-    Gpt2,
-    Llama,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Dims {
-    family: Family,
-    d: i64,
-    /// MLP inner size.
-    f: i64,
-    heads: i64,
-    /// Width of q (heads · head_dim).
-    q: i64,
-    /// Width of k and v (kv heads · head_dim).
-    kv: i64,
-    /// Whether k/v are repeated to the query heads (grouped-query attention).
-    gqa: bool,
-    n_layers: i64,
-    vocab: i64,
-}
-
-fn dims(model: &Model) -> Dims {
-    match model {
-        Model::Gpt2(m) => {
-            let c = &m.config;
-            Dims {
-                family: Family::Gpt2,
-                d: c.n_embd,
-                f: c.n_inner.unwrap_or(4 * c.n_embd),
-                heads: c.n_head,
-                q: c.n_embd,
-                kv: c.n_embd,
-                gqa: false,
-                n_layers: c.n_layer,
-                vocab: c.vocab_size,
-            }
-        }
-        Model::Llama(m) => llama_dims(&m.config),
-        // The text decoder is Qwen2's; the vision tower runs once per image, frozen.
-        Model::Qwen2Vl(m) => llama_dims(&m.config.text),
-    }
-}
-
-/// LLaMA / Qwen2 decoder sizes (also the text side of the VL family).
-fn llama_dims(c: &crate::model::llama::LlamaConfig) -> Dims {
-    let hd = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads);
-    let kvh = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
-    Dims {
-        family: Family::Llama,
-        d: c.hidden_size,
-        f: c.intermediate_size,
-        heads: c.num_attention_heads,
-        q: c.num_attention_heads * hd,
-        kv: kvh * hd,
-        gqa: kvh != c.num_attention_heads,
-        n_layers: c.num_hidden_layers,
-        vocab: c.vocab_size,
-    }
-}
-
-/// Layer index and matrix name (`mlp.c_fc`, `self_attn.q_proj`, ...) of an edited weight.
-fn split_name(name: &str) -> Option<(i64, String)> {
-    let rest = name.strip_prefix("transformer.h.").or_else(|| name.strip_prefix("model.layers."))?;
-    let (idx, m) = rest.split_once('.')?;
-    let m = m.strip_suffix(".weight")?;
-    Some((idx.parse().ok()?, m.to_string()))
-}
-
-/// Bytes per token saved for backward by one layer, given whether its input (the residual
-/// stream) requires grad and which of its matrices are edited. Returns (bytes per token,
-/// whether the layer's output requires grad, edited matrices whose input requires grad —
-/// their `W'` is saved by the matmul too).
-fn layer_saved(dm: &Dims, s: i64, res_rg: bool, edited: &[String]) -> (i64, bool, Vec<String>) {
-    let e = |m: &str| edited.iter().any(|x| x == m);
-    let mut bytes = 0i64;
-    let mut w_saved = Vec::new();
-    // A matmul saves its input when the weight requires grad (counted by the callers), and
-    // the weight when the input does (an edited W' then stays alive with the graph).
-    let mm = |input_rg: bool, m: &str, w_saved: &mut Vec<String>| -> bool {
-        if e(m) && input_rg {
-            w_saved.push(m.to_string());
-        }
-        input_rg || e(m)
-    };
-    match dm.family {
-        Family::Gpt2 => {
-            let (d, f, h) = (dm.d, dm.f, dm.heads);
-            if res_rg {
-                bytes += d * s + 8; // ln_1: input, mean, rstd (f32)
-            }
-            if e("attn.c_attn") {
-                bytes += d * s; // ln_1 output, input of an edited matmul
-            }
-            let qkv_rg = mm(res_rg, "attn.c_attn", &mut w_saved);
-            if qkv_rg {
-                bytes += 3 * d * s + d * s + h * 4; // SDPA: q, k, v (one qkv tensor), output, logsumexp
-            }
-            if e("attn.c_proj") {
-                bytes += d * s; // contiguous copy of the attention output
-            }
-            let a_rg = mm(qkv_rg, "attn.c_proj", &mut w_saved);
-            let x1_rg = res_rg || a_rg;
-            if x1_rg {
-                bytes += d * s + 8; // ln_2
-            }
-            if e("mlp.c_fc") {
-                bytes += d * s;
-            }
-            let fc_rg = mm(x1_rg, "mlp.c_fc", &mut w_saved);
-            if fc_rg {
-                bytes += f * s; // gelu input
-            }
-            if e("mlp.c_proj") {
-                bytes += f * s; // gelu output
-            }
-            let o_rg = mm(fc_rg, "mlp.c_proj", &mut w_saved);
-            (bytes, x1_rg || o_rg, w_saved)
-        }
-        Family::Llama => {
-            let (d, f, h, q, kv) = (dm.d, dm.f, dm.heads, dm.q, dm.kv);
-            if res_rg {
-                bytes += d * 4 + 4; // RMSNorm in f32: input (as f32), rsqrt
-            }
-            if e("self_attn.q_proj") || e("self_attn.k_proj") || e("self_attn.v_proj") {
-                bytes += d * s;
-            }
-            let q_rg = mm(res_rg, "self_attn.q_proj", &mut w_saved);
-            let k_rg = mm(res_rg, "self_attn.k_proj", &mut w_saved);
-            let v_rg = mm(res_rg, "self_attn.v_proj", &mut w_saved);
-            let att_rg = q_rg || k_rg || v_rg;
-            if att_rg {
-                let kvw = if dm.gqa { q } else { kv };
-                bytes += q * s + 2 * kvw * s + q * s + h * 4; // SDPA: rotated q, k, v, output, logsumexp
-            }
-            if e("self_attn.o_proj") {
-                bytes += q * s;
-            }
-            let o_rg = mm(att_rg, "self_attn.o_proj", &mut w_saved);
-            let x1_rg = res_rg || o_rg;
-            if x1_rg {
-                bytes += d * 4 + 4;
-            }
-            if e("mlp.gate_proj") || e("mlp.up_proj") {
-                bytes += d * s;
-            }
-            let g_rg = mm(x1_rg, "mlp.gate_proj", &mut w_saved);
-            let u_rg = mm(x1_rg, "mlp.up_proj", &mut w_saved);
-            if g_rg {
-                bytes += f * s; // silu input
-            }
-            if u_rg {
-                bytes += f * s; // act, saved by act·u for u's gradient
-            }
-            if g_rg {
-                bytes += f * s; // u, saved for act's gradient
-            }
-            if e("mlp.down_proj") {
-                bytes += f * s;
-            }
-            let m_rg = mm(g_rg || u_rg, "mlp.down_proj", &mut w_saved);
-            (bytes, x1_rg || m_rg, w_saved)
-        }
-    }
-}
-
 /// Activations saved for backward by a forward with the `edited` weights requiring grad,
 /// from the first edited layer up.
 /// What a forward with grad keeps: bytes per token, the same per layer `(layer, bytes)`,
@@ -405,26 +238,24 @@ struct Saved {
     w_kept: Vec<(i64, String)>,
 }
 
-fn saved_activations(dm: &Dims, s: i64, edited: &[(i64, String)]) -> Saved {
-    let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(dm.n_layers);
+fn saved_activations(fam: &dyn Family, s: i64, edited: &[(i64, String)]) -> Saved {
+    let n_layers = fam.dims().n_layers;
+    let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(n_layers);
     let mut res_rg = false;
     let mut per_token = 0;
     let mut per_layer = Vec::new();
     let mut kept = Vec::new();
-    for layer in first..dm.n_layers {
+    for layer in first..n_layers {
         let mats: Vec<String> = edited.iter().filter(|(l, _)| *l == layer).map(|(_, m)| m.clone()).collect();
-        let (b, out_rg, ws) = layer_saved(dm, s, res_rg, &mats);
-        per_token += b;
-        per_layer.push((layer, b));
-        kept.extend(ws.into_iter().map(|m| (layer, m)));
-        res_rg = out_rg;
+        let block = fam.block_saved(s, res_rg, &mats);
+        per_token += block.per_token;
+        per_layer.push((layer, block.per_token));
+        kept.extend(block.weights_kept.into_iter().map(|m| (layer, m)));
+        res_rg = block.output_requires_grad;
     }
     if res_rg {
         // Final norm saves its input.
-        per_token += match dm.family {
-            Family::Gpt2 => dm.d * s + 8,
-            Family::Llama => dm.d * 4 + 4,
-        };
+        per_token += fam.final_norm_saved(s);
     }
     Saved { per_token, per_layer, w_kept: kept }
 }
@@ -432,23 +263,16 @@ fn saved_activations(dm: &Dims, s: i64, edited: &[(i64, String)]) -> Saved {
 /// With recomputation ([`MendConfig::recompute`]): the bytes per token one block keeps for
 /// its backward while it is recomputed, for the largest block from the first edited one
 /// up (its input requires grad, except the first's), and that block.
-fn recompute_block_max(dm: &Dims, s: i64, edited: &[(i64, String)]) -> (i64, i64) {
-    let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(dm.n_layers);
-    (first..dm.n_layers)
+fn recompute_block_max(fam: &dyn Family, s: i64, edited: &[(i64, String)]) -> (i64, i64) {
+    let n_layers = fam.dims().n_layers;
+    let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(n_layers);
+    (first..n_layers)
         .map(|layer| {
             let mats: Vec<String> = edited.iter().filter(|(l, _)| *l == layer).map(|(_, m)| m.clone()).collect();
-            (layer_saved(dm, s, layer > first, &mats).0, layer)
+            (fam.block_saved(s, layer > first, &mats).per_token, layer)
         })
         .max()
         .unwrap_or((0, first))
-}
-
-/// Live tensors of a forward without grad, per token: one layer's working set.
-fn inference_working_set(dm: &Dims, s: i64) -> i64 {
-    match dm.family {
-        Family::Gpt2 => (2 * dm.d + 3 * dm.f) * s,
-        Family::Llama => (2 * dm.d + 4 * dm.f) * s + dm.d * 4,
-    }
 }
 
 struct Edited {
@@ -513,7 +337,8 @@ fn num(n: i64) -> String {
 pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<MemoryPlan> {
     cfg.validate()?;
     let info = model.info();
-    let dm = dims(model);
+    let family = model.family();
+    let dm = family.dims();
     let tokens = o.tokens.min(info.max_positions);
     let kept = o.kept.unwrap_or(tokens - 1);
     if tokens < 2 || kept < 1 || kept >= tokens {
@@ -531,7 +356,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         let shape = shapes.get(name).ok_or_else(|| Error::input(format!("{name:?} is not a parameter of the model")))?;
         let (d_in, d_out) = layout.in_out(shape);
         let (layer, matrix) =
-            split_name(name).ok_or_else(|| Error::input(format!("{name:?} is not inside a transformer block")))?;
+            split_block_name(family.block_prefix(), name).ok_or_else(|| Error::input(format!("{name:?} is not inside a transformer block")))?;
         edited.push(Edited { name: name.clone(), layer, matrix, d_in, d_out });
     }
     if edited.is_empty() {
@@ -559,7 +384,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         .unwrap_or(0);
 
     let located: Vec<(i64, String)> = edited.iter().map(|p| (p.layer, p.matrix.clone())).collect();
-    let Saved { per_token: act_per_token, per_layer, w_kept } = saved_activations(&dm, s, &located);
+    let Saved { per_token: act_per_token, per_layer, w_kept } = saved_activations(family, s, &located);
     let first_layer = per_layer.first().map(|(l, _)| *l).unwrap_or(0);
     let w_kept_elems: i64 = edited
         .iter()
@@ -577,10 +402,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         }
         t
     };
-    let fam = match dm.family {
-        Family::Gpt2 => "GPT-2",
-        Family::Llama => "LLaMA",
-    };
+    let fam = &info.architecture;
 
     let main_dev = o.main.clone();
     let sub_dev = if o.split { o.sub.clone() } else { o.main.clone() };
@@ -821,7 +643,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
             // One forward at a time (outer, then locality): its block inputs, then one
             // block recomputed with grad, the hidden-state gradients in and out of it.
             let kept_blocks = dm.n_layers - first_layer + 1;
-            let (block_max, block_at) = recompute_block_max(&dm, s, &located);
+            let (block_max, block_at) = recompute_block_max(family, s, &located);
             add(
                 phase,
                 fwd_role,
@@ -853,8 +675,8 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
                 fwd_role,
                 &[EditedForward],
                 "edited forward without grad: one layer's working set",
-                format!("B·T·bytes/token = {n}·{}", inference_working_set(&dm, s)),
-                n * inference_working_set(&dm, s),
+                format!("B·T·bytes/token = {n}·{}", family.inference_working_set(s)),
+                n * family.inference_working_set(s),
             );
         }
         if o.split && !train {
@@ -1081,17 +903,16 @@ mod tests {
             "vocab_size": v, "n_embd": d, "n_layer": n_layer, "n_head": 4, "n_positions": 128
         }))
         .unwrap();
-        Model::Gpt2(Gpt2::new(c).unwrap())
+        Model::new(Gpt2::new(c).unwrap())
     }
 
     #[test]
     fn frozen_layers_below_the_first_edit_keep_nothing() {
         let m = gpt2(6, 64, 100);
-        let dm = dims(&m);
         let last: Vec<(i64, String)> = vec![(5, "mlp.c_fc".into()), (5, "mlp.c_proj".into())];
         let two: Vec<(i64, String)> = vec![(4, "mlp.c_fc".into()), (5, "mlp.c_fc".into()), (5, "mlp.c_proj".into())];
-        let Saved { per_token: a, per_layer: la, w_kept: ka } = saved_activations(&dm, 4, &last);
-        let Saved { per_token: b, per_layer: lb, .. } = saved_activations(&dm, 4, &two);
+        let Saved { per_token: a, per_layer: la, w_kept: ka } = saved_activations(m.family(), 4, &last);
+        let Saved { per_token: b, per_layer: lb, .. } = saved_activations(m.family(), 4, &two);
         assert_eq!(la.len(), 1);
         assert_eq!(lb.len(), 2);
         assert!(b > a);

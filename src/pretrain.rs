@@ -143,7 +143,7 @@ pub fn pretrain(
     let eos = tok.pad_id();
     let vocab = tok.vocab_size();
     let config = hf_config(cfg, vocab, eos);
-    let model = Model::Gpt2(Gpt2::new(serde_json::from_value::<Gpt2Config>(config.clone()).map_err(|e| Error::Torch(e.to_string()))?)?);
+    let model = Model::new(Gpt2::new(serde_json::from_value::<Gpt2Config>(config.clone()).map_err(|e| Error::Torch(e.to_string()))?)?);
     tch::manual_seed(cfg.seed as i64);
     let store = random_params(&model, device, Kind::Float);
     let params: Vec<Tensor> = store.iter().map(|(_, t)| t.set_requires_grad(true)).collect();

@@ -6,7 +6,7 @@ use serde::Serialize;
 use tch::{Kind, Tensor};
 
 use crate::model::qwen2_vl::{image, ImageProcessorConfig};
-use crate::model::{ForwardInput, LoadedModel, Model, ParamView};
+use crate::model::{ForwardInput, LoadedModel, ParamView};
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, Serialize)]
@@ -62,7 +62,7 @@ pub fn score_with_images(lm: &LoadedModel, params: &ParamView, text: &str, image
     if images.is_empty() {
         return score_text(lm, params, text);
     }
-    let Model::Qwen2Vl(vl) = &lm.model else {
+    let Some(vl) = lm.model.family().vision_language() else {
         return Err(Error::input(format!(
             "{} is a text-only model ({}); images need a Qwen2-VL or Qwen2.5-VL model",
             lm.dir.display(),

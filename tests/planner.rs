@@ -82,7 +82,7 @@ fn gpt2_small() -> Model {
         "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024,
     }))
     .unwrap();
-    Model::Gpt2(Gpt2::new(config).unwrap())
+    Model::new(Gpt2::new(config).unwrap())
 }
 
 fn config_of(case: &Case) -> MendConfig {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use dualedit::model::qwen2_vl::{image, ImageProcessorConfig};
-use dualedit::model::{load_model, Model, ParamView};
+use dualedit::model::{load_model, ParamView};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
@@ -72,7 +72,7 @@ fn check_model(name: &str) {
     let dir = fixture(name);
     let r = json(&dir.join("reference.json"));
     let lm = load_model(&dir, Device::Cpu, Kind::Float).unwrap();
-    let Model::Qwen2Vl(vl) = &lm.model else { panic!("{name} did not load as a VL model") };
+    let vl = lm.model.family().vision_language().expect("loads as a vision-language model");
     let params = ParamView::frozen(&lm.params);
     let proc = processor(name);
     let pixels = reference_pixels();

@@ -32,6 +32,7 @@ pub use config::{Qwen2VlConfig, VisionConfig, VlFamily};
 pub use image::{ImageProcessorConfig, PreparedImage};
 pub use vision::Grid;
 
+use super::family::{BlockSaved, Dims, Family};
 use super::llama::Llama;
 use super::{position_ids, AttnMask, BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
@@ -71,30 +72,9 @@ impl Qwen2Vl {
         c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads)
     }
 
-    pub fn info(&self) -> ModelInfo {
-        let n_params = self.expected_params().iter().map(|(_, s)| s.iter().product::<i64>()).sum();
-        ModelInfo { architecture: self.architecture.clone(), n_params, ..self.text.info() }
-    }
-
-    /// The text decoder's parameters, then the vision tower's.
-    pub fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
-        let mut out = self.text.expected_params();
-        out.extend(vision::expected_params(&self.config.vision));
-        out
-    }
-
     /// Parameters of the vision tower alone (`visual.*`), with shapes.
     pub fn vision_params(&self) -> Vec<(String, Vec<i64>)> {
         vision::expected_params(&self.config.vision)
-    }
-
-    /// Only the text decoder's linear layers can be edited; the vision tower is frozen.
-    pub fn layout(&self, name: &str) -> Option<WeightLayout> {
-        self.text.layout(name)
-    }
-
-    pub fn default_edit_params(&self) -> Vec<String> {
-        self.text.default_edit_params()
     }
 
     /// Merged image tokens `[N, D]` for the images' pixel values `[P, patch_dim]` and
@@ -181,10 +161,36 @@ impl Qwen2Vl {
         let emb = Tensor::cat(&[&f, &f], -1).unsqueeze(1);
         (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
     }
+}
+
+/// The text side is [`Llama`]'s Qwen2 decoder in everything but the embedding step;
+/// the planner's per-block description is therefore the decoder's too (the vision tower
+/// runs once per image, without grad; see [`Qwen2Vl::vision_forward_bytes`]).
+impl Family for Qwen2Vl {
+    fn info(&self) -> ModelInfo {
+        let n_params = self.expected_params().iter().map(|(_, s)| s.iter().product::<i64>()).sum();
+        ModelInfo { architecture: self.architecture.clone(), n_params, ..self.text.info() }
+    }
+
+    /// The text decoder's parameters, then the vision tower's.
+    fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
+        let mut out = self.text.expected_params();
+        out.extend(vision::expected_params(&self.config.vision));
+        out
+    }
+
+    /// Only the text decoder's linear layers can be edited; the vision tower is frozen.
+    fn layout(&self, name: &str) -> Option<WeightLayout> {
+        self.text.layout(name)
+    }
+
+    fn default_edit_params(&self) -> Vec<String> {
+        self.text.default_edit_params()
+    }
 
     /// Token embeddings with the image features scattered into the `<|image_pad|>`
     /// positions, and the M-RoPE tables.
-    pub(crate) fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
+    fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
         let ids = input.input_ids;
         let (b, t) = (ids.size()[0], ids.size()[1]);
         let mask = AttnMask::new(input.attention_mask, t, past, ids.device());
@@ -227,7 +233,7 @@ impl Qwen2Vl {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn block(
+    fn block(
         &self,
         p: &ParamView,
         i: usize,
@@ -240,11 +246,39 @@ impl Qwen2Vl {
         self.text.block(p, i, x, ctx, cap, captures, cache)
     }
 
-    pub(crate) fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
+    fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
         self.text.final_norm(p, x)
     }
 
-    pub(crate) fn head_weight_name(&self) -> &'static str {
+    fn head_weight_name(&self) -> &'static str {
         self.text.head_weight_name()
+    }
+
+    fn block_prefix(&self) -> &'static str {
+        self.text.block_prefix()
+    }
+
+    fn canonical_name(&self, name: &str) -> String {
+        Self::canonical_name(name)
+    }
+
+    fn dims(&self) -> Dims {
+        self.text.dims()
+    }
+
+    fn block_saved(&self, s: i64, input_requires_grad: bool, edited: &[String]) -> BlockSaved {
+        self.text.block_saved(s, input_requires_grad, edited)
+    }
+
+    fn final_norm_saved(&self, s: i64) -> i64 {
+        self.text.final_norm_saved(s)
+    }
+
+    fn inference_working_set(&self, s: i64) -> i64 {
+        self.text.inference_working_set(s)
+    }
+
+    fn vision_language(&self) -> Option<&Qwen2Vl> {
+        Some(self)
     }
 }
