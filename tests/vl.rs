@@ -195,3 +195,103 @@ fn score_image_json() {
         assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4);
     }
 }
+
+/// Copies a fixture directory into a temp dir so a test can break it.
+fn broken_copy(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    tmp
+}
+
+fn assert_clean_error(out: &std::process::Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "panic instead of an error: {err}");
+    assert_eq!(err.trim().lines().count(), 1, "expected one line, got: {err}");
+    for n in needles {
+        assert!(err.contains(n), "error {err:?} should mention {n:?}");
+    }
+}
+
+#[test]
+fn bad_images_and_configs_give_one_clear_error() {
+    let model = fixture("qwen2_vl");
+    let score = |dir: &Path, img: &Path| {
+        dualedit(&["score", "--model", dir.to_str().unwrap(), "--image", img.to_str().unwrap(), "--text", "The capital of France is"])
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    // Missing, empty, truncated, not an image.
+    let missing = tmp.path().join("missing.png");
+    assert_clean_error(&score(&model, &missing), &["missing.png", "not found"]);
+    let empty = tmp.path().join("empty.png");
+    std::fs::write(&empty, b"").unwrap();
+    assert_clean_error(&score(&model, &empty), &["empty.png", "empty"]);
+    for (name, src) in [("cut.png", "rgb.png"), ("cut.jpg", "photo.jpg")] {
+        let bytes = std::fs::read(fixture("vl_images").join(src)).unwrap();
+        let cut = tmp.path().join(name);
+        std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+        assert_clean_error(&score(&model, &cut), &[name, "truncated or corrupt"]);
+    }
+    let text = tmp.path().join("notes.png");
+    std::fs::write(&text, "just some text, not pixels").unwrap();
+    assert_clean_error(&score(&model, &text), &["notes.png", "not a PNG or JPEG"]);
+    assert_clean_error(&score(&model, tmp.path()), &["directory"]);
+
+    // An image whose tokens do not fit the context.
+    let small = broken_copy("qwen2_vl");
+    let cfg = small.path().join("config.json");
+    let mut v = json(&cfg);
+    v["text_config"]["max_position_embeddings"] = Value::from(16);
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let big = fixture("vl_images").join("big.png");
+    assert_clean_error(&score(small.path(), &big), &["big.png", "14 tokens", "context of 16"]);
+
+    // A VL config without vision_config.
+    let novision = broken_copy("qwen2_5_vl");
+    let cfg = novision.path().join("config.json");
+    let mut v = json(&cfg);
+    v.as_object_mut().unwrap().remove("vision_config");
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let rgb = fixture("vl_images").join("rgb.png");
+    assert_clean_error(&score(novision.path(), &rgb), &["config.json", "vision_config"]);
+
+    // An unknown vision activation.
+    let mut v = json(&fixture("qwen2_5_vl").join("config.json"));
+    v["vision_config"]["hidden_act"] = Value::from("swishy");
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    assert_clean_error(&score(novision.path(), &rgb), &["config.json", "swishy"]);
+
+    // Malformed preprocessor_config.json.
+    let badproc = broken_copy("qwen2_vl");
+    std::fs::write(badproc.path().join("preprocessor_config.json"), "{ \"min_pixels\": ").unwrap();
+    assert_clean_error(&score(badproc.path(), &rgb), &["preprocessor_config.json", "malformed"]);
+    std::fs::write(badproc.path().join("preprocessor_config.json"), r#"{"patch_size": 16}"#).unwrap();
+    assert_clean_error(&score(badproc.path(), &rgb), &["preprocessor_config.json", "patch_size 16"]);
+
+    // A text-only model given an image.
+    assert_clean_error(&score(&fixture("qwen2"), &rgb), &["text-only", "Qwen2ForCausalLM"]);
+}
+
+/// Without preprocessor_config.json the processor's defaults apply (and are logged):
+/// min_pixels 56², so the 75 × 40 image becomes 56 × 84 as with the fixture's settings.
+#[test]
+fn missing_preprocessor_config_uses_the_defaults() {
+    let dir = broken_copy("qwen2_vl");
+    std::fs::remove_file(dir.path().join("preprocessor_config.json")).unwrap();
+    let rgb = fixture("vl_images").join("rgb.png");
+    let out = dualedit(&["score", "--model", dir.path().to_str().unwrap(), "--image", rgb.to_str().unwrap(), "--text", "The capital of France is Paris.", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("preprocessor_config.json") && err.contains("defaults"), "the defaults are announced: {err}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["image_tokens"].as_u64().unwrap(), 8);
+    let want = &json(&fixture("qwen2_vl").join("reference.json"))["cases"][0]["logprobs"];
+    let want = want.as_array().unwrap();
+    let got = v["logprobs"].as_array().unwrap();
+    for (a, b) in got.iter().zip(&want[want.len() - got.len()..]) {
+        assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4);
+    }
+}
