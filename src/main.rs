@@ -66,6 +66,10 @@ struct PlanArgs {
     /// Labelled positions per example (default: all but the first, an upper bound).
     #[arg(long)]
     kept_tokens: Option<i64>,
+    /// Vision-language models: the image each example shows, WIDTHxHEIGHT pixels (its
+    /// tokens are added to --max-length; the vision tower's forward is planned).
+    #[arg(long, value_parser = parse_image_size)]
+    image_size: Option<(i64, i64)>,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -586,10 +590,22 @@ fn build_default(a: BuildDefaultArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `448x448` (or `448×448`) to `(width, height)`.
+fn parse_image_size(s: &str) -> Result<(i64, i64), String> {
+    let bad = || format!("{s:?} is not an image size WIDTHxHEIGHT (e.g. 448x448)");
+    let (w, h) = s.split_once(['x', 'X', '×']).ok_or_else(bad)?;
+    let (w, h) = (w.trim().parse::<i64>().map_err(|_| bad())?, h.trim().parse::<i64>().map_err(|_| bad())?);
+    if w < 1 || h < 1 {
+        return Err(bad());
+    }
+    Ok((w, h))
+}
+
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let config = MendConfig::from_file(&a.config)?;
     let tokens = a.max_length.unwrap_or(config.max_length) as i64;
-    let opts = dualedit::planner::PlanOptions::new(&a.device, a.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
+    let mut opts = dualedit::planner::PlanOptions::new(&a.device, a.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
+    opts.image = a.image_size;
     let plan = dualedit::planner::plan_dir(&a.model, &config, &opts)?;
     if a.json {
         println!("{}", serde_json::to_string(&plan)?);

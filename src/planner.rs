@@ -28,6 +28,7 @@ use crate::config::{EditorMode, MendConfig};
 use crate::device::memory::format_bytes;
 use crate::model::loader::read_config;
 use crate::model::family::{split_block_name, Family};
+use crate::model::qwen2_vl::ImageProcessorConfig;
 use crate::model::Model;
 use crate::{Error, Result};
 
@@ -49,6 +50,13 @@ pub struct PlanOptions {
     /// Labelled positions per example (logits are computed only there); `None`: every
     /// position but the first, an upper bound.
     pub kept: Option<i64>,
+    /// Vision-language models: the image size `(width, height)` in pixels each example
+    /// shows; its tokens are added to `tokens`, and the vision tower's forward and the
+    /// image features are planned. `None`: text only.
+    pub image: Option<(i64, i64)>,
+    /// How images are resized and patched (the model directory's
+    /// `preprocessor_config.json`, or the processor's defaults).
+    pub image_processor: ImageProcessorConfig,
 }
 
 impl PlanOptions {
@@ -60,7 +68,7 @@ impl PlanOptions {
             None => main.clone(),
         };
         let split = main != sub;
-        Ok(Self { main, sub, split, dtype, tokens, kept })
+        Ok(Self { main, sub, split, dtype, tokens, kept, image: None, image_processor: ImageProcessorConfig::default() })
     }
 }
 
@@ -75,6 +83,22 @@ fn normalise_device(name: &str) -> Result<String> {
             _ => Err(Error::Device { name: name.to_string(), msg: "expected cpu, cuda or cuda:N".into() }),
         },
     }
+}
+
+/// What one image costs a vision-language model, as planned.
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageShape {
+    /// The image as given, `(width, height)`.
+    pub size: (i64, i64),
+    /// After `smart_resize`, `(width, height)`.
+    pub resized: (i64, i64),
+    /// Patches the vision tower runs over (`t·h·w`).
+    pub patches: i64,
+    /// Text tokens the image takes: merged patches + `<|vision_start|>` + `<|vision_end|>`.
+    pub tokens: i64,
+    /// Images per edit example whose features are held: the edit image, the rephrased
+    /// image and the locality image of EasyEdit's multimodal views.
+    pub images_per_example: i64,
 }
 
 /// Meta-training (`train`) or editing with a trained editor (`edit`, `eval`).
@@ -101,6 +125,8 @@ pub enum Group {
     OptimizerStep,
     /// Writing the editor and training state (host memory).
     Checkpoint,
+    /// The frozen vision tower's forward, once per image, without grad (VL models).
+    VisionForward,
 }
 
 impl Group {
@@ -112,6 +138,7 @@ impl Group {
             Group::Backward => "backward",
             Group::OptimizerStep => "optimizer_step",
             Group::Checkpoint => "checkpoint",
+            Group::VisionForward => "vision_forward",
         }
     }
 }
@@ -197,6 +224,8 @@ pub struct PlanShape {
     pub first_edited_layer: i64,
     pub editors: Vec<EditorShape>,
     pub editor_parameters: i64,
+    /// The image each example shows (vision-language models with `--image-size`).
+    pub image: Option<ImageShape>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -212,7 +241,51 @@ pub fn plan_dir(dir: &Path, cfg: &MendConfig, opts: &PlanOptions) -> Result<Memo
         return Err(Error::file(dir, "model directory not found"));
     }
     let (model, _) = read_config(dir)?;
+    if opts.image.is_some() && model.family().vision_language().is_some() {
+        let proc = ImageProcessorConfig::load(&dir.join("preprocessor_config.json"))?;
+        return plan_model(&model, cfg, &PlanOptions { image_processor: proc, ..opts.clone() });
+    }
     plan_model(&model, cfg, opts)
+}
+
+/// The vision tower's forward over one image, as planned.
+struct VisionCost {
+    forward_bytes: i64,
+    formula: String,
+}
+
+/// Tokens and vision-forward bytes of one `width × height` image.
+///
+/// The forward runs without grad, so one block's working set is alive at a time: the
+/// residual stream, the norm's output, q/k/v, the rotary f32 copies of q and k, the
+/// attention output, the MLP's hidden layer (twice: activation and product), and the
+/// attention scores of the largest segment (the whole image in full-attention blocks;
+/// a fused kernel does not form them, so this is an upper bound); plus the f32 pixel rows
+/// and their cast, the rotary tables, and the merged output.
+fn image_cost(vl: &crate::model::qwen2_vl::Qwen2Vl, proc: &ImageProcessorConfig, w: i64, h: i64, s: i64) -> Result<(ImageShape, VisionCost)> {
+    if !(1..=1 << 16).contains(&w) || !(1..=1 << 16).contains(&h) {
+        return Err(Error::input(format!("image size {w}x{h} is not 1 to 65536 pixels per side")));
+    }
+    let grid = proc.grid_for(h, w)?;
+    let v = &vl.config.vision;
+    let n = grid.iter().product::<i64>();
+    let merged = n / v.merge_unit();
+    let (e, f, heads, pd) = (v.width, v.mlp_hidden, v.num_heads, v.patch_dim());
+    let per_block = n * (e * 6 + 2 * f) * s + n * 2 * e * 4 + heads * n * n * s;
+    let fixed = n * pd * (4 + s) + n * v.head_dim() * 2 * 4 + merged * (2 * e * v.merge_unit() + v.out_dim) * s;
+    let formula = format!(
+        "N·(patch·(4+s) + 2·hd·4) + N·((6E+2F)·s + 2E·4) + H·N²·s + N/{}·(2·{}E+D)·s, N={n} E={e} F={f} H={heads}",
+        v.merge_unit(),
+        v.merge_unit()
+    );
+    let shape = ImageShape {
+        size: (w, h),
+        resized: (grid[2] * proc.patch_size, grid[1] * proc.patch_size),
+        patches: n,
+        tokens: merged + 2,
+        images_per_example: 3,
+    };
+    Ok((shape, VisionCost { forward_bytes: fixed + per_block, formula }))
 }
 
 /// Element size of a weight dtype.
@@ -339,7 +412,22 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
     let info = model.info();
     let family = model.family();
     let dm = family.dims();
-    let tokens = o.tokens.min(info.max_positions);
+    let s = dtype_bytes(o.dtype);
+    let image = match (o.image, family.vision_language()) {
+        (None, _) => None,
+        (Some(_), None) => {
+            return Err(Error::input(format!("{} is a text-only model: --image-size needs a vision-language model", info.architecture)))
+        }
+        (Some((w, h)), Some(vl)) => Some(image_cost(vl, &o.image_processor, w, h, s)?),
+    };
+    let image_tokens = image.as_ref().map_or(0, |(shape, _)| shape.tokens);
+    if image_tokens >= info.max_positions {
+        return Err(Error::input(format!(
+            "an image of {image_tokens} tokens does not fit the model's context of {}",
+            info.max_positions
+        )));
+    }
+    let tokens = (o.tokens + image_tokens).min(info.max_positions);
     let kept = o.kept.unwrap_or(tokens - 1);
     if tokens < 2 || kept < 1 || kept >= tokens {
         return Err(Error::input(format!(
@@ -363,7 +451,6 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         return Err(Error::input("no weights to edit"));
     }
 
-    let s = dtype_bytes(o.dtype);
     let b = cfg.batch_size as i64;
     let n = b * tokens; // tokens of one batch (inner, outer and locality alike)
     let nk = b * kept; // labelled positions of one batch
@@ -478,6 +565,27 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
             stats_elems * 4,
         );
 
+        if let Some((shape, cost)) = &image {
+            add(
+                phase,
+                Role::Main,
+                &[VisionForward],
+                "vision tower forward, one image (no grad)",
+                cost.formula.clone(),
+                cost.forward_bytes,
+            );
+            let feats = b * shape.images_per_example * (shape.tokens - 2) * dm.d * s;
+            let formula = format!(
+                "B·images·N_img·D·s = {b}·{}·{}·{}·{s}",
+                shape.images_per_example,
+                shape.tokens - 2,
+                dm.d
+            );
+            add(phase, Role::Main, &[Capture, EditedForward, Backward], "image features (frozen, computed once per image)", formula.clone(), feats);
+            if o.split {
+                add(phase, Role::Sub, &[EditedForward], "image features moved with the batch", formula, feats);
+            }
+        }
         // --- capture (on main, with grad, both phases)
         let cap_act = n * act_per_token;
         add(
@@ -807,6 +915,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         first_edited_layer: first_layer,
         editors,
         editor_parameters: e_params,
+        image: image.map(|(shape, _)| shape),
     };
     Ok(MemoryPlan { shape, items, totals })
 }

@@ -295,3 +295,34 @@ fn missing_preprocessor_config_uses_the_defaults() {
         assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4);
     }
 }
+
+/// `plan --image-size` on Qwen2-VL-7B-Instruct's released config.json: the parameter count
+/// of the released checkpoint (8.29 B, vision tower included), 1024 patches and 256 + 2
+/// tokens for a 448 × 448 image; a text-only model refuses the flag.
+#[test]
+fn plan_with_an_image_size() {
+    let dir = fixture("qwen2_vl_7b_instruct");
+    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2-7b.json");
+    let out = dualedit(&["plan", "--model", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dtype", "bf16", "--device", "cuda:0", "--image-size", "448x448", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shape = &v["shape"];
+    assert_eq!(shape["n_params"].as_i64().unwrap(), 8_291_375_616);
+    assert_eq!(shape["image"]["patches"].as_i64().unwrap(), 1024);
+    assert_eq!(shape["image"]["tokens"].as_i64().unwrap(), 258);
+    assert_eq!(shape["tokens_per_example"].as_i64().unwrap(), 128 + 258);
+    let items = v["items"].as_array().unwrap();
+    let vision = items.iter().find(|i| i["item"].as_str().unwrap().starts_with("vision tower forward")).unwrap();
+    assert!(vision["bytes"].as_u64().unwrap() > 32 << 20, "attention scores alone are 16·1024²·2 bytes");
+    // The same plan without the image has fewer tokens and no vision items.
+    let out = dualedit(&["plan", "--model", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dtype", "bf16", "--json"]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["shape"]["tokens_per_example"].as_i64().unwrap(), 128);
+    assert!(v["items"].as_array().unwrap().iter().all(|i| !i["item"].as_str().unwrap().contains("vision")));
+    let qwen2 = fixture("qwen2");
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.json");
+    let out = dualedit(&["plan", "--model", qwen2.to_str().unwrap(), "--config", tiny.to_str().unwrap(), "--image-size", "448x448"]);
+    assert_clean_error(&out, &["text-only", "--image-size"]);
+    let out = dualedit(&["plan", "--model", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--image-size", "448by448"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("WIDTHxHEIGHT"));
+}
