@@ -326,3 +326,23 @@ fn plan_with_an_image_size() {
     let out = dualedit(&["plan", "--model", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--image-size", "448by448"]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("WIDTHxHEIGHT"));
 }
+
+/// The library: `Session::score_image` with and without an image.
+#[test]
+fn session_scores_with_an_optional_image() {
+    use dualedit::session::{Session, SessionOptions};
+    let dir = fixture("qwen2_vl");
+    let session = Session::open(&dir, None, &SessionOptions::default()).unwrap();
+    let img = fixture("vl_images").join("gray.png");
+    let r = json(&dir.join("reference.json"));
+    let case = r["cases"].as_array().unwrap().iter().find(|c| c["images"] == serde_json::json!(["gray.png"])).unwrap();
+    let s = session.score_image(case["text"].as_str().unwrap(), Some(&img)).unwrap();
+    assert_eq!(s.image_tokens, 6);
+    let want = case["logprobs"].as_array().unwrap();
+    for (a, b) in s.logprobs.iter().zip(&want[want.len() - s.logprobs.len()..]) {
+        assert!((a - b.as_f64().unwrap()).abs() < 1e-4);
+    }
+    let text = "The capital of France is Paris.";
+    let (a, b) = (session.score_image(text, None).unwrap(), session.score(text).unwrap());
+    assert_eq!((a.tokens, a.logprobs, a.image_tokens), (b.tokens, b.logprobs, 0));
+}
