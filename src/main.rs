@@ -7,8 +7,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use dualedit::config::MendConfig;
 use dualedit::data::DatasetKind;
 use dualedit::device::DevicePlan;
+use dualedit::edit::{LoadOptions, MethodSpec};
 use dualedit::model::{load_model, parse_dtype, ParamView};
-use dualedit::run::{self, Common, EditOptions, EvalOptions, MethodSpec, TrainOptions};
+use dualedit::run::{self, Common, EditOptions, EvalOptions, TrainOptions};
 
 #[derive(Parser)]
 #[command(name = "dualedit", version, about = "MEND knowledge editing of causal LMs on one or two devices")]
@@ -43,6 +44,32 @@ enum Command {
     Plan(PlanArgs),
 }
 
+/// Where a run puts its work: the same two flags on every command.
+#[derive(Args, Clone)]
+struct DeviceArgs {
+    /// Main device: frozen model, editor, optimiser (cpu, cuda, cuda:N).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Sub-device for the edited model's forward passes (default: the main device).
+    #[arg(long)]
+    sub_device: Option<String>,
+}
+
+impl DeviceArgs {
+    /// The main/sub plan; both devices must exist on this machine.
+    fn plan(&self) -> anyhow::Result<DevicePlan> {
+        Ok(DevicePlan::parse(&self.device, self.sub_device.as_deref())?)
+    }
+
+    /// The one device of a command that runs everything in one place.
+    fn single(&self, command: &str) -> anyhow::Result<tch::Device> {
+        if self.sub_device.is_some() {
+            anyhow::bail!("{command} runs on one device: use --device, not --sub-device");
+        }
+        Ok(dualedit::device::parse_device(&self.device)?)
+    }
+}
+
 #[derive(Args)]
 struct PlanArgs {
     /// Model directory; only its config.json is read (no weights needed).
@@ -51,12 +78,9 @@ struct PlanArgs {
     /// MEND hyper-parameters (JSON, see configs/).
     #[arg(long)]
     config: PathBuf,
-    /// Main device: frozen model, editor, optimiser (cpu, cuda, cuda:N; need not exist here).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Sub-device for the edited model's forward passes (default: the main device).
-    #[arg(long)]
-    sub_device: Option<String>,
+    /// The devices planned for (they need not exist on this machine).
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights (editor maths is always f32).
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -85,12 +109,8 @@ enum CompareCmd {
 
 #[derive(Args)]
 struct DemoArgs {
-    /// Main device (cpu, cuda, cuda:N).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Sub-device for the edited model's forward passes (default: the main device).
-    #[arg(long)]
-    sub_device: Option<String>,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// Directory of the default (model/, editor/, world/); default: the shipped one.
     #[arg(long)]
     root: Option<PathBuf>,
@@ -107,12 +127,8 @@ struct ServeArgs {
     /// Trained editor directory (without one, /edit answers 422).
     #[arg(long)]
     editor: Option<PathBuf>,
-    /// Main device (cpu, cuda, cuda:N).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Sub-device for the edited model's forward passes (default: the main device).
-    #[arg(long)]
-    sub_device: Option<String>,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights.
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -162,8 +178,8 @@ struct PretrainArgs {
     #[arg(long, default_value_t = 2e-3)]
     lr: f64,
     /// Where to train: cpu or cuda:N (the result is the same HF directory either way).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// Also put each record's new target in the corpus, alone on its line (never after its
     /// prompt), so the model can write the words edits ask for, as a pretrained LM can.
     #[arg(long)]
@@ -194,9 +210,8 @@ struct ScoreArgs {
     /// An image (PNG or JPEG) shown before the text; vision-language models only.
     #[arg(long)]
     image: Option<PathBuf>,
-    /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -211,12 +226,8 @@ struct CommonArgs {
     /// Hugging Face model directory.
     #[arg(long)]
     model: PathBuf,
-    /// Main device: frozen model, editor, optimiser (cpu, cuda, cuda:N).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Sub-device for the edited model's forward passes (default: the main device).
-    #[arg(long)]
-    sub_device: Option<String>,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights (editor maths is always f32).
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -231,7 +242,7 @@ impl CommonArgs {
     fn resolve(&self) -> anyhow::Result<Common> {
         Ok(Common {
             model: self.model.clone(),
-            plan: DevicePlan::parse(&self.device, self.sub_device.as_deref())?,
+            plan: self.devices.plan()?,
             dtype: parse_dtype(&self.dtype)?,
             seed: self.seed,
             report: self.report.clone(),
@@ -350,7 +361,7 @@ struct EvalArgs {
 }
 
 fn score(args: ScoreArgs) -> anyhow::Result<()> {
-    let device = dualedit::device::parse_device(&args.device)?;
+    let device = args.devices.single("score")?;
     let kind = parse_dtype(&args.dtype)?;
     let lm = load_model(&args.model, device, kind)?;
     let images: Vec<&std::path::Path> = args.image.iter().map(|p| p.as_path()).collect();
@@ -492,12 +503,14 @@ fn eval_options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
 }
 
 fn compare(c: CompareCmd) -> anyhow::Result<()> {
-    let (sub, main) = match &c {
-        CompareCmd::Train(a) => (a.common.sub_device.clone(), a.common.device.clone()),
-        CompareCmd::Eval(a) => (a.common.sub_device.clone(), a.common.device.clone()),
+    let devices = match &c {
+        CompareCmd::Train(a) => &a.common.devices,
+        CompareCmd::Eval(a) => &a.common.devices,
     };
-    let sub = sub.ok_or_else(|| anyhow::anyhow!("compare needs --sub-device (the dual side's sub-device)"))?;
-    let dual = DevicePlan::parse(&main, Some(&sub))?;
+    if devices.sub_device.is_none() {
+        anyhow::bail!("compare needs --sub-device (the dual side's sub-device)");
+    }
+    let dual = devices.plan()?;
     let (cmp, out) = match c {
         CompareCmd::Train(a) => {
             let o = train_options(a)?;
@@ -538,7 +551,7 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
 }
 
 fn demo(a: DemoArgs) -> anyhow::Result<()> {
-    let plan = DevicePlan::parse(&a.device, a.sub_device.as_deref())?;
+    let plan = a.devices.plan()?;
     let root = a.root.unwrap_or_else(dualedit::demo::shipped_root);
     let s = dualedit::demo::run_demo(&root, plan, a.show, &mut std::io::stdout())?;
     println!("\ndone in {:.1} s", s.seconds);
@@ -555,7 +568,7 @@ fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
         // would silently return a larger vocabulary than asked for.
         anyhow::bail!("--vocab must be at least 257 (256 byte-level symbols and end-of-text), got {}", a.vocab);
     }
-    dualedit::run::check_new_model_dir(&a.out)?;
+    dualedit::edit::check_new_model_dir(&a.out)?;
     let mut records = Vec::new();
     for f in &a.data {
         records.extend(dualedit::data::load_records(f, ds)?.0);
@@ -571,10 +584,10 @@ fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
         steps: a.steps,
         batch_size: a.batch,
         lr: a.lr,
-        seed: 7,
-        target_accuracy: 1.01,
+        target_accuracy: None,
+        ..Default::default()
     };
-    let device = dualedit::device::parse_device(&a.device)?;
+    let device = a.devices.single("pretrain")?;
     let rep = dualedit::pretrain::pretrain(&corpus, &probe, &cfg, &a.out, device, true)?;
     println!("{}", serde_json::to_string_pretty(&rep)?);
     Ok(())
@@ -604,7 +617,7 @@ fn parse_image_size(s: &str) -> Result<(i64, i64), String> {
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let config = MendConfig::from_file(&a.config)?;
     let tokens = a.max_length.unwrap_or(config.max_length) as i64;
-    let mut opts = dualedit::planner::PlanOptions::new(&a.device, a.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
+    let mut opts = dualedit::planner::PlanOptions::new(&a.devices.device, a.devices.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
     opts.image = a.image_size;
     let plan = dualedit::planner::plan_dir(&a.model, &config, &opts)?;
     if a.json {
@@ -625,7 +638,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         save_root: a.save_root,
         ..Default::default()
     };
-    let session_opts = dualedit::session::SessionOptions::parse(&a.device, a.sub_device.as_deref(), &a.dtype)?;
+    let session_opts = LoadOptions { plan: a.devices.plan()?, dtype: parse_dtype(&a.dtype)?, seed: 0 };
     let server = dualedit::serve::Server::bind(&a.listen, opts)?;
     let session = dualedit::session::Session::open(&a.model, a.editor.as_deref(), &session_opts)?;
     let stop = Arc::new(AtomicBool::new(false));

@@ -34,8 +34,9 @@ pub struct PretrainConfig {
     pub batch_size: usize,
     pub lr: f64,
     pub seed: u64,
-    /// Stop early once the model gets this share of the probe facts right.
-    pub target_accuracy: f64,
+    /// Stop early once the model gets this share of the probe facts right; `None` runs
+    /// every step (what `dualedit pretrain` does: the user chose the step count).
+    pub target_accuracy: Option<f64>,
 }
 
 impl Default for PretrainConfig {
@@ -50,7 +51,7 @@ impl Default for PretrainConfig {
             batch_size: 32,
             lr: 3e-3,
             seed: 7,
-            target_accuracy: 0.995,
+            target_accuracy: Some(0.995),
         }
     }
 }
@@ -199,7 +200,7 @@ pub fn pretrain(
             acc = fact_accuracy(&model, &ParamView::frozen(&store), &tok, probe)?;
             info!(steps, loss = loss_v, fact_accuracy = acc, "pretraining");
             bar.set_message(format!("loss {loss_v:.3}  fact accuracy {acc:.3}"));
-            if acc >= cfg.target_accuracy {
+            if cfg.target_accuracy.is_some_and(|t| acc >= t) {
                 break;
             }
         }

@@ -11,13 +11,14 @@ use tracing::info;
 use crate::config::MendConfig;
 use crate::data::easyedit::{load_records, DatasetKind, EditRecord};
 use crate::data::examples::prepare;
-use crate::data::{EditExample, TokenBatch};
+use crate::data::EditExample;
 use crate::device::memory::MemoryTracker;
 use crate::device::DevicePlan;
-use crate::eval::{self, Method, RecordMetrics, Summary};
+use crate::edit::{self, LoadOptions, MethodSpec, RequestResult};
+use crate::eval::{RecordMetrics, Summary};
 use crate::mend::{checkpoint, Editor, Engine};
-use crate::model::{load_model, ParamView};
 use crate::report::{DeviceInfo, RunReport};
+use crate::session::Session;
 use crate::train::{self, TrainReport, TrainSetup};
 use crate::{Error, Result};
 
@@ -40,13 +41,10 @@ fn dtype_name(k: Kind) -> &'static str {
     }
 }
 
-/// Loads the model on the main device and builds the engine (replica on the sub-device).
-pub fn open_engine(c: &Common, edit_params: &[String], tracker: &mut MemoryTracker) -> Result<Engine> {
-    tch::manual_seed(c.seed);
-    let lm = load_model(&c.model, c.plan.main, c.dtype)?;
-    let engine = Engine::new(lm, c.plan, edit_params)?;
-    tracker.mark("load")?;
-    Ok(engine)
+impl Common {
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions { plan: self.plan, dtype: self.dtype, seed: self.seed }
+    }
 }
 
 fn report<M: Serialize>(
@@ -85,17 +83,6 @@ pub fn check_report_path(report: Option<&Path>, inputs: &[&Path]) -> Result<()> 
     }
     if let Some(dir) = report.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create the folder for --report: {e}")))?;
-    }
-    Ok(())
-}
-
-/// Refuses to write a model into a folder that already holds one (the source model or any
-/// other), which would replace it or leave a mix of two models' files.
-pub fn check_new_model_dir(dir: &Path) -> Result<()> {
-    for f in ["config.json", "model.safetensors", "model.safetensors.index.json"] {
-        if dir.join(f).exists() {
-            return Err(Error::file(dir, format!("already holds a model ({f}); choose a new or empty folder")));
-        }
     }
     Ok(())
 }
@@ -139,7 +126,8 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     }
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
-    let engine = open_engine(&o.common, &o.config.edit_params, &mut tracker)?;
+    let engine = edit::open_engine(&o.common.model, &o.common.load_options(), &o.config.edit_params)?;
+    tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
     let (_, examples) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length)?;
     let holdout = o.config.val_records.min(examples.len() / 5);
@@ -153,7 +141,7 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     }
     tch::manual_seed(o.common.seed);
     let mut editor = crate::error::guard(|| Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main))
-        .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine, &o.config, &mut tracker, &o.out))?;
+        .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine.placement(), &o.config, &mut tracker, checkpoint::saved_state(&o.out)))?;
     tracker.mark("editor")?;
     std::fs::create_dir_all(&o.out).map_err(|e| Error::io(&o.out, e))?;
     let setup = TrainSetup {
@@ -191,53 +179,6 @@ fn split_holdout_examples(examples: Vec<EditExample>, holdout: usize) -> (Vec<Ed
     (train, val)
 }
 
-/// How `eval` and `edit` make their edits.
-#[derive(Debug, Clone)]
-pub enum MethodSpec {
-    Unedited,
-    FineTune { lr: f64 },
-    Mend { editor: PathBuf },
-}
-
-pub fn open_method(spec: &MethodSpec, engine: &Engine) -> Result<Method> {
-    Ok(match spec {
-        MethodSpec::Unedited => Method::Unedited,
-        MethodSpec::FineTune { lr } => Method::FineTune { lr: *lr },
-        MethodSpec::Mend { editor } => {
-            let (ed, meta) = checkpoint::load_editor(editor, engine)?;
-            info!(dir = %editor.display(), step = meta.step, "editor loaded");
-            Method::Mend(ed)
-        }
-    })
-}
-
-/// Opens the engine for a method: with an editor, on the weights it was trained to edit
-/// (a model without them is another model than the editor's).
-pub fn open_engine_for(c: &Common, spec: &MethodSpec, tracker: &mut MemoryTracker) -> Result<Engine> {
-    let names = edit_params_of(spec)?;
-    open_engine(c, &names, tracker).map_err(|e| match (spec, e) {
-        (MethodSpec::Mend { editor }, Error::Input(msg)) => Error::file(
-            editor.join(checkpoint::EDITOR_JSON),
-            format!("editor was trained for another model than {}: {msg}", c.model.display()),
-        ),
-        (_, e) => e,
-    })
-}
-
-/// Edit parameters an editor checkpoint was trained on (so the engine captures those).
-pub fn edit_params_of(spec: &MethodSpec) -> Result<Vec<String>> {
-    match spec {
-        MethodSpec::Mend { editor } => {
-            let path = editor.join(checkpoint::EDITOR_JSON);
-            let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-            let meta: checkpoint::EditorMeta =
-                serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid editor description: {e}")))?;
-            Ok(meta.params.into_iter().map(|p| p.name).collect())
-        }
-        _ => Ok(Vec::new()),
-    }
-}
-
 #[derive(Debug, Clone)]
 pub struct EvalOptions {
     pub common: Common,
@@ -261,12 +202,12 @@ pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics
     check_report_path(o.common.report.as_deref(), &[&o.data])?;
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
-    let engine = open_engine_for(&o.common, &o.method, &mut tracker)?;
-    let mut method = open_method(&o.method, &engine)?;
+    let (engine, mut method) = edit::open(&o.common.model, &o.common.load_options(), &o.method)?;
+    tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
     let (_, examples) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length)?;
     let t1 = Instant::now();
-    let records = eval::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, m))?;
+    let records = crate::edit::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, m))?;
     tracker.mark("eval")?;
     let out = EvalOutput { method: method.name().into(), summary: Summary::of(&records), records };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
@@ -294,100 +235,33 @@ pub struct EditOutput {
     pub saved: Option<PathBuf>,
 }
 
-#[derive(Debug, Clone, Serialize)]
-pub struct RequestResult {
-    pub prompt: String,
-    pub target_new: String,
-    /// Greedy answer after all edits (as many tokens as the target has).
-    pub answer_after: String,
-    #[serde(flatten)]
-    pub metrics: RecordMetrics,
-}
-
 /// Applies requests as one batch (or one after another), measures them after all edits,
-/// and optionally saves the edited model as a Hugging Face directory.
+/// and optionally saves the edited model as a Hugging Face directory: a [`Session`]
+/// opened for the method, one edit call, a report.
 pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     check_report_path(o.common.report.as_deref(), &[&o.requests])?;
     if let Some(dir) = &o.save {
-        check_new_model_dir(dir)?;
+        edit::check_new_model_dir(dir)?;
     }
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
-    let mut engine = open_engine_for(&o.common, &o.method, &mut tracker)?;
-    let mut method = open_method(&o.method, &engine)?;
-    let (records, examples) = load_examples(&engine, &o.requests, DatasetKind::Requests, None, o.max_length)?;
-    let refs: Vec<&EditExample> = examples.iter().collect();
-    let before = eval::measure_before(&engine, &refs)?;
-    let pad = engine.lm.tokenizer.pad_id();
+    let mut session = Session::open_method(&o.common.model, &o.method, &o.common.load_options())?;
+    tracker.mark("load")?;
+    let (records, examples) = load_examples(session.engine(), &o.requests, DatasetKind::Requests, None, o.max_length)?;
     let t1 = Instant::now();
-    let overrides = if o.sequential {
-        for e in &examples {
-            let inner = TokenBatch::collate(&[&e.inner], pad, engine.plan.main);
-            let ov = eval::make_edit(&engine, &mut method, &inner)?;
-            engine.commit(&ov)?;
-        }
-        crate::model::Overrides::new()
-    } else {
-        let inner: Vec<_> = examples.iter().map(|e| &e.inner).collect();
-        eval::make_edit(&engine, &mut method, &TokenBatch::collate(&inner, pad, engine.plan.main))?
-    };
+    let outcome = session.edit_examples(&records, &examples, o.sequential)?;
     let edit_s = t1.elapsed().as_secs_f64();
     tracker.mark("edit")?;
-    let per = edit_s / examples.len().max(1) as f64;
-    let metrics = eval::measure_after(&engine, &overrides, &refs, &before, per)?;
-    engine.commit(&overrides)?;
-    let mut requests = Vec::with_capacity(records.len());
-    for ((r, e), m) in records.iter().zip(&examples).zip(metrics) {
-        let answer = greedy(&engine, &ParamView::frozen(&engine.lm.params), &e.inner.ids[..e.inner.answer_start], e.inner.answer().len())?;
-        requests.push(RequestResult { prompt: r.prompt.clone(), target_new: r.target_new.clone(), answer_after: answer, metrics: m });
-    }
     let saved = match &o.save {
         Some(dir) => {
-            save_model(&engine, dir)?;
+            session.save(dir)?;
             Some(dir.clone())
         }
         None => None,
     };
-    let summary = Summary::of(&requests.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
-    let out = EditOutput { sequential: o.sequential, summary, requests, saved };
+    let out = EditOutput { sequential: o.sequential, summary: outcome.summary, requests: outcome.requests, saved };
     let seconds = BTreeMap::from([("load".to_string(), t1.duration_since(t0).as_secs_f64()), ("edit".to_string(), edit_s)]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("edit"));
-    let path = report("edit", &o.common, &engine, &out, seconds, &tracker).write(&path, &tracker)?;
+    let path = report("edit", &o.common, session.engine(), &out, seconds, &tracker).write(&path, &tracker)?;
     Ok((out, path))
 }
-
-/// Greedy continuation of `prompt` ids under the weights of `params` (full recomputation
-/// per token: the answers scored here are a few tokens long).
-pub fn greedy(engine: &Engine, params: &ParamView, prompt: &[i64], n: usize) -> Result<String> {
-    let _g = tch::no_grad_guard();
-    let mut ids = prompt.to_vec();
-    let none = Default::default();
-    let max = engine.lm.model.info().max_positions as usize;
-    for _ in 0..n {
-        if ids.len() >= max {
-            break;
-        }
-        let t = tch::Tensor::from_slice(&ids).unsqueeze(0).to_device(params.device());
-        let out = engine.lm.model.forward(params, &crate::model::ForwardInput::new(&t, &none))?;
-        let next = out.logits.get(0).get(ids.len() as i64 - 1).argmax(-1, false).int64_value(&[]);
-        ids.push(next);
-    }
-    engine.lm.tokenizer.decode(&ids[prompt.len()..])
-}
-
-/// Writes the (edited) model as a Hugging Face directory that `score` and transformers load.
-pub fn save_model(engine: &Engine, dir: &Path) -> Result<()> {
-    check_new_model_dir(dir)?;
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    crate::io::write_json_atomic(&dir.join("config.json"), &engine.lm.config_json)?;
-    let tok = engine.lm.tokenizer.path();
-    let bytes = std::fs::read(tok).map_err(|e| Error::io(tok, e))?;
-    crate::io::write_atomic(&dir.join("tokenizer.json"), &bytes)?;
-    let mut tensors: Vec<(String, tch::Tensor)> = engine.lm.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-    tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    crate::io::write_safetensors(&dir.join("model.safetensors"), &tensors, meta)?;
-    info!(dir = %dir.display(), "edited model saved");
-    Ok(())
-}
-

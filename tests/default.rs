@@ -8,7 +8,8 @@ use dualedit::data::synthetic::WorldConfig;
 use dualedit::demo::{build_default, shipped_root, BuildSpec};
 use dualedit::device::DevicePlan;
 use dualedit::pretrain::PretrainConfig;
-use dualedit::run::{run_eval, Common, EvalOptions, MethodSpec};
+use dualedit::edit::MethodSpec;
+use dualedit::run::{run_eval, Common, EvalOptions};
 use tch::{Device, Kind};
 
 /// The tests of this file run one at a time: the demo's time limit is about the demo, not

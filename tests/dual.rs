@@ -10,7 +10,8 @@ use dualedit::compare::{compare_eval, compare_train};
 use dualedit::config::MendConfig;
 use dualedit::data::DatasetKind;
 use dualedit::device::{memory, DevicePlan};
-use dualedit::run::{Common, EvalOptions, MethodSpec, TrainOptions};
+use dualedit::edit::MethodSpec;
+use dualedit::run::{Common, EvalOptions, TrainOptions};
 use tch::{Device, Kind};
 
 fn common(report: PathBuf) -> Common {

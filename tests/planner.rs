@@ -24,7 +24,7 @@ use dualedit::config::MendConfig;
 use dualedit::data::{EditExample, Example};
 use dualedit::device::memory::{reset_peak, sample};
 use dualedit::device::DevicePlan;
-use dualedit::eval::{make_edit, Method};
+use dualedit::edit::{make_edit, Method};
 use dualedit::mend::checkpoint::{save_state, TrainCounters};
 use dualedit::mend::optim::Adam;
 use dualedit::mend::{losses, Editor, Engine};
