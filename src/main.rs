@@ -633,11 +633,20 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
     }
 }
 
+/// Colour codes only for a terminal (a log file or a pipe would get `ESC[2m…` as text), and
+/// never when `NO_COLOR` is set to anything but the empty string (https://no-color.org).
+fn stderr_colour() -> bool {
+    use std::io::IsTerminal;
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    !no_color && std::io::stderr().is_terminal()
+}
+
 fn main() -> ExitCode {
     dualedit::device::memory::tune_host_allocator();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(stderr_colour())
         .init();
     let cli = Cli::parse();
     // tch panics on libtorch errors outside the guarded model code (a CUDA allocation while
