@@ -67,6 +67,7 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
         dtype: tch::Kind::Float,
         seed: 0,
         report: Some(root.join("runs").join("train.json")),
+        over_long: Default::default(),
     };
     let (train, _) = run_train(&TrainOptions {
         common: common.clone(),
@@ -123,7 +124,7 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
     let w = |out: &mut dyn std::io::Write, s: String| writeln!(out, "{s}").map_err(|e| crate::Error::io("<stdout>", e));
     let mut tracker = MemoryTracker::new(&plan.roles());
     let method_spec = MethodSpec::Mend { editor: editor_dir(root) };
-    let common = Common { model: model_dir(root), plan, dtype: tch::Kind::Float, seed: 0, report: None };
+    let common = Common { model: model_dir(root), plan, dtype: tch::Kind::Float, seed: 0, report: None, over_long: Default::default() };
     let engine = crate::run::open_engine_for(&common, &method_spec, &mut tracker)?;
     let mut method = open_method(&method_spec, &engine)?;
     let info = engine.lm.model.info();
@@ -137,7 +138,7 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
         if plan.split { "" } else { " (single device)" }
     ))?;
     let holdout = world_dir(root).join("edits-holdout.json");
-    let (records, examples) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize)?;
+    let (records, examples, _) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize, common.over_long)?;
     let frozen = ParamView::frozen(&engine.lm.params);
     let pad = engine.lm.tokenizer.pad_id();
     // Answers are a word or two: generate a few tokens and stop at the sentence's end.

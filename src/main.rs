@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use dualedit::config::MendConfig;
+use dualedit::data::examples::OverLong;
 use dualedit::data::DatasetKind;
 use dualedit::device::DevicePlan;
 use dualedit::model::{load_model, parse_dtype, ParamView};
@@ -218,6 +219,13 @@ struct CommonArgs {
     /// Where to write the run report (JSON).
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Cut the prompts of records longer than the maximum length from the left until they
+    /// fit, instead of skipping those records.
+    #[arg(long, conflicts_with = "strict")]
+    truncate: bool,
+    /// Stop at the first record longer than the maximum length, instead of skipping it.
+    #[arg(long)]
+    strict: bool,
 }
 
 impl CommonArgs {
@@ -228,6 +236,11 @@ impl CommonArgs {
             dtype: parse_dtype(&self.dtype)?,
             seed: self.seed,
             report: self.report.clone(),
+            over_long: match (self.truncate, self.strict) {
+                (true, _) => OverLong::Truncate,
+                (_, true) => OverLong::Strict,
+                _ => OverLong::Skip,
+            },
         })
     }
 }
@@ -444,6 +457,7 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
     let (out, path) = run::run_edit(&opts)?;
     if a.json {
         let mut v = serde_json::to_value(&out)?;
+        v["data"] = serde_json::to_value(&out.data)?;
         v["report"] = serde_json::Value::from(path.display().to_string());
         println!("{v}");
         return Ok(());
@@ -514,6 +528,7 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
     if a.json {
         let mut v = serde_json::to_value(&out.summary)?;
         v["method"] = serde_json::Value::from(out.method.clone());
+        v["data"] = serde_json::to_value(&out.data)?;
         v["report"] = serde_json::Value::from(path.display().to_string());
         println!("{v}");
     } else {
