@@ -497,6 +497,7 @@ fn compare(c: CompareCmd) -> anyhow::Result<()> {
         CompareCmd::Train(a) => (a.common.sub_device.clone(), a.common.device.clone()),
         CompareCmd::Eval(a) => (a.common.sub_device.clone(), a.common.device.clone()),
     };
+    let json = matches!(&c, CompareCmd::Eval(a) if a.json);
     let sub = sub.ok_or_else(|| anyhow::anyhow!("compare needs --sub-device (the dual side's sub-device)"))?;
     let dual = DevicePlan::parse(&main, Some(&sub))?;
     let (cmp, out) = match c {
@@ -512,8 +513,15 @@ fn compare(c: CompareCmd) -> anyhow::Result<()> {
             (dualedit::compare::compare_eval(&o, dual, &out)?, out)
         }
     };
-    print!("{}", dualedit::compare::table(&cmp));
-    println!("report: {}", out.join("compare.json").display());
+    let report = out.join("compare.json");
+    if json {
+        let mut v = serde_json::to_value(&cmp)?;
+        v["report"] = serde_json::Value::from(report.display().to_string());
+        println!("{v}");
+    } else {
+        print!("{}", dualedit::compare::table(&cmp));
+        println!("report: {}", report.display());
+    }
     Ok(())
 }
 

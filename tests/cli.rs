@@ -1,8 +1,10 @@
-//! The built binary as scripts use it: records longer than the maximum length are skipped
-//! (and counted in the report), cut with `--truncate` or refused with `--strict`, and
-//! warnings written to a pipe carry no colour codes.
+//! The built binary as scripts use it: `--json` gives exactly one JSON object on stdout for
+//! every command that takes it, records longer than the maximum length are skipped (and
+//! counted in the report), cut with `--truncate` or refused with `--strict`, and warnings
+//! written to a pipe carry no colour codes.
 mod common;
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -29,6 +31,73 @@ fn one_object(what: &str, o: &Output) -> Value {
 /// The shipped default (tiny model, its editor, its world's edit records).
 fn shipped(part: &str) -> String {
     dualedit::demo::shipped_root().join(part).display().to_string()
+}
+
+/// Subcommands (`compare` expanded into `compare train` / `compare eval`) whose help
+/// lists `--json`, read from the binary itself so that a new one cannot go untested.
+fn commands_with_json() -> BTreeSet<String> {
+    let help = |args: &[&str]| String::from_utf8_lossy(&dualedit(&[args, &["--help"]].concat()).stdout).into_owned();
+    let subcommands = |text: &str| -> Vec<String> {
+        text.split("Commands:")
+            .nth(1)
+            .unwrap_or("")
+            .lines()
+            .skip(1) // the rest of the "Commands:" line
+            .take_while(|l| !l.trim().is_empty())
+            .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+            .filter(|c| c != "help")
+            .collect()
+    };
+    let mut found = BTreeSet::new();
+    let top = subcommands(&help(&[]));
+    assert!(top.len() >= 10, "no subcommands found in --help: {top:?}");
+    for c in top {
+        let text = help(&[&c]);
+        let nested = subcommands(&text);
+        if nested.is_empty() {
+            if text.contains("--json") {
+                found.insert(c);
+            }
+        } else {
+            for n in nested {
+                if help(&[&c, &n]).contains("--json") {
+                    found.insert(format!("{c} {n}"));
+                }
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn every_json_command_prints_one_json_object() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = |name: &str| dir.path().join(name).display().to_string();
+    let (edit_report, eval_report, compare_report) = (report("edit.json"), report("eval.json"), report("cmp/eval.json"));
+    let (model, editor, holdout) = (shipped("model"), shipped("editor"), shipped("world/edits-holdout.json"));
+    // Two edit requests from the world's held-out records.
+    let records: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&holdout).unwrap()).unwrap();
+    let requests = dir.path().join("requests.json");
+    std::fs::write(&requests, Value::from(records[..2].to_vec()).to_string()).unwrap();
+    let requests = requests.display().to_string();
+    let eval = ["--model", &model, "--editor", &editor, "--data", &holdout, "--ds", "counterfact", "--limit", "2", "--json"];
+    let runs: Vec<(&str, Vec<&str>, &str)> = vec![
+        ("score", vec!["score", "--model", &model, "--text", "Vacorp was founded by", "--json"], "mean_nll"),
+        ("plan", vec!["plan", "--model", &model, "--config", "configs/world.json", "--json"], "totals"),
+        ("edit", vec!["edit", "--model", &model, "--editor", &editor, "--requests", &requests, "--json", "--report", &edit_report], "requests"),
+        ("eval", [&["eval"][..], &eval, &["--report", &eval_report]].concat(), "reliability"),
+        (
+            "compare eval",
+            [&["compare", "eval"][..], &eval, &["--device", "cpu", "--sub-device", "cpu", "--report", &compare_report]].concat(),
+            "metrics_agree",
+        ),
+    ];
+    let tested: BTreeSet<String> = runs.iter().map(|(name, _, _)| name.to_string()).collect();
+    assert_eq!(commands_with_json(), tested, "a command takes --json but is not run here");
+    for (name, args, key) in &runs {
+        let v = one_object(name, &dualedit(args));
+        assert!(v.get(*key).is_some(), "{name}: no `{key}` in {v}");
+    }
 }
 
 /// A records file: two over-long records (0 and 3), one with an empty target (2, skipped
