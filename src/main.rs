@@ -113,7 +113,7 @@ struct ServeArgs {
     /// f32, bf16 or f16 for the model weights.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// Address to listen on; anything but loopback exposes an unauthenticated service.
+    /// Address to listen on; anything but loopback needs --token (or --insecure-no-token).
     #[arg(long, default_value = dualedit::serve::DEFAULT_LISTEN)]
     listen: String,
     /// Model requests that may wait; more are answered 503.
@@ -125,9 +125,18 @@ struct ServeArgs {
     /// Seconds a model request may wait in the queue before it is answered 503.
     #[arg(long, default_value_t = 60)]
     queue_timeout: u64,
-    /// Restrict POST /save to relative paths inside this directory.
+    /// Allow POST /save, writing only to relative paths inside this existing directory
+    /// (without it, /save is refused with 403).
     #[arg(long)]
     save_root: Option<PathBuf>,
+    /// Require `Authorization: Bearer TOKEN` on every request (401 otherwise). Default:
+    /// $DUALEDIT_TOKEN, which is better than the flag (the process list shows flags).
+    #[arg(long)]
+    token: Option<String>,
+    /// Listen beyond loopback without a token: anyone who can reach the address can edit,
+    /// read and (with --save-root) save the model.
+    #[arg(long)]
+    insecure_no_token: bool,
 }
 
 #[derive(Args)]
@@ -621,6 +630,9 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         max_body_bytes: a.max_body_bytes,
         queue_timeout: std::time::Duration::from_secs(a.queue_timeout),
         save_root: a.save_root,
+        // An empty variable counts as unset, as for most tools' *_TOKEN variables.
+        token: a.token.or_else(|| std::env::var(dualedit::serve::TOKEN_ENV).ok().filter(|t| !t.is_empty())),
+        insecure_no_token: a.insecure_no_token,
         ..Default::default()
     };
     let session_opts = dualedit::session::SessionOptions::parse(&a.device, a.sub_device.as_deref(), &a.dtype)?;
