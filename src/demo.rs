@@ -68,6 +68,7 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
         dtype: tch::Kind::Float,
         seed: 0,
         report: Some(root.join("runs").join("train.json")),
+        over_long: Default::default(),
     };
     let (train, _) = run_train(&TrainOptions {
         common: common.clone(),
@@ -138,7 +139,7 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
         if plan.split { "" } else { " (single device)" }
     ))?;
     let holdout = world_dir(root).join("edits-holdout.json");
-    let (records, examples) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize)?;
+    let (records, examples, _) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize, Default::default())?;
     let frozen = ParamView::frozen(&engine.lm.params);
     // Answers are a word or two: generate a few tokens and stop at the sentence's end.
     let answer = |params: &ParamView, ids: &[i64]| -> Result<String> {

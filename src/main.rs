@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use dualedit::config::MendConfig;
+use dualedit::data::examples::OverLong;
 use dualedit::data::DatasetKind;
 use dualedit::device::DevicePlan;
 use dualedit::edit::{LoadOptions, MethodSpec};
@@ -132,7 +133,7 @@ struct ServeArgs {
     /// f32, bf16 or f16 for the model weights.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// Address to listen on; anything but loopback exposes an unauthenticated service.
+    /// Address to listen on; anything but loopback needs --token (or --insecure-no-token).
     #[arg(long, default_value = dualedit::serve::DEFAULT_LISTEN)]
     listen: String,
     /// Model requests that may wait; more are answered 503.
@@ -144,9 +145,18 @@ struct ServeArgs {
     /// Seconds a model request may wait in the queue before it is answered 503.
     #[arg(long, default_value_t = 60)]
     queue_timeout: u64,
-    /// Restrict POST /save to relative paths inside this directory.
+    /// Allow POST /save, writing only to relative paths inside this existing directory
+    /// (without it, /save is refused with 403).
     #[arg(long)]
     save_root: Option<PathBuf>,
+    /// Require `Authorization: Bearer TOKEN` on every request (401 otherwise). Default:
+    /// $DUALEDIT_TOKEN, which is better than the flag (the process list shows flags).
+    #[arg(long)]
+    token: Option<String>,
+    /// Listen beyond loopback without a token: anyone who can reach the address can edit,
+    /// read and (with --save-root) save the model.
+    #[arg(long)]
+    insecure_no_token: bool,
 }
 
 #[derive(Args)]
@@ -236,6 +246,13 @@ struct CommonArgs {
     /// Where to write the run report (JSON).
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Cut the prompts of records longer than the maximum length from the left until they
+    /// fit, instead of skipping those records.
+    #[arg(long, conflicts_with = "strict")]
+    truncate: bool,
+    /// Stop at the first record longer than the maximum length, instead of skipping it.
+    #[arg(long)]
+    strict: bool,
 }
 
 impl CommonArgs {
@@ -246,6 +263,11 @@ impl CommonArgs {
             dtype: parse_dtype(&self.dtype)?,
             seed: self.seed,
             report: self.report.clone(),
+            over_long: match (self.truncate, self.strict) {
+                (true, _) => OverLong::Truncate,
+                (_, true) => OverLong::Strict,
+                _ => OverLong::Skip,
+            },
         })
     }
 }
@@ -468,6 +490,7 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
     let (out, path) = run::run_edit(&opts)?;
     if a.json {
         let mut v = serde_json::to_value(&out)?;
+        v["data"] = serde_json::to_value(&out.data)?;
         v["report"] = serde_json::Value::from(path.display().to_string());
         println!("{v}");
         return Ok(());
@@ -507,6 +530,7 @@ fn compare(c: CompareCmd) -> anyhow::Result<()> {
         CompareCmd::Train(a) => &a.common.devices,
         CompareCmd::Eval(a) => &a.common.devices,
     };
+    let json = matches!(&c, CompareCmd::Eval(a) if a.json);
     if devices.sub_device.is_none() {
         anyhow::bail!("compare needs --sub-device (the dual side's sub-device)");
     }
@@ -524,8 +548,15 @@ fn compare(c: CompareCmd) -> anyhow::Result<()> {
             (dualedit::compare::compare_eval(&o, dual, &out)?, out)
         }
     };
-    print!("{}", dualedit::compare::table(&cmp));
-    println!("report: {}", out.join("compare.json").display());
+    let report = out.join("compare.json");
+    if json {
+        let mut v = serde_json::to_value(&cmp)?;
+        v["report"] = serde_json::Value::from(report.display().to_string());
+        println!("{v}");
+    } else {
+        print!("{}", dualedit::compare::table(&cmp));
+        println!("report: {}", report.display());
+    }
     Ok(())
 }
 
@@ -540,6 +571,7 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
     if a.json {
         let mut v = serde_json::to_value(&out.summary)?;
         v["method"] = serde_json::Value::from(out.method.clone());
+        v["data"] = serde_json::to_value(&out.data)?;
         v["report"] = serde_json::Value::from(path.display().to_string());
         println!("{v}");
     } else {
@@ -636,6 +668,9 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         max_body_bytes: a.max_body_bytes,
         queue_timeout: std::time::Duration::from_secs(a.queue_timeout),
         save_root: a.save_root,
+        // An empty variable counts as unset, as for most tools' *_TOKEN variables.
+        token: a.token.or_else(|| std::env::var(dualedit::serve::TOKEN_ENV).ok().filter(|t| !t.is_empty())),
+        insecure_no_token: a.insecure_no_token,
         ..Default::default()
     };
     let session_opts = LoadOptions { plan: a.devices.plan()?, dtype: parse_dtype(&a.dtype)?, seed: 0 };
@@ -671,11 +706,20 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
     }
 }
 
+/// Colour codes only for a terminal (a log file or a pipe would get `ESC[2m…` as text), and
+/// never when `NO_COLOR` is set to anything but the empty string (https://no-color.org).
+fn stderr_colour() -> bool {
+    use std::io::IsTerminal;
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    !no_color && std::io::stderr().is_terminal()
+}
+
 fn main() -> ExitCode {
     dualedit::device::memory::tune_host_allocator();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(stderr_colour())
         .init();
     let cli = Cli::parse();
     // tch panics on libtorch errors outside the guarded model code (a CUDA allocation while

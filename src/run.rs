@@ -10,7 +10,7 @@ use tracing::info;
 
 use crate::config::MendConfig;
 use crate::data::easyedit::{load_records, DatasetKind, EditRecord};
-use crate::data::examples::prepare;
+use crate::data::examples::{prepare_with, DataCounts, OverLong, SkippedRecord, SHOWN_SKIPPED};
 use crate::data::EditExample;
 use crate::device::memory::MemoryTracker;
 use crate::device::DevicePlan;
@@ -31,6 +31,8 @@ pub struct Common {
     pub seed: i64,
     /// Where the run report goes (default `runs/<command>-<time>.json`).
     pub report: Option<PathBuf>,
+    /// What to do with data records longer than the maximum length (default: skip them).
+    pub over_long: OverLong,
 }
 
 fn dtype_name(k: Kind) -> &'static str {
@@ -51,6 +53,7 @@ fn report<M: Serialize>(
     command: &str,
     c: &Common,
     engine: &Engine,
+    data: DataCounts,
     metrics: M,
     seconds: BTreeMap<String, f64>,
     tracker: &MemoryTracker,
@@ -61,6 +64,7 @@ fn report<M: Serialize>(
         devices: DeviceInfo::from(&c.plan),
         dtype: dtype_name(c.dtype).into(),
         seed: c.seed,
+        data: Some(data),
         metrics,
         seconds,
         memory: tracker.summary(),
@@ -87,15 +91,55 @@ pub fn check_report_path(report: Option<&Path>, inputs: &[&Path]) -> Result<()> 
     Ok(())
 }
 
-/// Reads a dataset and tokenises it, keeping the first `limit` records.
-pub fn load_examples(engine: &Engine, path: &Path, ds: DatasetKind, limit: Option<usize>, max_len: usize) -> Result<(Vec<EditRecord>, Vec<EditExample>)> {
-    let (mut records, _) = load_records(path, ds)?;
+/// Reads a dataset and tokenises it, keeping the first `limit` records, with records
+/// longer than `max_len` (or the model's context) handled by `over_long`. Returns the
+/// records that were kept, their examples (aligned), and what was left out.
+pub fn load_examples(
+    engine: &Engine,
+    path: &Path,
+    ds: DatasetKind,
+    limit: Option<usize>,
+    max_len: usize,
+    over_long: OverLong,
+) -> Result<(Vec<EditRecord>, Vec<EditExample>, DataCounts)> {
+    let (mut records, load) = load_records(path, ds)?;
+    let in_file = records.len() + load.skipped.len();
+    // Positions in the file of the records the reader kept (it drops empty targets).
+    let mut empty = load.skipped.iter().map(|(i, _)| *i).peekable();
+    let mut file_index = Vec::with_capacity(records.len());
+    for i in 0..in_file {
+        if empty.next_if_eq(&i).is_none() {
+            file_index.push(i);
+        }
+    }
     if let Some(l) = limit {
         records.truncate(l);
+        file_index.truncate(l);
     }
     let max_len = max_len.min(engine.lm.model.info().max_positions as usize);
-    let examples = prepare(&engine.lm.tokenizer, &records, max_len, path)?;
-    Ok((records, examples))
+    let prepared = prepare_with(&engine.lm.tokenizer, &records, &file_index, max_len, over_long, path)?;
+    let mut first_skipped: Vec<(usize, String)> = load.skipped.iter().chain(&prepared.skipped).cloned().collect();
+    first_skipped.sort_by_key(|(i, _)| *i);
+    first_skipped.truncate(SHOWN_SKIPPED);
+    let counts = DataCounts {
+        file: path.to_path_buf(),
+        records: in_file,
+        used: prepared.examples.len(),
+        skipped_empty: load.skipped.len(),
+        skipped_too_long: prepared.skipped.len(),
+        truncated: prepared.truncated.len(),
+        max_length: max_len,
+        over_long,
+        first_skipped: first_skipped.into_iter().map(|(record, reason)| SkippedRecord { record, reason }).collect(),
+    };
+    let mut kept = prepared.kept.iter().peekable();
+    let mut pos = 0;
+    records.retain(|_| {
+        let keep = kept.next_if_eq(&&pos).is_some();
+        pos += 1;
+        keep
+    });
+    Ok((records, prepared.examples, counts))
 }
 
 #[derive(Debug, Clone)]
@@ -129,7 +173,7 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     let engine = edit::open_engine(&o.common.model, &o.common.load_options(), &o.config.edit_params)?;
     tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
-    let (_, examples) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length)?;
+    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length, o.common.over_long)?;
     let holdout = o.config.val_records.min(examples.len() / 5);
     let (train_set, val_set) = split_holdout_examples(examples, holdout);
     if train_set.is_empty() {
@@ -157,7 +201,7 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     let rep = train::train(&engine, &mut editor, &setup, &mut tracker)?;
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("train".to_string(), t1.elapsed().as_secs_f64())]);
     let path = o.common.report.clone().unwrap_or_else(|| o.out.join("report.json"));
-    let path = report("train", &o.common, &engine, &rep, seconds, &tracker).write(&path, &tracker)?;
+    let path = report("train", &o.common, &engine, data, &rep, seconds, &tracker).write(&path, &tracker)?;
     if !o.out.join(checkpoint::EDITOR_FILE).exists() {
         return Err(Error::file(
             &o.out,
@@ -195,6 +239,10 @@ pub struct EvalOutput {
     #[serde(flatten)]
     pub summary: Summary,
     pub records: Vec<RecordMetrics>,
+    /// What was read from the data file and what was left out: the report's top-level
+    /// `data` (skipped here so the report does not carry it twice).
+    #[serde(skip)]
+    pub data: DataCounts,
 }
 
 /// Edits each record from the unedited model and measures it (EasyEdit's protocol).
@@ -205,14 +253,14 @@ pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics
     let (engine, mut method) = edit::open(&o.common.model, &o.common.load_options(), &o.method)?;
     tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
-    let (_, examples) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length)?;
+    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length, o.common.over_long)?;
     let t1 = Instant::now();
     let records = crate::edit::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, m))?;
     tracker.mark("eval")?;
-    let out = EvalOutput { method: method.name().into(), summary: Summary::of(&records), records };
+    let out = EvalOutput { method: method.name().into(), summary: Summary::of(&records), records, data };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("eval"));
-    let path = report("eval", &o.common, &engine, &out, seconds, &tracker).write(&path, &tracker)?;
+    let path = report("eval", &o.common, &engine, out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
     Ok((out, path))
 }
 
@@ -233,6 +281,10 @@ pub struct EditOutput {
     pub summary: Summary,
     pub requests: Vec<RequestResult>,
     pub saved: Option<PathBuf>,
+    /// What was read from the requests file and what was left out: the report's
+    /// top-level `data` (skipped here so the report does not carry it twice).
+    #[serde(skip)]
+    pub data: DataCounts,
 }
 
 /// Applies requests as one batch (or one after another), measures them after all edits,
@@ -247,7 +299,8 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
     let mut session = Session::open_method(&o.common.model, &o.method, &o.common.load_options())?;
     tracker.mark("load")?;
-    let (records, examples) = load_examples(session.engine(), &o.requests, DatasetKind::Requests, None, o.max_length)?;
+    let (records, examples, data) =
+        load_examples(session.engine(), &o.requests, DatasetKind::Requests, None, o.max_length, o.common.over_long)?;
     let t1 = Instant::now();
     let outcome = session.edit_examples(&records, &examples, o.sequential)?;
     let edit_s = t1.elapsed().as_secs_f64();
@@ -259,9 +312,9 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
         }
         None => None,
     };
-    let out = EditOutput { sequential: o.sequential, summary: outcome.summary, requests: outcome.requests, saved };
+    let out = EditOutput { sequential: o.sequential, summary: outcome.summary, requests: outcome.requests, saved, data };
     let seconds = BTreeMap::from([("load".to_string(), t1.duration_since(t0).as_secs_f64()), ("edit".to_string(), edit_s)]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("edit"));
-    let path = report("edit", &o.common, session.engine(), &out, seconds, &tracker).write(&path, &tracker)?;
+    let path = report("edit", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
     Ok((out, path))
 }

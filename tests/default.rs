@@ -68,6 +68,7 @@ fn shipped_default_meets_its_targets() {
             dtype: Kind::Float,
             seed: 0,
             report: Some(std::env::temp_dir().join(format!("dualedit-default-{}.json", std::process::id()))),
+            over_long: Default::default(),
         },
         method: MethodSpec::Mend { editor: root.join("editor") },
         data: root.join("world/edits-holdout.json"),

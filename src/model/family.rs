@@ -117,6 +117,35 @@ pub trait Family: std::fmt::Debug + Send + Sync {
     }
 }
 
+/// What a block's matmuls save, for [`Family::block_saved`]: a matmul saves its input when
+/// its weight is edited (it requires grad) and the weight `W'` when its input requires
+/// grad, and its output requires grad when either does.
+pub struct MatmulSaves<'a> {
+    edited: &'a [String],
+    /// Edited matrices whose `W'` the graph keeps.
+    pub kept: Vec<String>,
+}
+
+impl<'a> MatmulSaves<'a> {
+    pub fn new(edited: &'a [String]) -> Self {
+        Self { edited, kept: Vec::new() }
+    }
+
+    pub fn is_edited(&self, m: &str) -> bool {
+        self.edited.iter().any(|x| x == m)
+    }
+
+    /// Matmul `m` with an input that does (`input_rg`) or does not require grad: whether
+    /// its output requires grad.
+    pub fn matmul(&mut self, input_rg: bool, m: &str) -> bool {
+        let edited = self.is_edited(m);
+        if edited && input_rg {
+            self.kept.push(m.to_string());
+        }
+        input_rg || edited
+    }
+}
+
 /// Block index and matrix (`mlp.c_fc`) of a weight named `<prefix><i>.<matrix>.weight`.
 pub fn split_block_name(prefix: &str, name: &str) -> Option<(i64, String)> {
     let (idx, m) = name.strip_prefix(prefix)?.split_once('.')?;

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Deserialize;
 use tch::Tensor;
 
-use super::family::{BlockSaved, Dims, Family};
+use super::family::{BlockSaved, Dims, Family, MatmulSaves};
 use super::{attend, check_sizes, linear_captured, position_ids, Activation, AttnMask, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH};
 use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
@@ -154,7 +154,7 @@ impl Family for Gpt2 {
 
     /// Token + position embeddings, and what every block shares.
     fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
-        let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
+        let (b, t) = input.dims()?;
         let mut pos = position_ids(input.input_ids, input.attention_mask);
         if past > 0 {
             pos += past;
@@ -221,45 +221,38 @@ impl Family for Gpt2 {
     /// requires grad; SDPA saves q, k, v, its output and the logsumexp; GELU its input.
     fn block_saved(&self, s: i64, res_rg: bool, edited: &[String]) -> BlockSaved {
         let Dims { d, f, heads: h, .. } = self.dims();
-        let e = |m: &str| edited.iter().any(|x| x == m);
+        let mut mm = MatmulSaves::new(edited);
         let mut bytes = 0i64;
-        let mut kept = Vec::new();
-        let mut mm = |input_rg: bool, m: &str| -> bool {
-            if e(m) && input_rg {
-                kept.push(m.to_string());
-            }
-            input_rg || e(m)
-        };
         if res_rg {
             bytes += d * s + 8; // ln_1: input, mean, rstd (f32)
         }
-        if e("attn.c_attn") {
+        if mm.is_edited("attn.c_attn") {
             bytes += d * s; // ln_1 output, input of an edited matmul
         }
-        let qkv_rg = mm(res_rg, "attn.c_attn");
+        let qkv_rg = mm.matmul(res_rg, "attn.c_attn");
         if qkv_rg {
             bytes += 3 * d * s + d * s + h * 4; // SDPA: q, k, v (one qkv tensor), output, logsumexp
         }
-        if e("attn.c_proj") {
+        if mm.is_edited("attn.c_proj") {
             bytes += d * s; // contiguous copy of the attention output
         }
-        let a_rg = mm(qkv_rg, "attn.c_proj");
+        let a_rg = mm.matmul(qkv_rg, "attn.c_proj");
         let x1_rg = res_rg || a_rg;
         if x1_rg {
             bytes += d * s + 8; // ln_2
         }
-        if e("mlp.c_fc") {
+        if mm.is_edited("mlp.c_fc") {
             bytes += d * s;
         }
-        let fc_rg = mm(x1_rg, "mlp.c_fc");
+        let fc_rg = mm.matmul(x1_rg, "mlp.c_fc");
         if fc_rg {
             bytes += f * s; // gelu input
         }
-        if e("mlp.c_proj") {
+        if mm.is_edited("mlp.c_proj") {
             bytes += f * s; // gelu output
         }
-        let o_rg = mm(fc_rg, "mlp.c_proj");
-        BlockSaved { per_token: bytes, output_requires_grad: x1_rg || o_rg, weights_kept: kept }
+        let o_rg = mm.matmul(fc_rg, "mlp.c_proj");
+        BlockSaved { per_token: bytes, output_requires_grad: x1_rg || o_rg, weights_kept: mm.kept }
     }
 
     fn final_norm_saved(&self, s: i64) -> i64 {

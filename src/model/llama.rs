@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
-use super::family::{BlockSaved, Dims, Family};
+use super::family::{BlockSaved, Dims, Family, MatmulSaves};
 use super::{attend, check_sizes, linear_captured, position_ids, Activation, AttnMask, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH};
 use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
@@ -206,7 +206,7 @@ impl Family for Llama {
 
     /// Token embeddings, and what every block shares (mask, rotary tables).
     fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
-        let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
+        let (b, t) = input.dims()?;
         let mask = AttnMask::new(input.attention_mask, t, past, input.input_ids.device());
         let x = Tensor::embedding(p.get("model.embed_tokens.weight")?, input.input_ids, -1, false, false);
         let mut pos = position_ids(input.input_ids, input.attention_mask);
@@ -300,42 +300,35 @@ impl Family for Llama {
     /// output and logsumexp; the gated MLP saves the SiLU input, its output and `up`.
     fn block_saved(&self, s: i64, res_rg: bool, edited: &[String]) -> BlockSaved {
         let Dims { d, f, heads: h, q, kv, gqa, .. } = self.dims();
-        let e = |m: &str| edited.iter().any(|x| x == m);
+        let mut mm = MatmulSaves::new(edited);
         let mut bytes = 0i64;
-        let mut kept = Vec::new();
-        let mut mm = |input_rg: bool, m: &str| -> bool {
-            if e(m) && input_rg {
-                kept.push(m.to_string());
-            }
-            input_rg || e(m)
-        };
         if res_rg {
             bytes += d * 4 + 4; // RMSNorm in f32: input (as f32), rsqrt
         }
-        if e("self_attn.q_proj") || e("self_attn.k_proj") || e("self_attn.v_proj") {
+        if mm.is_edited("self_attn.q_proj") || mm.is_edited("self_attn.k_proj") || mm.is_edited("self_attn.v_proj") {
             bytes += d * s;
         }
-        let q_rg = mm(res_rg, "self_attn.q_proj");
-        let k_rg = mm(res_rg, "self_attn.k_proj");
-        let v_rg = mm(res_rg, "self_attn.v_proj");
+        let q_rg = mm.matmul(res_rg, "self_attn.q_proj");
+        let k_rg = mm.matmul(res_rg, "self_attn.k_proj");
+        let v_rg = mm.matmul(res_rg, "self_attn.v_proj");
         let att_rg = q_rg || k_rg || v_rg;
         if att_rg {
             let kvw = if gqa { q } else { kv };
             bytes += q * s + 2 * kvw * s + q * s + h * 4; // SDPA: rotated q, k, v, output, logsumexp
         }
-        if e("self_attn.o_proj") {
+        if mm.is_edited("self_attn.o_proj") {
             bytes += q * s;
         }
-        let o_rg = mm(att_rg, "self_attn.o_proj");
+        let o_rg = mm.matmul(att_rg, "self_attn.o_proj");
         let x1_rg = res_rg || o_rg;
         if x1_rg {
             bytes += d * 4 + 4;
         }
-        if e("mlp.gate_proj") || e("mlp.up_proj") {
+        if mm.is_edited("mlp.gate_proj") || mm.is_edited("mlp.up_proj") {
             bytes += d * s;
         }
-        let g_rg = mm(x1_rg, "mlp.gate_proj");
-        let u_rg = mm(x1_rg, "mlp.up_proj");
+        let g_rg = mm.matmul(x1_rg, "mlp.gate_proj");
+        let u_rg = mm.matmul(x1_rg, "mlp.up_proj");
         if g_rg {
             bytes += f * s; // silu input
         }
@@ -345,11 +338,11 @@ impl Family for Llama {
         if g_rg {
             bytes += f * s; // u, saved for act's gradient
         }
-        if e("mlp.down_proj") {
+        if mm.is_edited("mlp.down_proj") {
             bytes += f * s;
         }
-        let m_rg = mm(g_rg || u_rg, "mlp.down_proj");
-        BlockSaved { per_token: bytes, output_requires_grad: x1_rg || m_rg, weights_kept: kept }
+        let m_rg = mm.matmul(g_rg || u_rg, "mlp.down_proj");
+        BlockSaved { per_token: bytes, output_requires_grad: x1_rg || m_rg, weights_kept: mm.kept }
     }
 
     fn final_norm_saved(&self, _s: i64) -> i64 {

@@ -122,6 +122,25 @@ impl<'a> ForwardInput<'a> {
     pub fn new(input_ids: &'a Tensor, capture: &'a HashSet<String>) -> Self {
         Self { input_ids, attention_mask: None, keep: None, capture, position_ids: None, image_embeds: None }
     }
+
+    /// `(B, T)`, after checking the shapes a caller handed in: `input_ids` is `[B, T]`
+    /// integer ids, and the mask and `keep` (when given) are `[B, T]` too. A forward
+    /// checks this first, so a wrong rank is an error, never an indexing panic.
+    pub fn dims(&self) -> Result<(i64, i64)> {
+        let (b, t) = match self.input_ids.size()[..] {
+            [b, t] => (b, t),
+            ref other => return Err(crate::Error::input(format!("input_ids must be [batch, tokens], got shape {other:?}"))),
+        };
+        if !matches!(self.input_ids.kind(), tch::Kind::Int64 | tch::Kind::Int) {
+            return Err(crate::Error::input(format!("input_ids must be integer token ids, got {:?}", self.input_ids.kind())));
+        }
+        for (name, t_) in [("attention_mask", self.attention_mask), ("keep", self.keep)] {
+            if let Some(m) = t_.filter(|m| m.size() != [b, t]) {
+                return Err(crate::Error::input(format!("{name} has shape {:?}, expected [{b}, {t}] like input_ids", m.size())));
+            }
+        }
+        Ok((b, t))
+    }
 }
 
 /// Keys and values of the tokens a sequence has already been through, per layer, so that
@@ -269,6 +288,7 @@ impl Model {
         input: &ForwardInput,
         mut cache: Option<&mut KvCache>,
     ) -> Result<(Tensor, BTreeMap<String, Capture>)> {
+        input.dims()?;
         let mut captures = BTreeMap::new();
         let past = cache.as_ref().map_or(0, |c| c.len());
         let (mut x, ctx) = self.embed(p, input, past)?;
@@ -285,7 +305,7 @@ impl Model {
         if input.attention_mask.is_some() {
             return Err(crate::Error::input("the KV cache takes unpadded inputs (no attention mask)"));
         }
-        let (past, t) = (cache.len(), input.input_ids.size().get(1).copied().unwrap_or(0));
+        let (past, t) = (cache.len(), input.dims()?.1);
         let max = self.info().max_positions;
         if past + t > max {
             return Err(crate::Error::input(format!(

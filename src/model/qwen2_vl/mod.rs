@@ -192,7 +192,7 @@ impl Family for Qwen2Vl {
     /// positions, and the M-RoPE tables.
     fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
         let ids = input.input_ids;
-        let (b, t) = (ids.size()[0], ids.size()[1]);
+        let (b, t) = input.dims()?;
         let mask = AttnMask::new(input.attention_mask, t, past, ids.device());
         let mut x = Tensor::embedding(p.get("model.embed_tokens.weight")?, ids, -1, false, false);
         let is_image = ids.eq(self.config.tokens.image_pad);
