@@ -346,3 +346,37 @@ fn session_scores_with_an_optional_image() {
     let (a, b) = (session.score_image(text, None).unwrap(), session.score(text).unwrap());
     assert_eq!((a.tokens, a.logprobs, a.image_tokens), (b.tokens, b.logprobs, 0));
 }
+
+/// Shapes handed in through the library are checked: pixel rows, grids, image features
+/// that do not match the `<|image_pad|>` tokens, M-RoPE ids of the wrong shape.
+#[test]
+fn library_inputs_of_the_wrong_shape_are_errors() {
+    let lm = load_model(&fixture("qwen2_vl"), Device::Cpu, Kind::Float).unwrap();
+    let vl = lm.model.family().vision_language().unwrap();
+    let p = ParamView::frozen(&lm.params);
+    let err = |r: Result<Tensor, dualedit::Error>| r.err().expect("an error").to_string();
+    let px = Tensor::zeros([16, 1176], (Kind::Float, Device::Cpu));
+    assert!(err(vl.image_features(&p, &px.narrow(1, 0, 100), &[[1, 4, 4]])).contains("1176"));
+    assert!(err(vl.image_features(&p, &px, &[[1, 4, 6]])).contains("24 patches"));
+    assert!(err(vl.image_features(&p, &px, &[[1, 4, 3]])).contains("multiples of 2"));
+    let feats = vl.image_features(&p, &px, &[[1, 4, 4]]).unwrap();
+    assert_eq!(feats.size(), vec![4, 64]);
+    let ids: Vec<i64> = vl.image_prompt(&[1, 4, 4]).into_iter().chain([10, 11, 12]).collect();
+    assert!(vl.mrope_positions(&ids, &[[1, 4, 6]]).unwrap_err().to_string().contains("6 merged patches"));
+    assert!(vl.mrope_positions(&ids, &[]).unwrap_err().to_string().contains("more image runs"));
+    let t = Tensor::from_slice(&ids).unsqueeze(0);
+    let pos = vl.mrope_positions(&ids, &[[1, 4, 4]]).unwrap();
+    // Image positions: start 1, rows 1..=2, columns 1..=2; text continues at 1 + 2.
+    assert_eq!(Vec::<i64>::try_from(pos.get(1)).unwrap(), vec![0, 1, 1, 2, 2, 3, 4, 5, 6]);
+    assert_eq!(Vec::<i64>::try_from(pos.get(2)).unwrap(), vec![0, 1, 2, 1, 2, 3, 4, 5, 6]);
+    let none = Default::default();
+    let pos = pos.unsqueeze(1);
+    let run = |embeds: Option<&Tensor>, pos: Option<&Tensor>| {
+        let input = dualedit::model::ForwardInput { image_embeds: embeds, position_ids: pos, ..dualedit::model::ForwardInput::new(&t, &none) };
+        lm.model.forward(&p, &input).map(|o| o.logits)
+    };
+    assert!(run(Some(&feats), Some(&pos)).is_ok());
+    assert!(err(run(Some(&feats.narrow(0, 0, 3)), Some(&pos))).contains("4 <|image_pad|> tokens"));
+    assert!(err(run(None, Some(&pos))).contains("no image features"));
+    assert!(err(run(Some(&feats), Some(&pos.squeeze_dim(1)))).contains("[3, 1, 9]"));
+}
