@@ -39,6 +39,9 @@ enum Command {
     Pretrain(PretrainArgs),
     /// Rebuild the embedded default: synthetic world, tiny pretrained GPT-2, its editor.
     BuildDefault(BuildDefaultArgs),
+    /// Write a synthetic world's files, training nothing: the text world (facts, corpus,
+    /// CounterFact-shaped edits) or, with --vl, the visual world (PNG scenes, E-VQA records).
+    World(WorldArgs),
     /// Serve edit / score / generate / reset / save as JSON over HTTP (loopback by default).
     Serve(ServeArgs),
     /// Estimate each device's peak memory for training and editing from config.json alone.
@@ -207,6 +210,30 @@ struct BuildDefaultArgs {
     /// Pretraining steps (upper bound; training stops once the model knows its facts).
     #[arg(long)]
     pretrain_steps: Option<usize>,
+}
+
+#[derive(Args)]
+struct WorldArgs {
+    /// Output directory. The visual world refuses a non-empty folder that holds no
+    /// visual world; EasyEdit's image and rephrase-image roots are both this folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// The visual world: scenes drawn in code, vqa-train.json / vqa-holdout.json (E-VQA
+    /// format), pretrain.json, scenes.json, images/ and images_rephrase/.
+    #[arg(long)]
+    vl: bool,
+    /// Seed (default: the shipped world's).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Visual world: scenes whose records train the editor.
+    #[arg(long, requires = "vl")]
+    train_scenes: Option<usize>,
+    /// Visual world: scenes whose records are held out.
+    #[arg(long, requires = "vl")]
+    holdout_scenes: Option<usize>,
+    /// Visual world: image size WIDTHxHEIGHT, multiples of 28 (Qwen2-VL's patch grid).
+    #[arg(long, requires = "vl", value_parser = parse_image_size)]
+    image_size: Option<(i64, i64)>,
 }
 
 #[derive(Args)]
@@ -635,6 +662,33 @@ fn build_default(a: BuildDefaultArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn world(a: WorldArgs) -> anyhow::Result<()> {
+    use dualedit::data::{synthetic, visual_world};
+    if !a.vl {
+        // The text world exactly as build-default writes it (its MEND config plays no part).
+        let mut cfg = dualedit::demo::BuildSpec::shipped(MendConfig::default()).world;
+        cfg.seed = a.seed.unwrap_or(cfg.seed);
+        let world = synthetic::World::generate(&cfg);
+        synthetic::write_world(&a.out, &world)?;
+        let (train, holdout) = world.edit_records();
+        let summary = serde_json::json!({"dir": a.out, "facts": world.facts.len(), "train_edits": train.len(), "holdout_edits": holdout.len()});
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+        return Ok(());
+    }
+    let mut cfg = visual_world::VisualWorldConfig::default();
+    cfg.seed = a.seed.unwrap_or(cfg.seed);
+    cfg.n_train_scenes = a.train_scenes.unwrap_or(cfg.n_train_scenes);
+    cfg.n_holdout_scenes = a.holdout_scenes.unwrap_or(cfg.n_holdout_scenes);
+    if let Some((w, h)) = a.image_size {
+        let side = |v: i64| u32::try_from(v).map_err(|_| anyhow::anyhow!("--image-size {w}x{h}: a side is too large"));
+        (cfg.width, cfg.height) = (side(w)?, side(h)?);
+    }
+    let world = visual_world::VisualWorld::generate(&cfg)?;
+    let written = visual_world::write_visual_world(&a.out, &world)?;
+    println!("{}", serde_json::to_string_pretty(&written)?);
+    Ok(())
+}
+
 /// `448x448` (or `448×448`) to `(width, height)`.
 fn parse_image_size(s: &str) -> Result<(i64, i64), String> {
     let bad = || format!("{s:?} is not an image size WIDTHxHEIGHT (e.g. 448x448)");
@@ -701,6 +755,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Demo(a) => demo(a),
         Command::Pretrain(a) => pretrain(a),
         Command::BuildDefault(a) => build_default(a),
+        Command::World(a) => world(a),
         Command::Serve(a) => serve(a),
         Command::Plan(a) => plan(a),
     }

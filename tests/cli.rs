@@ -222,3 +222,43 @@ fn shared_zsre_trains_with_the_default_config() {
     let (out, _) = run(&["--limit", "100", "--strict"], "strict");
     assert!(!out.status.success() && stderr(&out).contains("record 0: prompt + target is 38 tokens"), "{}", stderr(&out));
 }
+
+/// `dualedit world --vl` writes the visual world's files (and the same bytes for the same
+/// seed), refuses a folder of someone else's files, and rejects sizes off the 28 grid.
+#[test]
+fn world_writes_the_visual_world() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = |name: &str| dir.path().join(name).display().to_string();
+    let args = |o: &str| -> Vec<String> {
+        ["world", "--vl", "--out", o, "--seed", "3", "--train-scenes", "4", "--holdout-scenes", "2", "--image-size", "84x56"].map(String::from).to_vec()
+    };
+    let run = |o: &str| {
+        let a = args(o);
+        dualedit(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let (a, b) = (out("a"), out("b"));
+    let v = one_object("world --vl", &run(&a));
+    assert_eq!(v["scenes"], 6, "{v}");
+    assert_eq!(v["image_size"], serde_json::json!([84, 56]), "{v}");
+    one_object("world --vl again", &run(&b));
+    for name in ["scenes.json", "pretrain.json", "vqa-train.json", "vqa-holdout.json", "images/scene-0000.png", "images_rephrase/scene-0005.png"] {
+        let (x, y) = (std::fs::read(dir.path().join("a").join(name)).unwrap(), std::fs::read(dir.path().join("b").join(name)).unwrap());
+        assert!(x == y, "{name} differs between two builds of one seed");
+    }
+    let records: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(dir.path().join("a/vqa-train.json")).unwrap()).unwrap();
+    assert!(!records.is_empty());
+    for r in &records {
+        assert!(dir.path().join("a").join(r["image_rephrase"].as_str().unwrap()).is_file(), "{r}");
+    }
+    // Rebuilding over itself is fine; over someone's folder is not.
+    one_object("world --vl over itself", &run(&a));
+    std::fs::create_dir(dir.path().join("mine")).unwrap();
+    std::fs::write(dir.path().join("mine/notes.txt"), "x").unwrap();
+    let o = run(&out("mine"));
+    assert!(!o.status.success() && stderr(&o).contains("refusing"), "{}", stderr(&o));
+    let o = dualedit(&["world", "--vl", "--out", &out("c"), "--image-size", "100x112"]);
+    assert!(!o.status.success() && stderr(&o).contains("multiple of 28"), "{}", stderr(&o));
+    // Without --vl: the text world, as build-default writes it.
+    one_object("world", &dualedit(&["world", "--out", &out("text")]));
+    assert!(dir.path().join("text/edits-train.json").is_file());
+}

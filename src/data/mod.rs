@@ -1,9 +1,10 @@
-//! Edit datasets: EasyEdit JSON readers, the synthetic knowledge world, and collation
+//! Edit datasets: EasyEdit JSON readers, the synthetic knowledge and visual worlds, and collation
 //! of tokenised examples into masked batches.
 pub mod batch;
 pub mod easyedit;
 pub mod examples;
 pub mod synthetic;
+pub mod visual_world;
 
 pub use batch::{EditExample, Example, TokenBatch};
 pub use easyedit::{load_records, DatasetKind, EditRecord};

@@ -1,0 +1,1141 @@
+//! A synthetic *visual* world beside the text one ([`super::synthetic`]): scenes of a few
+//! coloured shapes drawn in code, questions about them, and EasyEdit E-VQA records with
+//! counterfactual answers, for a tiny Qwen2-VL-shaped model and its MEND editor (issue #22).
+//!
+//! Why synthetic: a tiny vision-language model pretrained on a CPU can only be asked to
+//! know what it can learn in minutes. Flat shapes in a handful of pure colours, at one of
+//! five places, are learnable by a small vision tower, and every answer is a pure
+//! function of the scene description, so tests can re-derive it.
+//!
+//! A scene is drawn twice: the *original* image, and the *rephrase* image EasyEdit asks
+//! for (the same objects shifted, rescaled about the centre and on another background),
+//! which tests whether an edit generalises to another picture of the same scene. Both
+//! keep every object inside the canvas, apart from the others, and on its side of the
+//! picture, so every fact stays readable.
+//!
+//! Files written by [`write_visual_world`] into one folder, which is both EasyEdit's image
+//! root and its rephrase-image root:
+//!
+//! - `images/scene-NNNN.png`, `images_rephrase/scene-NNNN.png`: the two renders;
+//! - `vqa-train.json`, `vqa-holdout.json`: E-VQA records (`src`, `pred`, `alt`,
+//!   `rephrase`, `image`, `image_rephrase`, `loc`, `loc_ans`, `m_loc`, `m_loc_q`,
+//!   `m_loc_a`), whole scenes on one side, so no (scene, question) pair is in both;
+//! - `pretrain.json`: what a model must know, as [`PretrainCorpus`]: every question in
+//!   every phrasing on both renders of every scene, with its true answer, and the
+//!   NQ-style text facts the records' `loc` questions ask;
+//! - `scenes.json`: the configuration and scene descriptions (it also marks the folder
+//!   as a visual world, which a later build may overwrite).
+//!
+//! Answers are single words (`red`, `circle`, `two`, `left`), as a model prompted with
+//! EasyEdit's `Question: {q} Short answer:` would give them. Everything is a pure function
+//! of [`VisualWorldConfig`] through [`SplitMix64`] streams, so a seed gives byte-identical
+//! files on every machine.
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use image::{ImageEncoder, Rgb, RgbImage};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::rng::SplitMix64;
+use crate::{Error, Result};
+
+// ---------------------------------------------------------------------------------------
+// Configuration
+// ---------------------------------------------------------------------------------------
+
+/// Qwen2-VL's resize grid (patch 14 × merge 2): image sides that are multiples of it reach
+/// the vision tower unresized, so the pixels a test checks are the pixels the model sees.
+pub const GRID: u32 = 28;
+/// Largest side accepted: a tiny model's world has no use for more image tokens.
+pub const MAX_SIDE: u32 = 448;
+/// Five places an object can be: at most five objects per scene.
+pub const MAX_OBJECTS: usize = 5;
+
+/// What visual world to generate.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VisualWorldConfig {
+    pub seed: u64,
+    /// Image width and height in pixels: multiples of [`GRID`], from 56 to [`MAX_SIDE`].
+    pub width: u32,
+    pub height: u32,
+    /// Scenes whose records train the editor, and scenes whose records are held out.
+    /// Each split has none or at least two (an image-locality record shows another scene
+    /// of its own split).
+    pub n_train_scenes: usize,
+    pub n_holdout_scenes: usize,
+    /// Objects per scene, drawn uniformly from `min_objects..=max_objects`.
+    pub min_objects: usize,
+    pub max_objects: usize,
+}
+
+impl Default for VisualWorldConfig {
+    /// 112 × 112 pixels are 8 × 8 patches, 16 image tokens after the 2 × 2 merge. 250
+    /// scenes of 2–4 objects give about 1 600 train and 400 held-out records (8 per
+    /// scene) and 12 000 pretraining triples; it builds in a few seconds.
+    fn default() -> Self {
+        Self { seed: 7, width: 112, height: 112, n_train_scenes: 200, n_holdout_scenes: 50, min_objects: 2, max_objects: 4 }
+    }
+}
+
+impl VisualWorldConfig {
+    /// Refuses sizes off Qwen2-VL's grid and object or scene counts the generator cannot
+    /// honour, naming the value.
+    pub fn validate(&self) -> Result<()> {
+        for (name, side) in [("width", self.width), ("height", self.height)] {
+            if side % GRID != 0 || !(2 * GRID..=MAX_SIDE).contains(&side) {
+                return Err(Error::input(format!(
+                    "visual world {name} {side}: must be a multiple of {GRID} (Qwen2-VL's patch grid) from {} to {MAX_SIDE}",
+                    2 * GRID
+                )));
+            }
+        }
+        if self.min_objects == 0 || self.min_objects > self.max_objects || self.max_objects > MAX_OBJECTS {
+            return Err(Error::input(format!(
+                "visual world objects per scene {}..={}: need 1 <= min <= max <= {MAX_OBJECTS}",
+                self.min_objects, self.max_objects
+            )));
+        }
+        for (name, n) in [("training", self.n_train_scenes), ("held-out", self.n_holdout_scenes)] {
+            if n == 1 {
+                return Err(Error::input(format!(
+                    "visual world: 1 {name} scene; a split needs none or at least 2 (image locality shows another scene of the split)"
+                )));
+            }
+        }
+        if self.n_train_scenes + self.n_holdout_scenes == 0 {
+            return Err(Error::input("visual world: no scenes asked for"));
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Vocabulary
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Shape {
+    Circle,
+    Square,
+    Triangle,
+    Diamond,
+    Cross,
+}
+
+impl Shape {
+    pub const ALL: [Shape; 5] = [Shape::Circle, Shape::Square, Shape::Triangle, Shape::Diamond, Shape::Cross];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::Circle => "circle",
+            Shape::Square => "square",
+            Shape::Triangle => "triangle",
+            Shape::Diamond => "diamond",
+            Shape::Cross => "cross",
+        }
+    }
+
+    pub fn plural(self) -> &'static str {
+        match self {
+            Shape::Circle => "circles",
+            Shape::Square => "squares",
+            Shape::Triangle => "triangles",
+            Shape::Diamond => "diamonds",
+            Shape::Cross => "crosses",
+        }
+    }
+
+    /// Whether the offset `(dx, dy)` from the centre lies in the shape of radius `r`. Every
+    /// shape holds its centre and a disc of radius `r / 3` around it, so the centre pixel
+    /// carries the object's colour, and none reaches beyond `r` on either axis.
+    fn contains(self, dx: f64, dy: f64, r: f64) -> bool {
+        let (ax, ay) = (dx.abs(), dy.abs());
+        match self {
+            Shape::Circle => dx * dx + dy * dy <= r * r,
+            Shape::Square => ax.max(ay) <= 0.8 * r,
+            // Apex up at -r, base at +0.7r with half-width r.
+            Shape::Triangle => (-r..=0.7 * r).contains(&dy) && ax <= (dy + r) / 1.7,
+            Shape::Diamond => ax + ay <= r,
+            Shape::Cross => (ax <= r / 3.0 && ay <= r) || (ay <= r / 3.0 && ax <= r),
+        }
+    }
+}
+
+/// Object colours: saturated, far from each other and from every [`Background`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Colour {
+    Red,
+    Green,
+    Blue,
+    Yellow,
+    Purple,
+    Orange,
+}
+
+impl Colour {
+    pub const ALL: [Colour; 6] = [Colour::Red, Colour::Green, Colour::Blue, Colour::Yellow, Colour::Purple, Colour::Orange];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Colour::Red => "red",
+            Colour::Green => "green",
+            Colour::Blue => "blue",
+            Colour::Yellow => "yellow",
+            Colour::Purple => "purple",
+            Colour::Orange => "orange",
+        }
+    }
+
+    pub fn rgb(self) -> [u8; 3] {
+        match self {
+            Colour::Red => [220, 30, 30],
+            Colour::Green => [30, 160, 50],
+            Colour::Blue => [30, 70, 220],
+            Colour::Yellow => [240, 210, 30],
+            Colour::Purple => [140, 50, 180],
+            Colour::Orange => [245, 130, 20],
+        }
+    }
+}
+
+/// Canvas colours: neutral, so an object never blends into the background.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Background {
+    White,
+    LightGrey,
+    DarkGrey,
+    Black,
+    Beige,
+}
+
+impl Background {
+    pub const ALL: [Background; 5] = [Background::White, Background::LightGrey, Background::DarkGrey, Background::Black, Background::Beige];
+
+    pub fn rgb(self) -> [u8; 3] {
+        match self {
+            Background::White => [255, 255, 255],
+            Background::LightGrey => [200, 200, 200],
+            Background::DarkGrey => [70, 70, 70],
+            Background::Black => [0, 0, 0],
+            Background::Beige => [230, 220, 190],
+        }
+    }
+}
+
+/// Where an object sits: one of five slots, at most one object each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Position {
+    Left,
+    Right,
+    Top,
+    Bottom,
+    Centre,
+}
+
+impl Position {
+    pub const ALL: [Position; 5] = [Position::Left, Position::Right, Position::Top, Position::Bottom, Position::Centre];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Position::Left => "left",
+            Position::Right => "right",
+            Position::Top => "top",
+            Position::Bottom => "bottom",
+            Position::Centre => "centre",
+        }
+    }
+
+    /// Direction of the slot from the canvas centre (y grows downwards).
+    pub fn direction(self) -> (f64, f64) {
+        match self {
+            Position::Left => (-1.0, 0.0),
+            Position::Right => (1.0, 0.0),
+            Position::Top => (0.0, -1.0),
+            Position::Bottom => (0.0, 1.0),
+            Position::Centre => (0.0, 0.0),
+        }
+    }
+}
+
+/// Count answers; index = count.
+pub const NUMBER_WORDS: [&str; MAX_OBJECTS + 1] = ["zero", "one", "two", "three", "four", "five"];
+
+/// NQ-style text questions with fixed answers: the records' text locality (`loc`,
+/// `loc_ans`), prefixed as E-VQA's are. They are in the pretraining corpus, so a model
+/// knows them and an edit that changes them has leaked. Some answers are words the
+/// images' answers use too (colours, numbers, a shape), which makes locality a real test.
+pub const NQ_FACTS: &[(&str, &str)] = &[
+    ("nq question: who wrote romeo and juliet", "william shakespeare"),
+    ("nq question: what is the capital of france", "paris"),
+    ("nq question: how many days are there in a week", "seven"),
+    ("nq question: how many legs does a spider have", "eight"),
+    ("nq question: what is the largest planet in the solar system", "jupiter"),
+    ("nq question: what gas do plants take from the air", "carbon dioxide"),
+    ("nq question: who painted the mona lisa", "leonardo da vinci"),
+    ("nq question: what is the chemical symbol for gold", "au"),
+    ("nq question: what colour is a ripe banana", "yellow"),
+    ("nq question: what is the longest river in africa", "the nile"),
+    ("nq question: in which country is the eiffel tower", "france"),
+    ("nq question: who was the first person to walk on the moon", "neil armstrong"),
+    ("nq question: what is the smallest prime number", "two"),
+    ("nq question: how many sides does a hexagon have", "six"),
+    ("nq question: what is the hardest natural substance", "diamond"),
+    ("nq question: which planet is known as the red planet", "mars"),
+    ("nq question: what language is spoken in brazil", "portuguese"),
+    ("nq question: what is the currency of japan", "yen"),
+    ("nq question: who developed the theory of relativity", "albert einstein"),
+    ("nq question: what is the tallest mountain in the world", "mount everest"),
+    ("nq question: how many players are on a football team", "eleven"),
+    ("nq question: what is the main ingredient of guacamole", "avocado"),
+    ("nq question: which ocean is the largest", "the pacific"),
+    ("nq question: in what year did the second world war end", "1945"),
+    ("nq question: what is the capital of japan", "tokyo"),
+    ("nq question: who wrote the odyssey", "homer"),
+    ("nq question: how many strings does a violin have", "four"),
+    ("nq question: what colour is chlorophyll", "green"),
+    ("nq question: what is the boiling point of water in celsius", "100 degrees"),
+    ("nq question: which animal is known as the king of the jungle", "the lion"),
+];
+
+// ---------------------------------------------------------------------------------------
+// Scenes
+// ---------------------------------------------------------------------------------------
+
+/// One object. Geometry is in fractions of the canvas, so a scene draws at any size:
+/// `jitter` moves it off its slot's centre (fractions of width and height), `size` is its
+/// radius (a fraction of the shorter side). Values are multiples of 1/200, exact in JSON.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Object {
+    pub shape: Shape,
+    pub colour: Colour,
+    pub position: Position,
+    pub jitter: [f64; 2],
+    pub size: f64,
+}
+
+/// How a scene is drawn: background, scale about the canvas centre, shift (fractions of
+/// width and height).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct View {
+    pub background: Background,
+    pub scale: f64,
+    pub shift: [f64; 2],
+}
+
+/// Which of a scene's two images.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Render {
+    Original,
+    Rephrase,
+}
+
+impl Render {
+    /// The folder of this render's images inside the world folder.
+    pub fn folder(self) -> &'static str {
+        match self {
+            Render::Original => "images",
+            Render::Rephrase => "images_rephrase",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Scene {
+    pub id: usize,
+    pub objects: Vec<Object>,
+    pub original: View,
+    pub rephrase: View,
+}
+
+// Geometry, in fractions of the canvas. Worst case (largest radius, jitter towards each
+// other), neighbouring slots keep 0.31 - 2·0.02 - 2·0.12 = 0.03 of the side between
+// objects, and the outermost reach 0.5 + 0.06 + 0.9·(0.31 + 0.02 + 0.12) < 1.
+/// Distance of the four outer slots from the centre.
+const SLOT: f64 = 0.31;
+/// Jitter off the slot centre: up to this many 1/200ths either way.
+const JITTER_STEPS: usize = 4;
+/// Radius range in 1/200ths of the shorter side.
+const SIZE_STEPS: (usize, usize) = (20, 24);
+/// Rephrase scale range in 1/100ths, and shift up to this many 1/200ths either way.
+const SCALE_STEPS: (usize, usize) = (75, 90);
+const SHIFT_STEPS: usize = 12;
+
+impl Scene {
+    /// Centre (x, y) and radius in pixels of object `i` in `render`, on a `width` ×
+    /// `height` canvas.
+    pub fn placement(&self, i: usize, render: Render, width: u32, height: u32) -> (f64, f64, f64) {
+        let o = &self.objects[i];
+        let v = self.view(render);
+        let (dx, dy) = o.position.direction();
+        let (w, h) = (width as f64, height as f64);
+        let cx = w * (0.5 + v.shift[0] + v.scale * (dx * SLOT + o.jitter[0]));
+        let cy = h * (0.5 + v.shift[1] + v.scale * (dy * SLOT + o.jitter[1]));
+        (cx, cy, v.scale * o.size * w.min(h))
+    }
+
+    pub fn view(&self, render: Render) -> &View {
+        match render {
+            Render::Original => &self.original,
+            Render::Rephrase => &self.rephrase,
+        }
+    }
+
+    /// Draws the scene: plain rasterisation, one pure colour per object, no
+    /// anti-aliasing (a pixel belongs to a shape when its centre does), so every object
+    /// pixel has exactly its palette colour.
+    pub fn render(&self, render: Render, width: u32, height: u32) -> RgbImage {
+        let mut img = RgbImage::from_pixel(width, height, Rgb(self.view(render).background.rgb()));
+        for (i, o) in self.objects.iter().enumerate() {
+            let (cx, cy, r) = self.placement(i, render, width, height);
+            let colour = Rgb(o.colour.rgb());
+            let span = |c: f64, side: u32| ((c - r - 1.0).floor().max(0.0) as u32, ((c + r + 1.0).ceil().max(0.0) as u32).min(side));
+            let ((x0, x1), (y0, y1)) = (span(cx, width), span(cy, height));
+            for y in y0..y1 {
+                for x in x0..x1 {
+                    if o.shape.contains(x as f64 + 0.5 - cx, y as f64 + 0.5 - cy, r) {
+                        img.put_pixel(x, y, colour);
+                    }
+                }
+            }
+        }
+        img
+    }
+
+    /// The questions this scene answers unambiguously, in a fixed order: per shape present,
+    /// its count, and (when it is there once) its colour and place; per colour worn by one
+    /// object, that object's shape.
+    pub fn questions(&self) -> Vec<Question> {
+        let mut out = Vec::new();
+        for shape in Shape::ALL {
+            let of: Vec<&Object> = self.objects.iter().filter(|o| o.shape == shape).collect();
+            if let [o] = of[..] {
+                out.push(Question::ask(QuestionKind::Colour, shape.name(), o.colour.name()));
+                out.push(Question::ask(QuestionKind::Position, shape.name(), o.position.name()));
+            }
+            if !of.is_empty() {
+                out.push(Question::ask(QuestionKind::Count, shape.plural(), NUMBER_WORDS[of.len()]));
+            }
+        }
+        for colour in Colour::ALL {
+            if let [o] = self.objects.iter().filter(|o| o.colour == colour).collect::<Vec<_>>()[..] {
+                out.push(Question::ask(QuestionKind::Shape, colour.name(), o.shape.name()));
+            }
+        }
+        out
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuestionKind {
+    /// "What colour is the circle?" -> a colour.
+    Colour,
+    /// "Which shape is red?" -> a shape.
+    Shape,
+    /// "How many squares are there?" -> a number word.
+    Count,
+    /// "Where is the triangle?" -> a position.
+    Position,
+}
+
+impl QuestionKind {
+    /// Phrasings with `{x}` for the shape (plural for counts) or colour asked about. The
+    /// first is canonical (a record's `src`); the others are its rephrasings.
+    pub fn templates(self) -> &'static [&'static str] {
+        match self {
+            QuestionKind::Colour => &["What colour is the {x}?", "Which colour does the {x} have?", "What is the colour of the {x}?"],
+            QuestionKind::Shape => &["Which shape is {x}?", "What shape is the {x} object?", "The {x} object has which shape?"],
+            QuestionKind::Count => &["How many {x} are there?", "What is the number of {x} in the picture?", "How many {x} does the image show?"],
+            QuestionKind::Position => &["Where is the {x}?", "In which part of the image is the {x}?", "Where in the picture is the {x}?"],
+        }
+    }
+
+    /// Every answer a question of this kind can have, so a counterfactual is of its type.
+    pub fn vocabulary(self) -> Vec<&'static str> {
+        match self {
+            QuestionKind::Colour => Colour::ALL.iter().map(|c| c.name()).collect(),
+            QuestionKind::Shape => Shape::ALL.iter().map(|s| s.name()).collect(),
+            QuestionKind::Count => NUMBER_WORDS[1..].to_vec(),
+            QuestionKind::Position => Position::ALL.iter().map(|p| p.name()).collect(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Question {
+    pub kind: QuestionKind,
+    /// The word asked about (a shape's plural for counts, else a shape or a colour).
+    pub about: String,
+    pub answer: String,
+    /// Every phrasing, canonical first.
+    pub phrasings: Vec<String>,
+}
+
+impl Question {
+    fn ask(kind: QuestionKind, about: &str, answer: &str) -> Question {
+        Question {
+            kind,
+            about: about.to_string(),
+            answer: answer.to_string(),
+            phrasings: kind.templates().iter().map(|t| t.replace("{x}", about)).collect(),
+        }
+    }
+}
+
+/// Relative path of a scene's image under the world folder.
+pub fn image_path(id: usize, render: Render) -> String {
+    format!("{}/scene-{id:04}.png", render.folder())
+}
+
+// ---------------------------------------------------------------------------------------
+// Generation
+// ---------------------------------------------------------------------------------------
+
+const STREAM_SCENES: u64 = 1;
+const STREAM_RECORDS: u64 = 2;
+
+/// `k` / `den` for `k` uniform in `-steps..=steps`: exact multiples, short in JSON.
+fn steps(rng: &mut SplitMix64, steps: usize, den: f64) -> f64 {
+    (rng.below(2 * steps + 1) as f64 - steps as f64) / den
+}
+
+fn range(rng: &mut SplitMix64, (lo, hi): (usize, usize), den: f64) -> f64 {
+    (lo + rng.below(hi - lo + 1)) as f64 / den
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VisualWorld {
+    pub config: VisualWorldConfig,
+    /// Training scenes first (`config.n_train_scenes`), then held-out ones; `id` = index.
+    pub scenes: Vec<Scene>,
+}
+
+/// One thing a model must know: the answer to a question about an image.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Triple {
+    /// Relative to the world folder.
+    pub image: String,
+    pub question: String,
+    pub answer: String,
+}
+
+/// A text-only fact (the NQ-style locality questions).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TextFact {
+    pub question: String,
+    pub answer: String,
+}
+
+/// `pretrain.json`: what the tiny VL model is pretrained on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PretrainCorpus {
+    pub image_size: [u32; 2],
+    pub vqa: Vec<Triple>,
+    pub text: Vec<TextFact>,
+}
+
+impl VisualWorld {
+    /// The world `cfg` describes; equal configs give equal worlds.
+    pub fn generate(cfg: &VisualWorldConfig) -> Result<VisualWorld> {
+        cfg.validate()?;
+        let mut rng = SplitMix64::new(cfg.seed, STREAM_SCENES);
+        let n = cfg.n_train_scenes + cfg.n_holdout_scenes;
+        let scenes = (0..n)
+            .map(|id| {
+                let k = cfg.min_objects + rng.below(cfg.max_objects - cfg.min_objects + 1);
+                let mut slots = Position::ALL.to_vec();
+                rng.shuffle(&mut slots);
+                // Shapes and colours repeat freely (counts above one, colours shared);
+                // questions are only asked where the scene answers them unambiguously.
+                let objects = slots[..k]
+                    .iter()
+                    .map(|&position| Object {
+                        shape: *rng.pick(&Shape::ALL),
+                        colour: *rng.pick(&Colour::ALL),
+                        position,
+                        jitter: [steps(&mut rng, JITTER_STEPS, 200.0), steps(&mut rng, JITTER_STEPS, 200.0)],
+                        size: range(&mut rng, SIZE_STEPS, 200.0),
+                    })
+                    .collect();
+                let background = *rng.pick(&Background::ALL);
+                let others: Vec<Background> = Background::ALL.into_iter().filter(|b| *b != background).collect();
+                let rephrase = View {
+                    background: *rng.pick(&others),
+                    scale: range(&mut rng, SCALE_STEPS, 100.0),
+                    shift: [steps(&mut rng, SHIFT_STEPS, 200.0), steps(&mut rng, SHIFT_STEPS, 200.0)],
+                };
+                Scene { id, objects, original: View { background, scale: 1.0, shift: [0.0, 0.0] }, rephrase }
+            })
+            .collect();
+        Ok(VisualWorld { config: cfg.clone(), scenes })
+    }
+
+    pub fn train_scenes(&self) -> &[Scene] {
+        &self.scenes[..self.config.n_train_scenes.min(self.scenes.len())]
+    }
+
+    pub fn holdout_scenes(&self) -> &[Scene] {
+        &self.scenes[self.config.n_train_scenes.min(self.scenes.len())..]
+    }
+
+    /// Per kind, the answers some question of the world really has: a counterfactual is
+    /// drawn from these, so it is of the question's type and a word the model has seen
+    /// as an answer (as the text world draws `target_new` from its pools).
+    pub fn answer_pools(&self) -> BTreeMap<QuestionKind, Vec<String>> {
+        let mut pools: BTreeMap<QuestionKind, BTreeSet<String>> = BTreeMap::new();
+        for q in self.scenes.iter().flat_map(Scene::questions) {
+            pools.entry(q.kind).or_default().insert(q.answer);
+        }
+        pools.into_iter().map(|(k, v)| (k, v.into_iter().collect())).collect()
+    }
+
+    /// (train, held-out) E-VQA records: one per question of each scene of the split, in a
+    /// shuffled order. `pred` is the true answer, `alt` another answer of the same kind,
+    /// `rephrase` another phrasing, `m_loc` another scene of the same split with one of its
+    /// questions. A question whose kind has a single answer in the whole world (possible
+    /// only in a tiny world) cannot be edited to anything and yields no record.
+    pub fn records(&self) -> (Vec<Value>, Vec<Value>) {
+        let mut rng = SplitMix64::new(self.config.seed, STREAM_RECORDS);
+        let pools = self.answer_pools();
+        let train = split_records(&mut rng, self.train_scenes(), &pools);
+        let holdout = split_records(&mut rng, self.holdout_scenes(), &pools);
+        (train, holdout)
+    }
+
+    /// Every question in every phrasing on both renders of every scene, and the text facts.
+    pub fn pretrain_corpus(&self) -> PretrainCorpus {
+        let mut vqa = Vec::new();
+        for scene in &self.scenes {
+            let questions = scene.questions();
+            for render in [Render::Original, Render::Rephrase] {
+                for q in &questions {
+                    for p in &q.phrasings {
+                        vqa.push(Triple { image: image_path(scene.id, render), question: p.clone(), answer: q.answer.clone() });
+                    }
+                }
+            }
+        }
+        let text = NQ_FACTS.iter().map(|(q, a)| TextFact { question: q.to_string(), answer: a.to_string() }).collect();
+        PretrainCorpus { image_size: [self.config.width, self.config.height], vqa, text }
+    }
+
+    /// The world described by `dir/scenes.json`, as [`write_visual_world`] wrote it.
+    pub fn read(dir: &Path) -> Result<VisualWorld> {
+        let path = dir.join(SCENES_FILE);
+        let file: SceneFile =
+            serde_json::from_str(&crate::io::read_text(&path)?).map_err(|e| Error::file(&path, format!("not a visual world's scene file: {e}")))?;
+        if file.format != FORMAT {
+            return Err(Error::file(&path, format!("format {:?}, expected {FORMAT:?}", file.format)));
+        }
+        file.config.validate().map_err(|e| Error::file(&path, e.to_string()))?;
+        Ok(VisualWorld { config: file.config, scenes: file.scenes })
+    }
+}
+
+fn split_records(rng: &mut SplitMix64, scenes: &[Scene], pools: &BTreeMap<QuestionKind, Vec<String>>) -> Vec<Value> {
+    let mut out = Vec::new();
+    for (i, scene) in scenes.iter().enumerate() {
+        for q in scene.questions() {
+            let others: Vec<&String> = pools.get(&q.kind).into_iter().flatten().filter(|a| **a != q.answer).collect();
+            if others.is_empty() {
+                continue;
+            }
+            let alt = *rng.pick(&others);
+            let rephrase = &q.phrasings[1 + rng.below(q.phrasings.len() - 1)];
+            let (loc, loc_ans) = *rng.pick(NQ_FACTS);
+            // Validation keeps a non-empty split at two scenes or more, and every scene
+            // has a question (the count of any shape in it).
+            let other = &scenes[(i + 1 + rng.below(scenes.len() - 1)) % scenes.len()];
+            let other_questions = other.questions();
+            let m = rng.pick(&other_questions);
+            out.push(json!({
+                "src": q.phrasings[0],
+                "pred": q.answer,
+                "alt": alt,
+                "rephrase": rephrase,
+                "image": image_path(scene.id, Render::Original),
+                "image_rephrase": image_path(scene.id, Render::Rephrase),
+                "loc": loc,
+                "loc_ans": loc_ans,
+                "m_loc": image_path(other.id, Render::Original),
+                "m_loc_q": m.phrasings[0],
+                "m_loc_a": m.answer,
+            }));
+        }
+    }
+    rng.shuffle(&mut out);
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// Writing
+// ---------------------------------------------------------------------------------------
+
+pub const SCENES_FILE: &str = "scenes.json";
+const FORMAT: &str = "dualedit-visual-world/1";
+
+#[derive(Serialize, Deserialize)]
+struct SceneFile {
+    format: String,
+    config: VisualWorldConfig,
+    scenes: Vec<Scene>,
+}
+
+/// What [`write_visual_world`] wrote.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WrittenWorld {
+    pub dir: std::path::PathBuf,
+    pub scenes: usize,
+    pub image_size: [u32; 2],
+    pub train_records: usize,
+    pub holdout_records: usize,
+    pub pretrain_triples: usize,
+    pub text_facts: usize,
+}
+
+/// A new or empty folder, or one holding a visual world (its `scenes.json`): anything else
+/// is someone's files, which a rebuild must not mix with scenes or overwrite.
+fn check_target(dir: &Path) -> Result<()> {
+    let mut entries = match std::fs::read_dir(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(dir, e)),
+        Ok(entries) => entries,
+    };
+    if entries.next().is_none() {
+        return Ok(());
+    }
+    if !dir.join(SCENES_FILE).is_file() {
+        return Err(Error::file(dir, format!("is not empty and holds no visual world ({SCENES_FILE}): refusing to write into it; name a new or empty folder")));
+    }
+    VisualWorld::read(dir).map(|_| ()).map_err(|e| Error::file(dir, format!("is not empty and not a visual world ({e}); refusing to write into it")))
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let mut text = serde_json::to_string_pretty(value).map_err(|e| Error::file(path, e.to_string()))?;
+    text.push('\n');
+    crate::io::write_atomic(path, text.as_bytes())
+}
+
+/// PNG bytes of `img` (8-bit RGB, the encoder's default compression and filter: the same
+/// bytes for the same pixels with a given `image` crate version).
+pub fn encode_png(img: &RgbImage, path: &Path) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    image::codecs::png::PngEncoder::new(&mut bytes)
+        .write_image(img.as_raw(), img.width(), img.height(), image::ColorType::Rgb8)
+        .map_err(|e| Error::file(path, format!("encoding PNG: {e}")))?;
+    Ok(bytes)
+}
+
+/// Writes the world's files into `dir` (see the module docs), each atomically. The scene
+/// file goes first (so an interrupted build leaves a folder a rerun may overwrite), then
+/// the images, then the records (so a reader of a fresh build never finds a record whose
+/// image is missing). Images of an earlier, larger world in the same folder are removed.
+pub fn write_visual_world(dir: &Path, world: &VisualWorld) -> Result<WrittenWorld> {
+    check_target(dir)?;
+    let cfg = &world.config;
+    write_json(&dir.join(SCENES_FILE), &SceneFile { format: FORMAT.to_string(), config: cfg.clone(), scenes: world.scenes.clone() })?;
+    for render in [Render::Original, Render::Rephrase] {
+        let mut written = BTreeSet::new();
+        for scene in &world.scenes {
+            let rel = image_path(scene.id, render);
+            let path = dir.join(&rel);
+            crate::io::write_atomic(&path, &encode_png(&scene.render(render, cfg.width, cfg.height), &path)?)?;
+            written.insert(rel);
+        }
+        let folder = dir.join(render.folder());
+        for entry in std::fs::read_dir(&folder).map_err(|e| Error::io(&folder, e))? {
+            let entry = entry.map_err(|e| Error::io(&folder, e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let ours = name.starts_with("scene-") && name.ends_with(".png");
+            if ours && !written.contains(&format!("{}/{name}", render.folder())) {
+                std::fs::remove_file(entry.path()).map_err(|e| Error::io(entry.path(), e))?;
+            }
+        }
+    }
+    let corpus = world.pretrain_corpus();
+    write_json(&dir.join("pretrain.json"), &corpus)?;
+    let (train, holdout) = world.records();
+    write_json(&dir.join("vqa-train.json"), &train)?;
+    write_json(&dir.join("vqa-holdout.json"), &holdout)?;
+    Ok(WrittenWorld {
+        dir: dir.to_path_buf(),
+        scenes: world.scenes.len(),
+        image_size: [cfg.width, cfg.height],
+        train_records: train.len(),
+        holdout_records: holdout.len(),
+        pretrain_triples: corpus.vqa.len(),
+        text_facts: corpus.text.len(),
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    fn small() -> VisualWorldConfig {
+        VisualWorldConfig { n_train_scenes: 10, n_holdout_scenes: 4, ..Default::default() }
+    }
+
+    fn s<'a>(v: &'a Value, k: &str) -> &'a str {
+        v[k].as_str().unwrap_or_else(|| panic!("missing string key {k} in {v}"))
+    }
+
+    fn scene_of<'a>(w: &'a VisualWorld, path: &str, render: Render) -> &'a Scene {
+        let id: usize = path
+            .strip_prefix(&format!("{}/scene-", render.folder()))
+            .and_then(|p| p.strip_suffix(".png"))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{path} is not a {render:?} image path"));
+        &w.scenes[id]
+    }
+
+    /// The answer to a question, read off the scene description independently of
+    /// `Scene::questions`: the question's kind and subject are parsed back from its text.
+    fn derive<'a>(scene: &'a Scene, question: &str) -> (QuestionKind, String) {
+        for kind in [QuestionKind::Colour, QuestionKind::Shape, QuestionKind::Count, QuestionKind::Position] {
+            for t in kind.templates() {
+                let (pre, post) = t.split_once("{x}").expect("template has {x}");
+                let Some(x) = question.strip_prefix(pre).and_then(|q| q.strip_suffix(post)) else { continue };
+                let one = |hits: Vec<&'a Object>| -> &'a Object {
+                    assert_eq!(hits.len(), 1, "{question:?} is ambiguous in scene {}", scene.id);
+                    hits[0]
+                };
+                let answer = match kind {
+                    QuestionKind::Colour => one(scene.objects.iter().filter(|o| o.shape.name() == x).collect()).colour.name().to_string(),
+                    QuestionKind::Position => one(scene.objects.iter().filter(|o| o.shape.name() == x).collect()).position.name().to_string(),
+                    QuestionKind::Shape => one(scene.objects.iter().filter(|o| o.colour.name() == x).collect()).shape.name().to_string(),
+                    QuestionKind::Count => {
+                        let n = scene.objects.iter().filter(|o| o.shape.plural() == x).count();
+                        assert!(n > 0, "{question:?} about a shape not in scene {}", scene.id);
+                        NUMBER_WORDS[n].to_string()
+                    }
+                };
+                return (kind, answer);
+            }
+        }
+        panic!("{question:?} matches no template")
+    }
+
+    #[test]
+    fn deterministic_per_seed() {
+        let cfg = VisualWorldConfig::default();
+        let a = VisualWorld::generate(&cfg).unwrap();
+        assert_eq!(a, VisualWorld::generate(&cfg).unwrap());
+        assert_eq!(a.records(), a.records());
+        let b = VisualWorld::generate(&VisualWorldConfig { seed: cfg.seed + 1, ..cfg }).unwrap();
+        assert_ne!(a.scenes, b.scenes);
+        assert_ne!(a.records(), b.records());
+
+        // Same bytes in every file, twice.
+        let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+        let w = VisualWorld::generate(&small()).unwrap();
+        for d in &dirs {
+            write_visual_world(&d.path().join("w"), &w).unwrap();
+        }
+        let files = |root: &Path| -> BTreeMap<String, Vec<u8>> {
+            let mut out = BTreeMap::new();
+            for sub in ["", "images", "images_rephrase"] {
+                for e in std::fs::read_dir(root.join(sub)).unwrap() {
+                    let p = e.unwrap().path();
+                    if p.is_file() {
+                        out.insert(p.strip_prefix(root).unwrap().display().to_string(), std::fs::read(&p).unwrap());
+                    }
+                }
+            }
+            out
+        };
+        let (x, y) = (files(&dirs[0].path().join("w")), files(&dirs[1].path().join("w")));
+        assert_eq!(x.len(), 4 + 2 * 14, "{:?}", x.keys());
+        assert!(x == y, "two builds of one seed differ");
+    }
+
+    /// Pins the default world, which the embedded VL model is pretrained on: a change here
+    /// must go together with rebuilding that model.
+    #[test]
+    fn stable_output() {
+        let w = VisualWorld::generate(&VisualWorldConfig::default()).unwrap();
+        let (t, h) = w.records();
+        println!("scene 0: {}\ntrain[0]: {:#}\nholdout[0]: {:#}", serde_json::to_string(&w.scenes[0]).unwrap(), t[0], h[0]);
+        println!("train {} records, held-out {}, pretrain triples {}", t.len(), h.len(), w.pretrain_corpus().vqa.len());
+        let q: Vec<(String, String)> = w.scenes[0].questions().into_iter().map(|q| (q.phrasings[0].clone(), q.answer)).collect();
+        assert_eq!(q, PINNED_SCENE_0.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect::<Vec<_>>());
+        assert_eq!((s(&t[0], "src"), s(&t[0], "pred"), s(&t[0], "alt")), PINNED_TRAIN_0);
+        assert_eq!((t.len(), h.len()), PINNED_COUNTS);
+    }
+    const PINNED_SCENE_0: &[(&str, &str)] = &[
+        ("What colour is the circle?", "purple"),
+        ("Where is the circle?", "bottom"),
+        ("How many circles are there?", "one"),
+        ("What colour is the square?", "blue"),
+        ("Where is the square?", "left"),
+        ("How many squares are there?", "one"),
+        ("How many triangles are there?", "two"),
+        ("Which shape is blue?", "square"),
+        ("Which shape is purple?", "circle"),
+    ];
+    const PINNED_TRAIN_0: (&str, &str, &str) = ("How many triangles are there?", "two", "one");
+    const PINNED_COUNTS: (usize, usize) = (1614, 390);
+
+    fn check_records(cfg: &VisualWorldConfig) {
+        let w = VisualWorld::generate(cfg).unwrap();
+        let (train, holdout) = w.records();
+        let keys: BTreeSet<&str> =
+            ["src", "pred", "alt", "rephrase", "image", "image_rephrase", "loc", "loc_ans", "m_loc", "m_loc_q", "m_loc_a"].into();
+        let pools = w.answer_pools();
+        let mut pairs = [HashSet::new(), HashSet::new()];
+        let mut scenes = [HashSet::new(), HashSet::new()];
+        for (side, recs) in [&train, &holdout].into_iter().enumerate() {
+            let split = if side == 0 { w.train_scenes() } else { w.holdout_scenes() };
+            let questions: usize = split.iter().map(|sc| sc.questions().len()).sum();
+            assert_eq!(recs.len(), questions, "one record per question of the split");
+            for r in recs {
+                let obj = r.as_object().expect("record is an object");
+                assert_eq!(obj.keys().map(String::as_str).collect::<BTreeSet<_>>(), keys);
+                for k in &keys {
+                    assert!(!s(r, k).is_empty(), "empty {k} in {r}");
+                }
+                let scene = scene_of(&w, s(r, "image"), Render::Original);
+                assert_eq!(scene_of(&w, s(r, "image_rephrase"), Render::Rephrase).id, scene.id);
+                assert!(split.iter().any(|sc| sc.id == scene.id), "record of scene {} in the wrong split", scene.id);
+                let (kind, truth) = derive(scene, s(r, "src"));
+                assert_eq!(s(r, "pred"), truth, "{r}");
+                assert_eq!(derive(scene, s(r, "rephrase")), (kind, truth.clone()));
+                assert_ne!(s(r, "rephrase"), s(r, "src"));
+                assert_ne!(s(r, "alt"), s(r, "pred"));
+                assert!(kind.vocabulary().contains(&s(r, "alt")), "alt {} is no {kind:?} answer", s(r, "alt"));
+                assert!(pools[&kind].iter().any(|a| a == s(r, "alt")), "alt {} is never a true answer", s(r, "alt"));
+                assert!(NQ_FACTS.contains(&(s(r, "loc"), s(r, "loc_ans"))));
+                let other = scene_of(&w, s(r, "m_loc"), Render::Original);
+                assert_ne!(other.id, scene.id);
+                assert!(split.iter().any(|sc| sc.id == other.id), "image locality from the other split");
+                assert_eq!(derive(other, s(r, "m_loc_q")).1, s(r, "m_loc_a"));
+                assert!(pairs[side].insert((scene.id, s(r, "src").to_string())), "repeated (scene, question) {r}");
+                scenes[side].insert(scene.id);
+            }
+        }
+        assert!(pairs[0].is_disjoint(&pairs[1]));
+        assert!(scenes[0].is_disjoint(&scenes[1]));
+        assert_eq!((scenes[0].len(), scenes[1].len()), (cfg.n_train_scenes, cfg.n_holdout_scenes));
+    }
+
+    #[test]
+    fn records_valid_complete_and_split() {
+        check_records(&VisualWorldConfig::default());
+        for seed in 0..5 {
+            check_records(&VisualWorldConfig { seed, ..small() });
+        }
+        check_records(&VisualWorldConfig { min_objects: 5, max_objects: 5, ..small() });
+        check_records(&VisualWorldConfig { n_holdout_scenes: 0, ..small() });
+        check_records(&VisualWorldConfig { n_train_scenes: 0, n_holdout_scenes: 2, ..small() });
+    }
+
+    #[test]
+    fn questions_cover_every_kind_and_are_unambiguous() {
+        let w = VisualWorld::generate(&VisualWorldConfig::default()).unwrap();
+        let mut kinds = BTreeMap::new();
+        for scene in &w.scenes {
+            let qs = scene.questions();
+            assert!(!qs.is_empty());
+            let texts: HashSet<&str> = qs.iter().flat_map(|q| q.phrasings.iter().map(String::as_str)).collect();
+            assert_eq!(texts.len(), 3 * qs.len(), "a phrasing repeats in scene {}", scene.id);
+            for q in &qs {
+                assert_eq!(q.phrasings.len(), 3);
+                for p in &q.phrasings {
+                    assert_eq!(derive(scene, p), (q.kind, q.answer.clone()));
+                }
+                *kinds.entry(q.kind).or_insert(0) += 1;
+            }
+        }
+        println!("questions per kind: {kinds:?}");
+        assert_eq!(kinds.len(), 4);
+        let pools = w.answer_pools();
+        for (kind, pool) in &pools {
+            assert!(pool.len() >= 2, "{kind:?}: {pool:?}");
+        }
+        // Counts above one occur, so count questions are not always "one".
+        assert!(pools[&QuestionKind::Count].len() >= 3, "{:?}", pools[&QuestionKind::Count]);
+    }
+
+    #[test]
+    fn rephrase_images_differ_but_show_the_same_objects() {
+        for cfg in [VisualWorldConfig::default(), VisualWorldConfig { width: 56, height: 84, ..small() }] {
+            let w = VisualWorld::generate(&cfg).unwrap();
+            let (width, height) = (cfg.width, cfg.height);
+            for scene in &w.scenes {
+                assert_ne!(scene.original.background, scene.rephrase.background);
+                let imgs = [Render::Original, Render::Rephrase].map(|r| (r, scene.render(r, width, height)));
+                assert_ne!(imgs[0].1, imgs[1].1);
+                let mut areas = [Vec::new(), Vec::new()];
+                for (k, (render, img)) in imgs.iter().enumerate() {
+                    assert_eq!(img.dimensions(), (width, height));
+                    // The corner is never covered: the background shows there.
+                    assert_eq!(img.get_pixel(0, 0).0, scene.view(*render).background.rgb());
+                    for (i, o) in scene.objects.iter().enumerate() {
+                        let (cx, cy, r) = scene.placement(i, *render, width, height);
+                        // Inside the canvas and apart from every other object.
+                        assert!(cx - r >= 0.0 && cx + r <= width as f64 && cy - r >= 0.0 && cy + r <= height as f64, "scene {} object {i}", scene.id);
+                        for j in 0..i {
+                            let (ox, oy, or) = scene.placement(j, *render, width, height);
+                            assert!((cx - ox).abs() > r + or || (cy - oy).abs() > r + or, "scene {} objects {j} and {i} touch", scene.id);
+                        }
+                        assert_eq!(img.get_pixel(cx as u32, cy as u32).0, o.colour.rgb(), "scene {} {render:?} object {i}", scene.id);
+                        // Still on its side of the picture.
+                        let (fx, fy) = (cx / width as f64 - 0.5, cy / height as f64 - 0.5);
+                        let side = match o.position {
+                            Position::Left => fx < -0.15 && fy.abs() < 0.15,
+                            Position::Right => fx > 0.15 && fy.abs() < 0.15,
+                            Position::Top => fy < -0.15 && fx.abs() < 0.15,
+                            Position::Bottom => fy > 0.15 && fx.abs() < 0.15,
+                            Position::Centre => fx.abs() < 0.15 && fy.abs() < 0.15,
+                        };
+                        assert!(side, "scene {} {render:?}: {:?} object at ({fx:.2}, {fy:.2})", scene.id, o.position);
+                        // Its pixels within its box: the shape drawn at the render's scale.
+                        let area = (0..height)
+                            .flat_map(|y| (0..width).map(move |x| (x, y)))
+                            .filter(|&(x, y)| (x as f64 + 0.5 - cx).abs() <= r + 1.0 && (y as f64 + 0.5 - cy).abs() <= r + 1.0)
+                            .filter(|&(x, y)| img.get_pixel(x, y).0 == o.colour.rgb())
+                            .count();
+                        areas[k].push(area as f64);
+                    }
+                    // No pixel of a colour that no object wears, nor of a third one.
+                    let allowed: HashSet<[u8; 3]> =
+                        scene.objects.iter().map(|o| o.colour.rgb()).chain([scene.view(*render).background.rgb()]).collect();
+                    assert!(img.pixels().all(|p| allowed.contains(&p.0)));
+                }
+                for (a, b) in areas[0].iter().zip(&areas[1]) {
+                    let ratio = b / a;
+                    let s2 = scene.rephrase.scale * scene.rephrase.scale;
+                    assert!((ratio - s2).abs() < 0.25, "scene {}: area {a} -> {b}, scale² {s2}", scene.id);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sizes_on_the_28_grid() {
+        for (w, h) in [(56, 84), (112, 112), (224, 56)] {
+            let cfg = VisualWorldConfig { width: w, height: h, ..small() };
+            let world = VisualWorld::generate(&cfg).unwrap();
+            assert_eq!(world.scenes[0].render(Render::Rephrase, w, h).dimensions(), (w, h));
+        }
+        let refused = |cfg: VisualWorldConfig, needle: &str| {
+            let e = VisualWorld::generate(&cfg).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        };
+        refused(VisualWorldConfig { width: 100, ..small() }, "width 100: must be a multiple of 28");
+        refused(VisualWorldConfig { height: 28, ..small() }, "height 28");
+        refused(VisualWorldConfig { height: 476, ..small() }, "height 476");
+        refused(VisualWorldConfig { width: 0, ..small() }, "width 0");
+        refused(VisualWorldConfig { min_objects: 0, ..small() }, "objects per scene");
+        refused(VisualWorldConfig { min_objects: 3, max_objects: 2, ..small() }, "objects per scene");
+        refused(VisualWorldConfig { max_objects: 6, ..small() }, "objects per scene");
+        refused(VisualWorldConfig { n_holdout_scenes: 1, ..small() }, "1 held-out scene");
+        refused(VisualWorldConfig { n_train_scenes: 0, n_holdout_scenes: 0, ..small() }, "no scenes");
+    }
+
+    #[test]
+    fn files_decode_and_match_the_world() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("world");
+        let cfg = VisualWorldConfig { width: 84, height: 56, ..small() };
+        let w = VisualWorld::generate(&cfg).unwrap();
+        let written = write_visual_world(&out, &w).unwrap();
+        assert_eq!(VisualWorld::read(&out).unwrap(), w);
+        for scene in &w.scenes {
+            for render in [Render::Original, Render::Rephrase] {
+                let path = out.join(image_path(scene.id, render));
+                let bytes = std::fs::read(&path).unwrap();
+                let img = image::load_from_memory_with_format(&bytes, image::ImageFormat::Png).unwrap().to_rgb8();
+                assert_eq!(img.dimensions(), (84, 56));
+                assert_eq!(img, scene.render(render, 84, 56), "{}", path.display());
+            }
+        }
+        let read = |name: &str| -> Value { serde_json::from_str(&std::fs::read_to_string(out.join(name)).unwrap()).unwrap() };
+        let (train, holdout) = w.records();
+        assert_eq!(read("vqa-train.json"), Value::Array(train.clone()));
+        assert_eq!(read("vqa-holdout.json"), Value::Array(holdout.clone()));
+        assert_eq!((written.train_records, written.holdout_records), (train.len(), holdout.len()));
+        for r in train.iter().chain(&holdout) {
+            for k in ["image", "image_rephrase", "m_loc"] {
+                assert!(out.join(s(r, k)).is_file(), "{k} {} missing", s(r, k));
+            }
+        }
+        let corpus: PretrainCorpus = serde_json::from_value(read("pretrain.json")).unwrap();
+        assert_eq!(corpus, w.pretrain_corpus());
+        // Every triple is true of its image's scene, and every record's facts are in it.
+        let triples: HashSet<(&str, &str, &str)> = corpus.vqa.iter().map(|t| (t.image.as_str(), t.question.as_str(), t.answer.as_str())).collect();
+        for t in &corpus.vqa {
+            let render = if t.image.starts_with("images_rephrase/") { Render::Rephrase } else { Render::Original };
+            assert_eq!(derive(scene_of(&w, &t.image, render), &t.question).1, t.answer);
+        }
+        for r in train.iter().chain(&holdout) {
+            for (img, q, a) in [("image", "src", "pred"), ("image", "rephrase", "pred"), ("image_rephrase", "src", "pred"), ("image_rephrase", "rephrase", "pred"), ("m_loc", "m_loc_q", "m_loc_a")] {
+                assert!(triples.contains(&(s(r, img), s(r, q), s(r, a))), "({img}, {q}, {a}) of {r} not in pretrain.json");
+            }
+            assert!(corpus.text.iter().any(|f| f.question == s(r, "loc") && f.answer == s(r, "loc_ans")));
+        }
+    }
+
+    #[test]
+    fn refuses_foreign_folders_and_rewrites_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let foreign = dir.path().join("foreign");
+        std::fs::create_dir(&foreign).unwrap();
+        std::fs::write(foreign.join("notes.txt"), "mine").unwrap();
+        let w = VisualWorld::generate(&small()).unwrap();
+        let e = write_visual_world(&foreign, &w).unwrap_err().to_string();
+        assert!(e.contains(&foreign.display().to_string()) && e.contains("refusing"), "{e}");
+        assert_eq!(std::fs::read_dir(&foreign).unwrap().count(), 1, "nothing written");
+        // A scenes.json that is not ours is refused too.
+        std::fs::write(foreign.join(SCENES_FILE), "{\"format\": \"something else\"}").unwrap();
+        let e = write_visual_world(&foreign, &w).unwrap_err().to_string();
+        assert!(e.contains("not a visual world"), "{e}");
+        // A file where the folder should be.
+        let e = write_visual_world(&foreign.join("notes.txt"), &w).unwrap_err().to_string();
+        assert!(e.contains("notes.txt"), "{e}");
+
+        // An empty folder is fine; a previous world is rewritten, and the images of a
+        // larger world before it are removed (other files are left alone).
+        let out = dir.path().join("empty");
+        std::fs::create_dir(&out).unwrap();
+        let big = VisualWorld::generate(&VisualWorldConfig { seed: 3, n_train_scenes: 12, ..small() }).unwrap();
+        write_visual_world(&out, &big).unwrap();
+        std::fs::write(out.join("images").join("README"), "kept").unwrap();
+        write_visual_world(&out, &w).unwrap();
+        assert_eq!(VisualWorld::read(&out).unwrap(), w);
+        for render in [Render::Original, Render::Rephrase] {
+            let mut names: Vec<String> =
+                std::fs::read_dir(out.join(render.folder())).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+            names.sort();
+            let mut expected: Vec<String> = w.scenes.iter().map(|sc| image_path(sc.id, render)[render.folder().len() + 1..].to_string()).collect();
+            if render == Render::Original {
+                expected.push("README".into());
+            }
+            expected.sort();
+            assert_eq!(names, expected);
+        }
+    }
+
+    #[test]
+    fn default_world_builds_in_seconds() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = std::time::Instant::now();
+        let w = VisualWorld::generate(&VisualWorldConfig::default()).unwrap();
+        let written = write_visual_world(&dir.path().join("w"), &w).unwrap();
+        let secs = start.elapsed().as_secs_f64();
+        println!("{written:?} in {secs:.2} s");
+        assert_eq!(written.scenes, 250);
+        assert!(written.train_records >= 1000 && written.holdout_records >= 200, "{written:?}");
+        assert!(secs < 30.0, "{secs} s");
+    }
+}
