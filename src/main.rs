@@ -173,6 +173,10 @@ struct PlanArgs {
     /// Labelled positions per example (default: all but the first, an upper bound).
     #[arg(long)]
     kept_tokens: Option<i64>,
+    /// Vision-language models: the image each example shows, WIDTHxHEIGHT pixels (its
+    /// tokens are added to --max-length; the vision tower's forward is planned).
+    #[arg(long, value_parser = parse_image_size)]
+    image_size: Option<(i64, i64)>,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -295,6 +299,9 @@ struct ScoreArgs {
     /// Text to score.
     #[arg(long)]
     text: String,
+    /// An image (PNG or JPEG) shown before the text; vision-language models only.
+    #[arg(long)]
+    image: Option<PathBuf>,
     #[command(flatten)]
     devices: DeviceArgs,
     /// f32, bf16 or f16.
@@ -479,14 +486,20 @@ fn score(args: ScoreArgs) -> anyhow::Result<()> {
     let device = args.devices.single("score")?;
     let kind = parse_dtype(&args.dtype)?;
     let lm = load_model(&args.model, device, kind)?;
-    let s = dualedit::score::score_text(&lm, &ParamView::frozen(&lm.params), &args.text)?;
+    let images: Vec<&std::path::Path> = args.image.iter().map(|p| p.as_path()).collect();
+    let s = dualedit::score::score_with_images(&lm, &ParamView::frozen(&lm.params), &args.text, &images)?;
     if args.json {
         println!("{}", serde_json::to_string(&s)?);
     } else {
+        if s.image_tokens > 0 {
+            println!("image: {} tokens before the text", s.image_tokens);
+        }
+        // Without an image the first token has nothing before it and is not scored.
+        let first = s.tokens.len() - s.logprobs.len();
         println!("{:>6}  {:>10}  token", "pos", "logprob");
         for (i, lp) in s.logprobs.iter().enumerate() {
-            let piece = lm.tokenizer.decode(&[s.tokens[i + 1]]).unwrap_or_default();
-            println!("{:>6}  {:>10.4}  {:?}", i + 1, lp, piece);
+            let piece = lm.tokenizer.decode(&[s.tokens[i + first]]).unwrap_or_default();
+            println!("{:>6}  {:>10.4}  {:?}", i + first, lp, piece);
         }
         println!("mean NLL {:.4} over {} tokens", s.mean_nll, s.logprobs.len());
     }
@@ -724,6 +737,17 @@ fn build_default(a: BuildDefaultArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `448x448` (or `448×448`) to `(width, height)`.
+fn parse_image_size(s: &str) -> Result<(i64, i64), String> {
+    let bad = || format!("{s:?} is not an image size WIDTHxHEIGHT (e.g. 448x448)");
+    let (w, h) = s.split_once(['x', 'X', '×']).ok_or_else(bad)?;
+    let (w, h) = (w.trim().parse::<i64>().map_err(|_| bad())?, h.trim().parse::<i64>().map_err(|_| bad())?);
+    if w < 1 || h < 1 {
+        return Err(bad());
+    }
+    Ok((w, h))
+}
+
 /// `plan`: with `--placement`, that placement's plan (items, formulas, each device's peak
 /// per phase); without it, the table of every placement of the devices given (on one
 /// device: its plan). Devices need not exist here; `--max-memory` is planned against,
@@ -736,6 +760,7 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let mut opts = PlanOptions::new(&d.device, d.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
     opts.caps = d.max_memory.clone().unwrap_or_default();
     opts.optimizer = d.optimizer_device.unwrap_or_default();
+    opts.image = a.image_size;
     if !a.model.is_dir() {
         return Err(dualedit::Error::file(&a.model, "model directory not found").into());
     }

@@ -29,6 +29,7 @@ use crate::device::memory::format_bytes;
 use crate::device::{MaxMemory, OptimizerDevice, Placement};
 use crate::model::loader::read_config;
 use crate::model::family::{split_block_name, Dims, Family};
+use crate::model::qwen2_vl::{ImageProcessorConfig, Qwen2Vl};
 use crate::model::ModelInfo;
 use crate::model::Model;
 use crate::{Error, Result};
@@ -64,6 +65,13 @@ pub struct PlanOptions {
     /// Per-device capacities (`--max-memory`): the layer split balances peak/capacity
     /// instead of bytes, and [`choose`] keeps only placements that fit.
     pub caps: MaxMemory,
+    /// Vision-language models: the image size `(width, height)` in pixels each example
+    /// shows; its tokens are added to `tokens`, and the vision tower's forward and the
+    /// image features are planned. `None`: text only.
+    pub image: Option<(i64, i64)>,
+    /// How images are resized and patched (the model directory's
+    /// `preprocessor_config.json`, or the processor's defaults).
+    pub image_processor: ImageProcessorConfig,
 }
 
 impl PlanOptions {
@@ -87,6 +95,8 @@ impl PlanOptions {
             balance_for: Phase::Train,
             optimizer: OptimizerDevice::Main,
             caps: MaxMemory::default(),
+            image: None,
+            image_processor: ImageProcessorConfig::default(),
         })
     }
 
@@ -119,6 +129,22 @@ fn normalise_device(name: &str) -> Result<String> {
     Ok(name.parse::<crate::device::DeviceName>()?.to_string())
 }
 
+/// What one image costs a vision-language model, as planned.
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageShape {
+    /// The image as given, `(width, height)`.
+    pub size: (i64, i64),
+    /// After `smart_resize`, `(width, height)`.
+    pub resized: (i64, i64),
+    /// Patches the vision tower runs over (`t·h·w`).
+    pub patches: i64,
+    /// Text tokens the image takes: merged patches + `<|vision_start|>` + `<|vision_end|>`.
+    pub tokens: i64,
+    /// Images per edit example whose features are held: the edit image, the rephrased
+    /// image and the locality image of EasyEdit's multimodal views.
+    pub images_per_example: i64,
+}
+
 /// Meta-training (`train`) or editing with a trained editor (`edit`, `eval`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -143,6 +169,8 @@ pub enum Group {
     OptimizerStep,
     /// Writing the editor and training state (host memory).
     Checkpoint,
+    /// The frozen vision tower's forward, once per image, without grad (VL models).
+    VisionForward,
 }
 
 impl Group {
@@ -154,6 +182,7 @@ impl Group {
             Group::Backward => "backward",
             Group::OptimizerStep => "optimizer_step",
             Group::Checkpoint => "checkpoint",
+            Group::VisionForward => "vision_forward",
         }
     }
 }
@@ -244,6 +273,8 @@ pub struct PlanShape {
     pub first_edited_layer: i64,
     pub editors: Vec<EditorShape>,
     pub editor_parameters: i64,
+    /// The image each example shows (vision-language models with `--image-size`).
+    pub image: Option<ImageShape>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -259,6 +290,10 @@ pub fn plan_dir(dir: &Path, cfg: &MendConfig, opts: &PlanOptions) -> Result<Memo
         return Err(Error::file(dir, "model directory not found"));
     }
     let (model, _) = read_config(dir)?;
+    if opts.image.is_some() && model.family().vision_language().is_some() {
+        let proc = ImageProcessorConfig::load(&dir.join("preprocessor_config.json"))?;
+        return plan_model(&model, cfg, &PlanOptions { image_processor: proc, ..opts.clone() });
+    }
     plan_model(&model, cfg, opts)
 }
 
@@ -424,6 +459,8 @@ struct Sizes<'a> {
     w_main_elems: i64,
     w_sub_elems: i64,
     w_tied_elems: i64,
+    /// The image each example shows and its vision-tower cost (VL models with an image size).
+    image: Option<(ImageShape, VisionCost)>,
 }
 
 /// What a phase of the run does with the edit.
@@ -449,7 +486,21 @@ fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOptions) -> Resul
     let info = model.info();
     let family = model.family();
     let dm = family.dims();
-    let tokens = o.tokens.min(info.max_positions);
+    let image = match (o.image, family.vision_language()) {
+        (None, _) => None,
+        (Some(_), None) => {
+            return Err(Error::input(format!("{} is a text-only model: --image-size needs a vision-language model", info.architecture)))
+        }
+        (Some((w, h)), Some(vl)) => Some(image_cost(vl, &o.image_processor, w, h, dtype_bytes(o.dtype))?),
+    };
+    let image_tokens = image.as_ref().map_or(0, |(shape, _)| shape.tokens);
+    if image_tokens >= info.max_positions {
+        return Err(Error::input(format!(
+            "an image of {image_tokens} tokens does not fit the model's context of {}",
+            info.max_positions
+        )));
+    }
+    let tokens = (o.tokens + image_tokens).min(info.max_positions);
     let kept = o.kept.unwrap_or(tokens - 1);
     if tokens < 2 || kept < 1 || kept >= tokens {
         return Err(Error::input(format!(
@@ -530,7 +581,7 @@ fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOptions) -> Resul
     Ok(Sizes {
         cfg, o, family, info, dm, names, edited, editors, tokens, kept, s, b, n, nk, v, p_count, w_elems, w_max, din_dout,
         dout_sum, e_params, stats_elems, e_max, located, act_per_token, per_layer, first_layer, w_kept_elems,
-        w_unkept_elems, layers_txt, boundary, w_main_elems, w_sub_elems, w_tied_elems,
+        w_unkept_elems, layers_txt, image, boundary, w_main_elems, w_sub_elems, w_tied_elems,
     })
 }
 
@@ -695,6 +746,60 @@ fn resident(z: &Sizes, it: &mut Items, phase: Phase) {
         format!("Σ_editors 2·(d_in+d_out)·4 = {}·4", num(stats_elems)),
         stats_elems * 4,
     );
+}
+
+/// Vision-language models: the frozen vision tower's forward (once per image, its own
+/// group: it runs before the edit's other work), and the image features every forward of
+/// the edit reuses (on the main device, and moved with the batch to a split's sub-device).
+fn images(z: &Sizes, it: &mut Items, phase: Phase) {
+    let Some((shape, cost)) = &z.image else { return };
+    use Group::*;
+    let (b, s, d) = (z.b, z.s, z.dm.d);
+    it.add(phase, Role::Main, &[VisionForward], "vision tower forward, one image (no grad)", cost.formula.clone(), cost.forward_bytes);
+    let feats = b * shape.images_per_example * (shape.tokens - 2) * d * s;
+    let formula = format!("B·images·N_img·D·s = {b}·{}·{}·{d}·{s}", shape.images_per_example, shape.tokens - 2);
+    it.add(phase, Role::Main, &[Capture, EditedForward, Backward], "image features (frozen, computed once per image)", formula.clone(), feats);
+    if z.o.split {
+        it.add(phase, Role::Sub, &[EditedForward], "image features moved with the batch", formula, feats);
+    }
+}
+
+/// The vision tower's forward over one image, as planned.
+struct VisionCost {
+    forward_bytes: i64,
+    formula: String,
+}
+
+/// Tokens and vision-forward bytes of one `width × height` image.
+///
+/// The forward runs without grad, so one block's working set is alive at a time: the
+/// residual stream, the norm's output, q/k/v, the rotary f32 copies of q and k, the
+/// attention output, the MLP's hidden layer (twice: activation and product), and the
+/// attention scores of the largest segment (the whole image in full-attention blocks;
+/// a fused kernel does not form them, so this is an upper bound); plus the f32 pixel rows
+/// and their cast, the rotary tables, and the merged output.
+fn image_cost(vl: &Qwen2Vl, proc: &ImageProcessorConfig, w: i64, h: i64, s: i64) -> Result<(ImageShape, VisionCost)> {
+    if !(1..=1 << 16).contains(&w) || !(1..=1 << 16).contains(&h) {
+        return Err(Error::input(format!("image size {w}x{h} is not 1 to 65536 pixels per side")));
+    }
+    let grid = proc.grid_for(h, w)?;
+    let v = &vl.config.vision;
+    let n = grid.iter().product::<i64>();
+    let merged = n / v.merge_unit();
+    let (e, f, heads, pd, u) = (v.width, v.mlp_hidden, v.num_heads, v.patch_dim(), v.merge_unit());
+    let per_block = n * (e * 6 + 2 * f) * s + n * 2 * e * 4 + heads * n * n * s;
+    let fixed = n * pd * (4 + s) + n * v.head_dim() * 2 * 4 + merged * (2 * e * u + v.out_dim) * s;
+    let formula = format!(
+        "N·(patch·(4+s) + 2·hd·4) + N·((6E+2F)·s + 2E·4) + H·N²·s + N/{u}·(2·{u}E+D)·s, N={n} E={e} F={f} H={heads}"
+    );
+    let shape = ImageShape {
+        size: (w, h),
+        resized: (grid[2] * proc.patch_size, grid[1] * proc.patch_size),
+        patches: n,
+        tokens: merged + 2,
+        images_per_example: 3,
+    };
+    Ok((shape, VisionCost { forward_bytes: fixed + per_block, formula }))
 }
 
 /// Gradient capture on the main device: the forward and backward of the edit NLL.
@@ -1115,6 +1220,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
     let mut it = Items::new(o);
     for phase in [Phase::Train, Phase::Edit] {
         resident(&z, &mut it, phase);
+        images(&z, &mut it, phase);
         capture(&z, &mut it, phase);
         edit(&z, &mut it, phase);
         edited_forwards(&z, &mut it, phase);
@@ -1142,6 +1248,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         first_edited_layer: z.first_layer,
         editors: z.editors,
         editor_parameters: z.e_params,
+        image: z.image.map(|(shape, _)| shape),
     };
     Ok(MemoryPlan { shape, items: it.items, totals })
 }

@@ -37,7 +37,7 @@ use crate::edit::{self, Finish, Method, MethodSpec, RequestResult};
 use crate::eval::{self, Summary};
 use crate::mend::{Editor, Engine};
 use crate::model::{ModelInfo, Overrides, ParamView};
-use crate::score::{check_length, score_text, Score};
+use crate::score::{check_length, score_text, score_with_images, Score};
 use crate::{Error, Result};
 
 /// Where a session runs and in which dtype (the same options every edit path loads with).
@@ -270,6 +270,14 @@ impl Session {
     /// Next-token log-probabilities of `text` under the current (edited) weights.
     pub fn score(&self, text: &str) -> Result<Score> {
         score_text(&self.engine.lm, &ParamView::frozen(&self.engine.lm.params), text)
+    }
+
+    /// [`Session::score`] with an optional image shown before the text (Qwen2-VL /
+    /// Qwen2.5-VL models): every text token's log-probability given the image and the
+    /// text before it, and the tokens the image took ([`Score::image_tokens`]).
+    pub fn score_image(&self, text: &str, image: Option<&Path>) -> Result<Score> {
+        let images: Vec<&Path> = image.into_iter().collect();
+        score_with_images(&self.engine.lm, &ParamView::frozen(&self.engine.lm.params), text, &images)
     }
 
     /// Greedy continuation of `prompt` under the current weights, with a KV cache: the

@@ -141,6 +141,12 @@ pub trait Family: std::fmt::Debug + Send + Sync {
 
     /// Bytes per token alive in one block of a forward without grad (its working set).
     fn inference_working_set(&self, s: i64) -> i64;
+
+    /// The image side of a vision-language family (vision tower, prompt layout, M-RoPE
+    /// positions); `None` for text-only families.
+    fn vision_language(&self) -> Option<&super::qwen2_vl::Qwen2Vl> {
+        None
+    }
 }
 
 /// What a block's matmuls save, for [`Family::block_saved`]: a matmul saves its input when

@@ -11,6 +11,7 @@ use tracing::{debug, info};
 
 use super::gpt2::Gpt2;
 use super::llama::{Llama, LlamaConfig};
+use super::qwen2_vl::Qwen2Vl;
 use super::{Model, ParamStore, Tokenizer};
 use crate::{Error, Result};
 
@@ -61,6 +62,8 @@ pub const FAMILIES: &[(&str, Build)] = &[
     ("LlamaForCausalLM", |a, j| build(j, |c: LlamaConfig| Llama::new(c, a))),
     ("Qwen2ForCausalLM", |a, j| build(j, |c: LlamaConfig| Llama::new(c, a))),
     ("MistralForCausalLM", |a, j| build(j, |c: LlamaConfig| Llama::new(c, a))),
+    ("Qwen2VLForConditionalGeneration", |a, j| Ok(Model::new(Qwen2Vl::from_json(j, a)?))),
+    ("Qwen2_5_VLForConditionalGeneration", |a, j| Ok(Model::new(Qwen2Vl::from_json(j, a)?))),
 ];
 
 /// Builds the architecture named by `architectures[0]` in `config.json`.

@@ -8,6 +8,7 @@ pub mod gpt2;
 pub mod llama;
 pub mod loader;
 pub mod params;
+pub mod qwen2_vl;
 pub mod recompute;
 pub mod tokenizer;
 
@@ -109,11 +110,17 @@ pub struct ForwardInput<'a> {
     pub keep: Option<&'a Tensor>,
     /// Weight names whose layer input/output to return.
     pub capture: &'a HashSet<String>,
+    /// M-RoPE position ids `[3, B, T]` (temporal, height, width) for vision-language
+    /// models; `None`: positions from the padding mask, equal on all three streams.
+    pub position_ids: Option<&'a Tensor>,
+    /// Image features `[N, D]` placed, in order, at the N `<|image_pad|>` tokens of
+    /// `input_ids` (vision-language models; see [`qwen2_vl::Qwen2Vl::image_features`]).
+    pub image_embeds: Option<&'a Tensor>,
 }
 
 impl<'a> ForwardInput<'a> {
     pub fn new(input_ids: &'a Tensor, capture: &'a HashSet<String>) -> Self {
-        Self { input_ids, attention_mask: None, keep: None, capture }
+        Self { input_ids, attention_mask: None, keep: None, capture, position_ids: None, image_embeds: None }
     }
 
     /// `(B, T)`, after checking the shapes a caller handed in: `input_ids` is `[B, T]`
