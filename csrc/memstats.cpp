@@ -5,6 +5,8 @@
 // machine without an accelerator the functions answer "none" without touching any
 // device runtime.
 #include <ATen/DeviceAccelerator.h>
+#include <c10/core/AllocatorConfig.h>
+#include <string>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -78,4 +80,32 @@ int dualedit_accelerator_empty_cache(char* err, size_t err_len) {
     return -1;
   }
 }
+}
+
+// Total bytes of an accelerator device (the allocator's view: cudaMemGetInfo's total).
+// Same return codes as above.
+extern "C" int dualedit_accelerator_total_bytes(int device_index, int64_t* out, char* err, size_t err_len) {
+  if (!has_accelerator()) return 0;
+  try {
+    const auto info = at::accelerator::getMemoryInfo(static_cast<c10::DeviceIndex>(device_index));
+    *out = static_cast<int64_t>(info.second);
+    return 1;
+  } catch (const std::exception& e) {
+    write_error(e.what(), err, err_len);
+    return -1;
+  }
+}
+
+// One memory fraction for every device of the accelerator's caching allocator, through its
+// settings string (PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction), which needs no
+// CUDA headers: the fallback when memcap.cpp was built without them. Same return codes.
+extern "C" int dualedit_accelerator_set_global_fraction(double fraction, char* err, size_t err_len) {
+  if (!has_accelerator()) return 0;
+  try {
+    c10::CachingAllocator::setAllocatorSettings("per_process_memory_fraction:" + std::to_string(fraction));
+    return 1;
+  } catch (const std::exception& e) {
+    write_error(e.what(), err, err_len);
+    return -1;
+  }
 }

@@ -7,7 +7,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use dualedit::config::MendConfig;
 use dualedit::data::examples::OverLong;
 use dualedit::data::DatasetKind;
-use dualedit::device::DevicePlan;
+use dualedit::device::{DevicePlan, MaxMemory, OptimizerDevice, Placement, PlacementRequest};
+use dualedit::planner::Phase;
 use dualedit::edit::{LoadOptions, MethodSpec};
 use dualedit::model::{load_model, parse_dtype, ParamView};
 use dualedit::run::{self, Common, EditOptions, EvalOptions, TrainOptions};
@@ -48,7 +49,7 @@ enum Command {
     Plan(PlanArgs),
 }
 
-/// Where a run puts its work: the same two flags on every command.
+/// Where a run puts its work: the same flags on every command.
 #[derive(Args, Clone)]
 struct DeviceArgs {
     /// Main device: frozen model, editor, optimiser (cpu, cuda, cuda:N).
@@ -57,18 +58,99 @@ struct DeviceArgs {
     /// Sub-device for the edited model's forward passes (default: the main device).
     #[arg(long)]
     sub_device: Option<String>,
+    /// What lives where (as accelerate's device_map): replica (main: frozen model + editor;
+    /// sub: a replica running the edited forwards), balanced (the frozen blocks divided
+    /// between main and sub so their peaks balance), auto (the planner picks one that fits
+    /// --max-memory). Default: replica; `plan` without it compares them all.
+    #[arg(long, value_enum)]
+    placement: Option<PlacementRequest>,
+    /// Where the editor's Adam moments live and its update is computed (main, sub, cpu):
+    /// off the main device, its gradients cross once per optimiser step (ZeRO-Offload).
+    #[arg(long, value_enum)]
+    optimizer_device: Option<OptimizerDevice>,
+    /// Per-device memory caps, e.g. cuda:0=24GiB,cuda:1=24GiB: libtorch's CUDA caching
+    /// allocator is capped there (as torch.cuda.set_per_process_memory_fraction), and the
+    /// planner plans against the caps.
+    #[arg(long, value_parser = parse_max_memory)]
+    max_memory: Option<MaxMemory>,
+}
+
+fn parse_max_memory(s: &str) -> Result<MaxMemory, String> {
+    s.parse().map_err(|e: dualedit::Error| e.to_string())
+}
+
+/// What the placement is resolved against: the model's config.json, the MEND config, the
+/// weights' dtype, tokens per example and the phase whose peaks matter.
+struct PlaceFor<'a> {
+    model: &'a std::path::Path,
+    config: &'a MendConfig,
+    dtype: tch::Kind,
+    tokens: i64,
+    phase: Phase,
 }
 
 impl DeviceArgs {
-    /// The main/sub plan; both devices must exist on this machine.
+    /// The main/sub plan with the default placement; both devices must exist here.
     fn plan(&self) -> anyhow::Result<DevicePlan> {
-        Ok(DevicePlan::parse(&self.device, self.sub_device.as_deref())?)
+        if self.placement.is_some_and(|p| p != PlacementRequest::Replica) {
+            anyhow::bail!("--placement {:?} needs the model and its config here; this command takes --placement replica only", self.placement);
+        }
+        let plan = DevicePlan::parse(&self.device, self.sub_device.as_deref())?;
+        if let Some(caps) = &self.max_memory {
+            dualedit::device::memory::apply_caps(caps)?;
+        }
+        Ok(plan.with_optimizer(self.optimizer_device.unwrap_or_default()))
+    }
+
+    /// The plan with `--placement` resolved: the layer split's boundary and `auto`'s
+    /// choice come from the planner (`config.json` of `f.model`), against `--max-memory`.
+    fn placed(&self, f: &PlaceFor) -> anyhow::Result<DevicePlan> {
+        let request = self.placement.unwrap_or_default();
+        let base = DevicePlan::parse(&self.device, self.sub_device.as_deref())?;
+        if let Some(caps) = &self.max_memory {
+            dualedit::device::memory::apply_caps(caps)?;
+        }
+        let mut base = base.with_optimizer(self.optimizer_device.unwrap_or_default());
+        if request == PlacementRequest::Replica {
+            return Ok(base);
+        }
+        let (model, _) = dualedit::model::loader::read_config(f.model)?;
+        let mut o = dualedit::planner::PlanOptions::new(&self.device, self.sub_device.as_deref(), f.dtype, f.tokens, None)?;
+        o.caps = self.max_memory.clone().unwrap_or_default();
+        o.balance_for = f.phase;
+        o.optimizer = base.optimizer;
+        let chosen = match request.fixed() {
+            Some(p) => dualedit::planner::plan_model(&model, f.config, &o.with_placement(p, base.optimizer)?)?,
+            None => {
+                let p = dualedit::planner::choose(&model, f.config, &o, f.phase)?;
+                let opt = p.shape.optimizer_device.as_str();
+                base = base.with_optimizer(if opt == o.main {
+                    OptimizerDevice::Main
+                } else if opt == o.sub {
+                    OptimizerDevice::Sub
+                } else {
+                    OptimizerDevice::Cpu
+                });
+                if self.optimizer_device.is_some_and(|d| d != base.optimizer) {
+                    anyhow::bail!("--placement auto: no placement with --optimizer-device {:?} fits; the planner's choice puts the optimiser on {opt}", self.optimizer_device);
+                }
+                eprintln!("placement: {} (chosen by the planner)", p.placement_label());
+                p
+            }
+        };
+        match (chosen.shape.placement, chosen.shape.boundary) {
+            (Placement::Balanced, Some(k)) => Ok(base.balanced(k as usize)?),
+            _ => Ok(base),
+        }
     }
 
     /// The one device of a command that runs everything in one place.
     fn single(&self, command: &str) -> anyhow::Result<tch::Device> {
-        if self.sub_device.is_some() {
-            anyhow::bail!("{command} runs on one device: use --device, not --sub-device");
+        if self.sub_device.is_some() || self.placement.is_some() || self.optimizer_device.is_some() {
+            anyhow::bail!("{command} runs on one device: use --device, not --sub-device, --placement or --optimizer-device");
+        }
+        if let Some(caps) = &self.max_memory {
+            dualedit::device::memory::apply_caps(caps)?;
         }
         Ok(dualedit::device::parse_device(&self.device)?)
     }
@@ -283,11 +365,14 @@ struct CommonArgs {
 }
 
 impl CommonArgs {
-    fn resolve(&self) -> anyhow::Result<Common> {
+    /// `config`, `tokens` and `phase`: what the placement is planned for.
+    fn resolve(&self, config: &MendConfig, tokens: usize, phase: Phase) -> anyhow::Result<Common> {
+        let dtype = parse_dtype(&self.dtype)?;
+        let place = PlaceFor { model: &self.model, config, dtype, tokens: tokens as i64, phase };
         Ok(Common {
             model: self.model.clone(),
-            plan: self.devices.plan()?,
-            dtype: parse_dtype(&self.dtype)?,
+            plan: self.devices.placed(&place)?,
+            dtype,
             seed: self.seed,
             report: self.report.clone(),
             over_long: match (self.truncate, self.strict) {
@@ -352,6 +437,21 @@ struct MethodArgs {
 }
 
 impl MethodArgs {
+    /// The MEND config the placement is planned with: the trained editor's (from its
+    /// editor.json), MEND's defaults for the baselines.
+    fn planning_config(&self) -> anyhow::Result<MendConfig> {
+        let Some(dir) = self.editor.as_ref().filter(|_| self.method == MethodArg::Mend) else {
+            return Ok(MendConfig::default());
+        };
+        let path = dir.join(dualedit::mend::checkpoint::EDITOR_JSON);
+        let text = std::fs::read_to_string(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let meta: dualedit::mend::checkpoint::EditorMeta =
+            serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: invalid editor description: {e}", path.display()))?;
+        let mut cfg = meta.config;
+        cfg.edit_params = meta.params.into_iter().map(|p| p.name).collect();
+        Ok(cfg)
+    }
+
     fn resolve(&self) -> anyhow::Result<MethodSpec> {
         if self.editor.is_some() && self.method != MethodArg::Mend {
             anyhow::bail!("--editor is only used with --method mend");
@@ -451,7 +551,7 @@ fn train_options(a: TrainArgs) -> anyhow::Result<TrainOptions> {
         config.recompute = true;
     }
     Ok(TrainOptions {
-        common: a.common.resolve()?,
+        common: a.common.resolve(&config, config.max_length, Phase::Train)?,
         data: a.data,
         ds,
         config,
@@ -507,7 +607,7 @@ fn print_summary(s: &dualedit::eval::Summary) {
 
 fn edit(a: EditArgs) -> anyhow::Result<()> {
     let opts = EditOptions {
-        common: a.common.resolve()?,
+        common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
         method: a.method.resolve()?,
         requests: a.requests,
         sequential: a.sequential,
@@ -543,7 +643,7 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
 
 fn eval_options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
     Ok(EvalOptions {
-        common: a.common.resolve()?,
+        common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
         method: a.method.resolve()?,
         data: a.data.clone(),
         ds: dataset(&a.ds)?,
@@ -561,14 +661,16 @@ fn compare(c: CompareCmd) -> anyhow::Result<()> {
     if devices.sub_device.is_none() {
         anyhow::bail!("compare needs --sub-device (the dual side's sub-device)");
     }
-    let dual = devices.plan()?;
+    // The dual side is placed as --placement asks; the single side is main alone.
     let (cmp, out) = match c {
         CompareCmd::Train(a) => {
             let o = train_options(a)?;
+            let dual = o.common.plan;
             (dualedit::compare::compare_train(&o, dual)?, o.out.clone())
         }
         CompareCmd::Eval(a) => {
             let o = eval_options(&a)?;
+            let dual = o.common.plan;
             let out = a.common.report.as_ref().and_then(|p| p.parent().map(|p| p.to_path_buf())).unwrap_or_else(|| {
                 dualedit::report::default_path("compare").with_extension("")
             });
@@ -700,12 +802,38 @@ fn parse_image_size(s: &str) -> Result<(i64, i64), String> {
     Ok((w, h))
 }
 
+/// `plan`: with `--placement`, that placement's plan (items, formulas, each device's peak
+/// per phase); without it, the table of every placement of the devices given (on one
+/// device: its plan). Devices need not exist here; `--max-memory` is planned against,
+/// not applied.
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
+    use dualedit::planner::{choose, plan_model, PlacementTable, PlanOptions};
     let config = MendConfig::from_file(&a.config)?;
     let tokens = a.max_length.unwrap_or(config.max_length) as i64;
-    let mut opts = dualedit::planner::PlanOptions::new(&a.devices.device, a.devices.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
+    let d = &a.devices;
+    let mut opts = PlanOptions::new(&d.device, d.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
+    opts.caps = d.max_memory.clone().unwrap_or_default();
+    opts.optimizer = d.optimizer_device.unwrap_or_default();
     opts.image = a.image_size;
-    let plan = dualedit::planner::plan_dir(&a.model, &config, &opts)?;
+    if !a.model.is_dir() {
+        return Err(dualedit::Error::file(&a.model, "model directory not found").into());
+    }
+    let (model, _) = dualedit::model::loader::read_config(&a.model)?;
+    let plan = match d.placement {
+        Some(PlacementRequest::Auto) => choose(&model, &config, &opts, Phase::Train)?,
+        Some(p) => plan_model(&model, &config, &opts.with_placement(p.fixed().unwrap_or(Placement::Replica), opts.optimizer)?)?,
+        None if opts.split => {
+            let table = PlacementTable::new(&model, &config, &opts)?;
+            if a.json {
+                println!("{}", serde_json::to_string(&table)?);
+            } else {
+                print!("{}", table.text());
+                println!("(--placement NAME prints one placement's items and formulas)");
+            }
+            return Ok(());
+        }
+        None => plan_model(&model, &config, &opts)?,
+    };
     if a.json {
         println!("{}", serde_json::to_string(&plan)?);
     } else {
@@ -727,7 +855,11 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         insecure_no_token: a.insecure_no_token,
         ..Default::default()
     };
-    let session_opts = LoadOptions { plan: a.devices.plan()?, dtype: parse_dtype(&a.dtype)?, seed: 0 };
+    let dtype = parse_dtype(&a.dtype)?;
+    let method = MethodArgs { editor: a.editor.clone(), method: MethodArg::Mend, ft_lr: 1e-3, max_length: 512 };
+    let config = if a.editor.is_some() { method.planning_config()? } else { MendConfig::default() };
+    let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
+    let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype, seed: 0 };
     let server = dualedit::serve::Server::bind(&a.listen, opts)?;
     let session = dualedit::session::Session::open(&a.model, a.editor.as_deref(), &session_opts)?;
     let stop = Arc::new(AtomicBool::new(false));

@@ -26,6 +26,7 @@ use tch::Kind;
 
 use crate::config::{EditorMode, MendConfig};
 use crate::device::memory::format_bytes;
+use crate::device::{MaxMemory, OptimizerDevice, Placement};
 use crate::model::loader::read_config;
 use crate::model::family::{split_block_name, Dims, Family};
 use crate::model::qwen2_vl::{ImageProcessorConfig, Qwen2Vl};
@@ -51,6 +52,19 @@ pub struct PlanOptions {
     /// Labelled positions per example (logits are computed only there); `None`: every
     /// position but the first, an upper bound.
     pub kept: Option<i64>,
+    /// Replica (the default) or the layer split ([`Placement::Balanced`], which needs
+    /// `split`).
+    pub placement: Placement,
+    /// With the layer split: the first block on the sub-device. `None`: the `k` that
+    /// balances the two devices' peaks in `balance_for` ([`balanced_boundary`]).
+    pub boundary: Option<i64>,
+    /// The phase whose peaks the layer split balances (train for `train`, edit otherwise).
+    pub balance_for: Phase,
+    /// Where the editor's Adam moments live.
+    pub optimizer: OptimizerDevice,
+    /// Per-device capacities (`--max-memory`): the layer split balances peak/capacity
+    /// instead of bytes, and [`choose`] keeps only placements that fit.
+    pub caps: MaxMemory,
     /// Vision-language models: the image size `(width, height)` in pixels each example
     /// shows; its tokens are added to `tokens`, and the vision tower's forward and the
     /// image features are planned. `None`: text only.
@@ -69,7 +83,44 @@ impl PlanOptions {
             None => main.clone(),
         };
         let split = main != sub;
-        Ok(Self { main, sub, split, dtype, tokens, kept, image: None, image_processor: ImageProcessorConfig::default() })
+        Ok(Self {
+            main,
+            sub,
+            split,
+            dtype,
+            tokens,
+            kept,
+            placement: Placement::Replica,
+            boundary: None,
+            balance_for: Phase::Train,
+            optimizer: OptimizerDevice::Main,
+            caps: MaxMemory::default(),
+            image: None,
+            image_processor: ImageProcessorConfig::default(),
+        })
+    }
+
+    /// The same options for `placement` (the layer split needs two devices, or `split`
+    /// forced on one).
+    pub fn with_placement(&self, placement: Placement, optimizer: OptimizerDevice) -> Result<Self> {
+        if placement == Placement::Balanced && !self.split {
+            return Err(Error::input("--placement balanced divides the model between two devices: give --sub-device (a device other than --device)"));
+        }
+        Ok(Self { placement, optimizer, boundary: if placement == Placement::Balanced { self.boundary } else { None }, ..self.clone() })
+    }
+
+    /// The same devices as one device (main alone): the reference the placements are
+    /// compared with.
+    pub fn single(&self) -> Self {
+        Self { sub: self.main.clone(), split: false, placement: Placement::Replica, boundary: None, optimizer: OptimizerDevice::Main, ..self.clone() }
+    }
+
+    fn optimizer_device(&self) -> String {
+        match self.optimizer {
+            OptimizerDevice::Main => self.main.clone(),
+            OptimizerDevice::Sub => if self.split { self.sub.clone() } else { self.main.clone() },
+            OptimizerDevice::Cpu => "cpu".into(),
+        }
     }
 }
 
@@ -207,6 +258,11 @@ pub struct PlanShape {
     pub main: String,
     pub sub: String,
     pub split: bool,
+    pub placement: Placement,
+    /// Layer split: the first block on the sub-device.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boundary: Option<i64>,
+    pub optimizer_device: String,
     pub batch_size: i64,
     pub tokens_per_example: i64,
     pub kept_per_example: i64,
@@ -395,6 +451,14 @@ struct Sizes<'a> {
     w_kept_elems: i64,
     w_unkept_elems: i64,
     layers_txt: String,
+    /// Layer split: the first block on the sub-device; `None` for the replica placement.
+    boundary: Option<i64>,
+    /// Layer split: weight elements on main (embedding, blocks below the boundary, the
+    /// other non-block tensors), on sub (blocks from the boundary, final norm, head), and
+    /// of the tied head's copy on sub (0 when untied).
+    w_main_elems: i64,
+    w_sub_elems: i64,
+    w_tied_elems: i64,
     /// The image each example shows and its vision-tower cost (VL models with an image size).
     image: Option<(ImageShape, VisionCost)>,
 }
@@ -500,11 +564,50 @@ fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOptions) -> Resul
         t
     };
 
+    let boundary = match o.placement {
+        Placement::Replica => None,
+        Placement::Balanced => {
+            let k = o.boundary.ok_or_else(|| Error::Torch("layer split planned without a boundary".into()))?;
+            if !(0..=first_layer).contains(&k) {
+                return Err(Error::input(format!(
+                    "the layer split's boundary must be between 0 and the first edited block ({first_layer}), got {k}: the blocks that need gradients run on the sub-device"
+                )));
+            }
+            Some(k)
+        }
+    };
+    let (w_main_elems, w_sub_elems, w_tied_elems) = split_weights(model, boundary.unwrap_or(dm.n_layers));
+
     Ok(Sizes {
         cfg, o, family, info, dm, names, edited, editors, tokens, kept, s, b, n, nk, v, p_count, w_elems, w_max, din_dout,
         dout_sum, e_params, stats_elems, e_max, located, act_per_token, per_layer, first_layer, w_kept_elems,
-        w_unkept_elems, layers_txt, image,
+        w_unkept_elems, layers_txt, image, boundary, w_main_elems, w_sub_elems, w_tied_elems,
     })
+}
+
+/// Weight elements `(main, sub, tied head copy)` when blocks `[k, L)` with the final norm
+/// and head go to the sub-device and the rest stays on main (`Family::head_params`).
+fn split_weights(model: &Model, k: i64) -> (i64, i64, i64) {
+    let family = model.family();
+    let head: Vec<String> = family.head_params();
+    let (mut main, mut sub) = (0, 0);
+    let mut tied = 0;
+    for (name, shape) in model.expected_params() {
+        let numel: i64 = shape.iter().product();
+        let on_sub = match model.block_of(&name) {
+            Some(i) => i as i64 >= k,
+            None => head.contains(&name),
+        };
+        if on_sub {
+            sub += numel;
+        } else {
+            main += numel;
+        }
+        if family.head_is_tied() && name == family.head_weight_name() {
+            tied = numel;
+        }
+    }
+    (main, sub, tied)
 }
 
 /// Plan items as the phases add them, each on the device its role maps to.
@@ -531,6 +634,25 @@ impl Items {
         };
         self.items.push(PlanItem { phase, role, device, groups: groups.to_vec(), item: item.into(), formula, bytes: bytes.max(0) as u64 });
     }
+
+    /// An item of the optimiser: on main, on sub, or in host memory (counted on the CPU
+    /// device whichever role that is), as `--optimizer-device` places it.
+    fn add_optimizer(&mut self, o: &PlanOptions, phase: Phase, groups: &[Group], item: &str, formula: String, bytes: i64) {
+        let dev = o.optimizer_device();
+        let role = if dev == self.main {
+            Role::Main
+        } else if dev == self.sub {
+            Role::Sub
+        } else {
+            Role::Host
+        };
+        self.add(phase, role, groups, item, formula, bytes);
+        if role == Role::Host {
+            if let Some(last) = self.items.last_mut() {
+                last.device = Some(dev);
+            }
+        }
+    }
 }
 
 /// Resident for the whole run: weights, the replica, the editor and its optimiser state.
@@ -541,15 +663,45 @@ fn resident(z: &Sizes, it: &mut Items, phase: Phase) {
     let o = z.o;
     let train = z.mode(phase).train;
     use Group::*;
-    it.add(
-        phase,
-        Role::Main,
-        &[Resident],
-        "model weights",
-        format!("n_params·s = {}·{s}", num(info.n_params)),
-        info.n_params * s,
-    );
-    if o.split {
+    if let Some(k) = z.boundary {
+        let l = z.dm.n_layers;
+        it.add(
+            phase,
+            Role::Main,
+            &[Resident],
+            "model weights: embedding and blocks below the boundary (layer split)",
+            format!("elements of blocks [0, {k}) + embedding·s = {}·{s}", num(z.w_main_elems)),
+            z.w_main_elems * s,
+        );
+        it.add(
+            phase,
+            Role::Sub,
+            &[Resident],
+            "model weights: blocks from the boundary, final norm, head (layer split)",
+            format!("elements of blocks [{k}, {l}) + final norm + head·s = {}·{s}", num(z.w_sub_elems)),
+            z.w_sub_elems * s,
+        );
+        if z.w_tied_elems > 0 {
+            it.add(
+                phase,
+                Role::Sub,
+                &[Resident],
+                "copy of the tied embedding for the head (layer split)",
+                format!("V·d·s = {}·{s}", num(z.w_tied_elems)),
+                z.w_tied_elems * s,
+            );
+        }
+    } else {
+        it.add(
+            phase,
+            Role::Main,
+            &[Resident],
+            "model weights",
+            format!("n_params·s = {}·{s}", num(info.n_params)),
+            info.n_params * s,
+        );
+    }
+    if o.split && z.boundary.is_none() {
         it.add(
             phase,
             Role::Sub,
@@ -575,7 +727,7 @@ fn resident(z: &Sizes, it: &mut Items, phase: Phase) {
     it.add(phase, Role::Main, &[Resident], "editor parameters (f32)", format!("[{e_txt}]·4 = {}·4", num(e_params)), e_params * 4);
     if train {
         it.add(phase, Role::Main, &[Resident], "editor gradients (f32)", format!("{}·4", num(e_params)), e_params * 4);
-        it.add(phase, Role::Main, &[Resident], "Adam m and v (f32)", format!("2·{}·4", num(e_params)), 2 * e_params * 4);
+        it.add_optimizer(o, phase, &[Resident], "Adam m and v (f32)", format!("2·{}·4", num(e_params)), 2 * e_params * 4);
     }
     let lr_copies = if train { 4 } else { 1 };
     it.add(
@@ -657,10 +809,12 @@ fn capture(z: &Sizes, it: &mut Items, phase: Phase) {
     let layers_txt = &z.layers_txt;
     let fam = &z.info.architecture;
     use Group::*;
+    // The layer split runs the capture where the edited blocks are, on the sub-device.
+    let cap = if z.boundary.is_some() { Role::Sub } else { Role::Main };
     let cap_act = n * act_per_token;
     it.add(
         phase,
-        Role::Main,
+        cap,
         &[Capture],
         "capture: activations kept for backward",
         format!("B·T·Σ_layers≥L{first_layer} bytes/token = {n}·({layers_txt}{}) [{fam}]", if act_per_token > per_layer.iter().map(|x| x.1).sum::<i64>() { " + final norm" } else { "" }),
@@ -668,7 +822,7 @@ fn capture(z: &Sizes, it: &mut Items, phase: Phase) {
     );
     it.add(
         phase,
-        Role::Main,
+        cap,
         &[Capture],
         "capture: layer outputs h and δ = ∂L/∂h",
         format!("B·T·Σ_P d_out·(s+4) = {n}·{}·({s}+4)", num(dout_sum)),
@@ -676,12 +830,34 @@ fn capture(z: &Sizes, it: &mut Items, phase: Phase) {
     );
     it.add(
         phase,
-        Role::Main,
+        cap,
         &[Capture],
         "capture: logits at labelled positions + log_softmax",
         format!("B·kept·V·(s+4) = {nk}·{v}·({s}+4)"),
         nk * v * (s + 4),
     );
+    if let Some(k) = z.boundary {
+        // Layer split: the embedding and blocks [0, k) run without grad on main for every
+        // forward (capture, edited, unedited); their output crosses to the sub-device.
+        let d = z.dm.d;
+        let ws = z.family.inference_working_set(s);
+        it.add(
+            phase,
+            Role::Main,
+            &[Capture, EditedForward],
+            "layer split: forward below the boundary without grad (one block's working set + its output)",
+            format!("B·T·(bytes/token + d·s) = {n}·({ws} + {d}·{s}) [blocks < {k}]"),
+            n * (ws + d * s),
+        );
+        it.add(
+            phase,
+            Role::Sub,
+            &[Capture, EditedForward],
+            "layer split: boundary activations received",
+            format!("B·T·d·s = {n}·{d}·{s}"),
+            n * d * s,
+        );
+    }
     it.add(
         phase,
         Role::Main,
@@ -936,14 +1112,35 @@ fn losses_and_step(z: &Sizes, it: &mut Items, phase: Phase) {
             format!("largest editor tensor·4 = {}·4", num(e_max)),
             e_max * 4,
         );
-        it.add(
-            phase,
-            Role::Main,
-            &[OptimizerStep],
-            "Adam and clipping temporaries",
-            format!("6·largest editor tensor·4 = 6·{}·4", num(e_max)),
-            6 * e_max * 4,
-        );
+        if z.o.optimizer_device() == z.o.main {
+            it.add(
+                phase,
+                Role::Main,
+                &[OptimizerStep],
+                "Adam and clipping temporaries",
+                format!("6·largest editor tensor·4 = 6·{}·4", num(e_max)),
+                6 * e_max * 4,
+            );
+        } else {
+            // Offloaded: each gradient crosses once, the update is computed beside the
+            // moments and comes back, one tensor at a time.
+            it.add(
+                phase,
+                Role::Main,
+                &[OptimizerStep],
+                "clipping temporaries + one update brought back",
+                format!("2·largest editor tensor·4 = 2·{}·4", num(e_max)),
+                2 * e_max * 4,
+            );
+            it.add_optimizer(
+                z.o,
+                phase,
+                &[OptimizerStep],
+                "Adam temporaries + one gradient's copy (offloaded optimiser)",
+                format!("6·largest editor tensor·4 = 6·{}·4", num(e_max)),
+                6 * e_max * 4,
+            );
+        }
         it.add(
             phase,
             Role::Host,
@@ -973,6 +1170,12 @@ fn totals(it: &Items) -> Vec<DeviceTotal> {
     if !devices.contains(sub_dev) {
         devices.push(sub_dev.clone());
     }
+    // Host memory named as a device of its own (an optimiser offloaded to the CPU).
+    for d in items.iter().filter_map(|i| i.device.as_ref()) {
+        if !devices.contains(d) {
+            devices.push(d.clone());
+        }
+    }
     let mut totals = Vec::new();
     for phase in [Phase::Train, Phase::Edit] {
         for dev in &devices {
@@ -983,6 +1186,9 @@ fn totals(it: &Items) -> Vec<DeviceTotal> {
             }
             if dev == sub_dev {
                 roles.push("sub".into());
+            }
+            if roles.is_empty() {
+                roles.push("host".into());
             }
             for it in items.iter().filter(|i| i.phase == phase && i.device.as_deref() == Some(dev.as_str())) {
                 for g in &it.groups {
@@ -1003,8 +1209,13 @@ fn totals(it: &Items) -> Vec<DeviceTotal> {
     totals
 }
 
-/// Builds the plan for an architecture (no weights needed).
+/// Builds the plan for an architecture (no weights needed). A layer split without a
+/// boundary gets the balancing one ([`balanced_boundary`]).
 pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<MemoryPlan> {
+    if o.placement == Placement::Balanced && o.boundary.is_none() {
+        let k = balanced_boundary(model, cfg, o)?;
+        return plan_model(model, cfg, &PlanOptions { boundary: Some(k), ..o.clone() });
+    }
     let z = sizes(model, cfg, o)?;
     let mut it = Items::new(o);
     for phase in [Phase::Train, Phase::Edit] {
@@ -1024,6 +1235,9 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         main: o.main.clone(),
         sub: o.sub.clone(),
         split: o.split,
+        placement: o.placement,
+        boundary: z.boundary,
+        optimizer_device: o.optimizer_device(),
         batch_size: z.b,
         tokens_per_example: z.tokens,
         kept_per_example: z.kept,
@@ -1060,7 +1274,7 @@ impl MemoryPlan {
         let sh = &self.shape;
         let mut out = String::new();
         let placement = if sh.split {
-            format!("main {}, sub {} (split)", sh.main, sh.sub)
+            format!("main {}, sub {} (split), placement {}", sh.main, sh.sub, self.placement_label())
         } else {
             format!("main = sub = {} (single device)", sh.main)
         };
@@ -1218,5 +1432,176 @@ mod tests {
         let o = PlanOptions::new("cpu", None, Kind::Float, 8, None).unwrap();
         let bad = MendConfig { edit_params: vec!["transformer.wte.weight".into()], ..MendConfig::default() };
         assert!(plan_model(&m, &bad, &o).is_err());
+    }
+}
+
+/// The layer split's boundary `k` (blocks `[k, L)` on the sub-device) that balances the two
+/// devices: it minimises the larger of the main and sub peaks in `o.balance_for`, each
+/// divided by its capacity when `o.caps` gives one. `k` runs from 0 (only the embedding
+/// on main) to the first edited block (everything that needs gradients on sub); the
+/// smallest `k` wins ties.
+pub fn balanced_boundary(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<i64> {
+    let at = |k: i64| plan_model(model, cfg, &PlanOptions { placement: Placement::Balanced, boundary: Some(k), ..o.clone() });
+    let first = at(0)?.shape.first_edited_layer;
+    let mut best: Option<(f64, i64)> = None;
+    for k in 0..=first {
+        let p = at(k)?;
+        let load = |dev: &str| p.peak(dev, o.balance_for) as f64 / o.caps.get(dev).map_or(1.0, |c| c as f64);
+        let worst = load(&o.main).max(load(&o.sub));
+        if best.is_none_or(|(b, _)| worst < b) {
+            best = Some((worst, k));
+        }
+    }
+    best.map(|(_, k)| k).ok_or_else(|| Error::input("no layer split to choose from"))
+}
+
+/// Every placement of the given devices, in the order [`choose`] tries them: replica and
+/// layer split with the optimiser beside the editor, then with it on the sub-device, then
+/// on the CPU. One device (no sub-device): the single-device plan alone.
+pub fn plan_all(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Vec<MemoryPlan>> {
+    if !o.split {
+        return Ok(vec![plan_model(model, cfg, &o.single())?]);
+    }
+    let mut out = Vec::new();
+    for opt in [OptimizerDevice::Main, OptimizerDevice::Sub, OptimizerDevice::Cpu] {
+        for placement in Placement::ALL {
+            if opt == OptimizerDevice::Cpu && (o.main == "cpu" || o.sub == "cpu") {
+                continue; // the same as Main or Sub there
+            }
+            out.push(plan_model(model, cfg, &o.with_placement(placement, opt)?)?);
+        }
+    }
+    Ok(out)
+}
+
+/// `--placement auto`: the first plan of [`plan_all`] whose every device's peak in
+/// `phase` fits its capacity (devices without a cap in `o.caps` always fit). When none
+/// fits, the error lists each placement's peaks against the caps.
+pub fn choose(model: &Model, cfg: &MendConfig, o: &PlanOptions, phase: Phase) -> Result<MemoryPlan> {
+    let o = PlanOptions { balance_for: phase, ..o.clone() };
+    let plans = plan_all(model, cfg, &o)?;
+    let mut lines = Vec::new();
+    for p in plans {
+        match p.over_caps(&o.caps, phase) {
+            None => return Ok(p),
+            Some(why) => lines.push(format!("  {}: {why}", p.placement_label())),
+        }
+    }
+    Err(Error::OutOfMemory(format!(
+        "no placement fits --max-memory {}:\n{}",
+        o.caps.0.iter().map(|(d, b)| format!("{d}={}", format_bytes(*b))).collect::<Vec<_>>().join(","),
+        lines.join("\n")
+    )))
+}
+
+/// One row of the placements table: a plan's peaks per device against the single-device
+/// run's.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlacementRow {
+    pub placement: Placement,
+    pub optimizer_device: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boundary: Option<i64>,
+    /// Peak bytes per device in meta-training and in editing.
+    pub train: BTreeMap<String, u64>,
+    pub edit: BTreeMap<String, u64>,
+    /// Main-device training peak / the single-device training peak.
+    pub main_ratio: f64,
+    /// Largest device's training peak / the single-device training peak.
+    pub max_ratio: f64,
+}
+
+/// The table of every placement ([`plan_all`]) against the single-device plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlacementTable {
+    pub single_train_bytes: u64,
+    pub single_edit_bytes: u64,
+    pub rows: Vec<PlacementRow>,
+}
+
+impl PlacementTable {
+    pub fn new(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Self> {
+        let single = plan_model(model, cfg, &o.single())?;
+        let (st, se) = (single.peak(&o.main, Phase::Train), single.peak(&o.main, Phase::Edit));
+        let rows = plan_all(model, cfg, o)?
+            .into_iter()
+            .map(|p| {
+                let per = |phase| {
+                    p.totals
+                        .iter()
+                        .filter(|t| t.phase == phase && t.peak_bytes > 0)
+                        .map(|t| (t.device.clone(), t.peak_bytes))
+                        .collect::<BTreeMap<_, _>>()
+                };
+                let train = per(Phase::Train);
+                let max = train.values().copied().max().unwrap_or(0);
+                PlacementRow {
+                    placement: p.shape.placement,
+                    optimizer_device: p.shape.optimizer_device.clone(),
+                    boundary: p.shape.boundary,
+                    main_ratio: train.get(&o.main).copied().unwrap_or(0) as f64 / st.max(1) as f64,
+                    max_ratio: max as f64 / st.max(1) as f64,
+                    edit: per(Phase::Edit),
+                    train,
+                }
+            })
+            .collect();
+        Ok(Self { single_train_bytes: st, single_edit_bytes: se, rows })
+    }
+
+    /// As text: one line per placement with each device's training and editing peaks.
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "single device: train {}, edit {}",
+            format_bytes(self.single_train_bytes),
+            format_bytes(self.single_edit_bytes)
+        );
+        let _ = writeln!(out, "{:<10} {:<10} {:>8}  {:<52} {:<40} {:>6} {:>6}", "placement", "optimizer", "boundary", "train peak per device", "edit peak per device", "main/1", "max/1");
+        for r in &self.rows {
+            let dev = |m: &BTreeMap<String, u64>| m.iter().map(|(d, b)| format!("{d} {}", format_bytes(*b))).collect::<Vec<_>>().join(", ");
+            let _ = writeln!(
+                out,
+                "{:<10} {:<10} {:>8}  {:<52} {:<40} {:>6.2} {:>6.2}",
+                r.placement.name(),
+                r.optimizer_device,
+                r.boundary.map_or("-".into(), |k| k.to_string()),
+                dev(&r.train),
+                dev(&r.edit),
+                r.main_ratio,
+                r.max_ratio
+            );
+        }
+        out
+    }
+}
+
+impl MemoryPlan {
+    /// `None` when every device's peak in `phase` fits its cap; else which do not.
+    pub fn over_caps(&self, caps: &MaxMemory, phase: Phase) -> Option<String> {
+        let over: Vec<String> = self
+            .totals
+            .iter()
+            .filter(|t| t.phase == phase)
+            .filter_map(|t| {
+                let cap = caps.get(&t.device)?;
+                (t.peak_bytes > cap).then(|| format!("{} needs {} > cap {}", t.device, format_bytes(t.peak_bytes), format_bytes(cap)))
+            })
+            .collect();
+        (!over.is_empty()).then(|| over.join(", "))
+    }
+
+    /// `balanced (boundary 16), optimizer on cuda:1`, for messages.
+    pub fn placement_label(&self) -> String {
+        let sh = &self.shape;
+        let mut s = sh.placement.name().to_string();
+        if let Some(k) = sh.boundary {
+            s.push_str(&format!(" (blocks from {k} on the sub-device)"));
+        }
+        if sh.optimizer_device != sh.main {
+            s.push_str(&format!(", optimizer on {}", sh.optimizer_device));
+        }
+        s
     }
 }

@@ -15,11 +15,25 @@ pub struct DeviceInfo {
     pub main: String,
     pub sub: String,
     pub split: bool,
+    /// `replica` or `balanced` (`--placement`).
+    pub placement: crate::device::Placement,
+    /// Layer split: the first block on the sub-device.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boundary: Option<usize>,
+    /// Where the editor's Adam moments live (`--optimizer-device`).
+    pub optimizer_device: String,
 }
 
 impl From<&DevicePlan> for DeviceInfo {
     fn from(p: &DevicePlan) -> Self {
-        Self { main: device_name(p.main), sub: device_name(p.sub), split: p.split }
+        Self {
+            main: device_name(p.main),
+            sub: device_name(p.sub),
+            split: p.split,
+            placement: p.placement,
+            boundary: p.boundary,
+            optimizer_device: device_name(p.optimizer_device()),
+        }
     }
 }
 

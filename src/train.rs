@@ -197,7 +197,7 @@ fn recomputed_meta_loss(
         let (loss, parts) = weigh(cfg, b, targets, &post_outer, &l_edit, loc);
         let inner = grads
             .iter()
-            .map(|(name, g)| (&overrides.dense()[name] * g).sum(tch::Kind::Float))
+            .map(|(name, g)| engine.scalar_to_main(&(&overrides.dense()[name] * g).sum(tch::Kind::Float)))
             .fold(Tensor::zeros([], (tch::Kind::Float, engine.plan.main)), |a, b| a + b);
         // Value: the loss (inner − inner = 0 exactly); gradient: that of `inner`.
         let surrogate = &inner - inner.detach() + engine.mover.to_main(&loss);
@@ -260,6 +260,9 @@ pub struct TrainReport {
     pub validations: Vec<ValLog>,
     pub editor_dir: PathBuf,
     pub stopped_early: bool,
+    /// Bytes the offloaded optimiser carried (gradients out, updates back); 0 when the
+    /// optimiser state is beside the editor.
+    pub optimizer_bytes_moved: u64,
 }
 
 pub struct TrainSetup<'a> {
@@ -389,7 +392,10 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         warn!(dir = %out.display(), "--resume given but no training state found; starting afresh");
     }
     let (net, lrs) = editor.trainables();
-    let mut adam = crate::error::guard(|| Ok(Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)])))
+    // `--optimizer-device`: the moments and the update where the plan puts them.
+    let groups = vec![(cfg.lr, net), (cfg.lr_lr, lrs)];
+    let offload = engine.plan.optimizer != crate::device::OptimizerDevice::Main;
+    let mut adam = crate::error::guard(|| Ok(if offload { Adam::offloaded(groups, engine.plan.optimizer_device()) } else { Adam::new(groups) }))
         .map_err(|e| crate::device::oom::diagnose(e, counters.step, "optimizer setup", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?;
     if let Some(t) = &saved_adam {
         adam.load_state(t, counters.adam_step)?;
@@ -506,5 +512,6 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         validations,
         editor_dir: out.to_path_buf(),
         stopped_early,
+        optimizer_bytes_moved: adam.moved_bytes(),
     })
 }

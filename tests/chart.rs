@@ -121,7 +121,7 @@ fn report() -> RunReport<BTreeMap<String, f64>> {
     RunReport {
         command: "train".into(),
         model: "m".into(),
-        devices: DeviceInfo { main: "cpu".into(), sub: "cpu".into(), split: false },
+        devices: DeviceInfo::from(&dualedit::device::DevicePlan::single(tch::Device::Cpu)),
         dtype: "f32".into(),
         seed: 0,
         data: None,

@@ -31,7 +31,8 @@ use dualedit::mend::{losses, Editor, Engine};
 use dualedit::model::gpt2::{Gpt2, Gpt2Config};
 use dualedit::model::llama::{Llama, LlamaConfig};
 use dualedit::model::{random_params, LoadedModel, Model, Tokenizer};
-use dualedit::planner::{plan_dir, plan_model, Group, MemoryPlan, Phase, PlanOptions};
+use dualedit::planner::{balanced_boundary, choose, plan_dir, plan_model, Group, MemoryPlan, Phase, PlacementTable, PlanOptions};
+use dualedit::device::{MaxMemory, OptimizerDevice, Placement};
 use dualedit::train::{meta_loss, EditBatches};
 use tch::{Device, Kind, Tensor};
 
@@ -354,7 +355,7 @@ fn plans_a_7b_model_from_config_json_alone() {
         .arg(dir.path())
         .arg("--config")
         .arg(&cfg)
-        .args(["--device", "cuda:0", "--sub-device", "cuda:1", "--dtype", "bf16", "--max-length", "64", "--kept-tokens", "8", "--json"])
+        .args(["--device", "cuda:0", "--sub-device", "cuda:1", "--placement", "replica", "--dtype", "bf16", "--max-length", "64", "--kept-tokens", "8", "--json"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -373,4 +374,77 @@ fn plans_a_7b_model_from_config_json_alone() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("model weights") && text.contains("= n_params·s") && text.contains("PEAK cpu (main+sub)"), "{text}");
+}
+
+/// #23: per placement, LLaMA-7B-shaped in bf16 on MEND's 7B config (rank 1920, the last
+/// three MLPs, batch 1 × 128 tokens): the layer split halves each device's peak.
+#[test]
+fn placements_of_a_7b_model() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), LLAMA_7B).unwrap();
+    let cfg = MendConfig::from_file(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/llama-7b.json"))).unwrap();
+    let (model, _) = dualedit::model::loader::read_config(dir.path()).unwrap();
+    let o = PlanOptions::new("cuda:0", Some("cuda:1"), Kind::BFloat16, 128, None).unwrap();
+    let table = PlacementTable::new(&model, &cfg, &o).unwrap();
+    let row = |p: Placement, opt: &str| table.rows.iter().find(|r| r.placement == p && r.optimizer_device == opt).unwrap().clone();
+    // Today's layout cannot move the main device's resident state.
+    assert!(row(Placement::Replica, "cuda:0").main_ratio > 0.99);
+    // The layer split: the targets (main ≤ 0.55 ×, every device ≤ 0.6 × single).
+    let split = row(Placement::Balanced, "cuda:0");
+    assert!(split.main_ratio <= 0.55 && split.max_ratio <= 0.6, "{}", table.text());
+    let k = split.boundary.unwrap();
+    assert!((1..=29).contains(&k), "boundary {k}");
+    // The boundary balances: moving it one block either way makes the worse device worse.
+    let at = |k: i64| {
+        let p = plan_model(&model, &cfg, &PlanOptions { placement: Placement::Balanced, boundary: Some(k), ..o.clone() }).unwrap();
+        p.peak("cuda:0", Phase::Train).max(p.peak("cuda:1", Phase::Train))
+    };
+    assert!(at(k) <= at(k - 1) && at(k) <= at(k + 1));
+    assert_eq!(balanced_boundary(&model, &cfg, &o).unwrap(), k);
+    // No replica, no frozen weight twice: the two devices' weights add up to the model's.
+    let p = plan_model(&model, &cfg, &o.with_placement(Placement::Balanced, OptimizerDevice::Main).unwrap()).unwrap();
+    let weights: u64 = p.items.iter().filter(|i| i.phase == Phase::Train && i.item.starts_with("model weights")).map(|i| i.bytes).sum();
+    assert_eq!(weights, 6_738_415_616 * 2);
+    assert!(!p.items.iter().any(|i| i.item.contains("replica")));
+    // Adam off the main device: the moments are planned on the CPU.
+    let cpu = row(Placement::Balanced, "cpu");
+    assert!(cpu.train["cpu"] >= 2 * 4 * p.shape.editor_parameters as u64);
+    assert!(cpu.main_ratio < split.main_ratio);
+
+    // auto: replica does not fit two 12 GiB caps, the layer split does.
+    let mut capped = o.clone();
+    capped.caps = "cuda:0=12GiB,cuda:1=12GiB".parse::<MaxMemory>().unwrap();
+    let chosen = choose(&model, &cfg, &capped, Phase::Train).unwrap();
+    assert_eq!(chosen.shape.placement, Placement::Balanced);
+    assert!(chosen.over_caps(&capped.caps, Phase::Train).is_none());
+    // Nothing fits 4 GiB cards: the error lists every placement against the caps.
+    capped.caps = "cuda:0=4GiB,cuda:1=4GiB".parse::<MaxMemory>().unwrap();
+    let err = choose(&model, &cfg, &capped, Phase::Train).unwrap_err().to_string();
+    assert!(err.contains("no placement fits") && err.contains("balanced") && err.contains("cap 4.00 GiB"), "{err}");
+
+    // The command line: the table of every placement without --placement, one plan with it.
+    let mend = dir.path().join("mend.json");
+    std::fs::write(&mend, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+            .args(["plan", "--model"])
+            .arg(dir.path())
+            .arg("--config")
+            .arg(&mend)
+            .args(["--device", "cuda:0", "--sub-device", "cuda:1", "--dtype", "bf16", "--max-length", "128"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let v: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
+    assert_eq!(v["rows"].as_array().unwrap().len(), 6);
+    let v: serde_json::Value = serde_json::from_str(&run(&["--placement", "balanced", "--json"])).unwrap();
+    assert_eq!(v["shape"]["placement"], "balanced");
+    assert_eq!(v["shape"]["boundary"].as_i64(), Some(k));
+    assert_eq!(v["totals"].as_array().unwrap().len(), 4);
+    let v: serde_json::Value = serde_json::from_str(&run(&["--placement", "auto", "--max-memory", "cuda:0=12GiB,cuda:1=12GiB", "--json"])).unwrap();
+    assert_eq!(v["shape"]["placement"], "balanced");
+    assert!(run(&[]).contains("balanced"));
 }

@@ -37,6 +37,10 @@ mod ffi {
         ) -> c_int;
         pub fn dualedit_accelerator_reset_peak(device_index: c_int, err: *mut c_char, err_len: usize) -> c_int;
         pub fn dualedit_accelerator_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
+        pub fn dualedit_accelerator_total_bytes(device_index: c_int, out: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
+        // csrc/memcap.cpp (0: built without the CUDA allocator headers, or no CUDA).
+        pub fn dualedit_cuda_set_memory_fraction(device_index: c_int, fraction: f64, err: *mut c_char, err_len: usize) -> c_int;
+        pub fn dualedit_accelerator_set_global_fraction(fraction: f64, err: *mut c_char, err_len: usize) -> c_int;
     }
 }
 
@@ -169,6 +173,93 @@ pub fn reset_peak(device: Device) -> Result<()> {
         }
         other => Err(unsupported(other)),
     }
+}
+
+/// Total bytes of a CUDA device as its allocator sees it (`cudaMemGetInfo`'s total).
+pub fn total_bytes(device: Device) -> Result<u64> {
+    match device {
+        Device::Cuda(i) => {
+            let index = accelerator_index(device, i)?;
+            let mut out = 0i64;
+            // SAFETY: `out` is a live i64 the shim writes; `err`/`len` as in `shim_call`.
+            match shim_call(|err, len| unsafe { ffi::dualedit_accelerator_total_bytes(index, &mut out, err, len) }) {
+                Ok(true) => Ok(u64::try_from(out).unwrap_or(0)),
+                Ok(false) => Err(no_accelerator(device)),
+                Err(msg) => Err(device_error(device, msg)),
+            }
+        }
+        other => Err(device_error(other, "total memory is known for cuda devices only")),
+    }
+}
+
+/// Caps what libtorch's CUDA caching allocator may hold on `device` at `bytes`, as
+/// `torch.cuda.set_per_process_memory_fraction(bytes / total, device)` does: beyond it
+/// an allocation fails with CUDA's out-of-memory error, so a large card reproduces a
+/// smaller card's OOM. The CPU cannot be capped (the planner still plans against a CPU
+/// cap); that is logged, not an error.
+pub fn set_memory_cap(device: Device, bytes: u64) -> Result<()> {
+    let Device::Cuda(i) = device else {
+        tracing::warn!(device = %device_name(device), "--max-memory is not enforced on the CPU; the planner still plans against it");
+        return Ok(());
+    };
+    let index = accelerator_index(device, i)?;
+    // The allocator of a device exists once the device is used: allocate once first.
+    let _ = crate::error::guard(|| Ok(tch::Tensor::f_zeros([1], (tch::Kind::Float, device))?))?;
+    let total = total_bytes(device)?;
+    if bytes > total {
+        return Err(device_error(device, format!("--max-memory cap {} is more than the device has ({})", format_bytes(bytes), format_bytes(total))));
+    }
+    let fraction = bytes as f64 / total as f64;
+    // SAFETY: `err`/`len` describe a live, writable buffer owned by `shim_call`.
+    match shim_call(|err, len| unsafe { ffi::dualedit_cuda_set_memory_fraction(index, fraction, err, len) }) {
+        Ok(true) => {
+            tracing::info!(device = %device_name(device), cap = %format_bytes(bytes), fraction, "CUDA caching allocator capped");
+            Ok(())
+        }
+        Ok(false) => set_global_fraction(device, fraction),
+        Err(msg) => Err(device_error(device, msg)),
+    }
+}
+
+/// The fraction set through the allocator's settings (one for every device), if any.
+static GLOBAL_FRACTION: std::sync::Mutex<Option<f64>> = std::sync::Mutex::new(None);
+
+/// Without the per-device setter (a build without the CUDA runtime headers), the
+/// allocator's `per_process_memory_fraction` setting, which applies to every device: caps
+/// that need different fractions on different devices are refused.
+fn set_global_fraction(device: Device, fraction: f64) -> Result<()> {
+    let mut set = GLOBAL_FRACTION.lock().map_err(|_| device_error(device, "memory cap state poisoned"))?;
+    if let Some(f) = *set {
+        if (f - fraction).abs() > 0.01 * f {
+            return Err(device_error(
+                device,
+                format!("this build caps every device with one fraction of its memory (built without the CUDA runtime headers for a per-device cap): {f:.3} was set, this device needs {fraction:.3}"),
+            ));
+        }
+        return Ok(());
+    }
+    // SAFETY: `err`/`len` describe a live, writable buffer owned by `shim_call`.
+    match shim_call(|err, len| unsafe { ffi::dualedit_accelerator_set_global_fraction(fraction, err, len) }) {
+        Ok(true) => {
+            *set = Some(fraction);
+            tracing::info!(device = %device_name(device), fraction, "CUDA caching allocator capped (one fraction for every device)");
+            Ok(())
+        }
+        Ok(false) => Err(no_accelerator(device)),
+        Err(msg) => Err(device_error(device, msg)),
+    }
+}
+
+/// Applies every cap of `--max-memory` ([`set_memory_cap`]).
+pub fn apply_caps(caps: &super::MaxMemory) -> Result<()> {
+    for (dev, bytes) in caps.iter() {
+        let d = match dev {
+            super::DeviceName::Cpu => Device::Cpu,
+            super::DeviceName::Cuda(i) => Device::Cuda(i),
+        };
+        set_memory_cap(d, bytes)?;
+    }
+    Ok(())
 }
 
 fn device_error(device: Device, msg: impl Into<String>) -> Error {

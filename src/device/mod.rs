@@ -3,12 +3,14 @@
 pub mod memory;
 pub mod mover;
 pub mod oom;
+pub mod placement;
 pub mod worker;
 
 use tch::Device;
 use tracing::info;
 
 pub use mover::{Mover, MoverStats};
+pub use placement::{MaxMemory, OptimizerDevice, Placement, PlacementRequest};
 
 use crate::{Error, Result};
 
@@ -64,7 +66,8 @@ pub fn parse_device(name: &str) -> Result<Device> {
 }
 
 /// The main device (frozen model, editor, optimiser) and the sub-device (replica of the
-/// frozen weights, every forward pass of the edited model).
+/// frozen weights, every forward pass of the edited model), and how the run is placed on
+/// them ([`Placement`], where the optimiser state lives).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DevicePlan {
     pub main: Device,
@@ -72,6 +75,13 @@ pub struct DevicePlan {
     /// Whether the sub-device holds its own replica and the mover copies between them.
     /// True whenever the devices differ; [`DevicePlan::split_on`] forces it on one device.
     pub split: bool,
+    /// Replica (the default) or layer split. A layer split implies `split`.
+    pub placement: Placement,
+    /// With [`Placement::Balanced`]: the first block on the sub-device (`k`; blocks
+    /// `[0, k)` and the embedding stay on main). `None` otherwise.
+    pub boundary: Option<usize>,
+    /// Where the editor's Adam moments live and its update is computed.
+    pub optimizer: OptimizerDevice,
 }
 
 impl DevicePlan {
@@ -82,7 +92,7 @@ impl DevicePlan {
             Some(s) => parse_device(s)?,
             None => main_d,
         };
-        let plan = Self { main: main_d, sub: sub_d, split: main_d != sub_d };
+        let plan = Self { split: main_d != sub_d, ..Self::single(main_d) }.with_sub(sub_d);
         if plan.split {
             info!(main = %memory::device_name(plan.main), sub = %memory::device_name(plan.sub), "dual-device run");
         } else {
@@ -91,14 +101,43 @@ impl DevicePlan {
         Ok(plan)
     }
 
+    fn with_sub(self, sub: Device) -> Self {
+        Self { sub, ..self }
+    }
+
     pub fn single(device: Device) -> Self {
-        Self { main: device, sub: device, split: false }
+        Self { main: device, sub: device, split: false, placement: Placement::Replica, boundary: None, optimizer: OptimizerDevice::Main }
     }
 
     /// A split plan even if both devices are the same: the replica, the mover and the
     /// cross-device backward all run, which lets CPU-only tests exercise the dual path.
     pub fn split_on(main: Device, sub: Device) -> Self {
-        Self { main, sub, split: true }
+        Self { split: true, ..Self::single(main) }.with_sub(sub)
+    }
+
+    /// The layer split with blocks `[boundary, L)` on the sub-device (the embedding and
+    /// blocks below it on main). Needs a split plan (two devices, or [`DevicePlan::split_on`]).
+    pub fn balanced(self, boundary: usize) -> Result<Self> {
+        if !self.split {
+            return Err(Error::input(
+                "--placement balanced divides the model between two devices: give --sub-device (a device other than --device)",
+            ));
+        }
+        Ok(Self { placement: Placement::Balanced, boundary: Some(boundary), ..self })
+    }
+
+    /// The same plan with the optimiser state on `dev`.
+    pub fn with_optimizer(self, dev: OptimizerDevice) -> Self {
+        Self { optimizer: dev, ..self }
+    }
+
+    /// The device the optimiser's moments live on.
+    pub fn optimizer_device(&self) -> Device {
+        match self.optimizer {
+            OptimizerDevice::Main => self.main,
+            OptimizerDevice::Sub => self.sub,
+            OptimizerDevice::Cpu => Device::Cpu,
+        }
     }
 
     /// Roles for the memory tracker.

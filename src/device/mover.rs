@@ -101,3 +101,15 @@ impl Mover {
         }
     }
 }
+
+/// The mover carries a layer split's boundary activations (see
+/// [`crate::model::LayerSplit`]), counted like everything else it carries.
+impl crate::model::Crossing for Mover {
+    fn to_sub(&self, t: &Tensor) -> Tensor {
+        Mover::to_sub(self, t)
+    }
+
+    fn to_main(&self, t: &Tensor) -> Tensor {
+        Mover::to_main(self, t)
+    }
+}

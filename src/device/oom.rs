@@ -15,6 +15,10 @@ pub struct Placement {
     pub split: bool,
     /// Dtype of the model weights.
     pub weights: Kind,
+    /// Replica or layer split (`--placement`).
+    pub layout: super::Placement,
+    /// Where the optimiser state is (`--optimizer-device`).
+    pub optimizer: super::OptimizerDevice,
 }
 
 /// Builds the error a run stops with after `err` at optimiser step `step` (the message says
@@ -62,6 +66,15 @@ pub fn advice(placement: &Placement, cfg: &MendConfig) -> Vec<String> {
     let mut out = Vec::new();
     if !placement.split {
         out.push("run the edited forwards on a second device: --sub-device cuda:1 (or --sub-device cpu)".into());
+    }
+    if placement.layout == super::Placement::Replica {
+        out.push(format!(
+            "divide the frozen model's blocks between the devices: --placement balanced{} (`dualedit plan` prints each placement's per-device peaks; --placement auto picks one that fits --max-memory)",
+            if placement.split { "" } else { " with --sub-device" }
+        ));
+    }
+    if placement.optimizer == super::OptimizerDevice::Main {
+        out.push("move the editor's Adam moments off the main device: --optimizer-device sub (or cpu)".into());
     }
     if placement.weights == Kind::Float {
         out.push("load the model in bf16 (--dtype bf16): weights and activations take half the memory; editor maths stays f32".into());

@@ -6,6 +6,7 @@ pub mod losses;
 pub mod optim;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use tch::{Kind, Tensor};
 use tracing::info;
@@ -14,21 +15,28 @@ pub use editor::{EditedParam, Editor, Factors};
 
 use crate::data::{Example, TokenBatch};
 use crate::device::worker::Worker;
-use crate::device::{DevicePlan, Mover};
+use crate::device::{DevicePlan, Mover, Placement};
 use crate::model::{lm_head, lm_head_input_grad, LoadedModel, LowRank, Overrides, ParamStore, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 /// A loaded model placed according to a device plan, with the weights MEND edits.
 ///
-/// The main device holds the frozen model (gradient capture and the unedited reference
-/// logits run there). When the plan is split, the sub-device holds a read-only replica
-/// and every forward pass of the edited model runs on it: only the edited tensors and the
-/// batches go there, only logits at scored positions come back.
+/// [`Placement::Replica`]: the main device holds the frozen model (gradient capture and
+/// the unedited reference logits run there). When the plan is split, the sub-device holds
+/// a read-only replica and every forward pass of the edited model runs on it: only the
+/// edited tensors and the batches go there, only logits at scored positions come back.
+///
+/// [`Placement::Balanced`] (layer split): the embedding and blocks `[0, k)` stay on main,
+/// blocks `[k, L)` with the final norm and head move to the sub-device once, at setup
+/// (`k` ≤ the first edited block). Every forward starts on main without grad and crosses
+/// the mover before block `k` (`[B, T, D]` plus the mask / rotary tables); the capture's
+/// gradients, the factors, the edit's terms and the edited forwards are on the sub-device;
+/// the factors cross to the editor on main and its terms come back.
 pub struct Engine {
     pub lm: LoadedModel,
     replica: Option<ParamStore>,
     pub plan: DevicePlan,
-    pub mover: Mover,
+    pub mover: Arc<Mover>,
     pub edit_params: Vec<EditedParam>,
     capture_set: HashSet<String>,
     /// Computes the unedited locality logits on the sub-device, from the replica, while the
@@ -76,7 +84,20 @@ impl Engine {
             })?;
             edit_params.push(EditedParam { name: name.clone(), shape: w.size(), layout });
         }
-        let replica = if plan.split { Some(lm.params.replicate(plan.sub)?) } else { None };
+        let mover = Arc::new(Mover::new(&plan));
+        let mut lm = lm;
+        let replica = match plan.placement {
+            Placement::Replica if plan.split => Some(lm.params.replicate(plan.sub)?),
+            Placement::Replica => None,
+            Placement::Balanced => {
+                let at = Self::check_boundary(&lm, &plan, &edit_params)?;
+                let (on_sub, tied) = lm.model.sub_side_params(at);
+                let before = mover.stats().bytes_to_sub;
+                lm.params.split_layers(at, plan.sub, &on_sub, tied, mover.clone())?;
+                info!(boundary = at, bytes = mover.stats().bytes_to_sub - before, "layer split: blocks from the boundary, final norm and head moved to the sub-device");
+                None
+            }
+        };
         if let Some(r) = &replica {
             info!(bytes = r.nbytes(), "sub-device replica of the frozen weights built");
         }
@@ -85,7 +106,49 @@ impl Engine {
             Some(r) => Some(Worker::spawn(lm.model.clone(), r.shallow_clone(), "sub")?),
             None => None,
         };
-        Ok(Self { mover: Mover::new(&plan), lm, replica, plan, edit_params, capture_set, sub_worker })
+        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker })
+    }
+
+    /// The layer split's boundary, checked: a split plan, within the model, at most the
+    /// first edited block (the blocks that need gradients run on the sub-device).
+    fn check_boundary(lm: &LoadedModel, plan: &DevicePlan, edited: &[EditedParam]) -> Result<usize> {
+        let at = plan.boundary.ok_or_else(|| Error::input("--placement balanced needs the boundary block (the planner chooses it)"))?;
+        if !plan.split {
+            return Err(Error::input("--placement balanced divides the model between two devices: give --sub-device"));
+        }
+        let first = edited.iter().filter_map(|p| lm.model.block_of(&p.name)).min().unwrap_or(0);
+        if at > first || at >= lm.model.n_blocks() {
+            return Err(Error::input(format!(
+                "layer split at block {at}: it must be at most the first edited block ({first}) and below the model's {} blocks",
+                lm.model.n_blocks()
+            )));
+        }
+        Ok(at)
+    }
+
+    /// Whether the frozen blocks are divided between the devices (`--placement balanced`).
+    pub fn layer_split(&self) -> bool {
+        self.lm.params.layer_split().is_some()
+    }
+
+    /// A tensor made on the main device (by the editor) carried to where the edited
+    /// weights are: the sub-device under a layer split; unchanged otherwise (the replica
+    /// placement moves the edit in [`Engine::edited_logits_on_sub`]).
+    fn to_weight_side(&self, t: &Tensor) -> Tensor {
+        if self.layer_split() {
+            self.mover.to_sub(t)
+        } else {
+            t.shallow_clone()
+        }
+    }
+
+    /// A tensor on the edited weights' side carried back to the main device (layer split).
+    fn from_weight_side(&self, t: &Tensor) -> Tensor {
+        if self.layer_split() {
+            self.mover.to_main(t)
+        } else {
+            t.shallow_clone()
+        }
     }
 
     /// One padded batch of `examples` on the main device, where the capture and the
@@ -96,7 +159,12 @@ impl Engine {
 
     /// How this engine is placed, for out-of-memory advice.
     pub fn placement(&self) -> crate::device::oom::Placement {
-        crate::device::oom::Placement { split: self.plan.split, weights: self.lm.params.kind() }
+        crate::device::oom::Placement {
+            split: self.plan.split,
+            weights: self.lm.params.kind(),
+            layout: self.plan.placement,
+            optimizer: self.plan.optimizer,
+        }
     }
 
     pub fn edit_names(&self) -> Vec<String> {
@@ -121,7 +189,9 @@ impl Engine {
             // states through the surrogate ⟨hidden, g⟩, whose gradient w.r.t. them is g.
             let (nll, g_hidden) = tch::no_grad(|| -> Result<(f64, Tensor)> {
                 let w = self.lm.model.head_weight(&view)?;
-                let (nll, g_logits) = losses::nll_and_grad(&lm_head(&out.logits.detach(), w), &batch.kept_targets());
+                // Under a layer split the head is on the sub-device: the targets go there.
+                let targets = self.to_weight_side(&batch.kept_targets());
+                let (nll, g_logits) = losses::nll_and_grad(&lm_head(&out.logits.detach(), w), &targets);
                 Ok((nll, lm_head_input_grad(&g_logits.to_kind(w.kind()), w).to_kind(out.logits.kind())))
             })?;
             let loss = (&out.logits * g_hidden).sum(Kind::Float);
@@ -143,7 +213,12 @@ impl Engine {
                     // Padding rows and rows after the last scored token carry no gradient.
                     let rows = x.ne(0.0).any_dim(1, false).logical_and(&delta.ne(0.0).any_dim(1, false));
                     let idx = rows.nonzero().squeeze_dim(1);
-                    Factors { x: x.index_select(0, &idx), delta: delta.index_select(0, &idx) }
+                    // The editor is on the main device: under a layer split the factors
+                    // (rows with signal only) cross to it.
+                    Factors {
+                        x: self.from_weight_side(&x.index_select(0, &idx)),
+                        delta: self.from_weight_side(&delta.index_select(0, &idx)),
+                    }
                 })
                 .collect();
             Ok((nll, factors))
@@ -158,6 +233,15 @@ impl Engine {
     /// Edited weights `W'` (on the main device) for the given factors.
     pub fn edit(&self, editor: &mut Editor, factors: &[Factors], training: bool) -> Result<Overrides> {
         crate::error::guard(|| {
+            if self.layer_split() {
+                // W' where W is: the edit's terms cross, never a weight.
+                let mut out = Overrides::new();
+                for (p, (a, b)) in self.edit_params.iter().zip(editor.edit_terms(factors, training)) {
+                    let edit = LowRank { a: self.to_weight_side(&a), b: self.to_weight_side(&b) };
+                    out.insert(p.name.clone(), edit.added_to(self.weight(&p.name)?, p.layout));
+                }
+                return Ok(out);
+            }
             let weights: Vec<&Tensor> = self.edit_params.iter().map(|p| self.weight(&p.name)).collect::<Result<_>>()?;
             let new = editor.edited_weights(&weights, factors, training);
             Ok(self.edit_params.iter().map(|p| p.name.clone()).zip(new).collect())
@@ -175,7 +259,11 @@ impl Engine {
             let mut out = Overrides::new();
             for (p, (a, b)) in self.edit_params.iter().zip(editor.edit_terms(factors, training)) {
                 let w = self.weight(&p.name)?;
-                let edit = LowRank { a: a.to_device(w.device()), b: b.to_device(w.device()) };
+                let edit = if self.layer_split() {
+                    LowRank { a: self.to_weight_side(&a), b: self.to_weight_side(&b) }
+                } else {
+                    LowRank { a: a.to_device(w.device()), b: b.to_device(w.device()) }
+                };
                 if w.kind() == Kind::Float {
                     out.insert_low_rank(p.name.clone(), edit);
                 } else {
@@ -186,7 +274,8 @@ impl Engine {
         })
     }
 
-    /// Logits of the unedited model at the batch's scored positions, on the main device.
+    /// Logits of the unedited model at the batch's scored positions, on the main device
+    /// (under a layer split they come back from the head on the sub-device).
     pub fn base_logits(&self, batch: &TokenBatch) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
         let none = HashSet::new();
@@ -200,6 +289,12 @@ impl Engine {
     pub fn base_logits_async(&self, batch: &TokenBatch) -> Result<Pending> {
         match &self.sub_worker {
             Some(w) => Ok(Pending::Waiting(w.submit(self.mover.batch_to_sub(batch))?)),
+            None if self.layer_split() => {
+                let _g = tch::no_grad_guard();
+                let none = HashSet::new();
+                let view = ParamView::frozen(&self.lm.params);
+                Ok(Pending::Ready(self.lm.model.forward_to_head_side(&view, &batch.forward_input(&none))?.logits))
+            }
             None => Ok(Pending::Ready(self.base_logits(batch)?)),
         }
     }
@@ -218,6 +313,10 @@ impl Engine {
     pub fn edited_logits_on_sub(&self, overrides: &Overrides, batch: &TokenBatch) -> Result<Tensor> {
         let none = HashSet::new();
         match &self.replica {
+            // Layer split: the batch enters on main, the logits stay where the head is.
+            None if self.layer_split() => {
+                Ok(self.lm.model.forward_to_head_side(&ParamView::new(&self.lm.params, Some(overrides)), &batch.forward_input(&none))?.logits)
+            }
             None => Ok(self.lm.model.forward(&ParamView::new(&self.lm.params, Some(overrides)), &batch.forward_input(&none))?.logits),
             Some(replica) => crate::error::guard(|| {
                 let moved = overrides.map(|t| self.mover.to_sub(t));
@@ -236,8 +335,10 @@ impl Engine {
     /// As with [`Engine::edited_logits`], the forwards and their backward run on the
     /// sub-device: `W'` goes there once (detached, as leaves), the batches go through the
     /// mover, and the summed gradients come back to the main device through it. Returns
-    /// the gradients by name, on the main device, detached: the caller takes them into
-    /// the editor's graph (see `train::meta_loss`).
+    /// the gradients by name, detached, beside `W'` (on the main device; on the sub-device
+    /// under a layer split, where `W'` already is and the batches enter on main): the
+    /// caller takes them into the editor's graph (see `train::meta_loss`,
+    /// [`Engine::scalar_to_main`]).
     pub fn edited_grads(&self, overrides: &Overrides, passes: Vec<(&TokenBatch, LogitsLoss<'_>)>) -> Result<HashMap<String, Tensor>> {
         if passes.is_empty() {
             return Err(Error::input("edited_grads needs at least one batch"));
@@ -246,15 +347,28 @@ impl Engine {
         let store = self.replica.as_ref().unwrap_or(&self.lm.params);
         let dense = overrides.dense();
         let wrt: Vec<String> = self.edit_params.iter().map(|p| p.name.clone()).filter(|n| dense.contains_key(n)).collect();
+        // Layer split: W' is already where its weight is, and the batch enters on main.
+        let split = self.layer_split();
         let leaves: Overrides = crate::error::guard(|| {
             Ok(tch::no_grad(|| {
-                wrt.iter().map(|n| (n.clone(), self.mover.to_sub(&dense[n].detach()).set_requires_grad(true))).collect()
+                wrt.iter()
+                    .map(|n| {
+                        let w = if split { dense[n].detach().copy() } else { self.mover.to_sub(&dense[n].detach()) };
+                        (n.clone(), w.set_requires_grad(true))
+                    })
+                    .collect()
             }))
         })?;
         let view = ParamView::new(store, Some(&leaves));
         let mut total: Vec<Option<Tensor>> = wrt.iter().map(|_| None).collect();
         for (batch, loss) in passes {
-            let sub_batch = self.mover.batch_to_sub(batch);
+            let moved;
+            let sub_batch = if split {
+                batch
+            } else {
+                moved = self.mover.batch_to_sub(batch);
+                &moved
+            };
             crate::model::recompute::grad_by_blocks(
                 &self.lm.model,
                 &view,
@@ -265,7 +379,16 @@ impl Engine {
             )?;
         }
         let total: Vec<Tensor> = total.into_iter().collect::<Option<_>>().ok_or_else(|| Error::Torch("an edited weight got no gradient".into()))?;
+        if split {
+            return Ok(wrt.into_iter().zip(total).collect());
+        }
         crate::error::guard(|| Ok(wrt.into_iter().zip(total).map(|(n, g)| (n, self.mover.to_main(&g))).collect()))
+    }
+
+    /// A scalar computed beside the edited weights (the recomputed loss's surrogate)
+    /// carried to the main device: through the mover under a layer split.
+    pub fn scalar_to_main(&self, t: &Tensor) -> Tensor {
+        self.from_weight_side(t)
     }
 
     /// Makes an edit permanent (sequential editing): writes `W'` into the frozen weights on

@@ -95,6 +95,38 @@ pub trait Family: std::fmt::Debug + Send + Sync {
     /// Name of the LM head's weight `[vocab, D]` (the embedding when tied).
     fn head_weight_name(&self) -> &'static str;
 
+    /// Parameters outside the blocks that only the final norm and the head read: the layer
+    /// split (`--placement balanced`) keeps them on the device of the last block, every
+    /// other non-block parameter with the embedding. The default takes the head weight
+    /// (unless it is tied, see [`Family::head_is_tied`]) and the non-block parameters named
+    /// `…ln_f.*` or `[….]norm.*` outside any numbered module; a family whose names differ
+    /// (a vision tower with its own `norm`) overrides it.
+    fn head_params(&self) -> Vec<String> {
+        let prefix = self.block_prefix();
+        let head = self.head_weight_name();
+        let tied = self.head_is_tied();
+        self.expected_params()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| !n.starts_with(prefix))
+            .filter(|n| {
+                if n == head {
+                    return !tied;
+                }
+                let stem = n.rsplit_once('.').map_or(n.as_str(), |(s, _)| s);
+                let numbered = stem.split('.').any(|c| c.chars().all(|ch| ch.is_ascii_digit()));
+                let last = stem.rsplit('.').next().unwrap_or(stem);
+                !numbered && (last == "ln_f" || last == "norm")
+            })
+            .collect()
+    }
+
+    /// Whether the head reads the input embedding (so the layer split needs it on both
+    /// devices). Default: the head weight's name does not say `lm_head`.
+    fn head_is_tied(&self) -> bool {
+        !self.head_weight_name().contains("lm_head")
+    }
+
     /// Sizes for the memory planner.
     fn dims(&self) -> Dims;
 

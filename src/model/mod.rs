@@ -19,7 +19,7 @@ use tch::{Device, Tensor};
 
 pub use family::Family;
 pub use loader::{load_model, parse_dtype, random_params, LoadedModel};
-pub use params::{LowRank, Overrides, ParamStore, ParamView};
+pub use params::{Crossing, LayerSplit, LowRank, Overrides, ParamStore, ParamView};
 pub use tokenizer::Tokenizer;
 
 use crate::Result;
@@ -227,6 +227,19 @@ pub struct BlockContext {
     pub(crate) rope: Option<(Tensor, Tensor)>,
 }
 
+impl BlockContext {
+    /// The same context on the sub-device side of a layer split's boundary: the mask and
+    /// rotary tables carried across (`[B, 1, T, S]` bool, `[B, 1, T, head_dim]` each).
+    pub(crate) fn crossed(&self, c: &dyn Crossing) -> BlockContext {
+        let mask = match &self.mask {
+            AttnMask::Causal => AttnMask::Causal,
+            AttnMask::All => AttnMask::All,
+            AttnMask::Keys(m) => AttnMask::Keys(c.to_sub(m)),
+        };
+        BlockContext { batch: self.batch, tokens: self.tokens, mask, rope: self.rope.as_ref().map(|(a, b)| (c.to_sub(a), c.to_sub(b))) }
+    }
+}
+
 pub struct ForwardOutput {
     /// `[B, T, V]`, or `[N, V]` for the N kept positions in row-major order.
     pub logits: Tensor,
@@ -259,8 +272,16 @@ impl Model {
         self.0.as_ref()
     }
 
+    /// The forward; under a layer split the logits come back to the main device, where
+    /// the input is.
     pub fn forward(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
-        crate::error::guard(|| self.forward_with(p, input, None))
+        crate::error::guard(|| self.forward_with(p, input, None, true))
+    }
+
+    /// [`Model::forward`] with the logits left where the head ran (the sub-device under a
+    /// layer split), for losses computed there.
+    pub fn forward_to_head_side(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
+        crate::error::guard(|| self.forward_with(p, input, None, false))
     }
 
     /// The forward without the LM head: `logits` holds the final normalised hidden states
@@ -269,15 +290,22 @@ impl Model {
     pub fn forward_hidden(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
         crate::error::guard(|| {
             let (x, captures) = self.run_blocks(p, input, None)?;
-            Ok(ForwardOutput { logits: keep_rows(self.final_norm(p, &x)?, input.keep), captures })
+            let keep = input.keep.map(|k| head_side(p, k));
+            Ok(ForwardOutput { logits: keep_rows(self.final_norm(p, &x)?, keep.as_ref()), captures })
         })
     }
 
     /// Embedding, every block, head: the one forward loop of all families, continuing
     /// after the tokens in `cache` when there is one.
-    fn forward_with(&self, p: &ParamView, input: &ForwardInput, cache: Option<&mut KvCache>) -> Result<ForwardOutput> {
+    /// `back`: under a layer split, carry the logits back to the main device.
+    fn forward_with(&self, p: &ParamView, input: &ForwardInput, cache: Option<&mut KvCache>, back: bool) -> Result<ForwardOutput> {
         let (x, captures) = self.run_blocks(p, input, cache)?;
-        let logits = self.head(p, &x, input.keep)?;
+        let keep = input.keep.map(|k| head_side(p, k));
+        let logits = self.head(p, &x, keep.as_ref())?;
+        let logits = match p.layer_split() {
+            Some(s) if back => s.cross.to_main(&logits),
+            _ => logits,
+        };
         Ok(ForwardOutput { logits, captures })
     }
 
@@ -291,8 +319,12 @@ impl Model {
         input.dims()?;
         let mut captures = BTreeMap::new();
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let (mut x, ctx) = self.embed(p, input, past)?;
+        let (mut x, mut ctx) = self.embed(p, input, past)?;
         for i in 0..self.n_blocks() {
+            if let Some(c) = p.crossing_at(i) {
+                x = c.to_sub(&x);
+                ctx = ctx.crossed(c);
+            }
             x = self.block(p, i, &x, &ctx, input.capture, &mut captures, cache.as_deref_mut())?;
         }
         Ok((x, captures))
@@ -312,7 +344,7 @@ impl Model {
                 "{past} cached + {t} new tokens is longer than the model's context of {max}"
             )));
         }
-        let out = crate::error::guard(|| self.forward_with(p, input, Some(&mut *cache)));
+        let out = crate::error::guard(|| self.forward_with(p, input, Some(&mut *cache), true));
         match out {
             Ok(o) => {
                 cache.len = past + t;
@@ -362,7 +394,24 @@ impl Model {
 
     /// The LM head's weight `[vocab, D]`.
     pub fn head_weight<'a>(&self, p: &'a ParamView) -> Result<&'a Tensor> {
-        p.get(self.0.head_weight_name())
+        p.get_for_head(self.0.head_weight_name())
+    }
+
+    /// Names of the tensors the layer split puts on the sub-device when blocks `[at, L)`
+    /// go there: those blocks' tensors and [`Family::head_params`]; and the head weight when
+    /// it is the tied embedding (copied, the embedding stays on main).
+    pub fn sub_side_params(&self, at: usize) -> (Vec<String>, Option<&'static str>) {
+        let head = self.0.head_params();
+        let names = self
+            .expected_params()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| match self.block_of(n) {
+                Some(i) => i >= at,
+                None => head.contains(n),
+            })
+            .collect();
+        (names, self.0.head_is_tied().then(|| self.0.head_weight_name()))
     }
 
     /// Number of transformer blocks.
@@ -514,6 +563,15 @@ pub fn lm_head_input_grad(g: &Tensor, w: &Tensor) -> Tensor {
         main
     } else {
         main + g.narrow(1, split, v - split).matmul(&w.narrow(0, split, v - split))
+    }
+}
+
+/// A tensor of the input's device (`keep`) carried to where the head runs under a layer
+/// split; a handle to the same tensor otherwise.
+fn head_side(p: &ParamView, t: &Tensor) -> Tensor {
+    match p.layer_split() {
+        Some(s) => s.cross.to_sub(t),
+        None => t.shallow_clone(),
     }
 }
 

@@ -5,6 +5,7 @@
 //! [`ParamView`]: the frozen store plus an override map holding only the edited tensors.
 //! Untouched weights are never copied.
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 
@@ -99,17 +100,74 @@ impl FromIterator<(String, Tensor)> for Overrides {
     }
 }
 
-/// The frozen weights of one model on one device, by Hugging Face parameter name.
+/// Carries tensors across a layer split's boundary (the device layer's mover, which
+/// counts what it carries). Autograd records the copies, so gradients flow back.
+pub trait Crossing: Send + Sync + std::fmt::Debug {
+    /// Main device -> sub-device.
+    fn to_sub(&self, t: &Tensor) -> Tensor;
+    /// Sub-device -> main device.
+    fn to_main(&self, t: &Tensor) -> Tensor;
+}
+
+/// The layer split of a [`ParamStore`] (`--placement balanced`): the embedding and blocks
+/// `[0, at)` on the main device, blocks `[at, L)`, the final norm and the head on the
+/// sub-device. A forward crosses once, before block `at` ([`ParamView::crossing_at`]);
+/// [`super::Model::forward`] brings the logits back.
+#[derive(Debug)]
+pub struct LayerSplit {
+    /// The first block on the sub-device.
+    pub at: usize,
+    pub sub: Device,
+    pub cross: Arc<dyn Crossing>,
+    /// The head's copy of a tied embedding on the sub-device (the embedding itself stays on
+    /// main for the forward's first step), by the head weight's name.
+    pub tied_head: Option<(String, Tensor)>,
+}
+
+/// The frozen weights of one model, by Hugging Face parameter name: on one device, or
+/// divided between two by a [`LayerSplit`].
 #[derive(Debug)]
 pub struct ParamStore {
     tensors: HashMap<String, Tensor>,
+    /// The device of the tensors, the main device under a layer split.
     device: Device,
     kind: Kind,
+    split: Option<LayerSplit>,
 }
 
 impl ParamStore {
     pub fn new(tensors: HashMap<String, Tensor>, device: Device, kind: Kind) -> Self {
-        Self { tensors, device, kind }
+        Self { tensors, device, kind, split: None }
+    }
+
+    /// Divides the store between the devices: the tensors named in `on_sub` are carried to
+    /// `split.sub` through `split.cross` (which counts them: the one time frozen weights
+    /// cross), and so is `tied_head`'s copy. Refused when already split.
+    pub fn split_layers(&mut self, at: usize, sub: Device, on_sub: &[String], tied_head: Option<&str>, cross: Arc<dyn Crossing>) -> Result<()> {
+        if self.split.is_some() {
+            return Err(Error::input("the weights are already divided between the devices"));
+        }
+        crate::error::guard(|| {
+            let _g = tch::no_grad_guard();
+            for name in on_sub {
+                let t = self.tensors.get_mut(name).ok_or_else(|| Error::input(format!("unknown parameter {name:?}")))?;
+                *t = cross.to_sub(t);
+            }
+            let tied_head = match tied_head {
+                Some(name) => {
+                    let t = self.get(name).ok_or_else(|| Error::input(format!("unknown parameter {name:?}")))?;
+                    Some((name.to_string(), cross.to_sub(t)))
+                }
+                None => None,
+            };
+            self.split = Some(LayerSplit { at, sub, cross: cross.clone(), tied_head });
+            Ok(())
+        })
+    }
+
+    /// The layer split, if the weights are divided between two devices.
+    pub fn layer_split(&self) -> Option<&LayerSplit> {
+        self.split.as_ref()
     }
 
     pub fn device(&self) -> Device {
@@ -145,14 +203,20 @@ impl ParamStore {
                 .iter()
                 .map(|(n, t)| (n.clone(), t.to_device(device)))
                 .collect();
-            Ok(ParamStore { tensors, device, kind: self.kind })
+            Ok(ParamStore { tensors, device, kind: self.kind, split: None })
         })
     }
 
     /// New handles to the same tensors (no copy), for another thread to own.
     pub fn shallow_clone(&self) -> ParamStore {
         let tensors = self.tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-        ParamStore { tensors, device: self.device, kind: self.kind }
+        let split = self.split.as_ref().map(|s| LayerSplit {
+            at: s.at,
+            sub: s.sub,
+            cross: s.cross.clone(),
+            tied_head: s.tied_head.as_ref().map(|(n, t)| (n.clone(), t.shallow_clone())),
+        });
+        ParamStore { tensors, device: self.device, kind: self.kind, split }
     }
 
     /// The weight every override of `overrides` stands for, as full tensors: dense ones as
@@ -185,7 +249,8 @@ impl ParamStore {
                 slot.size()
             )));
         }
-        *slot = value.to_device(self.device).to_kind(self.kind).detach();
+        // Where the tensor lives (the main or, under a layer split, the sub-device).
+        *slot = value.to_device(slot.device()).to_kind(self.kind).detach();
         Ok(())
     }
 }
@@ -221,6 +286,25 @@ impl<'a> ParamView<'a> {
         self.store
             .get(name)
             .ok_or_else(|| Error::Torch(format!("parameter {name:?} is not loaded")))
+    }
+
+    /// The weight the head reads under `name`: under a layer split with a tied embedding,
+    /// its copy on the sub-device; otherwise [`ParamView::get`].
+    pub fn get_for_head(&self, name: &str) -> Result<&'a Tensor> {
+        match self.store.split.as_ref().and_then(|s| s.tied_head.as_ref()) {
+            Some((n, t)) if n == name => Ok(t),
+            _ => self.get(name),
+        }
+    }
+
+    /// The layer split's crossing when block `i` is the first on the sub-device.
+    pub fn crossing_at(&self, i: usize) -> Option<&'a dyn Crossing> {
+        self.store.split.as_ref().filter(|s| s.at == i).map(|s| s.cross.as_ref())
+    }
+
+    /// The layer split of the store, if any.
+    pub fn layer_split(&self) -> Option<&'a LayerSplit> {
+        self.store.split.as_ref()
     }
 
     /// The low-rank change to `name`, if it has one (its frozen weight is what

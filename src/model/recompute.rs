@@ -58,14 +58,26 @@ pub fn grad_by_blocks(
         return Ok(());
     };
     let n = model.n_blocks();
+    // Under a layer split every differentiated block must be on the sub-device, so the
+    // one crossing happens in the forward without grad and the backward stays there.
+    if let Some(split) = p.layer_split().filter(|s| s.at > first) {
+        return Err(Error::input(format!(
+            "block {first} is differentiated but below the layer split's boundary ({}): the blocks that need gradients must be on the sub-device",
+            split.at
+        )));
+    }
     let none = HashSet::new();
     let mut scratch = BTreeMap::new();
     crate::error::guard(|| {
         // 1. Forward without grad, keeping the inputs of blocks `first..n`.
         let (mut inputs, last, ctx) = tch::no_grad(|| -> Result<_> {
-            let (mut x, ctx) = model.embed(p, input, 0)?;
+            let (mut x, mut ctx) = model.embed(p, input, 0)?;
             let mut inputs = Vec::with_capacity(n - first);
             for i in 0..n {
+                if let Some(c) = p.crossing_at(i) {
+                    x = c.to_sub(&x);
+                    ctx = ctx.crossed(c);
+                }
                 let y = model.block(p, i, &x, &ctx, &none, &mut scratch, None)?;
                 if i >= first {
                     inputs.push(x);
@@ -78,7 +90,11 @@ pub fn grad_by_blocks(
         // 2. Head and loss from a leaf of the last hidden state.
         let mut g = tch::with_grad(|| -> Result<Tensor> {
             let h = last.set_requires_grad(true);
-            let logits = model.head(p, &h, input.keep)?;
+            let keep = input.keep.map(|k| match p.layer_split() {
+                Some(s) => s.cross.to_sub(k),
+                None => k.shallow_clone(),
+            });
+            let logits = model.head(p, &h, keep.as_ref())?;
             let loss = loss_fn(&logits)?;
             Ok(Tensor::f_run_backward(&[&loss], &[&h], false, false)?.remove(0))
         })?;

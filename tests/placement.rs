@@ -1,0 +1,198 @@
+//! Placements on a CPU-only machine (#23): the layer split (`--placement balanced`) and the
+//! optimiser offload (`--optimizer-device`) run their cross-device code paths on one CPU
+//! through the mover ([`DevicePlan::split_on`]) and must give the single-device run's
+//! losses and metrics; the mover's byte counter shows what crosses.
+mod common;
+use common::{fixture, TRAIN_RECORDS};
+
+use dualedit::compare::{compare_eval, compare_train, Comparison};
+use dualedit::config::MendConfig;
+use dualedit::data::{DatasetKind, EditExample, Example};
+use dualedit::device::{DevicePlan, OptimizerDevice, Placement};
+use dualedit::edit::MethodSpec;
+use dualedit::mend::{Editor, Engine};
+use dualedit::model::load_model;
+use dualedit::run::{Common, EvalOptions, TrainOptions};
+use dualedit::train::{meta_loss, EditBatches};
+use tch::{Device, Kind};
+
+/// The last block's MLP of a 3-block fixture: the layer split can put block 0 on main.
+fn last_mlp(model: &str) -> Vec<String> {
+    match model {
+        "gpt2" => vec!["transformer.h.2.mlp.c_fc.weight".into(), "transformer.h.2.mlp.c_proj.weight".into()],
+        _ => vec!["model.layers.2.mlp.up_proj.weight".into(), "model.layers.2.mlp.down_proj.weight".into()],
+    }
+}
+
+fn config(model: &str, recompute: bool) -> MendConfig {
+    MendConfig {
+        rank: 16,
+        lr: 1e-3,
+        edit_lr: 1e-3,
+        accumulate: 2,
+        max_steps: 4,
+        val_every: 2,
+        val_records: 1,
+        max_length: 64,
+        recompute,
+        edit_params: last_mlp(model),
+        ..MendConfig::default()
+    }
+}
+
+fn train_options(dir: &std::path::Path, model: &str, cfg: MendConfig, name: &str) -> TrainOptions {
+    let data = dir.join("cf.json");
+    std::fs::write(&data, TRAIN_RECORDS).unwrap();
+    TrainOptions {
+        common: Common {
+            model: fixture(model),
+            plan: DevicePlan::single(Device::Cpu),
+            dtype: Kind::Float,
+            seed: 3,
+            report: None,
+            over_long: Default::default(),
+        },
+        data,
+        ds: DatasetKind::Counterfact,
+        config: cfg,
+        out: dir.join(name),
+        limit: None,
+        resume: false,
+        progress: false,
+    }
+}
+
+fn assert_agree(c: &Comparison, what: &str) {
+    assert!(!c.single.metrics.is_empty());
+    for (k, a) in &c.single.metrics {
+        let b = c.dual.metrics[k];
+        assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()) + 1e-6, "{what}: {k}: single {a} vs placed {b}");
+    }
+}
+
+fn balanced(at: usize) -> DevicePlan {
+    DevicePlan::split_on(Device::Cpu, Device::Cpu).balanced(at).unwrap()
+}
+
+#[test]
+fn layer_split_trains_and_evaluates_as_one_device() {
+    let dir = tempfile::tempdir().unwrap();
+    // GPT-2 (tied head: its copy on sub) and LLaMA (rotary tables cross with the hidden state).
+    for model in ["gpt2", "llama"] {
+        let opts = train_options(dir.path(), model, config(model, false), &format!("{model}-train"));
+        let c = compare_train(&opts, balanced(1)).unwrap();
+        assert_agree(&c, &format!("{model} train, layer split at block 1"));
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&c.dual.report).unwrap()).unwrap();
+        assert_eq!(report["devices"]["placement"], "balanced", "{report}");
+        assert_eq!(report["devices"]["boundary"], 1);
+        if model == "gpt2" {
+            // Evaluation with the editor trained above, split at block 0 (embedding alone on main).
+            let eval = EvalOptions {
+                common: Common { report: Some(dir.path().join("eval.json")), ..opts.common.clone() },
+                method: MethodSpec::Mend { editor: dir.path().join("gpt2-train/single") },
+                data: opts.data.clone(),
+                ds: DatasetKind::Counterfact,
+                limit: None,
+                max_length: 64,
+            };
+            let c = compare_eval(&eval, balanced(0), dir.path()).unwrap();
+            assert_agree(&c, "gpt2 eval, layer split at block 0");
+        }
+    }
+}
+
+#[test]
+fn recomputed_layer_split_with_offloaded_optimizer_matches() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = train_options(dir.path(), "gpt2", config("gpt2", true), "rc");
+    let plan = balanced(2).with_optimizer(OptimizerDevice::Sub);
+    let c = compare_train(&opts, plan).unwrap();
+    assert_agree(&c, "recompute, layer split at block 2, optimiser on sub");
+}
+
+/// ZeRO-Offload-style optimiser state on the default placement: the same losses; the
+/// report counts the gradients out and the updates back.
+#[test]
+fn offloaded_optimizer_matches_the_default_placement() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config("gpt2", false);
+    cfg.edit_params.clear(); // MEND's default: the last three MLPs
+    let opts = train_options(dir.path(), "gpt2", cfg, "opt");
+    let plan = DevicePlan::single(Device::Cpu).with_optimizer(OptimizerDevice::Cpu);
+    let c = compare_train(&opts, plan).unwrap();
+    assert_agree(&c, "optimiser offloaded to the CPU");
+    let train_report = |side: &str| -> serde_json::Value {
+        let text = std::fs::read_to_string(dir.path().join("opt").join(side).join("report.json")).unwrap();
+        serde_json::from_str(&text).unwrap()
+    };
+    let (single, offloaded) = (train_report("single"), train_report("dual"));
+    assert_eq!(single["metrics"]["optimizer_bytes_moved"], 0, "{single}");
+    let params = offloaded["metrics"]["editor_parameters"].as_u64().unwrap();
+    let steps = offloaded["metrics"]["steps"].as_u64().unwrap();
+    // Every editor tensor has a gradient each step: 4 bytes out, 4 back per parameter.
+    assert_eq!(offloaded["metrics"]["optimizer_bytes_moved"].as_u64().unwrap(), steps * params * 8, "{offloaded}");
+}
+
+/// What crosses the mover under the layer split: the sub-side weights once at setup, then
+/// per micro-step only activations, factors and targets: never a frozen weight.
+#[test]
+fn layer_split_moves_weights_once_then_only_activations() {
+    let dir = fixture("gpt2");
+    let lm = load_model(&dir, Device::Cpu, Kind::Float).unwrap();
+    let model = lm.model.clone();
+    let sizes: std::collections::HashMap<String, i64> =
+        model.expected_params().into_iter().map(|(n, s)| (n, s.iter().product::<i64>())).collect();
+    let cfg = config("gpt2", false);
+    let engine = Engine::new(lm, balanced(1), &cfg.edit_params).unwrap();
+    assert!(engine.layer_split());
+    let setup = engine.mover.stats();
+    // Blocks 1 and 2, ln_f, and the tied embedding's copy for the head.
+    let (on_sub, tied) = model.sub_side_params(1);
+    assert_eq!(tied, Some("transformer.wte.weight"));
+    assert!(on_sub.iter().any(|n| n.starts_with("transformer.h.1.")) && !on_sub.iter().any(|n| n.starts_with("transformer.h.0.")));
+    assert!(on_sub.contains(&"transformer.ln_f.weight".to_string()));
+    let expected: i64 = on_sub.iter().map(|n| sizes[n]).sum::<i64>() + sizes["transformer.wte.weight"];
+    assert_eq!(setup.bytes_to_sub, expected as u64 * 4);
+    assert_eq!(setup.bytes_to_main, 0);
+
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept };
+    let example = EditExample {
+        inner: ex(&[5, 6, 7, 8, 9, 10], 2),
+        outer: ex(&[11, 12, 7, 8, 9, 10], 2),
+        rephrased: true,
+        loc: Some(ex(&[20, 21, 22, 23, 24], 3)),
+        portability: Vec::new(),
+    };
+    let b = EditBatches::for_config(&engine, &[&example], &cfg);
+    let (loss, _) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+    loss.backward();
+    let step = engine.mover.stats();
+    let to_sub = step.bytes_to_sub - setup.bytes_to_sub;
+    let to_main = step.bytes_to_main - setup.bytes_to_main;
+    // The hidden states at the boundary, [B, T, 64] f32, of each forward: capture (6 tokens),
+    // the edited forward over rephrase + locality (2 × 6), the unedited locality (5).
+    let d = 64 * 4;
+    let boundary = (6 + 2 * 6 + 5) * d;
+    assert!(to_sub >= boundary as u64, "{to_sub} bytes to sub, boundary activations alone are {boundary}");
+    // No frozen weight crossed: less than the smallest matrix of a block.
+    let smallest = on_sub.iter().filter(|n| n.ends_with(".weight") && !n.contains("ln_")).map(|n| sizes[n]).min().unwrap() as u64 * 4;
+    assert!(to_sub < smallest, "{to_sub} bytes to sub per micro-step, a frozen matrix is {smallest}");
+    // Back: the factors for the editor (x and δ of 2 weights, ≤ 6 rows) and the loss.
+    assert!(to_main > 0 && to_main < smallest, "{to_main} bytes to main");
+    // The edited weights' gradients exist on the editor: the backward crossed back.
+    let (net, _) = editor.trainables();
+    assert!(net.iter().any(|t| t.grad().defined()));
+}
+
+#[test]
+fn layer_split_refuses_bad_boundaries() {
+    let lm = load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
+    // Above the first edited block (block 2): the blocks needing gradients would be on main.
+    let err = Engine::new(lm, balanced(3), &last_mlp("gpt2")).err().unwrap().to_string();
+    assert!(err.contains("at most the first edited block"), "{err}");
+    let err = DevicePlan::single(Device::Cpu).balanced(1).unwrap_err().to_string();
+    assert!(err.contains("--sub-device"), "{err}");
+    assert_eq!(balanced(1).placement, Placement::Balanced);
+}
