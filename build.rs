@@ -29,26 +29,22 @@ fn main() {
     // Headers live beside lib/ in both the PyPI wheel and the libtorch zip.
     let root = lib_dir.parent().expect("libtorch lib dir has a parent");
     let include = root.join("include");
-    cc::Build::new()
-        .cpp(true)
-        .pic(true)
-        .warnings(false)
-        .include(&include)
-        .include(include.join("torch/csrc/api/include"))
-        .flag("-std=c++17")
-        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
-        .file("csrc/memstats.cpp")
-        .compile("dualedit_memstats");
+    // One C++ setup for both shims: libtorch's headers, C++17, the wheel's ABI.
+    let torch_cpp = |file: &str| {
+        let mut b = cc::Build::new();
+        b.cpp(true)
+            .pic(true)
+            .warnings(false)
+            .include(&include)
+            .include(include.join("torch/csrc/api/include"))
+            .flag("-std=c++17")
+            .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+            .file(file);
+        b
+    };
+    torch_cpp("csrc/memstats.cpp").compile("dualedit_memstats");
 
-    let mut cap = cc::Build::new();
-    cap.cpp(true)
-        .pic(true)
-        .warnings(false)
-        .include(&include)
-        .include(include.join("torch/csrc/api/include"))
-        .flag("-std=c++17")
-        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
-        .file("csrc/memcap.cpp");
+    let mut cap = torch_cpp("csrc/memcap.cpp");
     let cuda_libs = lib_dir.join("libtorch_cuda.so").exists() && lib_dir.join("libc10_cuda.so").exists();
     if let Some(cuda_include) = cuda_libs.then(|| cuda_headers(root)).flatten() {
         cap.include(cuda_include).define("DUALEDIT_CUDA_ALLOCATOR", None);

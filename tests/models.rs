@@ -8,9 +8,8 @@ use dualedit::model::{load_model, ForwardInput, LoadedModel, Overrides, ParamVie
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
+mod common;
+use common::{assert_clean_error, broken_copy, fixture};
 
 fn reference(name: &str) -> Value {
     let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
@@ -147,26 +146,6 @@ fn score_json_is_one_object() {
         assert!((a - b).abs() < 1e-4, "logprob {a} vs {b}");
     }
     assert!((v["mean_nll"].as_f64().unwrap() - r["mean_nll"][1].as_f64().unwrap()).abs() < 1e-4);
-}
-
-/// Copies a fixture into a temp dir so a test can break it.
-fn broken_copy(name: &str) -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture(name)).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
-    }
-    tmp
-}
-
-fn assert_clean_error(out: &std::process::Output, needles: &[&str]) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
-    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "panic instead of an error: {err}");
-    assert_eq!(err.trim().lines().count(), 1, "expected one line, got: {err}");
-    for n in needles {
-        assert!(err.contains(n), "error {err:?} should mention {n:?}");
-    }
 }
 
 #[test]

@@ -11,9 +11,8 @@ use dualedit::model::{load_model, ParamView};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
+mod common;
+use common::{assert_clean_error, broken_copy, fixture};
 
 fn json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
@@ -193,26 +192,6 @@ fn score_image_json() {
     let text_case = r["cases"].as_array().unwrap().iter().find(|c| c["images"].as_array().unwrap().is_empty()).unwrap();
     for (a, b) in v["logprobs"].as_array().unwrap().iter().zip(text_case["logprobs"].as_array().unwrap()) {
         assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4);
-    }
-}
-
-/// Copies a fixture directory into a temp dir so a test can break it.
-fn broken_copy(name: &str) -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture(name)).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
-    }
-    tmp
-}
-
-fn assert_clean_error(out: &std::process::Output, needles: &[&str]) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
-    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "panic instead of an error: {err}");
-    assert_eq!(err.trim().lines().count(), 1, "expected one line, got: {err}");
-    for n in needles {
-        assert!(err.contains(n), "error {err:?} should mention {n:?}");
     }
 }
 

@@ -129,3 +129,24 @@ pub fn shared_data_dir() -> Option<PathBuf> {
     );
     None
 }
+
+/// Copies a fixture directory into a temp dir so a test can break it.
+pub fn broken_copy(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    tmp
+}
+
+/// The run failed with exactly one line on stderr, no panic, mentioning every needle.
+pub fn assert_clean_error(out: &std::process::Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "panic instead of an error: {err}");
+    assert_eq!(err.trim().lines().count(), 1, "expected one line, got: {err}");
+    for n in needles {
+        assert!(err.contains(n), "error {err:?} should mention {n:?}");
+    }
+}
