@@ -93,7 +93,16 @@ impl Engine {
     }
 
     /// One forward and backward of the edit NLL on the frozen model: the factors `(x, δ)`
-    /// of every edited weight (detached, rows without signal dropped) and the NLL.
+    /// of every edited weight (detached, rows without signal dropped) and the NLL (the mean
+    /// over the batch's examples of each one's mean NLL).
+    ///
+    /// The loss is the sum over the examples of each example's mean NLL
+    /// ([`losses::nll_and_grad_per_row`]), so every example's `δ` rows are those it has when
+    /// captured alone: the editor (trained one example at a time) sees each as it saw its
+    /// training examples, and since it transforms rows independently, a batch edit is the sum
+    /// of the examples' single edits. A mean over all the batch's tokens instead shrank
+    /// each example's `δ` by the batch's token count: out of the editor's distribution
+    /// (issue #24: 5 requests in one batch reached 0.47 reliability, each 1.0 alone).
     /// Runs with gradients enabled even when called under `no_grad` (evaluation).
     pub fn capture(&self, batch: &TokenBatch) -> Result<(f64, Vec<Factors>)> {
         crate::error::guard(|| tch::with_grad(|| {
@@ -110,7 +119,12 @@ impl Engine {
             // states through the surrogate ⟨hidden, g⟩, whose gradient w.r.t. them is g.
             let (nll, g_hidden) = tch::no_grad(|| -> Result<(f64, Tensor)> {
                 let w = self.lm.model.head_weight(&view)?;
-                let (nll, g_logits) = losses::nll_and_grad(&lm_head(&out.logits.detach(), w), &batch.kept_targets());
+                let (nll, g_logits) = losses::nll_and_grad_per_row(
+                    &lm_head(&out.logits.detach(), w),
+                    &batch.kept_targets(),
+                    &batch.kept_rows(),
+                    batch.batch_size(),
+                );
                 Ok((nll, lm_head_input_grad(&g_logits.to_kind(w.kind()), w).to_kind(out.logits.kind())))
             })?;
             let loss = (&out.logits * g_hidden).sum(Kind::Float);
