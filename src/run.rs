@@ -283,11 +283,20 @@ pub struct EditOptions {
     pub sequential: bool,
     pub save: Option<PathBuf>,
     pub max_length: usize,
+    /// The commit guard ([`crate::mend::guard`]) on the requests' locality prompts; `None`
+    /// commits every edit as the editor makes it.
+    pub guard: Option<crate::mend::guard::GuardConfig>,
+    /// Sequential only: make each request in small committed steps
+    /// ([`crate::mend::stepwise`], experimental).
+    pub stepwise: Option<crate::mend::stepwise::Stepwise>,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EditOutput {
     pub sequential: bool,
+    /// The guard's decision on each edit committed (one per request when sequential, one
+    /// for the batch); empty without a guard or without locality prompts.
+    pub guard: Vec<crate::mend::guard::GuardReport>,
     #[serde(flatten)]
     pub summary: Summary,
     pub requests: Vec<RequestResult>,
@@ -319,17 +328,60 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     let refs: Vec<&EditExample> = examples.iter().collect();
     let before = eval::measure_before(&engine, &refs)?;
     let pad = engine.lm.tokenizer.pad_id();
+    // The guard's probes: the requests' locality prompts, against the weights as loaded.
+    let loc: Vec<&crate::data::Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
+    let probes = match &o.guard {
+        Some(_) => crate::mend::guard::Probes::new(&engine, &loc)?,
+        None => None,
+    };
+    if o.guard.is_some() && probes.is_none() {
+        tracing::warn!("no request has a locality prompt: the commit guard has nothing to measure and is off");
+    }
+    let mut guard_reports = Vec::new();
+    let mut guarded = |engine: &Engine, ov: crate::model::Overrides, inner: &TokenBatch| -> Result<Option<crate::model::Overrides>> {
+        match (&o.guard, &probes) {
+            (Some(cfg), Some(p)) => {
+                let (ov, rep) = crate::mend::guard::check_edit(engine, &ov, p, Some(inner), cfg)?;
+                match rep.decision {
+                    crate::mend::guard::Decision::Accepted => info!("{}", rep.message),
+                    _ => tracing::warn!("request(s) {}: {}", guard_reports.len(), rep.message),
+                }
+                guard_reports.push(rep);
+                Ok(ov)
+            }
+            _ => Ok(Some(ov)),
+        }
+    };
     let t1 = Instant::now();
     let overrides = if o.sequential {
         for e in &examples {
             let inner = TokenBatch::collate(&[&e.inner], pad, engine.plan.main);
-            let ov = eval::make_edit(&engine, &mut method, &inner)?;
-            engine.commit(&ov)?;
+            match &o.stepwise {
+                None => {
+                    let ov = eval::make_edit(&engine, &mut method, &inner)?;
+                    if let Some(ov) = guarded(&engine, ov, &inner)? {
+                        engine.commit(&ov)?;
+                    }
+                }
+                Some(sw) => {
+                    for _ in 0..sw.steps {
+                        let ov = crate::mend::stepwise::step(&engine, &mut method, &inner, sw)?;
+                        if let Some(ov) = guarded(&engine, ov, &inner)? {
+                            engine.commit(&ov)?;
+                        }
+                        if crate::mend::guard::makes_edit(&engine, &crate::model::Overrides::new(), &inner)? {
+                            break;
+                        }
+                    }
+                }
+            }
         }
         crate::model::Overrides::new()
     } else {
         let inner: Vec<_> = examples.iter().map(|e| &e.inner).collect();
-        eval::make_edit(&engine, &mut method, &TokenBatch::collate(&inner, pad, engine.plan.main))?
+        let batch = TokenBatch::collate(&inner, pad, engine.plan.main);
+        let ov = eval::make_edit(&engine, &mut method, &batch)?;
+        guarded(&engine, ov, &batch)?.unwrap_or_default()
     };
     let edit_s = t1.elapsed().as_secs_f64();
     tracker.mark("edit")?;
@@ -349,7 +401,7 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
         None => None,
     };
     let summary = Summary::of(&requests.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
-    let out = EditOutput { sequential: o.sequential, summary, requests, saved };
+    let out = EditOutput { sequential: o.sequential, guard: guard_reports, summary, requests, saved };
     let seconds = BTreeMap::from([("load".to_string(), t1.duration_since(t0).as_secs_f64()), ("edit".to_string(), edit_s)]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("edit"));
     let path = report("edit", &o.common, &engine, &out, seconds, &tracker).write(&path, &tracker)?;
