@@ -22,7 +22,7 @@ fn gpt2_small() -> Model {
         "n_positions": 1024,
     }))
     .expect("GPT-2 config");
-    Model::Gpt2(Gpt2::new(config).expect("GPT-2 model"))
+    Model::new(Gpt2::new(config).expect("GPT-2 model"))
 }
 
 fn bench_forward(c: &mut Criterion) {

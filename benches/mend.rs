@@ -32,7 +32,7 @@ fn model_dir() -> tempfile::TempDir {
         "n_layer": 12, "n_head": 12, "n_positions": 1024, "activation_function": "gelu_new"
     });
     std::fs::write(dir.path().join("config.json"), config.to_string()).expect("config");
-    let model = Model::Gpt2(Gpt2::new(serde_json::from_value::<Gpt2Config>(config).expect("cfg")).expect("model"));
+    let model = Model::new(Gpt2::new(serde_json::from_value::<Gpt2Config>(config).expect("cfg")).expect("model"));
     tch::manual_seed(0);
     let store = random_params(&model, Device::Cpu, Kind::Float);
     let tensors: Vec<(String, Tensor)> = store.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();

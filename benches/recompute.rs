@@ -65,7 +65,7 @@ fn gpt2_small() -> Model {
         "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024,
     }))
     .expect("config");
-    Model::Gpt2(Gpt2::new(config).expect("model"))
+    Model::new(Gpt2::new(config).expect("model"))
 }
 
 fn engine(edit_params: &[String]) -> Engine {

@@ -13,13 +13,10 @@ use std::path::PathBuf;
 
 use dualedit::data::easyedit::DatasetKind;
 use dualedit::data::{Example, TokenBatch};
-use dualedit::device::memory::MemoryTracker;
-use dualedit::device::DevicePlan;
-use dualedit::eval::{make_edit, Method};
+use dualedit::edit::{make_edit, open, LoadOptions, Method, MethodSpec};
 use dualedit::mend::{losses, Engine};
 use dualedit::model::Overrides;
-use dualedit::run::{load_examples, open_engine_for, open_method, Common, MethodSpec};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 fn row_norm(t: &Tensor) -> f64 {
     if t.size()[0] == 0 {
@@ -88,12 +85,8 @@ fn main() -> dualedit::Result<()> {
     let n: usize = args.get(2).map(|s| s.parse().unwrap()).unwrap_or(5);
     let model = PathBuf::from(args.get(3).map(String::as_str).unwrap_or("data/model"));
     let editor = PathBuf::from(args.get(4).map(String::as_str).unwrap_or("data/editor"));
-    let common = Common { model, plan: DevicePlan::single(Device::Cpu), dtype: Kind::Float, seed: 0, report: None };
-    let spec = MethodSpec::Mend { editor };
-    let mut tracker = MemoryTracker::new(&common.plan.roles());
-    let mut engine = open_engine_for(&common, &spec, &mut tracker)?;
-    let mut method = open_method(&spec, &engine)?;
-    let (_, examples) = load_examples(&engine, &requests, DatasetKind::Requests, Some(n), 32)?;
+    let (mut engine, mut method) = open(&model, &LoadOptions::default(), &MethodSpec::Mend { editor })?;
+    let (_, examples, _) = dualedit::run::load_examples(&engine, &requests, DatasetKind::Requests, Some(n), 32, Default::default())?;
     let _g = tch::no_grad_guard();
     let pad = engine.lm.tokenizer.pad_id();
 

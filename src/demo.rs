@@ -12,7 +12,8 @@ use crate::data::synthetic::{write_world, World, WorldConfig};
 use crate::device::DevicePlan;
 use crate::eval::Summary;
 use crate::pretrain::{pretrain, PretrainConfig, PretrainReport};
-use crate::run::{run_eval, run_train, Common, EvalOptions, MethodSpec, TrainOptions};
+use crate::edit::MethodSpec;
+use crate::run::{run_eval, run_train, Common, EvalOptions, TrainOptions};
 use crate::Result;
 
 /// Sizes of one build of the default (the shipped one, or a quick one for tests).
@@ -67,6 +68,7 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
         dtype: tch::Kind::Float,
         seed: 0,
         report: Some(root.join("runs").join("train.json")),
+        over_long: Default::default(),
     };
     let (train, _) = run_train(&TrainOptions {
         common: common.clone(),
@@ -113,9 +115,10 @@ pub struct DemoSummary {
 /// Shows a few edits in words, then the held-out metrics and each device's peak memory.
 pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std::io::Write) -> Result<DemoSummary> {
     use crate::device::memory::{format_bytes, MemoryTracker};
-    use crate::eval::{evaluate, make_edit};
+    use crate::edit::{greedy, make_edit, LoadOptions};
+    use crate::edit::evaluate;
     use crate::model::ParamView;
-    use crate::run::{greedy, load_examples, open_method};
+    use crate::run::load_examples;
     let start = std::time::Instant::now();
     // A sub-million-parameter model gains nothing from a second thread, and libtorch's
     // OpenMP threads spin badly when another process holds the other core.
@@ -123,9 +126,8 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
     let w = |out: &mut dyn std::io::Write, s: String| writeln!(out, "{s}").map_err(|e| crate::Error::io("<stdout>", e));
     let mut tracker = MemoryTracker::new(&plan.roles());
     let method_spec = MethodSpec::Mend { editor: editor_dir(root) };
-    let common = Common { model: model_dir(root), plan, dtype: tch::Kind::Float, seed: 0, report: None };
-    let engine = crate::run::open_engine_for(&common, &method_spec, &mut tracker)?;
-    let mut method = open_method(&method_spec, &engine)?;
+    let (engine, mut method) = crate::edit::open(&model_dir(root), &LoadOptions { plan, ..LoadOptions::default() }, &method_spec)?;
+    tracker.mark("load")?;
     let info = engine.lm.model.info();
     w(out, format!(
         "dualedit demo: {} with {} parameters, {} edited weights, main {} / sub {}{}",
@@ -137,12 +139,11 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
         if plan.split { "" } else { " (single device)" }
     ))?;
     let holdout = world_dir(root).join("edits-holdout.json");
-    let (records, examples) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize)?;
+    let (records, examples, _) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize, Default::default())?;
     let frozen = ParamView::frozen(&engine.lm.params);
-    let pad = engine.lm.tokenizer.pad_id();
     // Answers are a word or two: generate a few tokens and stop at the sentence's end.
     let answer = |params: &ParamView, ids: &[i64]| -> Result<String> {
-        let text = greedy(&engine, params, ids, 6)?;
+        let text = engine.lm.tokenizer.decode(&greedy(&engine.lm, params, ids, 6, &[])?.0)?;
         Ok(match text.find(['.', '\n']) {
             Some(i) => text[..i].to_string(),
             None => text,
@@ -150,8 +151,7 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
     };
     for (r, e) in records.iter().zip(&examples).take(shown) {
         let before = answer(&frozen, &e.inner.ids[..e.inner.answer_start])?;
-        let inner = crate::data::TokenBatch::collate(&[&e.inner], pad, plan.main);
-        let overrides = make_edit(&engine, &mut method, &inner)?;
+        let overrides = make_edit(&engine, &mut method, &engine.collate(&[&e.inner]))?;
         let edited = ParamView::new(&engine.lm.params, Some(&overrides));
         let after = answer(&edited, &e.inner.ids[..e.inner.answer_start])?;
         w(out, String::new())?;

@@ -1,68 +1,13 @@
 //! Edit metrics as EasyEdit reports them: reliability, generalisation, locality,
 //! portability (teacher-forced token accuracies), plus whole-answer edit success, NLL
 //! before and after, and edit time.
-use std::time::Instant;
-
 use serde::Serialize;
 use tch::Tensor;
 
 use crate::data::{EditExample, Example, TokenBatch};
-use crate::mend::{losses, Editor, Engine, Factors};
-use crate::model::{Overrides, WeightLayout};
+use crate::mend::{losses, Engine};
+use crate::model::Overrides;
 use crate::Result;
-
-/// How an edit is made.
-pub enum Method {
-    /// No edit: the unedited model's scores.
-    Unedited,
-    /// One plain gradient step on the edit NLL: `W' = W − lr·∇W` (the fine-tuning baseline).
-    FineTune { lr: f64 },
-    /// MEND with a trained editor.
-    Mend(Editor),
-}
-
-impl Method {
-    pub fn name(&self) -> &'static str {
-        match self {
-            Method::Unedited => "unedited",
-            Method::FineTune { .. } => "ft",
-            Method::Mend(_) => "mend",
-        }
-    }
-}
-
-/// The true gradient `Σ δ xᵀ` in the weight's layout.
-fn raw_grad(layout: WeightLayout, f: &Factors) -> Tensor {
-    match layout {
-        WeightLayout::Linear => f.delta.tr().matmul(&f.x),
-        WeightLayout::Conv1d => f.x.tr().matmul(&f.delta),
-    }
-}
-
-/// Computes the edited weights for the edit examples in `inner` (one batch).
-pub fn make_edit(engine: &Engine, method: &mut Method, inner: &TokenBatch) -> Result<Overrides> {
-    let _g = tch::no_grad_guard();
-    match method {
-        Method::Unedited => Ok(Overrides::new()),
-        Method::FineTune { lr } => {
-            let (_, factors) = engine.capture(inner)?;
-            engine
-                .edit_params
-                .iter()
-                .zip(&factors)
-                .map(|(p, f)| {
-                    let w = engine.weight(&p.name)?;
-                    let g = raw_grad(p.layout, f);
-                    Ok((p.name.clone(), (w.to_kind(tch::Kind::Float) - g * *lr).to_kind(w.kind())))
-                })
-                .collect()
-        }
-        Method::Mend(editor) => {
-            let (_, factors) = engine.capture(inner)?;
-            engine.edit_low_rank(editor, &factors, false)
-        }
-    }
-}
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RecordMetrics {
@@ -125,7 +70,7 @@ struct Scored {
 }
 
 fn score(engine: &Engine, overrides: &Overrides, examples: &[&Example]) -> Result<Scored> {
-    let batch = TokenBatch::collate(examples, engine.lm.tokenizer.pad_id(), engine.plan.main);
+    let batch = engine.collate(examples);
     let logits = if overrides.is_empty() { engine.base_logits(&batch)? } else { engine.edited_logits(overrides, &batch)? };
     let (t, rows, b) = (batch.kept_targets(), batch.kept_rows(), batch.batch_size());
     let (acc, exact) = losses::token_accuracy(&logits, &t, &rows, b);
@@ -194,27 +139,4 @@ pub fn measure_after(
         });
     }
     Ok(out)
-}
-
-/// EasyEdit-style evaluation: each example is edited on its own, starting from the
-/// unedited model, and measured before and after.
-pub fn evaluate(
-    engine: &Engine,
-    method: &mut Method,
-    examples: &[EditExample],
-    mut on_record: impl FnMut(usize, &RecordMetrics),
-) -> Result<Vec<RecordMetrics>> {
-    let pad = engine.lm.tokenizer.pad_id();
-    let mut all = Vec::with_capacity(examples.len());
-    for (i, e) in examples.iter().enumerate() {
-        let before = measure_before(engine, &[e])?;
-        let start = Instant::now();
-        let inner = TokenBatch::collate(&[&e.inner], pad, engine.plan.main);
-        let overrides = make_edit(engine, method, &inner)?;
-        let secs = start.elapsed().as_secs_f64();
-        let m = measure_after(engine, &overrides, &[e], &before, secs)?.remove(0);
-        on_record(i, &m);
-        all.push(m);
-    }
-    Ok(all)
 }

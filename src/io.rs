@@ -1,7 +1,7 @@
 //! Files that must never be left half-written, and safetensors in and out of tch.
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
 use tch::{Device, Kind, Tensor};
@@ -53,6 +53,50 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 pub fn write_json_atomic(path: &Path, value: &impl serde::Serialize) -> Result<()> {
     let text = serde_json::to_string_pretty(value).map_err(|e| Error::file(path, e.to_string()))?;
     write_atomic(path, text.as_bytes())
+}
+
+/// Resolves `relative`, a path a remote client named (a folder for `serve`'s `/save`, an
+/// image for a multimodal request), to a path inside `root`, refusing every way out of it:
+/// an absolute path, any `..` component, and a symbolic link (anywhere along the path)
+/// whose target lies outside the root or does not exist. The trailing components may not
+/// exist yet (a folder to create); those that do are resolved through their links.
+///
+/// The answer is the resolved path, under `root`'s canonical form. The check holds when it
+/// is made: a link planted inside the root between the check and the use is not caught,
+/// which is the right trade where clients can name paths but not create links.
+pub fn resolve_under(root: &Path, relative: &Path) -> Result<PathBuf> {
+    let base = root.canonicalize().map_err(|e| Error::io(root, e))?;
+    let outside = |why: String| Error::input(format!("{}: {why}; paths are relative to {} and stay inside it", relative.display(), root.display()));
+    if relative.as_os_str().is_empty() {
+        return Err(outside("empty path".into()));
+    }
+    let mut resolved = base.clone();
+    for c in relative.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => return Err(outside("\"..\" is refused".into())),
+            Component::RootDir | Component::Prefix(_) => return Err(outside("absolute paths are refused".into())),
+            Component::Normal(name) => {
+                let next = resolved.join(name);
+                match std::fs::symlink_metadata(&next) {
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => resolved = next,
+                    Err(e) => return Err(Error::io(&next, e)),
+                    Ok(_) => {
+                        // Resolves every link up to here; a dangling link is refused, as
+                        // writing through it would create its target wherever it points.
+                        let real = next
+                            .canonicalize()
+                            .map_err(|e| outside(format!("{} is a link that cannot be resolved ({e})", next.display())))?;
+                        if !real.starts_with(&base) {
+                            return Err(outside(format!("{} is a symbolic link to {}, outside the root", next.display(), real.display())));
+                        }
+                        resolved = real;
+                    }
+                }
+            }
+        }
+    }
+    Ok(resolved)
 }
 
 fn dtype_of(kind: Kind) -> Result<Dtype> {
@@ -141,4 +185,43 @@ pub fn read_safetensors(path: &Path) -> Result<(BTreeMap<String, Tensor>, HashMa
         out.insert(name, Tensor::f_from_data_size(view.data(), &shape, kind)?);
     }
     Ok((out, metadata))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolve_under_stays_inside_the_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("models")).unwrap();
+        let base = root.canonicalize().unwrap();
+        // Relative paths, existing or not, land inside.
+        assert_eq!(resolve_under(&root, Path::new("models/a")).unwrap(), base.join("models/a"));
+        assert_eq!(resolve_under(&root, Path::new("./new/b")).unwrap(), base.join("new/b"));
+        // A link that stays inside is followed.
+        std::os::unix::fs::symlink(root.join("models"), root.join("inside")).unwrap();
+        assert_eq!(resolve_under(&root, Path::new("inside/c")).unwrap(), base.join("models/c"));
+        let refused = |p: &str, needle: &str| {
+            let err = resolve_under(&root, Path::new(p)).unwrap_err().to_string();
+            assert!(err.contains(needle) && err.contains(&root.display().to_string()), "{p}: {err}");
+        };
+        refused("", "empty path");
+        refused("/etc/x", "absolute paths are refused");
+        refused("../x", "\"..\" is refused");
+        refused("models/../../x", "\"..\" is refused");
+        refused("models/..", "\"..\" is refused");
+        // Links out of the root, directly or further down the path, and dangling ones.
+        std::fs::create_dir(dir.path().join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), root.join("out")).unwrap();
+        refused("out", "outside the root");
+        refused("out/deeper/x", "outside the root");
+        std::os::unix::fs::symlink(dir.path().join("missing"), root.join("models/dangling")).unwrap();
+        refused("models/dangling", "cannot be resolved");
+        assert!(!dir.path().join("missing").exists());
+        // A root that does not exist is named.
+        let err = resolve_under(&dir.path().join("nope"), Path::new("a")).unwrap_err().to_string();
+        assert!(err.contains("nope"), "{err}");
+    }
 }

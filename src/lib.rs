@@ -6,6 +6,7 @@ pub mod config;
 pub mod data;
 pub mod demo;
 pub mod device;
+pub mod edit;
 pub mod error;
 pub mod eval;
 pub mod io;

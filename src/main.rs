@@ -5,10 +5,12 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use dualedit::config::MendConfig;
+use dualedit::data::examples::OverLong;
 use dualedit::data::DatasetKind;
 use dualedit::device::DevicePlan;
+use dualedit::edit::{LoadOptions, MethodSpec};
 use dualedit::model::{load_model, parse_dtype, ParamView};
-use dualedit::run::{self, Common, EditOptions, EvalOptions, MethodSpec, TrainOptions};
+use dualedit::run::{self, Common, EditOptions, EvalOptions, TrainOptions};
 
 #[derive(Parser)]
 #[command(name = "dualedit", version, about = "MEND knowledge editing of causal LMs on one or two devices")]
@@ -43,6 +45,32 @@ enum Command {
     Plan(PlanArgs),
 }
 
+/// Where a run puts its work: the same two flags on every command.
+#[derive(Args, Clone)]
+struct DeviceArgs {
+    /// Main device: frozen model, editor, optimiser (cpu, cuda, cuda:N).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Sub-device for the edited model's forward passes (default: the main device).
+    #[arg(long)]
+    sub_device: Option<String>,
+}
+
+impl DeviceArgs {
+    /// The main/sub plan; both devices must exist on this machine.
+    fn plan(&self) -> anyhow::Result<DevicePlan> {
+        Ok(DevicePlan::parse(&self.device, self.sub_device.as_deref())?)
+    }
+
+    /// The one device of a command that runs everything in one place.
+    fn single(&self, command: &str) -> anyhow::Result<tch::Device> {
+        if self.sub_device.is_some() {
+            anyhow::bail!("{command} runs on one device: use --device, not --sub-device");
+        }
+        Ok(dualedit::device::parse_device(&self.device)?)
+    }
+}
+
 #[derive(Args)]
 struct PlanArgs {
     /// Model directory; only its config.json is read (no weights needed).
@@ -51,12 +79,9 @@ struct PlanArgs {
     /// MEND hyper-parameters (JSON, see configs/).
     #[arg(long)]
     config: PathBuf,
-    /// Main device: frozen model, editor, optimiser (cpu, cuda, cuda:N; need not exist here).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Sub-device for the edited model's forward passes (default: the main device).
-    #[arg(long)]
-    sub_device: Option<String>,
+    /// The devices planned for (they need not exist on this machine).
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights (editor maths is always f32).
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -66,6 +91,10 @@ struct PlanArgs {
     /// Labelled positions per example (default: all but the first, an upper bound).
     #[arg(long)]
     kept_tokens: Option<i64>,
+    /// Vision-language models: the image each example shows, WIDTHxHEIGHT pixels (its
+    /// tokens are added to --max-length; the vision tower's forward is planned).
+    #[arg(long, value_parser = parse_image_size)]
+    image_size: Option<(i64, i64)>,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -81,12 +110,8 @@ enum CompareCmd {
 
 #[derive(Args)]
 struct DemoArgs {
-    /// Main device (cpu, cuda, cuda:N).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Sub-device for the edited model's forward passes (default: the main device).
-    #[arg(long)]
-    sub_device: Option<String>,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// Directory of the default (model/, editor/, world/); default: the shipped one.
     #[arg(long)]
     root: Option<PathBuf>,
@@ -103,16 +128,12 @@ struct ServeArgs {
     /// Trained editor directory (without one, /edit answers 422).
     #[arg(long)]
     editor: Option<PathBuf>,
-    /// Main device (cpu, cuda, cuda:N).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Sub-device for the edited model's forward passes (default: the main device).
-    #[arg(long)]
-    sub_device: Option<String>,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// Address to listen on; anything but loopback exposes an unauthenticated service.
+    /// Address to listen on; anything but loopback needs --token (or --insecure-no-token).
     #[arg(long, default_value = dualedit::serve::DEFAULT_LISTEN)]
     listen: String,
     /// Model requests that may wait; more are answered 503.
@@ -124,9 +145,18 @@ struct ServeArgs {
     /// Seconds a model request may wait in the queue before it is answered 503.
     #[arg(long, default_value_t = 60)]
     queue_timeout: u64,
-    /// Restrict POST /save to relative paths inside this directory.
+    /// Allow POST /save, writing only to relative paths inside this existing directory
+    /// (without it, /save is refused with 403).
     #[arg(long)]
     save_root: Option<PathBuf>,
+    /// Require `Authorization: Bearer TOKEN` on every request (401 otherwise). Default:
+    /// $DUALEDIT_TOKEN, which is better than the flag (the process list shows flags).
+    #[arg(long)]
+    token: Option<String>,
+    /// Listen beyond loopback without a token: anyone who can reach the address can edit,
+    /// read and (with --save-root) save the model.
+    #[arg(long)]
+    insecure_no_token: bool,
 }
 
 #[derive(Args)]
@@ -158,8 +188,8 @@ struct PretrainArgs {
     #[arg(long, default_value_t = 2e-3)]
     lr: f64,
     /// Where to train: cpu or cuda:N (the result is the same HF directory either way).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// Also put each record's new target in the corpus, alone on its line (never after its
     /// prompt), so the model can write the words edits ask for, as a pretrained LM can.
     #[arg(long)]
@@ -187,9 +217,11 @@ struct ScoreArgs {
     /// Text to score.
     #[arg(long)]
     text: String,
-    /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    /// An image (PNG or JPEG) shown before the text; vision-language models only.
+    #[arg(long)]
+    image: Option<PathBuf>,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -204,12 +236,8 @@ struct CommonArgs {
     /// Hugging Face model directory.
     #[arg(long)]
     model: PathBuf,
-    /// Main device: frozen model, editor, optimiser (cpu, cuda, cuda:N).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Sub-device for the edited model's forward passes (default: the main device).
-    #[arg(long)]
-    sub_device: Option<String>,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights (editor maths is always f32).
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -218,16 +246,28 @@ struct CommonArgs {
     /// Where to write the run report (JSON).
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Cut the prompts of records longer than the maximum length from the left until they
+    /// fit, instead of skipping those records.
+    #[arg(long, conflicts_with = "strict")]
+    truncate: bool,
+    /// Stop at the first record longer than the maximum length, instead of skipping it.
+    #[arg(long)]
+    strict: bool,
 }
 
 impl CommonArgs {
     fn resolve(&self) -> anyhow::Result<Common> {
         Ok(Common {
             model: self.model.clone(),
-            plan: DevicePlan::parse(&self.device, self.sub_device.as_deref())?,
+            plan: self.devices.plan()?,
             dtype: parse_dtype(&self.dtype)?,
             seed: self.seed,
             report: self.report.clone(),
+            over_long: match (self.truncate, self.strict) {
+                (true, _) => OverLong::Truncate,
+                (_, true) => OverLong::Strict,
+                _ => OverLong::Skip,
+            },
         })
     }
 }
@@ -365,17 +405,23 @@ struct EvalArgs {
 }
 
 fn score(args: ScoreArgs) -> anyhow::Result<()> {
-    let device = dualedit::device::parse_device(&args.device)?;
+    let device = args.devices.single("score")?;
     let kind = parse_dtype(&args.dtype)?;
     let lm = load_model(&args.model, device, kind)?;
-    let s = dualedit::score::score_text(&lm, &ParamView::frozen(&lm.params), &args.text)?;
+    let images: Vec<&std::path::Path> = args.image.iter().map(|p| p.as_path()).collect();
+    let s = dualedit::score::score_with_images(&lm, &ParamView::frozen(&lm.params), &args.text, &images)?;
     if args.json {
         println!("{}", serde_json::to_string(&s)?);
     } else {
+        if s.image_tokens > 0 {
+            println!("image: {} tokens before the text", s.image_tokens);
+        }
+        // Without an image the first token has nothing before it and is not scored.
+        let first = s.tokens.len() - s.logprobs.len();
         println!("{:>6}  {:>10}  token", "pos", "logprob");
         for (i, lp) in s.logprobs.iter().enumerate() {
-            let piece = lm.tokenizer.decode(&[s.tokens[i + 1]]).unwrap_or_default();
-            println!("{:>6}  {:>10.4}  {:?}", i + 1, lp, piece);
+            let piece = lm.tokenizer.decode(&[s.tokens[i + first]]).unwrap_or_default();
+            println!("{:>6}  {:>10.4}  {:?}", i + first, lp, piece);
         }
         println!("mean NLL {:.4} over {} tokens", s.mean_nll, s.logprobs.len());
     }
@@ -475,6 +521,7 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
     let (out, path) = run::run_edit(&opts)?;
     if a.json {
         let mut v = serde_json::to_value(&out)?;
+        v["data"] = serde_json::to_value(&out.data)?;
         v["report"] = serde_json::Value::from(path.display().to_string());
         println!("{v}");
         return Ok(());
@@ -515,12 +562,15 @@ fn eval_options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
 }
 
 fn compare(c: CompareCmd) -> anyhow::Result<()> {
-    let (sub, main) = match &c {
-        CompareCmd::Train(a) => (a.common.sub_device.clone(), a.common.device.clone()),
-        CompareCmd::Eval(a) => (a.common.sub_device.clone(), a.common.device.clone()),
+    let devices = match &c {
+        CompareCmd::Train(a) => &a.common.devices,
+        CompareCmd::Eval(a) => &a.common.devices,
     };
-    let sub = sub.ok_or_else(|| anyhow::anyhow!("compare needs --sub-device (the dual side's sub-device)"))?;
-    let dual = DevicePlan::parse(&main, Some(&sub))?;
+    let json = matches!(&c, CompareCmd::Eval(a) if a.json);
+    if devices.sub_device.is_none() {
+        anyhow::bail!("compare needs --sub-device (the dual side's sub-device)");
+    }
+    let dual = devices.plan()?;
     let (cmp, out) = match c {
         CompareCmd::Train(a) => {
             let o = train_options(a)?;
@@ -534,8 +584,15 @@ fn compare(c: CompareCmd) -> anyhow::Result<()> {
             (dualedit::compare::compare_eval(&o, dual, &out)?, out)
         }
     };
-    print!("{}", dualedit::compare::table(&cmp));
-    println!("report: {}", out.join("compare.json").display());
+    let report = out.join("compare.json");
+    if json {
+        let mut v = serde_json::to_value(&cmp)?;
+        v["report"] = serde_json::Value::from(report.display().to_string());
+        println!("{v}");
+    } else {
+        print!("{}", dualedit::compare::table(&cmp));
+        println!("report: {}", report.display());
+    }
     Ok(())
 }
 
@@ -550,6 +607,7 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
     if a.json {
         let mut v = serde_json::to_value(&out.summary)?;
         v["method"] = serde_json::Value::from(out.method.clone());
+        v["data"] = serde_json::to_value(&out.data)?;
         v["report"] = serde_json::Value::from(path.display().to_string());
         println!("{v}");
     } else {
@@ -561,7 +619,7 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
 }
 
 fn demo(a: DemoArgs) -> anyhow::Result<()> {
-    let plan = DevicePlan::parse(&a.device, a.sub_device.as_deref())?;
+    let plan = a.devices.plan()?;
     let root = a.root.unwrap_or_else(dualedit::demo::shipped_root);
     let s = dualedit::demo::run_demo(&root, plan, a.show, &mut std::io::stdout())?;
     println!("\ndone in {:.1} s", s.seconds);
@@ -578,7 +636,7 @@ fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
         // would silently return a larger vocabulary than asked for.
         anyhow::bail!("--vocab must be at least 257 (256 byte-level symbols and end-of-text), got {}", a.vocab);
     }
-    dualedit::run::check_new_model_dir(&a.out)?;
+    dualedit::edit::check_new_model_dir(&a.out)?;
     let mut records = Vec::new();
     for f in &a.data {
         records.extend(dualedit::data::load_records(f, ds)?.0);
@@ -594,10 +652,10 @@ fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
         steps: a.steps,
         batch_size: a.batch,
         lr: a.lr,
-        seed: 7,
-        target_accuracy: 1.01,
+        target_accuracy: None,
+        ..Default::default()
     };
-    let device = dualedit::device::parse_device(&a.device)?;
+    let device = a.devices.single("pretrain")?;
     let rep = dualedit::pretrain::pretrain(&corpus, &probe, &cfg, &a.out, device, true)?;
     println!("{}", serde_json::to_string_pretty(&rep)?);
     Ok(())
@@ -613,10 +671,22 @@ fn build_default(a: BuildDefaultArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `448x448` (or `448×448`) to `(width, height)`.
+fn parse_image_size(s: &str) -> Result<(i64, i64), String> {
+    let bad = || format!("{s:?} is not an image size WIDTHxHEIGHT (e.g. 448x448)");
+    let (w, h) = s.split_once(['x', 'X', '×']).ok_or_else(bad)?;
+    let (w, h) = (w.trim().parse::<i64>().map_err(|_| bad())?, h.trim().parse::<i64>().map_err(|_| bad())?);
+    if w < 1 || h < 1 {
+        return Err(bad());
+    }
+    Ok((w, h))
+}
+
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
     let config = MendConfig::from_file(&a.config)?;
     let tokens = a.max_length.unwrap_or(config.max_length) as i64;
-    let opts = dualedit::planner::PlanOptions::new(&a.device, a.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
+    let mut opts = dualedit::planner::PlanOptions::new(&a.devices.device, a.devices.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
+    opts.image = a.image_size;
     let plan = dualedit::planner::plan_dir(&a.model, &config, &opts)?;
     if a.json {
         println!("{}", serde_json::to_string(&plan)?);
@@ -634,9 +704,12 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         max_body_bytes: a.max_body_bytes,
         queue_timeout: std::time::Duration::from_secs(a.queue_timeout),
         save_root: a.save_root,
+        // An empty variable counts as unset, as for most tools' *_TOKEN variables.
+        token: a.token.or_else(|| std::env::var(dualedit::serve::TOKEN_ENV).ok().filter(|t| !t.is_empty())),
+        insecure_no_token: a.insecure_no_token,
         ..Default::default()
     };
-    let session_opts = dualedit::session::SessionOptions::parse(&a.device, a.sub_device.as_deref(), &a.dtype)?;
+    let session_opts = LoadOptions { plan: a.devices.plan()?, dtype: parse_dtype(&a.dtype)?, seed: 0 };
     let server = dualedit::serve::Server::bind(&a.listen, opts)?;
     let session = dualedit::session::Session::open(&a.model, a.editor.as_deref(), &session_opts)?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -669,11 +742,20 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
     }
 }
 
+/// Colour codes only for a terminal (a log file or a pipe would get `ESC[2m…` as text), and
+/// never when `NO_COLOR` is set to anything but the empty string (https://no-color.org).
+fn stderr_colour() -> bool {
+    use std::io::IsTerminal;
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    !no_color && std::io::stderr().is_terminal()
+}
+
 fn main() -> ExitCode {
     dualedit::device::memory::tune_host_allocator();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(stderr_colour())
         .init();
     let cli = Cli::parse();
     // tch panics on libtorch errors outside the guarded model code (a CUDA allocation while

@@ -27,6 +27,9 @@ use tch::Kind;
 use crate::config::{EditorMode, MendConfig};
 use crate::device::memory::format_bytes;
 use crate::model::loader::read_config;
+use crate::model::family::{split_block_name, Dims, Family};
+use crate::model::qwen2_vl::{ImageProcessorConfig, Qwen2Vl};
+use crate::model::ModelInfo;
 use crate::model::Model;
 use crate::{Error, Result};
 
@@ -48,6 +51,13 @@ pub struct PlanOptions {
     /// Labelled positions per example (logits are computed only there); `None`: every
     /// position but the first, an upper bound.
     pub kept: Option<i64>,
+    /// Vision-language models: the image size `(width, height)` in pixels each example
+    /// shows; its tokens are added to `tokens`, and the vision tower's forward and the
+    /// image features are planned. `None`: text only.
+    pub image: Option<(i64, i64)>,
+    /// How images are resized and patched (the model directory's
+    /// `preprocessor_config.json`, or the processor's defaults).
+    pub image_processor: ImageProcessorConfig,
 }
 
 impl PlanOptions {
@@ -59,21 +69,29 @@ impl PlanOptions {
             None => main.clone(),
         };
         let split = main != sub;
-        Ok(Self { main, sub, split, dtype, tokens, kept })
+        Ok(Self { main, sub, split, dtype, tokens, kept, image: None, image_processor: ImageProcessorConfig::default() })
     }
 }
 
-/// `cpu`, `cuda` (= `cuda:0`) or `cuda:N`, without checking the device exists.
+/// The normalised name (`cuda` -> `cuda:0`), without checking the device exists here.
 fn normalise_device(name: &str) -> Result<String> {
-    let n = name.trim();
-    match n {
-        "cpu" => Ok("cpu".into()),
-        "cuda" => Ok("cuda:0".into()),
-        _ => match n.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(i)) => Ok(format!("cuda:{i}")),
-            _ => Err(Error::Device { name: name.to_string(), msg: "expected cpu, cuda or cuda:N".into() }),
-        },
-    }
+    Ok(name.parse::<crate::device::DeviceName>()?.to_string())
+}
+
+/// What one image costs a vision-language model, as planned.
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageShape {
+    /// The image as given, `(width, height)`.
+    pub size: (i64, i64),
+    /// After `smart_resize`, `(width, height)`.
+    pub resized: (i64, i64),
+    /// Patches the vision tower runs over (`t·h·w`).
+    pub patches: i64,
+    /// Text tokens the image takes: merged patches + `<|vision_start|>` + `<|vision_end|>`.
+    pub tokens: i64,
+    /// Images per edit example whose features are held: the edit image, the rephrased
+    /// image and the locality image of EasyEdit's multimodal views.
+    pub images_per_example: i64,
 }
 
 /// Meta-training (`train`) or editing with a trained editor (`edit`, `eval`).
@@ -100,6 +118,8 @@ pub enum Group {
     OptimizerStep,
     /// Writing the editor and training state (host memory).
     Checkpoint,
+    /// The frozen vision tower's forward, once per image, without grad (VL models).
+    VisionForward,
 }
 
 impl Group {
@@ -111,6 +131,7 @@ impl Group {
             Group::Backward => "backward",
             Group::OptimizerStep => "optimizer_step",
             Group::Checkpoint => "checkpoint",
+            Group::VisionForward => "vision_forward",
         }
     }
 }
@@ -196,6 +217,8 @@ pub struct PlanShape {
     pub first_edited_layer: i64,
     pub editors: Vec<EditorShape>,
     pub editor_parameters: i64,
+    /// The image each example shows (vision-language models with `--image-size`).
+    pub image: Option<ImageShape>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -211,6 +234,10 @@ pub fn plan_dir(dir: &Path, cfg: &MendConfig, opts: &PlanOptions) -> Result<Memo
         return Err(Error::file(dir, "model directory not found"));
     }
     let (model, _) = read_config(dir)?;
+    if opts.image.is_some() && model.family().vision_language().is_some() {
+        let proc = ImageProcessorConfig::load(&dir.join("preprocessor_config.json"))?;
+        return plan_model(&model, cfg, &PlanOptions { image_processor: proc, ..opts.clone() });
+    }
     plan_model(&model, cfg, opts)
 }
 
@@ -227,170 +254,6 @@ fn dtype_name(k: Kind) -> &'static str {
     }
 }
 
-/// The architecture's sizes as the activation simulation needs them.
-#[derive(Debug, Clone, Copy)]
-enum Family {
-    Gpt2,
-    Llama,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Dims {
-    family: Family,
-    d: i64,
-    /// MLP inner size.
-    f: i64,
-    heads: i64,
-    /// Width of q (heads · head_dim).
-    q: i64,
-    /// Width of k and v (kv heads · head_dim).
-    kv: i64,
-    /// Whether k/v are repeated to the query heads (grouped-query attention).
-    gqa: bool,
-    n_layers: i64,
-    vocab: i64,
-}
-
-fn dims(model: &Model) -> Dims {
-    match model {
-        Model::Gpt2(m) => {
-            let c = &m.config;
-            Dims {
-                family: Family::Gpt2,
-                d: c.n_embd,
-                f: c.n_inner.unwrap_or(4 * c.n_embd),
-                heads: c.n_head,
-                q: c.n_embd,
-                kv: c.n_embd,
-                gqa: false,
-                n_layers: c.n_layer,
-                vocab: c.vocab_size,
-            }
-        }
-        Model::Llama(m) => {
-            let c = &m.config;
-            let hd = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads);
-            let kvh = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
-            Dims {
-                family: Family::Llama,
-                d: c.hidden_size,
-                f: c.intermediate_size,
-                heads: c.num_attention_heads,
-                q: c.num_attention_heads * hd,
-                kv: kvh * hd,
-                gqa: kvh != c.num_attention_heads,
-                n_layers: c.num_hidden_layers,
-                vocab: c.vocab_size,
-            }
-        }
-    }
-}
-
-/// Layer index and matrix name (`mlp.c_fc`, `self_attn.q_proj`, ...) of an edited weight.
-fn split_name(name: &str) -> Option<(i64, String)> {
-    let rest = name.strip_prefix("transformer.h.").or_else(|| name.strip_prefix("model.layers."))?;
-    let (idx, m) = rest.split_once('.')?;
-    let m = m.strip_suffix(".weight")?;
-    Some((idx.parse().ok()?, m.to_string()))
-}
-
-/// Bytes per token saved for backward by one layer, given whether its input (the residual
-/// stream) requires grad and which of its matrices are edited. Returns (bytes per token,
-/// whether the layer's output requires grad, edited matrices whose input requires grad —
-/// their `W'` is saved by the matmul too).
-fn layer_saved(dm: &Dims, s: i64, res_rg: bool, edited: &[String]) -> (i64, bool, Vec<String>) {
-    let e = |m: &str| edited.iter().any(|x| x == m);
-    let mut bytes = 0i64;
-    let mut w_saved = Vec::new();
-    // A matmul saves its input when the weight requires grad (counted by the callers), and
-    // the weight when the input does (an edited W' then stays alive with the graph).
-    let mm = |input_rg: bool, m: &str, w_saved: &mut Vec<String>| -> bool {
-        if e(m) && input_rg {
-            w_saved.push(m.to_string());
-        }
-        input_rg || e(m)
-    };
-    match dm.family {
-        Family::Gpt2 => {
-            let (d, f, h) = (dm.d, dm.f, dm.heads);
-            if res_rg {
-                bytes += d * s + 8; // ln_1: input, mean, rstd (f32)
-            }
-            if e("attn.c_attn") {
-                bytes += d * s; // ln_1 output, input of an edited matmul
-            }
-            let qkv_rg = mm(res_rg, "attn.c_attn", &mut w_saved);
-            if qkv_rg {
-                bytes += 3 * d * s + d * s + h * 4; // SDPA: q, k, v (one qkv tensor), output, logsumexp
-            }
-            if e("attn.c_proj") {
-                bytes += d * s; // contiguous copy of the attention output
-            }
-            let a_rg = mm(qkv_rg, "attn.c_proj", &mut w_saved);
-            let x1_rg = res_rg || a_rg;
-            if x1_rg {
-                bytes += d * s + 8; // ln_2
-            }
-            if e("mlp.c_fc") {
-                bytes += d * s;
-            }
-            let fc_rg = mm(x1_rg, "mlp.c_fc", &mut w_saved);
-            if fc_rg {
-                bytes += f * s; // gelu input
-            }
-            if e("mlp.c_proj") {
-                bytes += f * s; // gelu output
-            }
-            let o_rg = mm(fc_rg, "mlp.c_proj", &mut w_saved);
-            (bytes, x1_rg || o_rg, w_saved)
-        }
-        Family::Llama => {
-            let (d, f, h, q, kv) = (dm.d, dm.f, dm.heads, dm.q, dm.kv);
-            if res_rg {
-                bytes += d * 4 + 4; // RMSNorm in f32: input (as f32), rsqrt
-            }
-            if e("self_attn.q_proj") || e("self_attn.k_proj") || e("self_attn.v_proj") {
-                bytes += d * s;
-            }
-            let q_rg = mm(res_rg, "self_attn.q_proj", &mut w_saved);
-            let k_rg = mm(res_rg, "self_attn.k_proj", &mut w_saved);
-            let v_rg = mm(res_rg, "self_attn.v_proj", &mut w_saved);
-            let att_rg = q_rg || k_rg || v_rg;
-            if att_rg {
-                let kvw = if dm.gqa { q } else { kv };
-                bytes += q * s + 2 * kvw * s + q * s + h * 4; // SDPA: rotated q, k, v, output, logsumexp
-            }
-            if e("self_attn.o_proj") {
-                bytes += q * s;
-            }
-            let o_rg = mm(att_rg, "self_attn.o_proj", &mut w_saved);
-            let x1_rg = res_rg || o_rg;
-            if x1_rg {
-                bytes += d * 4 + 4;
-            }
-            if e("mlp.gate_proj") || e("mlp.up_proj") {
-                bytes += d * s;
-            }
-            let g_rg = mm(x1_rg, "mlp.gate_proj", &mut w_saved);
-            let u_rg = mm(x1_rg, "mlp.up_proj", &mut w_saved);
-            if g_rg {
-                bytes += f * s; // silu input
-            }
-            if u_rg {
-                bytes += f * s; // act, saved by act·u for u's gradient
-            }
-            if g_rg {
-                bytes += f * s; // u, saved for act's gradient
-            }
-            if e("mlp.down_proj") {
-                bytes += f * s;
-            }
-            let m_rg = mm(g_rg || u_rg, "mlp.down_proj", &mut w_saved);
-            (bytes, x1_rg || m_rg, w_saved)
-        }
-    }
-}
-
 /// Activations saved for backward by a forward with the `edited` weights requiring grad,
 /// from the first edited layer up.
 /// What a forward with grad keeps: bytes per token, the same per layer `(layer, bytes)`,
@@ -401,26 +264,24 @@ struct Saved {
     w_kept: Vec<(i64, String)>,
 }
 
-fn saved_activations(dm: &Dims, s: i64, edited: &[(i64, String)]) -> Saved {
-    let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(dm.n_layers);
+fn saved_activations(fam: &dyn Family, s: i64, edited: &[(i64, String)]) -> Saved {
+    let n_layers = fam.dims().n_layers;
+    let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(n_layers);
     let mut res_rg = false;
     let mut per_token = 0;
     let mut per_layer = Vec::new();
     let mut kept = Vec::new();
-    for layer in first..dm.n_layers {
+    for layer in first..n_layers {
         let mats: Vec<String> = edited.iter().filter(|(l, _)| *l == layer).map(|(_, m)| m.clone()).collect();
-        let (b, out_rg, ws) = layer_saved(dm, s, res_rg, &mats);
-        per_token += b;
-        per_layer.push((layer, b));
-        kept.extend(ws.into_iter().map(|m| (layer, m)));
-        res_rg = out_rg;
+        let block = fam.block_saved(s, res_rg, &mats);
+        per_token += block.per_token;
+        per_layer.push((layer, block.per_token));
+        kept.extend(block.weights_kept.into_iter().map(|m| (layer, m)));
+        res_rg = block.output_requires_grad;
     }
     if res_rg {
         // Final norm saves its input.
-        per_token += match dm.family {
-            Family::Gpt2 => dm.d * s + 8,
-            Family::Llama => dm.d * 4 + 4,
-        };
+        per_token += fam.final_norm_saved(s);
     }
     Saved { per_token, per_layer, w_kept: kept }
 }
@@ -428,23 +289,16 @@ fn saved_activations(dm: &Dims, s: i64, edited: &[(i64, String)]) -> Saved {
 /// With recomputation ([`MendConfig::recompute`]): the bytes per token one block keeps for
 /// its backward while it is recomputed, for the largest block from the first edited one
 /// up (its input requires grad, except the first's), and that block.
-fn recompute_block_max(dm: &Dims, s: i64, edited: &[(i64, String)]) -> (i64, i64) {
-    let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(dm.n_layers);
-    (first..dm.n_layers)
+fn recompute_block_max(fam: &dyn Family, s: i64, edited: &[(i64, String)]) -> (i64, i64) {
+    let n_layers = fam.dims().n_layers;
+    let first = edited.iter().map(|(l, _)| *l).min().unwrap_or(n_layers);
+    (first..n_layers)
         .map(|layer| {
             let mats: Vec<String> = edited.iter().filter(|(l, _)| *l == layer).map(|(_, m)| m.clone()).collect();
-            (layer_saved(dm, s, layer > first, &mats).0, layer)
+            (fam.block_saved(s, layer > first, &mats).per_token, layer)
         })
         .max()
         .unwrap_or((0, first))
-}
-
-/// Live tensors of a forward without grad, per token: one layer's working set.
-fn inference_working_set(dm: &Dims, s: i64) -> i64 {
-    match dm.family {
-        Family::Gpt2 => (2 * dm.d + 3 * dm.f) * s,
-        Family::Llama => (2 * dm.d + 4 * dm.f) * s + dm.d * 4,
-    }
 }
 
 struct Edited {
@@ -505,12 +359,84 @@ fn num(n: i64) -> String {
     }
 }
 
-/// Builds the plan for an architecture (no weights needed).
-pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<MemoryPlan> {
+/// The sizes every part of the plan reads, derived once from the model and the config.
+struct Sizes<'a> {
+    cfg: &'a MendConfig,
+    o: &'a PlanOptions,
+    family: &'a dyn Family,
+    info: ModelInfo,
+    dm: Dims,
+    names: Vec<String>,
+    edited: Vec<Edited>,
+    editors: Vec<EditorShape>,
+    tokens: i64,
+    kept: i64,
+    /// Bytes per weight element.
+    s: i64,
+    b: i64,
+    /// Tokens of one batch (inner, outer and locality alike).
+    n: i64,
+    /// Labelled positions of one batch.
+    nk: i64,
+    v: i64,
+    p_count: i64,
+    w_elems: i64,
+    w_max: i64,
+    din_dout: i64,
+    dout_sum: i64,
+    e_params: i64,
+    stats_elems: i64,
+    /// Largest single editor tensor (U or V of the widest MLP).
+    e_max: i64,
+    located: Vec<(i64, String)>,
+    act_per_token: i64,
+    per_layer: Vec<(i64, i64)>,
+    first_layer: i64,
+    w_kept_elems: i64,
+    w_unkept_elems: i64,
+    layers_txt: String,
+    /// The image each example shows and its vision-tower cost (VL models with an image size).
+    image: Option<(ImageShape, VisionCost)>,
+}
+
+/// What a phase of the run does with the edit.
+struct Mode {
+    train: bool,
+    /// The edited forwards recomputed block by block in their backward.
+    recompute: bool,
+    /// Without recomputation the change of f32 weights stays as its factors
+    /// (`Engine::edit_low_rank`): no W' is built, kept, or differentiated.
+    factored: bool,
+}
+
+impl Sizes<'_> {
+    fn mode(&self, phase: Phase) -> Mode {
+        let train = phase == Phase::Train;
+        let recompute = train && self.cfg.recompute;
+        Mode { train, recompute, factored: !recompute && self.s == 4 }
+    }
+}
+
+fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOptions) -> Result<Sizes<'a>> {
     cfg.validate()?;
     let info = model.info();
-    let dm = dims(model);
-    let tokens = o.tokens.min(info.max_positions);
+    let family = model.family();
+    let dm = family.dims();
+    let image = match (o.image, family.vision_language()) {
+        (None, _) => None,
+        (Some(_), None) => {
+            return Err(Error::input(format!("{} is a text-only model: --image-size needs a vision-language model", info.architecture)))
+        }
+        (Some((w, h)), Some(vl)) => Some(image_cost(vl, &o.image_processor, w, h, dtype_bytes(o.dtype))?),
+    };
+    let image_tokens = image.as_ref().map_or(0, |(shape, _)| shape.tokens);
+    if image_tokens >= info.max_positions {
+        return Err(Error::input(format!(
+            "an image of {image_tokens} tokens does not fit the model's context of {}",
+            info.max_positions
+        )));
+    }
+    let tokens = (o.tokens + image_tokens).min(info.max_positions);
     let kept = o.kept.unwrap_or(tokens - 1);
     if tokens < 2 || kept < 1 || kept >= tokens {
         return Err(Error::input(format!(
@@ -527,7 +453,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         let shape = shapes.get(name).ok_or_else(|| Error::input(format!("{name:?} is not a parameter of the model")))?;
         let (d_in, d_out) = layout.in_out(shape);
         let (layer, matrix) =
-            split_name(name).ok_or_else(|| Error::input(format!("{name:?} is not inside a transformer block")))?;
+            split_block_name(family.block_prefix(), name).ok_or_else(|| Error::input(format!("{name:?} is not inside a transformer block")))?;
         edited.push(Edited { name: name.clone(), layer, matrix, d_in, d_out });
     }
     if edited.is_empty() {
@@ -555,7 +481,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         .unwrap_or(0);
 
     let located: Vec<(i64, String)> = edited.iter().map(|p| (p.layer, p.matrix.clone())).collect();
-    let Saved { per_token: act_per_token, per_layer, w_kept } = saved_activations(&dm, s, &located);
+    let Saved { per_token: act_per_token, per_layer, w_kept } = saved_activations(family, s, &located);
     let first_layer = per_layer.first().map(|(l, _)| *l).unwrap_or(0);
     let w_kept_elems: i64 = edited
         .iter()
@@ -573,367 +499,478 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         }
         t
     };
-    let fam = match dm.family {
-        Family::Gpt2 => "GPT-2",
-        Family::Llama => "LLaMA",
-    };
 
-    let main_dev = o.main.clone();
-    let sub_dev = if o.split { o.sub.clone() } else { o.main.clone() };
-    let fwd_role = if o.split { Role::Sub } else { Role::Main };
-    let host_dev = (main_dev == "cpu").then(|| "cpu".to_string());
-    let mut items: Vec<PlanItem> = Vec::new();
-    let mut add = |phase: Phase, role: Role, groups: &[Group], item: &str, formula: String, bytes: i64| {
+    Ok(Sizes {
+        cfg, o, family, info, dm, names, edited, editors, tokens, kept, s, b, n, nk, v, p_count, w_elems, w_max, din_dout,
+        dout_sum, e_params, stats_elems, e_max, located, act_per_token, per_layer, first_layer, w_kept_elems,
+        w_unkept_elems, layers_txt, image,
+    })
+}
+
+/// Plan items as the phases add them, each on the device its role maps to.
+struct Items {
+    main: String,
+    sub: String,
+    host: Option<String>,
+    items: Vec<PlanItem>,
+}
+
+impl Items {
+    fn new(o: &PlanOptions) -> Self {
+        let main = o.main.clone();
+        let sub = if o.split { o.sub.clone() } else { o.main.clone() };
+        let host = (main == "cpu").then(|| "cpu".to_string());
+        Self { main, sub, host, items: Vec::new() }
+    }
+
+    fn add(&mut self, phase: Phase, role: Role, groups: &[Group], item: &str, formula: String, bytes: i64) {
         let device = match role {
-            Role::Main => Some(main_dev.clone()),
-            Role::Sub => Some(sub_dev.clone()),
-            Role::Host => host_dev.clone(),
+            Role::Main => Some(self.main.clone()),
+            Role::Sub => Some(self.sub.clone()),
+            Role::Host => self.host.clone(),
         };
-        items.push(PlanItem { phase, role, device, groups: groups.to_vec(), item: item.into(), formula, bytes: bytes.max(0) as u64 });
-    };
-    use Group::*;
-    let n_fwd = 2; // rows of text per edit in the edited forward: rephrase + locality
-    let sd = dtype_name(o.dtype);
+        self.items.push(PlanItem { phase, role, device, groups: groups.to_vec(), item: item.into(), formula, bytes: bytes.max(0) as u64 });
+    }
+}
 
-    for phase in [Phase::Train, Phase::Edit] {
-        let train = phase == Phase::Train;
-        // --- resident
-        add(
+/// Resident for the whole run: weights, the replica, the editor and its optimiser state.
+fn resident(z: &Sizes, it: &mut Items, phase: Phase) {
+    let (s, p_count, e_params, stats_elems) = (z.s, z.p_count, z.e_params, z.stats_elems);
+    let editors = &z.editors;
+    let info = &z.info;
+    let o = z.o;
+    let train = z.mode(phase).train;
+    use Group::*;
+    it.add(
+        phase,
+        Role::Main,
+        &[Resident],
+        "model weights",
+        format!("n_params·s = {}·{s}", num(info.n_params)),
+        info.n_params * s,
+    );
+    if o.split {
+        it.add(
             phase,
-            Role::Main,
+            Role::Sub,
             &[Resident],
-            "model weights",
+            "sub-device replica of the weights",
             format!("n_params·s = {}·{s}", num(info.n_params)),
             info.n_params * s,
         );
-        if o.split {
-            add(
-                phase,
-                Role::Sub,
-                &[Resident],
-                "sub-device replica of the weights",
-                format!("n_params·s = {}·{s}", num(info.n_params)),
-                info.n_params * s,
-            );
-        }
-        let e_txt = {
-            // Identical editors (same widths, rank, modes) are written once with a count.
-            let mut kinds: Vec<(String, usize)> = Vec::new();
-            for e in &editors {
-                let ws: Vec<String> = e.widths.iter().map(|w| w.to_string()).collect();
-                let k = format!("(n_hidden+1)·(2·w·r+w+2·m·w) w={} r={} m={}", ws.join("/"), e.rank, e.n_modes);
-                match kinds.iter_mut().find(|(x, _)| *x == k) {
-                    Some((_, c)) => *c += 1,
-                    None => kinds.push((k, 1)),
-                }
+    }
+    let e_txt = {
+        // Identical editors (same widths, rank, modes) are written once with a count.
+        let mut kinds: Vec<(String, usize)> = Vec::new();
+        for e in editors {
+            let ws: Vec<String> = e.widths.iter().map(|w| w.to_string()).collect();
+            let k = format!("(n_hidden+1)·(2·w·r+w+2·m·w) w={} r={} m={}", ws.join("/"), e.rank, e.n_modes);
+            match kinds.iter_mut().find(|(x, _)| *x == k) {
+                Some((_, c)) => *c += 1,
+                None => kinds.push((k, 1)),
             }
-            kinds.into_iter().map(|(k, c)| if c > 1 { format!("{c}×{k}") } else { k }).collect::<Vec<_>>().join(" + ")
-        };
-        add(phase, Role::Main, &[Resident], "editor parameters (f32)", format!("[{e_txt}]·4 = {}·4", num(e_params)), e_params * 4);
-        if train {
-            add(phase, Role::Main, &[Resident], "editor gradients (f32)", format!("{}·4", num(e_params)), e_params * 4);
-            add(phase, Role::Main, &[Resident], "Adam m and v (f32)", format!("2·{}·4", num(e_params)), 2 * e_params * 4);
         }
-        let lr_copies = if train { 4 } else { 1 };
-        add(
-            phase,
-            Role::Main,
-            &[Resident],
-            "edit learning rates (f32)",
-            if train { format!("P·4·(value+grad+m+v) = {p_count}·4·4") } else { format!("P·4 = {p_count}·4") },
-            p_count * 4 * lr_copies,
-        );
-        add(
-            phase,
-            Role::Main,
-            &[Resident],
-            "normalisation statistics (f32)",
-            format!("Σ_editors 2·(d_in+d_out)·4 = {}·4", num(stats_elems)),
-            stats_elems * 4,
-        );
+        kinds.into_iter().map(|(k, c)| if c > 1 { format!("{c}×{k}") } else { k }).collect::<Vec<_>>().join(" + ")
+    };
+    it.add(phase, Role::Main, &[Resident], "editor parameters (f32)", format!("[{e_txt}]·4 = {}·4", num(e_params)), e_params * 4);
+    if train {
+        it.add(phase, Role::Main, &[Resident], "editor gradients (f32)", format!("{}·4", num(e_params)), e_params * 4);
+        it.add(phase, Role::Main, &[Resident], "Adam m and v (f32)", format!("2·{}·4", num(e_params)), 2 * e_params * 4);
+    }
+    let lr_copies = if train { 4 } else { 1 };
+    it.add(
+        phase,
+        Role::Main,
+        &[Resident],
+        "edit learning rates (f32)",
+        if train { format!("P·4·(value+grad+m+v) = {p_count}·4·4") } else { format!("P·4 = {p_count}·4") },
+        p_count * 4 * lr_copies,
+    );
+    it.add(
+        phase,
+        Role::Main,
+        &[Resident],
+        "normalisation statistics (f32)",
+        format!("Σ_editors 2·(d_in+d_out)·4 = {}·4", num(stats_elems)),
+        stats_elems * 4,
+    );
+}
 
-        // --- capture (on main, with grad, both phases)
-        let cap_act = n * act_per_token;
-        add(
+/// Vision-language models: the frozen vision tower's forward (once per image, its own
+/// group: it runs before the edit's other work), and the image features every forward of
+/// the edit reuses (on the main device, and moved with the batch to a split's sub-device).
+fn images(z: &Sizes, it: &mut Items, phase: Phase) {
+    let Some((shape, cost)) = &z.image else { return };
+    use Group::*;
+    let (b, s, d) = (z.b, z.s, z.dm.d);
+    it.add(phase, Role::Main, &[VisionForward], "vision tower forward, one image (no grad)", cost.formula.clone(), cost.forward_bytes);
+    let feats = b * shape.images_per_example * (shape.tokens - 2) * d * s;
+    let formula = format!("B·images·N_img·D·s = {b}·{}·{}·{d}·{s}", shape.images_per_example, shape.tokens - 2);
+    it.add(phase, Role::Main, &[Capture, EditedForward, Backward], "image features (frozen, computed once per image)", formula.clone(), feats);
+    if z.o.split {
+        it.add(phase, Role::Sub, &[EditedForward], "image features moved with the batch", formula, feats);
+    }
+}
+
+/// The vision tower's forward over one image, as planned.
+struct VisionCost {
+    forward_bytes: i64,
+    formula: String,
+}
+
+/// Tokens and vision-forward bytes of one `width × height` image.
+///
+/// The forward runs without grad, so one block's working set is alive at a time: the
+/// residual stream, the norm's output, q/k/v, the rotary f32 copies of q and k, the
+/// attention output, the MLP's hidden layer (twice: activation and product), and the
+/// attention scores of the largest segment (the whole image in full-attention blocks;
+/// a fused kernel does not form them, so this is an upper bound); plus the f32 pixel rows
+/// and their cast, the rotary tables, and the merged output.
+fn image_cost(vl: &Qwen2Vl, proc: &ImageProcessorConfig, w: i64, h: i64, s: i64) -> Result<(ImageShape, VisionCost)> {
+    if !(1..=1 << 16).contains(&w) || !(1..=1 << 16).contains(&h) {
+        return Err(Error::input(format!("image size {w}x{h} is not 1 to 65536 pixels per side")));
+    }
+    let grid = proc.grid_for(h, w)?;
+    let v = &vl.config.vision;
+    let n = grid.iter().product::<i64>();
+    let merged = n / v.merge_unit();
+    let (e, f, heads, pd, u) = (v.width, v.mlp_hidden, v.num_heads, v.patch_dim(), v.merge_unit());
+    let per_block = n * (e * 6 + 2 * f) * s + n * 2 * e * 4 + heads * n * n * s;
+    let fixed = n * pd * (4 + s) + n * v.head_dim() * 2 * 4 + merged * (2 * e * u + v.out_dim) * s;
+    let formula = format!(
+        "N·(patch·(4+s) + 2·hd·4) + N·((6E+2F)·s + 2E·4) + H·N²·s + N/{u}·(2·{u}E+D)·s, N={n} E={e} F={f} H={heads}"
+    );
+    let shape = ImageShape {
+        size: (w, h),
+        resized: (grid[2] * proc.patch_size, grid[1] * proc.patch_size),
+        patches: n,
+        tokens: merged + 2,
+        images_per_example: 3,
+    };
+    Ok((shape, VisionCost { forward_bytes: fixed + per_block, formula }))
+}
+
+/// Gradient capture on the main device: the forward and backward of the edit NLL.
+fn capture(z: &Sizes, it: &mut Items, phase: Phase) {
+    let (s, n, nk, v, din_dout, dout_sum, act_per_token, first_layer) = (z.s, z.n, z.nk, z.v, z.din_dout, z.dout_sum, z.act_per_token, z.first_layer);
+    let per_layer = &z.per_layer;
+    let layers_txt = &z.layers_txt;
+    let fam = &z.info.architecture;
+    use Group::*;
+    let cap_act = n * act_per_token;
+    it.add(
+        phase,
+        Role::Main,
+        &[Capture],
+        "capture: activations kept for backward",
+        format!("B·T·Σ_layers≥L{first_layer} bytes/token = {n}·({layers_txt}{}) [{fam}]", if act_per_token > per_layer.iter().map(|x| x.1).sum::<i64>() { " + final norm" } else { "" }),
+        cap_act,
+    );
+    it.add(
+        phase,
+        Role::Main,
+        &[Capture],
+        "capture: layer outputs h and δ = ∂L/∂h",
+        format!("B·T·Σ_P d_out·(s+4) = {n}·{}·({s}+4)", num(dout_sum)),
+        n * dout_sum * (s + 4),
+    );
+    it.add(
+        phase,
+        Role::Main,
+        &[Capture],
+        "capture: logits at labelled positions + log_softmax",
+        format!("B·kept·V·(s+4) = {nk}·{v}·({s}+4)"),
+        nk * v * (s + 4),
+    );
+    it.add(
+        phase,
+        Role::Main,
+        &[EditedForward],
+        "captured x and δ (f32, rows with signal)",
+        format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
+        n * din_dout * 4,
+    );
+}
+
+/// The editor's pass and the edit it makes: factors or `W'`, and their copies on the sub-device.
+fn edit(z: &Sizes, it: &mut Items, phase: Phase) {
+    let (s, n, w_elems, din_dout, w_kept_elems, w_unkept_elems) = (z.s, z.n, z.w_elems, z.din_dout, z.w_kept_elems, z.w_unkept_elems);
+    let editors = &z.editors;
+    let edited = &z.edited;
+    let cfg = z.cfg;
+    let o = z.o;
+    let Mode { train, recompute, factored } = z.mode(phase);
+    // The edited forwards run on the sub-device when split.
+    let fwd_role = if z.o.split { Role::Sub } else { Role::Main };
+    use Group::*;
+    let e_rows = n; // rows with signal ≤ tokens of the edit batch
+    let e_act_elems: i64 = edited
+        .iter()
+        .map(|p| {
+            let ed = editors
+                .iter()
+                .find(|e| if cfg.shared { e.d_in == p.d_in && e.d_out == p.d_out } else { e.key == p.name })
+                .expect("every edited weight has an editor");
+            ed.widths.iter().map(|&w| (cfg.n_hidden + 1) * (3 * w + cfg.rank.min(w)) + w).sum::<i64>()
+        })
+        .sum();
+    if train {
+        it.add(
             phase,
             Role::Main,
-            &[Capture],
-            "capture: activations kept for backward",
-            format!("B·T·Σ_layers≥L{first_layer} bytes/token = {n}·({layers_txt}{}) [{fam}]", if act_per_token > per_layer.iter().map(|x| x.1).sum::<i64>() { " + final norm" } else { "" }),
-            cap_act,
+            &[EditedForward, Backward],
+            "editor activations (f32)",
+            format!("rows·Σ_P [(n_hidden+1)·(3w+r)+w]·4 = {e_rows}·{}·4", num(e_act_elems)),
+            e_rows * e_act_elems * 4,
         );
-        add(
-            phase,
-            Role::Main,
-            &[Capture],
-            "capture: layer outputs h and δ = ∂L/∂h",
-            format!("B·T·Σ_P d_out·(s+4) = {n}·{}·({s}+4)", num(dout_sum)),
-            n * dout_sum * (s + 4),
-        );
-        add(
-            phase,
-            Role::Main,
-            &[Capture],
-            "capture: logits at labelled positions + log_softmax",
-            format!("B·kept·V·(s+4) = {nk}·{v}·({s}+4)"),
-            nk * v * (s + 4),
-        );
-        add(
+        // W' is one GEMM accumulating (lr·x̃)ᵀδ̃ into W (`WeightLayout::add_outer`): no
+        // pseudo-gradient is formed, and the graph keeps only the factors.
+    }
+    let w_block_max: i64 = {
+        let mut per_block: BTreeMap<i64, i64> = BTreeMap::new();
+        for p in edited {
+            *per_block.entry(p.layer).or_default() += p.numel();
+        }
+        per_block.values().copied().max().unwrap_or(0)
+    };
+    if factored {
+        it.add(
             phase,
             Role::Main,
             &[EditedForward],
-            "captured x and δ (f32, rows with signal)",
+            "the edit as factors (lr·x̃, δ̃), f32",
             format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
             n * din_dout * 4,
         );
-
-        // --- editor and W' on main
-        let e_rows = n; // rows with signal ≤ tokens of the edit batch
-        let e_act_elems: i64 = edited
-            .iter()
-            .map(|p| {
-                let ed = editors
-                    .iter()
-                    .find(|e| if cfg.shared { e.d_in == p.d_in && e.d_out == p.d_out } else { e.key == p.name })
-                    .expect("every edited weight has an editor");
-                ed.widths.iter().map(|&w| (cfg.n_hidden + 1) * (3 * w + cfg.rank.min(w)) + w).sum::<i64>()
-            })
-            .sum();
-        if train {
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward, Backward],
-                "editor activations (f32)",
-                format!("rows·Σ_P [(n_hidden+1)·(3w+r)+w]·4 = {e_rows}·{}·4", num(e_act_elems)),
-                e_rows * e_act_elems * 4,
-            );
-            // W' is one GEMM accumulating (lr·x̃)ᵀδ̃ into W (`WeightLayout::add_outer`): no
-            // pseudo-gradient is formed, and the graph keeps only the factors.
-        }
-        let recompute = train && cfg.recompute;
-        // Without recomputation the change of f32 weights stays as its factors
-        // (`Engine::edit_low_rank`): no W' is built, kept, or differentiated.
-        let factored = !recompute && s == 4;
-        let w_block_max: i64 = {
-            let mut per_block: BTreeMap<i64, i64> = BTreeMap::new();
-            for p in &edited {
-                *per_block.entry(p.layer).or_default() += p.numel();
-            }
-            per_block.values().copied().max().unwrap_or(0)
-        };
-        if factored {
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward],
-                "the edit as factors (lr·x̃, δ̃), f32",
-                format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
-                n * din_dout * 4,
-            );
-        } else if train && !o.split && !recompute {
-            // On one device the graph keeps the W' of every edited weight whose input
-            // needs grad (all but the lowest) until backward.
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward],
-                "edited weights W' kept by the graph",
-                format!("Σ_saved d_in·d_out·s = {}·{s}", num(w_kept_elems)),
-                w_kept_elems * s,
-            );
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward],
-                "edited weights W' of the lowest edited weights",
-                format!("Σ_first d_in·d_out·s = {}·{s}", num(w_unkept_elems)),
-                w_unkept_elems * s,
-            );
-        } else {
-            // Otherwise (recomputation, or a non-f32 model) W' stays alive whole as the
-            // editor's output; what the forwards read of it is counted below.
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward],
-                "edited weights W' (full tensors)",
-                format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
-                w_elems * s,
-            );
-        }
-        if recompute {
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward, Backward],
-                "recompute: ∂loss/∂W' summed over outer + locality (kept for the editor's backward; on sub first when split)",
-                format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
-                w_elems * s,
-            );
-            add(
-                phase,
-                fwd_role,
-                &[EditedForward],
-                "recompute: ∂loss/∂W' of one block before it is added in",
-                format!("max_block Σ d_in·d_out·s = {}·{s}", num(w_block_max)),
-                w_block_max * s,
-            );
-            if o.split {
-                add(
-                    phase,
-                    Role::Sub,
-                    &[EditedForward],
-                    "recompute: W' leaves on sub (one copy for both passes) + the sum of ∂loss/∂W' before the copy back",
-                    format!("2·Σ_P d_in·d_out·s = 2·{}·{s}", num(w_elems)),
-                    2 * w_elems * s,
-                );
-            }
-        }
-        if o.split && factored {
-            add(
+    } else if train && !o.split && !recompute {
+        // On one device the graph keeps the W' of every edited weight whose input
+        // needs grad (all but the lowest) until backward.
+        it.add(
+            phase,
+            Role::Main,
+            &[EditedForward],
+            "edited weights W' kept by the graph",
+            format!("Σ_saved d_in·d_out·s = {}·{s}", num(w_kept_elems)),
+            w_kept_elems * s,
+        );
+        it.add(
+            phase,
+            Role::Main,
+            &[EditedForward],
+            "edited weights W' of the lowest edited weights",
+            format!("Σ_first d_in·d_out·s = {}·{s}", num(w_unkept_elems)),
+            w_unkept_elems * s,
+        );
+    } else {
+        // Otherwise (recomputation, or a non-f32 model) W' stays alive whole as the
+        // editor's output; what the forwards read of it is counted below.
+        it.add(
+            phase,
+            Role::Main,
+            &[EditedForward],
+            "edited weights W' (full tensors)",
+            format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
+            w_elems * s,
+        );
+    }
+    if recompute {
+        it.add(
+            phase,
+            Role::Main,
+            &[EditedForward, Backward],
+            "recompute: ∂loss/∂W' summed over outer + locality (kept for the editor's backward; on sub first when split)",
+            format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
+            w_elems * s,
+        );
+        it.add(
+            phase,
+            fwd_role,
+            &[EditedForward],
+            "recompute: ∂loss/∂W' of one block before it is added in",
+            format!("max_block Σ d_in·d_out·s = {}·{s}", num(w_block_max)),
+            w_block_max * s,
+        );
+        if o.split {
+            it.add(
                 phase,
                 Role::Sub,
                 &[EditedForward],
-                "the edit's factors on sub",
-                format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
-                n * din_dout * 4,
-            );
-        } else if o.split && !recompute {
-            // One edited forward reads rephrase and locality text together, so one copy
-            // of W' crosses to the sub-device (kept by the graph until the backward).
-            add(
-                phase,
-                Role::Sub,
-                &[EditedForward],
-                "W' copy on sub (one edited forward)",
-                format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
-                w_elems * s,
-            );
-        }
-
-        // --- edited forwards
-        if recompute {
-            // One forward at a time (outer, then locality): its block inputs, then one
-            // block recomputed with grad, the hidden-state gradients in and out of it.
-            let kept_blocks = dm.n_layers - first_layer + 1;
-            let (block_max, block_at) = recompute_block_max(&dm, s, &located);
-            add(
-                phase,
-                fwd_role,
-                &[EditedForward],
-                "recompute: block inputs of one edited forward (blocks ≥ first edited + the last hidden state)",
-                format!("B·T·(L − L{first_layer} + 1)·d·s = {n}·{kept_blocks}·{}·{s}", dm.d),
-                n * kept_blocks * dm.d * s,
-            );
-            add(
-                phase,
-                fwd_role,
-                &[EditedForward],
-                "recompute: activations of the largest recomputed block + its backward temporaries",
-                format!("B·T·(L{block_at} bytes/token + (2d + f)·s) = {n}·({block_max} + {}·{s})", 2 * dm.d + dm.f),
-                n * (block_max + (2 * dm.d + dm.f) * s),
-            );
-        } else if train {
-            add(
-                phase,
-                fwd_role,
-                &[EditedForward],
-                "edited forwards: activations kept for backward (outer + locality)",
-                format!("{n_fwd}·B·T·Σ_layers≥L{first_layer} bytes/token = {n_fwd}·{n}·{act_per_token}"),
-                n_fwd * n * act_per_token,
-            );
-        } else {
-            add(
-                phase,
-                fwd_role,
-                &[EditedForward],
-                "edited forward without grad: one layer's working set",
-                format!("B·T·bytes/token = {n}·{}", inference_working_set(&dm, s)),
-                n * inference_working_set(&dm, s),
-            );
-        }
-        if o.split && !train {
-            add(
-                phase,
-                Role::Sub,
-                &[EditedForward],
-                "logits on sub before the copy back",
-                format!("B·kept·V·s = {nk}·{v}·{s}"),
-                nk * v * s,
-            );
-        }
-        if train {
-            // The meta-training losses are computed where the edited logits are (only the
-            // scalar loss crosses back), so these live on the sub-device when split.
-            add(
-                phase,
-                fwd_role,
-                &[EditedForward],
-                "logits at labelled positions (outer, locality, base locality)",
-                format!("3·B·kept·V·s = 3·{nk}·{v}·{s}"),
-                3 * nk * v * s,
-            );
-            add(
-                phase,
-                fwd_role,
-                &[EditedForward],
-                "log_softmax copies kept for backward (outer, locality, exp(base))",
-                format!("3·B·kept·V·4 = 3·{nk}·{v}·4"),
-                3 * nk * v * 4,
-            );
-            if !factored {
-                add(
-                    phase,
-                    Role::Main,
-                    &[Backward],
-                    "gradients w.r.t. W' + one weight's backward temporaries",
-                    format!("Σ_P d_in·d_out·s + 3·max_P d_in·d_out·4 = {}·{s} + 3·{}·4", num(w_elems), num(w_max)),
-                    w_elems * s + 3 * w_max * 4,
-                );
-            }
-            // Each editor runs once per micro-batch (all its weights' rows in one pass), and
-            // its products give gradients in the parameters' own layout, which .grad
-            // accumulates in place: one incoming gradient at a time.
-            add(
-                phase,
-                Role::Main,
-                &[Backward],
-                "one incoming editor gradient",
-                format!("largest editor tensor·4 = {}·4", num(e_max)),
-                e_max * 4,
-            );
-            add(
-                phase,
-                Role::Main,
-                &[OptimizerStep],
-                "Adam and clipping temporaries",
-                format!("6·largest editor tensor·4 = 6·{}·4", num(e_max)),
-                6 * e_max * 4,
-            );
-            add(
-                phase,
-                Role::Host,
-                &[Checkpoint],
-                "checkpoint write: streamed, one tensor's bytes at a time",
-                format!("largest editor tensor·4 = {}·4", num(e_max)),
-                e_max * 4,
-            );
-        } else {
-            add(
-                phase,
-                Role::Main,
-                &[EditedForward],
-                "logits at labelled positions + log_softmax",
-                format!("B·kept·V·(s+4) = {nk}·{v}·({s}+4)"),
-                nk * v * (s + 4),
+                "recompute: W' leaves on sub (one copy for both passes) + the sum of ∂loss/∂W' before the copy back",
+                format!("2·Σ_P d_in·d_out·s = 2·{}·{s}", num(w_elems)),
+                2 * w_elems * s,
             );
         }
     }
+    if o.split && factored {
+        it.add(
+            phase,
+            Role::Sub,
+            &[EditedForward],
+            "the edit's factors on sub",
+            format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
+            n * din_dout * 4,
+        );
+    } else if o.split && !recompute {
+        // One edited forward reads rephrase and locality text together, so one copy
+        // of W' crosses to the sub-device (kept by the graph until the backward).
+        it.add(
+            phase,
+            Role::Sub,
+            &[EditedForward],
+            "W' copy on sub (one edited forward)",
+            format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
+            w_elems * s,
+        );
+    }
+}
 
-    // --- totals per physical device
+/// The edited forwards (on the sub-device when split): activations kept for their backward.
+fn edited_forwards(z: &Sizes, it: &mut Items, phase: Phase) {
+    let (s, n, nk, v, act_per_token, first_layer) = (z.s, z.n, z.nk, z.v, z.act_per_token, z.first_layer);
+    let located = &z.located;
+    let dm = z.dm;
+    let family = z.family;
+    let o = z.o;
+    let n_fwd = 2; // rows of text per edit in the edited forward: rephrase + locality
+    let Mode { train, recompute, .. } = z.mode(phase);
+    // The edited forwards run on the sub-device when split.
+    let fwd_role = if z.o.split { Role::Sub } else { Role::Main };
+    use Group::*;
+    if recompute {
+        // One forward at a time (outer, then locality): its block inputs, then one
+        // block recomputed with grad, the hidden-state gradients in and out of it.
+        let kept_blocks = dm.n_layers - first_layer + 1;
+        let (block_max, block_at) = recompute_block_max(family, s, &located);
+        it.add(
+            phase,
+            fwd_role,
+            &[EditedForward],
+            "recompute: block inputs of one edited forward (blocks ≥ first edited + the last hidden state)",
+            format!("B·T·(L − L{first_layer} + 1)·d·s = {n}·{kept_blocks}·{}·{s}", dm.d),
+            n * kept_blocks * dm.d * s,
+        );
+        it.add(
+            phase,
+            fwd_role,
+            &[EditedForward],
+            "recompute: activations of the largest recomputed block + its backward temporaries",
+            format!("B·T·(L{block_at} bytes/token + (2d + f)·s) = {n}·({block_max} + {}·{s})", 2 * dm.d + dm.f),
+            n * (block_max + (2 * dm.d + dm.f) * s),
+        );
+    } else if train {
+        it.add(
+            phase,
+            fwd_role,
+            &[EditedForward],
+            "edited forwards: activations kept for backward (outer + locality)",
+            format!("{n_fwd}·B·T·Σ_layers≥L{first_layer} bytes/token = {n_fwd}·{n}·{act_per_token}"),
+            n_fwd * n * act_per_token,
+        );
+    } else {
+        it.add(
+            phase,
+            fwd_role,
+            &[EditedForward],
+            "edited forward without grad: one layer's working set",
+            format!("B·T·bytes/token = {n}·{}", family.inference_working_set(s)),
+            n * family.inference_working_set(s),
+        );
+    }
+    if o.split && !train {
+        it.add(
+            phase,
+            Role::Sub,
+            &[EditedForward],
+            "logits on sub before the copy back",
+            format!("B·kept·V·s = {nk}·{v}·{s}"),
+            nk * v * s,
+        );
+    }
+}
+
+/// Logits and losses of the edited forwards, the editor's backward, the optimiser step and
+/// the checkpoint write.
+fn losses_and_step(z: &Sizes, it: &mut Items, phase: Phase) {
+    let (s, nk, v, w_elems, w_max, e_max) = (z.s, z.nk, z.v, z.w_elems, z.w_max, z.e_max);
+    let Mode { train, factored, .. } = z.mode(phase);
+    // The edited forwards run on the sub-device when split.
+    let fwd_role = if z.o.split { Role::Sub } else { Role::Main };
+    use Group::*;
+    if train {
+        // The meta-training losses are computed where the edited logits are (only the
+        // scalar loss crosses back), so these live on the sub-device when split.
+        it.add(
+            phase,
+            fwd_role,
+            &[EditedForward],
+            "logits at labelled positions (outer, locality, base locality)",
+            format!("3·B·kept·V·s = 3·{nk}·{v}·{s}"),
+            3 * nk * v * s,
+        );
+        it.add(
+            phase,
+            fwd_role,
+            &[EditedForward],
+            "log_softmax copies kept for backward (outer, locality, exp(base))",
+            format!("3·B·kept·V·4 = 3·{nk}·{v}·4"),
+            3 * nk * v * 4,
+        );
+        if !factored {
+            it.add(
+                phase,
+                Role::Main,
+                &[Backward],
+                "gradients w.r.t. W' + one weight's backward temporaries",
+                format!("Σ_P d_in·d_out·s + 3·max_P d_in·d_out·4 = {}·{s} + 3·{}·4", num(w_elems), num(w_max)),
+                w_elems * s + 3 * w_max * 4,
+            );
+        }
+        // Each editor runs once per micro-batch (all its weights' rows in one pass), and
+        // its products give gradients in the parameters' own layout, which .grad
+        // accumulates in place: one incoming gradient at a time.
+        it.add(
+            phase,
+            Role::Main,
+            &[Backward],
+            "one incoming editor gradient",
+            format!("largest editor tensor·4 = {}·4", num(e_max)),
+            e_max * 4,
+        );
+        it.add(
+            phase,
+            Role::Main,
+            &[OptimizerStep],
+            "Adam and clipping temporaries",
+            format!("6·largest editor tensor·4 = 6·{}·4", num(e_max)),
+            6 * e_max * 4,
+        );
+        it.add(
+            phase,
+            Role::Host,
+            &[Checkpoint],
+            "checkpoint write: streamed, one tensor's bytes at a time",
+            format!("largest editor tensor·4 = {}·4", num(e_max)),
+            e_max * 4,
+        );
+    } else {
+        it.add(
+            phase,
+            Role::Main,
+            &[EditedForward],
+            "logits at labelled positions + log_softmax",
+            format!("B·kept·V·(s+4) = {nk}·{v}·({s}+4)"),
+            nk * v * (s + 4),
+        );
+    }
+}
+
+/// Each device's peak per phase: what is resident plus the largest of the other groups,
+/// which are alive at different times of a step.
+fn totals(it: &Items) -> Vec<DeviceTotal> {
+    use Group::*;
+    let (main_dev, sub_dev, items) = (&it.main, &it.sub, &it.items);
     let mut devices: Vec<String> = vec![main_dev.clone()];
-    if !devices.contains(&sub_dev) {
+    if !devices.contains(sub_dev) {
         devices.push(sub_dev.clone());
     }
     let mut totals = Vec::new();
@@ -941,10 +978,10 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         for dev in &devices {
             let mut by_group: BTreeMap<Group, u64> = BTreeMap::new();
             let mut roles: Vec<String> = Vec::new();
-            if *dev == main_dev {
+            if dev == main_dev {
                 roles.push("main".into());
             }
-            if *dev == sub_dev {
+            if dev == sub_dev {
                 roles.push("sub".into());
             }
             for it in items.iter().filter(|i| i.phase == phase && i.device.as_deref() == Some(dev.as_str())) {
@@ -963,26 +1000,43 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         }
     }
 
+    totals
+}
+
+/// Builds the plan for an architecture (no weights needed).
+pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<MemoryPlan> {
+    let z = sizes(model, cfg, o)?;
+    let mut it = Items::new(o);
+    for phase in [Phase::Train, Phase::Edit] {
+        resident(&z, &mut it, phase);
+        images(&z, &mut it, phase);
+        capture(&z, &mut it, phase);
+        edit(&z, &mut it, phase);
+        edited_forwards(&z, &mut it, phase);
+        losses_and_step(&z, &mut it, phase);
+    }
+    let totals = totals(&it);
     let shape = PlanShape {
-        architecture: info.architecture.clone(),
-        n_params: info.n_params,
-        dtype: sd.into(),
-        dtype_bytes: s,
+        architecture: z.info.architecture.clone(),
+        n_params: z.info.n_params,
+        dtype: dtype_name(o.dtype).into(),
+        dtype_bytes: z.s,
         main: o.main.clone(),
         sub: o.sub.clone(),
         split: o.split,
-        batch_size: b,
-        tokens_per_example: tokens,
-        kept_per_example: kept,
-        vocab_size: v,
-        hidden_size: dm.d,
-        n_layers: dm.n_layers,
-        edited: names,
-        first_edited_layer: first_layer,
-        editors,
-        editor_parameters: e_params,
+        batch_size: z.b,
+        tokens_per_example: z.tokens,
+        kept_per_example: z.kept,
+        vocab_size: z.v,
+        hidden_size: z.dm.d,
+        n_layers: z.dm.n_layers,
+        edited: z.names,
+        first_edited_layer: z.first_layer,
+        editors: z.editors,
+        editor_parameters: z.e_params,
+        image: z.image.map(|(shape, _)| shape),
     };
-    Ok(MemoryPlan { shape, items, totals })
+    Ok(MemoryPlan { shape, items: it.items, totals })
 }
 
 impl MemoryPlan {
@@ -1077,17 +1131,16 @@ mod tests {
             "vocab_size": v, "n_embd": d, "n_layer": n_layer, "n_head": 4, "n_positions": 128
         }))
         .unwrap();
-        Model::Gpt2(Gpt2::new(c).unwrap())
+        Model::new(Gpt2::new(c).unwrap())
     }
 
     #[test]
     fn frozen_layers_below_the_first_edit_keep_nothing() {
         let m = gpt2(6, 64, 100);
-        let dm = dims(&m);
         let last: Vec<(i64, String)> = vec![(5, "mlp.c_fc".into()), (5, "mlp.c_proj".into())];
         let two: Vec<(i64, String)> = vec![(4, "mlp.c_fc".into()), (5, "mlp.c_fc".into()), (5, "mlp.c_proj".into())];
-        let Saved { per_token: a, per_layer: la, w_kept: ka } = saved_activations(&dm, 4, &last);
-        let Saved { per_token: b, per_layer: lb, .. } = saved_activations(&dm, 4, &two);
+        let Saved { per_token: a, per_layer: la, w_kept: ka } = saved_activations(m.family(), 4, &last);
+        let Saved { per_token: b, per_layer: lb, .. } = saved_activations(m.family(), 4, &two);
         assert_eq!(la.len(), 1);
         assert_eq!(lb.len(), 2);
         assert!(b > a);

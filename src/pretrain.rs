@@ -34,8 +34,9 @@ pub struct PretrainConfig {
     pub batch_size: usize,
     pub lr: f64,
     pub seed: u64,
-    /// Stop early once the model gets this share of the probe facts right.
-    pub target_accuracy: f64,
+    /// Stop early once the model gets this share of the probe facts right; `None` runs
+    /// every step (what `dualedit pretrain` does: the user chose the step count).
+    pub target_accuracy: Option<f64>,
 }
 
 impl Default for PretrainConfig {
@@ -50,7 +51,7 @@ impl Default for PretrainConfig {
             batch_size: 32,
             lr: 3e-3,
             seed: 7,
-            target_accuracy: 0.995,
+            target_accuracy: Some(0.995),
         }
     }
 }
@@ -143,7 +144,7 @@ pub fn pretrain(
     let eos = tok.pad_id();
     let vocab = tok.vocab_size();
     let config = hf_config(cfg, vocab, eos);
-    let model = Model::Gpt2(Gpt2::new(serde_json::from_value::<Gpt2Config>(config.clone()).map_err(|e| Error::Torch(e.to_string()))?)?);
+    let model = Model::new(Gpt2::new(serde_json::from_value::<Gpt2Config>(config.clone()).map_err(|e| Error::Torch(e.to_string()))?)?);
     tch::manual_seed(cfg.seed as i64);
     let store = random_params(&model, device, Kind::Float);
     let params: Vec<Tensor> = store.iter().map(|(_, t)| t.set_requires_grad(true)).collect();
@@ -199,7 +200,7 @@ pub fn pretrain(
             acc = fact_accuracy(&model, &ParamView::frozen(&store), &tok, probe)?;
             info!(steps, loss = loss_v, fact_accuracy = acc, "pretraining");
             bar.set_message(format!("loss {loss_v:.3}  fact accuracy {acc:.3}"));
-            if acc >= cfg.target_accuracy {
+            if cfg.target_accuracy.is_some_and(|t| acc >= t) {
                 break;
             }
         }

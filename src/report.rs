@@ -30,6 +30,9 @@ pub struct RunReport<M: Serialize> {
     pub devices: DeviceInfo,
     pub dtype: String,
     pub seed: i64,
+    /// The data file: records read, used, skipped (empty, over-long) and truncated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data: Option<crate::data::examples::DataCounts>,
     pub metrics: M,
     /// Wall-clock seconds per phase.
     pub seconds: BTreeMap<String, f64>,

@@ -10,14 +10,15 @@ use tracing::info;
 
 use crate::config::MendConfig;
 use crate::data::easyedit::{load_records, DatasetKind, EditRecord};
-use crate::data::examples::prepare;
-use crate::data::{EditExample, TokenBatch};
+use crate::data::examples::{prepare_with, DataCounts, OverLong, SkippedRecord, SHOWN_SKIPPED};
+use crate::data::EditExample;
 use crate::device::memory::MemoryTracker;
 use crate::device::DevicePlan;
-use crate::eval::{self, Method, RecordMetrics, Summary};
+use crate::edit::{self, LoadOptions, MethodSpec, RequestResult};
+use crate::eval::{RecordMetrics, Summary};
 use crate::mend::{checkpoint, Editor, Engine};
-use crate::model::{load_model, ParamView};
 use crate::report::{DeviceInfo, RunReport};
+use crate::session::Session;
 use crate::train::{self, TrainReport, TrainSetup};
 use crate::{Error, Result};
 
@@ -30,6 +31,8 @@ pub struct Common {
     pub seed: i64,
     /// Where the run report goes (default `runs/<command>-<time>.json`).
     pub report: Option<PathBuf>,
+    /// What to do with data records longer than the maximum length (default: skip them).
+    pub over_long: OverLong,
 }
 
 fn dtype_name(k: Kind) -> &'static str {
@@ -40,19 +43,17 @@ fn dtype_name(k: Kind) -> &'static str {
     }
 }
 
-/// Loads the model on the main device and builds the engine (replica on the sub-device).
-pub fn open_engine(c: &Common, edit_params: &[String], tracker: &mut MemoryTracker) -> Result<Engine> {
-    tch::manual_seed(c.seed);
-    let lm = load_model(&c.model, c.plan.main, c.dtype)?;
-    let engine = Engine::new(lm, c.plan, edit_params)?;
-    tracker.mark("load")?;
-    Ok(engine)
+impl Common {
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions { plan: self.plan, dtype: self.dtype, seed: self.seed }
+    }
 }
 
 fn report<M: Serialize>(
     command: &str,
     c: &Common,
     engine: &Engine,
+    data: DataCounts,
     metrics: M,
     seconds: BTreeMap<String, f64>,
     tracker: &MemoryTracker,
@@ -63,6 +64,7 @@ fn report<M: Serialize>(
         devices: DeviceInfo::from(&c.plan),
         dtype: dtype_name(c.dtype).into(),
         seed: c.seed,
+        data: Some(data),
         metrics,
         seconds,
         memory: tracker.summary(),
@@ -89,26 +91,55 @@ pub fn check_report_path(report: Option<&Path>, inputs: &[&Path]) -> Result<()> 
     Ok(())
 }
 
-/// Refuses to write a model into a folder that already holds one (the source model or any
-/// other), which would replace it or leave a mix of two models' files.
-pub fn check_new_model_dir(dir: &Path) -> Result<()> {
-    for f in ["config.json", "model.safetensors", "model.safetensors.index.json"] {
-        if dir.join(f).exists() {
-            return Err(Error::file(dir, format!("already holds a model ({f}); choose a new or empty folder")));
+/// Reads a dataset and tokenises it, keeping the first `limit` records, with records
+/// longer than `max_len` (or the model's context) handled by `over_long`. Returns the
+/// records that were kept, their examples (aligned), and what was left out.
+pub fn load_examples(
+    engine: &Engine,
+    path: &Path,
+    ds: DatasetKind,
+    limit: Option<usize>,
+    max_len: usize,
+    over_long: OverLong,
+) -> Result<(Vec<EditRecord>, Vec<EditExample>, DataCounts)> {
+    let (mut records, load) = load_records(path, ds)?;
+    let in_file = records.len() + load.skipped.len();
+    // Positions in the file of the records the reader kept (it drops empty targets).
+    let mut empty = load.skipped.iter().map(|(i, _)| *i).peekable();
+    let mut file_index = Vec::with_capacity(records.len());
+    for i in 0..in_file {
+        if empty.next_if_eq(&i).is_none() {
+            file_index.push(i);
         }
     }
-    Ok(())
-}
-
-/// Reads a dataset and tokenises it, keeping the first `limit` records.
-pub fn load_examples(engine: &Engine, path: &Path, ds: DatasetKind, limit: Option<usize>, max_len: usize) -> Result<(Vec<EditRecord>, Vec<EditExample>)> {
-    let (mut records, _) = load_records(path, ds)?;
     if let Some(l) = limit {
         records.truncate(l);
+        file_index.truncate(l);
     }
     let max_len = max_len.min(engine.lm.model.info().max_positions as usize);
-    let examples = prepare(&engine.lm.tokenizer, &records, max_len, path)?;
-    Ok((records, examples))
+    let prepared = prepare_with(&engine.lm.tokenizer, &records, &file_index, max_len, over_long, path)?;
+    let mut first_skipped: Vec<(usize, String)> = load.skipped.iter().chain(&prepared.skipped).cloned().collect();
+    first_skipped.sort_by_key(|(i, _)| *i);
+    first_skipped.truncate(SHOWN_SKIPPED);
+    let counts = DataCounts {
+        file: path.to_path_buf(),
+        records: in_file,
+        used: prepared.examples.len(),
+        skipped_empty: load.skipped.len(),
+        skipped_too_long: prepared.skipped.len(),
+        truncated: prepared.truncated.len(),
+        max_length: max_len,
+        over_long,
+        first_skipped: first_skipped.into_iter().map(|(record, reason)| SkippedRecord { record, reason }).collect(),
+    };
+    let mut kept = prepared.kept.iter().peekable();
+    let mut pos = 0;
+    records.retain(|_| {
+        let keep = kept.next_if_eq(&&pos).is_some();
+        pos += 1;
+        keep
+    });
+    Ok((records, prepared.examples, counts))
 }
 
 #[derive(Debug, Clone)]
@@ -139,9 +170,10 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     }
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
-    let engine = open_engine(&o.common, &o.config.edit_params, &mut tracker)?;
+    let engine = edit::open_engine(&o.common.model, &o.common.load_options(), &o.config.edit_params)?;
+    tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
-    let (_, examples) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length)?;
+    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length, o.common.over_long)?;
     let holdout = o.config.val_records.min(examples.len() / 5);
     let (train_set, val_set) = split_holdout_examples(examples, holdout);
     if train_set.is_empty() {
@@ -153,7 +185,7 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     }
     tch::manual_seed(o.common.seed);
     let mut editor = crate::error::guard(|| Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main))
-        .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine, &o.config, &mut tracker, &o.out))?;
+        .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine.placement(), &o.config, &mut tracker, checkpoint::saved_state(&o.out)))?;
     tracker.mark("editor")?;
     std::fs::create_dir_all(&o.out).map_err(|e| Error::io(&o.out, e))?;
     let setup = TrainSetup {
@@ -169,7 +201,7 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     let rep = train::train(&engine, &mut editor, &setup, &mut tracker)?;
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("train".to_string(), t1.elapsed().as_secs_f64())]);
     let path = o.common.report.clone().unwrap_or_else(|| o.out.join("report.json"));
-    let path = report("train", &o.common, &engine, &rep, seconds, &tracker).write(&path, &tracker)?;
+    let path = report("train", &o.common, &engine, data, &rep, seconds, &tracker).write(&path, &tracker)?;
     if !o.out.join(checkpoint::EDITOR_FILE).exists() {
         return Err(Error::file(
             &o.out,
@@ -191,53 +223,6 @@ fn split_holdout_examples(examples: Vec<EditExample>, holdout: usize) -> (Vec<Ed
     (train, val)
 }
 
-/// How `eval` and `edit` make their edits.
-#[derive(Debug, Clone)]
-pub enum MethodSpec {
-    Unedited,
-    FineTune { lr: f64 },
-    Mend { editor: PathBuf },
-}
-
-pub fn open_method(spec: &MethodSpec, engine: &Engine) -> Result<Method> {
-    Ok(match spec {
-        MethodSpec::Unedited => Method::Unedited,
-        MethodSpec::FineTune { lr } => Method::FineTune { lr: *lr },
-        MethodSpec::Mend { editor } => {
-            let (ed, meta) = checkpoint::load_editor(editor, engine)?;
-            info!(dir = %editor.display(), step = meta.step, "editor loaded");
-            Method::Mend(ed)
-        }
-    })
-}
-
-/// Opens the engine for a method: with an editor, on the weights it was trained to edit
-/// (a model without them is another model than the editor's).
-pub fn open_engine_for(c: &Common, spec: &MethodSpec, tracker: &mut MemoryTracker) -> Result<Engine> {
-    let names = edit_params_of(spec)?;
-    open_engine(c, &names, tracker).map_err(|e| match (spec, e) {
-        (MethodSpec::Mend { editor }, Error::Input(msg)) => Error::file(
-            editor.join(checkpoint::EDITOR_JSON),
-            format!("editor was trained for another model than {}: {msg}", c.model.display()),
-        ),
-        (_, e) => e,
-    })
-}
-
-/// Edit parameters an editor checkpoint was trained on (so the engine captures those).
-pub fn edit_params_of(spec: &MethodSpec) -> Result<Vec<String>> {
-    match spec {
-        MethodSpec::Mend { editor } => {
-            let path = editor.join(checkpoint::EDITOR_JSON);
-            let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-            let meta: checkpoint::EditorMeta =
-                serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid editor description: {e}")))?;
-            Ok(meta.params.into_iter().map(|p| p.name).collect())
-        }
-        _ => Ok(Vec::new()),
-    }
-}
-
 #[derive(Debug, Clone)]
 pub struct EvalOptions {
     pub common: Common,
@@ -254,6 +239,10 @@ pub struct EvalOutput {
     #[serde(flatten)]
     pub summary: Summary,
     pub records: Vec<RecordMetrics>,
+    /// What was read from the data file and what was left out: the report's top-level
+    /// `data` (skipped here so the report does not carry it twice).
+    #[serde(skip)]
+    pub data: DataCounts,
 }
 
 /// Edits each record from the unedited model and measures it (EasyEdit's protocol).
@@ -261,17 +250,17 @@ pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics
     check_report_path(o.common.report.as_deref(), &[&o.data])?;
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
-    let engine = open_engine_for(&o.common, &o.method, &mut tracker)?;
-    let mut method = open_method(&o.method, &engine)?;
+    let (engine, mut method) = edit::open(&o.common.model, &o.common.load_options(), &o.method)?;
+    tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
-    let (_, examples) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length)?;
+    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length, o.common.over_long)?;
     let t1 = Instant::now();
-    let records = eval::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, m))?;
+    let records = crate::edit::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, m))?;
     tracker.mark("eval")?;
-    let out = EvalOutput { method: method.name().into(), summary: Summary::of(&records), records };
+    let out = EvalOutput { method: method.name().into(), summary: Summary::of(&records), records, data };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("eval"));
-    let path = report("eval", &o.common, &engine, &out, seconds, &tracker).write(&path, &tracker)?;
+    let path = report("eval", &o.common, &engine, out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
     Ok((out, path))
 }
 
@@ -301,145 +290,42 @@ pub struct EditOutput {
     pub summary: Summary,
     pub requests: Vec<RequestResult>,
     pub saved: Option<PathBuf>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct RequestResult {
-    pub prompt: String,
-    pub target_new: String,
-    /// Greedy answer after all edits (as many tokens as the target has).
-    pub answer_after: String,
-    #[serde(flatten)]
-    pub metrics: RecordMetrics,
+    /// What was read from the requests file and what was left out: the report's
+    /// top-level `data` (skipped here so the report does not carry it twice).
+    #[serde(skip)]
+    pub data: DataCounts,
 }
 
 /// Applies requests as one batch (or one after another), measures them after all edits,
-/// and optionally saves the edited model as a Hugging Face directory.
+/// and optionally saves the edited model as a Hugging Face directory: a [`Session`]
+/// opened for the method, one edit call, a report.
 pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     check_report_path(o.common.report.as_deref(), &[&o.requests])?;
     if let Some(dir) = &o.save {
-        check_new_model_dir(dir)?;
+        edit::check_new_model_dir(dir)?;
     }
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
-    let mut engine = open_engine_for(&o.common, &o.method, &mut tracker)?;
-    let mut method = open_method(&o.method, &engine)?;
-    let (records, examples) = load_examples(&engine, &o.requests, DatasetKind::Requests, None, o.max_length)?;
-    let refs: Vec<&EditExample> = examples.iter().collect();
-    let before = eval::measure_before(&engine, &refs)?;
-    let pad = engine.lm.tokenizer.pad_id();
-    // The guard's probes: the requests' locality prompts, against the weights as loaded.
-    let loc: Vec<&crate::data::Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
-    let probes = match &o.guard {
-        Some(_) => crate::mend::guard::Probes::new(&engine, &loc)?,
-        None => None,
-    };
-    if o.guard.is_some() && probes.is_none() {
-        tracing::warn!("no request has a locality prompt: the commit guard has nothing to measure and is off");
-    }
-    let mut guard_reports = Vec::new();
-    let mut guarded = |engine: &Engine, ov: crate::model::Overrides, inner: &TokenBatch| -> Result<Option<crate::model::Overrides>> {
-        match (&o.guard, &probes) {
-            (Some(cfg), Some(p)) => {
-                let (ov, rep) = crate::mend::guard::check_edit(engine, &ov, p, Some(inner), cfg)?;
-                match rep.decision {
-                    crate::mend::guard::Decision::Accepted => info!("{}", rep.message),
-                    _ => tracing::warn!("request(s) {}: {}", guard_reports.len(), rep.message),
-                }
-                guard_reports.push(rep);
-                Ok(ov)
-            }
-            _ => Ok(Some(ov)),
-        }
-    };
+    let mut session = Session::open_method(&o.common.model, &o.method, &o.common.load_options())?;
+    tracker.mark("load")?;
+    let (records, examples, data) =
+        load_examples(session.engine(), &o.requests, DatasetKind::Requests, None, o.max_length, o.common.over_long)?;
     let t1 = Instant::now();
-    let overrides = if o.sequential {
-        for e in &examples {
-            let inner = TokenBatch::collate(&[&e.inner], pad, engine.plan.main);
-            match &o.stepwise {
-                None => {
-                    let ov = eval::make_edit(&engine, &mut method, &inner)?;
-                    if let Some(ov) = guarded(&engine, ov, &inner)? {
-                        engine.commit(&ov)?;
-                    }
-                }
-                Some(sw) => {
-                    for _ in 0..sw.steps {
-                        let ov = crate::mend::stepwise::step(&engine, &mut method, &inner, sw)?;
-                        if let Some(ov) = guarded(&engine, ov, &inner)? {
-                            engine.commit(&ov)?;
-                        }
-                        if crate::mend::guard::makes_edit(&engine, &crate::model::Overrides::new(), &inner)? {
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        crate::model::Overrides::new()
-    } else {
-        let inner: Vec<_> = examples.iter().map(|e| &e.inner).collect();
-        let batch = TokenBatch::collate(&inner, pad, engine.plan.main);
-        let ov = eval::make_edit(&engine, &mut method, &batch)?;
-        guarded(&engine, ov, &batch)?.unwrap_or_default()
-    };
+    session.guard = o.guard.clone();
+    session.stepwise = o.stepwise.clone();
+    let outcome = session.edit_examples(&records, &examples, o.sequential)?;
     let edit_s = t1.elapsed().as_secs_f64();
     tracker.mark("edit")?;
-    let per = edit_s / examples.len().max(1) as f64;
-    let metrics = eval::measure_after(&engine, &overrides, &refs, &before, per)?;
-    engine.commit(&overrides)?;
-    let mut requests = Vec::with_capacity(records.len());
-    for ((r, e), m) in records.iter().zip(&examples).zip(metrics) {
-        let answer = greedy(&engine, &ParamView::frozen(&engine.lm.params), &e.inner.ids[..e.inner.answer_start], e.inner.answer().len())?;
-        requests.push(RequestResult { prompt: r.prompt.clone(), target_new: r.target_new.clone(), answer_after: answer, metrics: m });
-    }
     let saved = match &o.save {
         Some(dir) => {
-            save_model(&engine, dir)?;
+            session.save(dir)?;
             Some(dir.clone())
         }
         None => None,
     };
-    let summary = Summary::of(&requests.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
-    let out = EditOutput { sequential: o.sequential, guard: guard_reports, summary, requests, saved };
+    let out = EditOutput { sequential: o.sequential, guard: outcome.guard, summary: outcome.summary, requests: outcome.requests, saved, data };
     let seconds = BTreeMap::from([("load".to_string(), t1.duration_since(t0).as_secs_f64()), ("edit".to_string(), edit_s)]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("edit"));
-    let path = report("edit", &o.common, &engine, &out, seconds, &tracker).write(&path, &tracker)?;
+    let path = report("edit", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
     Ok((out, path))
 }
-
-/// Greedy continuation of `prompt` ids under the weights of `params` (full recomputation
-/// per token: the answers scored here are a few tokens long).
-pub fn greedy(engine: &Engine, params: &ParamView, prompt: &[i64], n: usize) -> Result<String> {
-    let _g = tch::no_grad_guard();
-    let mut ids = prompt.to_vec();
-    let none = Default::default();
-    let max = engine.lm.model.info().max_positions as usize;
-    for _ in 0..n {
-        if ids.len() >= max {
-            break;
-        }
-        let t = tch::Tensor::from_slice(&ids).unsqueeze(0).to_device(params.device());
-        let out = engine.lm.model.forward(params, &crate::model::ForwardInput::new(&t, &none))?;
-        let next = out.logits.get(0).get(ids.len() as i64 - 1).argmax(-1, false).int64_value(&[]);
-        ids.push(next);
-    }
-    engine.lm.tokenizer.decode(&ids[prompt.len()..])
-}
-
-/// Writes the (edited) model as a Hugging Face directory that `score` and transformers load.
-pub fn save_model(engine: &Engine, dir: &Path) -> Result<()> {
-    check_new_model_dir(dir)?;
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    crate::io::write_json_atomic(&dir.join("config.json"), &engine.lm.config_json)?;
-    let tok = engine.lm.tokenizer.path();
-    let bytes = std::fs::read(tok).map_err(|e| Error::io(tok, e))?;
-    crate::io::write_atomic(&dir.join("tokenizer.json"), &bytes)?;
-    let mut tensors: Vec<(String, tch::Tensor)> = engine.lm.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-    tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    crate::io::write_safetensors(&dir.join("model.safetensors"), &tensors, meta)?;
-    info!(dir = %dir.display(), "edited model saved");
-    Ok(())
-}
-

@@ -1,9 +1,11 @@
 //! Next-token log-probabilities of a text under a model (the `score` command).
 use std::collections::HashSet;
+use std::path::Path;
 
 use serde::Serialize;
 use tch::{Kind, Tensor};
 
+use crate::model::qwen2_vl::{image, ImageProcessorConfig};
 use crate::model::{ForwardInput, LoadedModel, ParamView};
 use crate::{Error, Result};
 
@@ -15,6 +17,11 @@ pub struct Score {
     pub logprobs: Vec<f64>,
     /// Mean negative log-probability over `logprobs`.
     pub mean_nll: f64,
+    /// Tokens the image(s) took before the text (`<|vision_start|>`, the `<|image_pad|>`
+    /// tokens, `<|vision_end|>` per image); 0 without an image. With an image every text
+    /// token has something before it, so `logprobs[t]` is `log p(tokens[t] | image,
+    /// tokens[..t])` for all `t = 0..n`.
+    pub image_tokens: usize,
 }
 
 /// Scores `text` with the model's weights as seen through `params`.
@@ -42,7 +49,89 @@ pub fn score_text(lm: &LoadedModel, params: &ParamView, text: &str) -> Result<Sc
         Ok(Vec::<f64>::try_from(lp.to_kind(Kind::Double))?)
     })?;
     let mean_nll = -logprobs.iter().sum::<f64>() / logprobs.len() as f64;
-    Ok(Score { tokens, logprobs, mean_nll })
+    Ok(Score { tokens, logprobs, mean_nll, image_tokens: 0 })
+}
+
+/// Scores `text` shown after `images` (in order, each as `<|vision_start|>`, one
+/// `<|image_pad|>` per merged patch, `<|vision_end|>`) under a vision-language model.
+/// Without images this is [`score_text`]. The images are preprocessed as the model's
+/// `preprocessor_config.json` says (its defaults when the file is missing), their
+/// features computed once by the frozen vision tower, and the LM head applied only at
+/// the positions that predict a text token.
+pub fn score_with_images(lm: &LoadedModel, params: &ParamView, text: &str, images: &[&Path]) -> Result<Score> {
+    if images.is_empty() {
+        return score_text(lm, params, text);
+    }
+    let Some(vl) = lm.model.family().vision_language() else {
+        return Err(Error::input(format!(
+            "{} is a text-only model ({}); images need a Qwen2-VL or Qwen2.5-VL model",
+            lm.dir.display(),
+            lm.model.info().architecture
+        )));
+    };
+    if text.trim().is_empty() {
+        return Err(Error::input("text is empty"));
+    }
+    let tokens = lm.tokenizer.encode(text)?;
+    if tokens.is_empty() {
+        return Err(Error::input(format!("text {text:?} encodes to no tokens")));
+    }
+    let proc_path = lm.dir.join("preprocessor_config.json");
+    let proc = ImageProcessorConfig::load(&proc_path)?;
+    let v = &vl.config.vision;
+    if proc.patch_size != v.patch_size || proc.merge_size != v.spatial_merge_size || proc.temporal_patch_size != v.temporal_patch_size {
+        return Err(Error::file(
+            &proc_path,
+            format!(
+                "patch_size {} / merge_size {} / temporal_patch_size {} do not match config.json's vision_config ({} / {} / {})",
+                proc.patch_size, proc.merge_size, proc.temporal_patch_size, v.patch_size, v.spatial_merge_size, v.temporal_patch_size
+            ),
+        ));
+    }
+    let max = lm.model.info().max_positions;
+    let mut ids = Vec::new();
+    let mut prepared = Vec::with_capacity(images.len());
+    for path in images {
+        let img = image::prepare(path, &proc)?;
+        ids.extend(vl.image_prompt(&img.grid));
+        if ids.len() as i64 + tokens.len() as i64 > max {
+            return Err(Error::file(
+                path,
+                format!(
+                    "the image takes {} tokens ({}×{} pixels after resizing); with the text's {} that is more than the model's context of {max}",
+                    img.n_tokens(v.spatial_merge_size) + 2,
+                    img.resized.1,
+                    img.resized.0,
+                    tokens.len()
+                ),
+            ));
+        }
+        prepared.push(img);
+    }
+    let image_tokens = ids.len();
+    ids.extend_from_slice(&tokens);
+    let logprobs = crate::error::guard(|| {
+        let _guard = tch::no_grad_guard();
+        let device = params.device();
+        let pixels = Tensor::cat(&prepared.iter().map(|p| &p.pixel_values).collect::<Vec<_>>(), 0);
+        let grids: Vec<_> = prepared.iter().map(|p| p.grid).collect();
+        let feats = vl.image_features(params, &pixels, &grids)?;
+        let pos = vl.mrope_positions(&ids, &grids)?.unsqueeze(1).to_device(device);
+        let t = ids.len() as i64;
+        let n = tokens.len() as i64;
+        let input_ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
+        // Positions image_tokens-1 .. t-2 predict the text tokens.
+        let keep = Tensor::arange(t, (Kind::Int64, device)).ge(t - n - 1).logical_and(&Tensor::arange(t, (Kind::Int64, device)).lt(t - 1)).unsqueeze(0);
+        let none = HashSet::new();
+        let input = ForwardInput { keep: Some(&keep), position_ids: Some(&pos), image_embeds: Some(&feats), ..ForwardInput::new(&input_ids, &none) };
+        let out = lm.model.forward(params, &input)?;
+        let logp = out.logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+        let next = Tensor::from_slice(&tokens).to_device(device).unsqueeze(1);
+        let lp = logp.gather(1, &next, false).squeeze_dim(1).to_device(tch::Device::Cpu);
+        Ok(Vec::<f64>::try_from(lp.to_kind(Kind::Double))?)
+    })?;
+    let mean_nll = -logprobs.iter().sum::<f64>() / logprobs.len() as f64;
+    Ok(Score { tokens, logprobs, mean_nll, image_tokens })
 }
 
 /// Refuses sequences longer than the model's context (position table / RoPE range).

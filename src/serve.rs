@@ -12,9 +12,18 @@
 //! | `GET /memory`    |                                        | per-device figures                       |
 //!
 //! Errors are JSON `{"error": message, "kind": ...}`: 400 malformed JSON or a missing /
-//! mistyped / unknown field (named), 404 unknown route, 405 wrong method, 413 body too
-//! large, 422 a well-formed request the model refuses (a prompt longer than its context,
-//! an edit without an editor), 503 queue full or shutting down, 500 anything else.
+//! mistyped / unknown field (named), 401 a missing or wrong bearer token, 403 a `/save`
+//! the server does not allow (no save root, or a path that leaves it), 404 unknown route,
+//! 405 wrong method, 413 body too large, 422 a well-formed request the model refuses (a
+//! prompt longer than its context, an edit without an editor), 503 queue full or shutting
+//! down, 500 anything else.
+//!
+//! Security: anyone who can reach the port can edit the model, read its scores and, with a
+//! save root, write model folders. So by default the server listens on loopback only,
+//! `/save` is refused unless a save root is given (and then writes only inside it, see
+//! [`crate::io::resolve_under`]), and with a token every request must carry
+//! `Authorization: Bearer <token>`; a non-loopback address without a token is refused
+//! unless [`ServeOptions::insecure_no_token`] says otherwise.
 //!
 //! Threads: a few HTTP workers read, parse and validate requests and answer those that
 //! need no model (health, memory, every 4xx); model requests go into one bounded queue
@@ -24,7 +33,7 @@
 //! the queue timeout is answered 503 without running.
 use std::io::Read;
 use std::net::SocketAddr;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -53,15 +62,33 @@ pub struct ServeOptions {
     pub max_body_bytes: usize,
     /// A model request that waited longer than this is answered 503 without running.
     pub queue_timeout: Duration,
-    /// When set, `/save` only writes to relative paths below this directory.
+    /// The existing directory `/save` writes into, at relative paths that stay inside it;
+    /// `None` (the default) refuses `/save` with 403, since otherwise any client could
+    /// write model folders wherever the process can.
     pub save_root: Option<PathBuf>,
+    /// When set, every request must carry `Authorization: Bearer <token>` (401 otherwise).
+    pub token: Option<String>,
+    /// Allows a non-loopback address without a token (refused otherwise).
+    pub insecure_no_token: bool,
 }
 
 impl Default for ServeOptions {
     fn default() -> Self {
-        Self { queue: 64, workers: 4, max_body_bytes: 1 << 20, queue_timeout: Duration::from_secs(60), save_root: None }
+        Self {
+            queue: 64,
+            workers: 4,
+            max_body_bytes: 1 << 20,
+            queue_timeout: Duration::from_secs(60),
+            save_root: None,
+            token: None,
+            insecure_no_token: false,
+        }
     }
 }
+
+/// The environment variable `dualedit serve` reads its token from when `--token` is not
+/// given (a flag is visible to every user of the machine in the process list).
+pub const TOKEN_ENV: &str = "DUALEDIT_TOKEN";
 
 /// Counts of what a server answered, returned when it stops.
 #[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
@@ -117,8 +144,10 @@ pub struct Server {
 }
 
 impl Server {
-    /// Binds `listen` (`host:port`; port 0 picks a free one). Anything but a loopback
-    /// address is logged as a warning: the service has no authentication.
+    /// Binds `listen` (`host:port`; port 0 picks a free one). A non-loopback address is
+    /// refused without a token unless `opts.insecure_no_token`; the save root must be an
+    /// existing directory; a token must be printable ASCII without spaces (it travels in a
+    /// header). All of it is checked before the port is taken.
     pub fn bind(listen: &str, opts: ServeOptions) -> Result<Self> {
         let addr: SocketAddr = listen
             .parse()
@@ -126,11 +155,30 @@ impl Server {
         if opts.queue == 0 || opts.workers == 0 || opts.max_body_bytes == 0 {
             return Err(Error::input("the queue bound, worker count and maximum body size must be at least 1"));
         }
+        if let Some(t) = &opts.token {
+            if t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(Error::input(format!("the token (--token or {TOKEN_ENV}) must be non-empty printable ASCII without spaces")));
+            }
+        }
+        if !addr.ip().is_loopback() {
+            match (&opts.token, opts.insecure_no_token) {
+                (None, false) => {
+                    return Err(Error::input(format!(
+                        "refusing to listen on {addr} without a token: anyone who can reach it could edit, read and save the model; \
+                         give --token (or {TOKEN_ENV}), or --insecure-no-token to run open anyway"
+                    )))
+                }
+                (None, true) => warn!(%addr, "listening beyond loopback without a token: anyone who can reach this address can use the model"),
+                (Some(_), _) => warn!(%addr, "listening beyond loopback without TLS: the token and requests travel in clear text (use a TLS proxy or an SSH tunnel)"),
+            }
+        }
+        if let Some(root) = &opts.save_root {
+            if !root.is_dir() {
+                return Err(Error::file(root, "--save-root must be an existing directory"));
+            }
+        }
         let http = tiny_http::Server::http(addr).map_err(|e| Error::input(format!("cannot listen on {addr}: {e}")))?;
         let addr = http.server_addr().to_ip().ok_or_else(|| Error::input(format!("{addr} is not an IP listener")))?;
-        if !addr.ip().is_loopback() {
-            warn!(%addr, "listening beyond loopback: anyone who can reach this address can edit and save the model");
-        }
         Ok(Self { http, addr, opts })
     }
 
@@ -250,6 +298,11 @@ fn respond(shared: &Shared, request: Request, status: u16, body: Value) {
             response.add_header(h);
         }
     }
+    if status == 401 {
+        if let Ok(h) = Header::from_bytes(&b"WWW-Authenticate"[..], &br#"Bearer realm="dualedit""#[..]) {
+            response.add_header(h);
+        }
+    }
     // The client may have gone; nothing to do about it here.
     let _ = request.respond(response);
 }
@@ -295,8 +348,40 @@ fn worker(http: &tiny_http::Server, shared: &Shared, shutdown: &AtomicBool) {
     }
 }
 
+/// Why a request is not authorised, or `None` when it is (or no token is required).
+fn unauthorised(request: &Request, token: Option<&str>) -> Option<&'static str> {
+    let token = token?;
+    let given = request.headers().iter().find(|h| h.field.equiv("Authorization")).map(|h| h.value.as_str());
+    let Some(given) = given else { return Some("this server needs `Authorization: Bearer <token>`") };
+    // The scheme is case-insensitive (RFC 7235); the token is compared exactly.
+    let bearer = given.get(..7).filter(|s| s.eq_ignore_ascii_case("bearer ")).map(|_| given[7..].trim());
+    match bearer {
+        Some(b) if same_token(b.as_bytes(), token.as_bytes()) => None,
+        Some(_) => Some("wrong bearer token"),
+        None => Some("the Authorization header must be `Bearer <token>`"),
+    }
+}
+
+/// Whether `given` equals `expected`, in a time that depends on `expected`'s length only,
+/// never on where the two first differ: a byte-by-byte comparison that stops early would
+/// let a client find the token one byte at a time from response times.
+fn same_token(given: &[u8], expected: &[u8]) -> bool {
+    let mut diff = u8::from(given.len() != expected.len());
+    for (i, e) in expected.iter().enumerate() {
+        diff |= given.get(i).copied().unwrap_or(0) ^ e;
+        // Keeps the optimiser from turning the loop into an early exit.
+        diff = std::hint::black_box(diff);
+    }
+    diff == 0
+}
+
 /// Routes one request: answers it here, or queues it for the model thread.
 fn handle(mut request: Request, shared: &Shared) {
+    // Before anything else, so that a client without the token learns nothing, not even
+    // which routes exist.
+    if let Some(why) = unauthorised(&request, shared.opts.token.as_deref()) {
+        return respond(shared, request, 401, error_body(why, "unauthorized"));
+    }
     let path = route_path(request.url()).to_string();
     let Some(allowed) = allowed_method(&path) else {
         return respond(shared, request, 404, error_body(format!("no route {path}; routes: POST {}, GET {}", MODEL_ROUTES.join(" "), READ_ROUTES.join(" ")), "not_found"));
@@ -413,29 +498,23 @@ fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result
         }
         "/reset" => Op::Reset,
         "/save" => {
+            let Some(root) = opts.save_root.as_deref() else {
+                let msg = "/save is disabled: start the server with --save-root DIR to allow saving models inside DIR";
+                return Err((403, error_body(msg, "forbidden")));
+            };
             let dir = string_field(path, &json_object(path, body, &["dir"])?, "dir")?;
-            Op::Save { dir: save_dir(&dir, opts.save_root.as_deref()).map_err(bad)? }
+            if dir.trim().is_empty() {
+                return Err(bad("field `dir` is empty".into()));
+            }
+            let dir = crate::io::resolve_under(root, Path::new(&dir)).map_err(|e| match e {
+                Error::Input(_) => (403, error_body(format!("{path}: {e}"), "forbidden")),
+                // The root itself is unreadable (removed since the start, say): the server's fault.
+                e => (500, error_body(format!("{path}: {e}"), "internal")),
+            })?;
+            Op::Save { dir }
         }
         other => return Err((404, error_body(format!("no route {other}"), "not_found"))),
     })
-}
-
-/// Where `/save` writes: any path, or with a save root only a relative path inside it.
-fn save_dir(dir: &str, root: Option<&Path>) -> std::result::Result<PathBuf, String> {
-    if dir.trim().is_empty() {
-        return Err("\"dir\" is empty".into());
-    }
-    let p = Path::new(dir);
-    match root {
-        None => Ok(p.to_path_buf()),
-        Some(root) => {
-            if p.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir)) {
-                Ok(root.join(p))
-            } else {
-                Err(format!("\"dir\" must be a relative path inside the save root {} (no .., no absolute path)", root.display()))
-            }
-        }
-    }
 }
 
 fn model_loop(session: &mut Session, rx: &Receiver<Job>, shared: &Shared, shutdown: &AtomicBool) {

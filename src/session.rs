@@ -26,46 +26,24 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::Serialize;
-use tch::{Device, Kind, Tensor};
-use tracing::info;
+use tch::Tensor;
 
 use crate::data::easyedit::EditRecord;
 use crate::data::examples::prepare;
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::memory::{self, MemorySample};
 use crate::device::DevicePlan;
-use crate::eval::{self, Method, Summary};
-use crate::mend::{checkpoint, Editor, Engine};
-use crate::model::{load_model, ForwardInput, KvCache, ModelInfo, ParamView};
-use crate::run::RequestResult;
-use crate::score::{check_length, score_text, Score};
+use crate::edit::{self, Finish, Method, MethodSpec, RequestResult};
+use crate::eval::{self, Summary};
+use crate::mend::guard::{self, GuardConfig, GuardReport};
+use crate::mend::stepwise::{self, Stepwise};
+use crate::mend::{Editor, Engine};
+use crate::model::{ModelInfo, Overrides, ParamView};
+use crate::score::{check_length, score_text, score_with_images, Score};
 use crate::{Error, Result};
 
-/// Where a session runs and in which dtype.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SessionOptions {
-    /// Main device (frozen model, editor) and sub-device (edited forwards).
-    pub plan: DevicePlan,
-    /// Dtype of the model weights (editor maths is always f32).
-    pub dtype: Kind,
-    /// Seed of tch's RNG, set before loading (nothing in a session is random after that).
-    pub seed: i64,
-}
-
-impl Default for SessionOptions {
-    /// CPU, f32, seed 0.
-    fn default() -> Self {
-        Self { plan: DevicePlan::single(Device::Cpu), dtype: Kind::Float, seed: 0 }
-    }
-}
-
-impl SessionOptions {
-    /// From the CLI's spellings: `cpu` / `cuda` / `cuda:N`, an optional sub-device, and
-    /// `f32` / `bf16` / `f16`.
-    pub fn parse(device: &str, sub_device: Option<&str>, dtype: &str) -> Result<Self> {
-        Ok(Self { plan: DevicePlan::parse(device, sub_device)?, dtype: crate::model::parse_dtype(dtype)?, seed: 0 })
-    }
-}
+/// Where a session runs and in which dtype (the same options every edit path loads with).
+pub type SessionOptions = edit::LoadOptions;
 
 /// A greedy continuation.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -78,7 +56,7 @@ pub struct Generation {
     pub prompt_tokens: usize,
     /// `"length"` (max_new_tokens reached), `"eos"` (end-of-sequence token generated; it
     /// is included in `tokens`) or `"context"` (the model's context is full).
-    pub finish_reason: &'static str,
+    pub finish_reason: Finish,
 }
 
 /// The result of one [`Session::edit`] call.
@@ -90,6 +68,9 @@ pub struct EditOutcome {
     pub summary: Summary,
     /// Requests committed into this session's weights since it was opened or last reset.
     pub edits_total: usize,
+    /// The commit guard's decision on each edit (one per request, or per step with
+    /// `stepwise`, when sequential; one for a batch); empty without a guard.
+    pub guard: Vec<GuardReport>,
 }
 
 /// Memory figures of one device the session uses.
@@ -130,6 +111,12 @@ pub struct Session {
     originals: HashMap<String, Tensor>,
     edits_total: usize,
     eos: Vec<i64>,
+    /// Measure each edit on the requests' locality prompts before committing it, and scale
+    /// it back or refuse it beyond these limits ([`crate::mend::guard`]); `None` commits
+    /// every edit as the editor makes it.
+    pub guard: Option<GuardConfig>,
+    /// Sequential edits in small committed steps ([`crate::mend::stepwise`], experimental).
+    pub stepwise: Option<Stepwise>,
 }
 
 impl std::fmt::Debug for Session {
@@ -148,35 +135,32 @@ impl Session {
     /// sub-device when the plan is split, and the trained editor in `editor` if given.
     /// Without an editor the session scores and generates, and [`Session::edit`] refuses.
     pub fn open(model: &Path, editor: Option<&Path>, opts: &SessionOptions) -> Result<Self> {
-        tch::manual_seed(opts.seed);
-        let edit_names = match editor {
-            Some(dir) => editor_params(dir)?,
-            None => Vec::new(),
-        };
-        let lm = load_model(model, opts.plan.main, opts.dtype)?;
-        let engine = Engine::new(lm, opts.plan, &edit_names).map_err(|e| match editor {
-            // The names came from the editor: say so, rather than blame the model.
-            Some(dir) => Error::file(dir.join(checkpoint::EDITOR_JSON), format!("editor was trained for another model: {e}")),
-            None => e,
-        })?;
-        let ed = match editor {
-            Some(dir) => {
-                let (ed, meta) = checkpoint::load_editor(dir, &engine)?;
-                info!(dir = %dir.display(), step = meta.step, "editor loaded");
-                Some(ed)
-            }
-            None => None,
-        };
-        let mut s = Self::from_parts(engine, ed);
-        s.editor_dir = editor.map(Path::to_path_buf);
+        match editor {
+            Some(dir) => Self::open_method(model, &MethodSpec::Mend { editor: dir.to_path_buf() }, opts),
+            None => Ok(Self::from_parts(edit::open_engine(model, opts, &[])?, None)),
+        }
+    }
+
+    /// Loads `model` for editing with `spec` (MEND with a trained editor, the fine-tuning
+    /// baseline, or no edit at all, which measures the unedited model).
+    pub fn open_method(model: &Path, spec: &MethodSpec, opts: &SessionOptions) -> Result<Self> {
+        let (engine, method) = edit::open(model, opts, spec)?;
+        let mut s = Self::with_method(engine, Some(method));
+        if let MethodSpec::Mend { editor } = spec {
+            s.editor_dir = Some(editor.clone());
+        }
         Ok(s)
     }
 
     /// A session over an engine and editor the caller built (an editor trained in the
     /// same process, for example).
     pub fn from_parts(engine: Engine, editor: Option<Editor>) -> Self {
+        Self::with_method(engine, editor.map(Method::Mend))
+    }
+
+    fn with_method(engine: Engine, method: Option<Method>) -> Self {
         let eos = eos_ids(&engine.lm.config_json);
-        Self { engine, method: editor.map(Method::Mend), editor_dir: None, originals: HashMap::new(), edits_total: 0, eos }
+        Self { engine, method, editor_dir: None, originals: HashMap::new(), edits_total: 0, eos, guard: None, stepwise: None }
     }
 
     /// The engine underneath (model, device plan, edited weight names).
@@ -243,43 +227,92 @@ impl Session {
     /// # Ok::<(), dualedit::Error>(())
     /// ```
     pub fn edit(&mut self, requests: &[EditRecord]) -> Result<EditOutcome> {
+        if self.method.is_none() {
+            return Err(Error::input("this session has no editor: open it with a trained editor directory to edit"));
+        }
+        let max_len = self.max_positions();
+        // Records arrive from the caller, not from a file: report them as input errors.
+        let examples =
+            prepare(&self.engine.lm.tokenizer, requests, max_len, Path::new("requests")).map_err(|e| Error::input(e.to_string()))?;
+        self.edit_examples(requests, &examples, false)
+    }
+
+    /// Applies tokenised requests (`records[i]` tokenised as `examples[i]`) as one batch
+    /// edit, or with `sequential` one after another, each committed before the next is
+    /// made; then measures every request against the weights before this call and reads
+    /// each one's greedy answer.
+    pub fn edit_examples(&mut self, records: &[EditRecord], examples: &[EditExample], sequential: bool) -> Result<EditOutcome> {
         let Some(method) = self.method.as_mut() else {
             return Err(Error::input("this session has no editor: open it with a trained editor directory to edit"));
         };
-        if requests.is_empty() {
+        if examples.is_empty() {
             return Err(Error::input("no edit requests"));
         }
-        let engine = &self.engine;
-        let max_len = engine.lm.model.info().max_positions.max(0) as usize;
-        // Records arrive from the caller, not from a file: report them as input errors.
-        let examples = prepare(&engine.lm.tokenizer, requests, max_len, Path::new("requests")).map_err(|e| Error::input(e.to_string()))?;
         let refs: Vec<&EditExample> = examples.iter().collect();
-        let before = eval::measure_before(engine, &refs)?;
-        let start = Instant::now();
-        let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
-        let batch = TokenBatch::collate(&inner, engine.lm.tokenizer.pad_id(), engine.plan.main);
-        let overrides = eval::make_edit(engine, method, &batch)?;
-        let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
-        let metrics = eval::measure_after(engine, &overrides, &refs, &before, per_request)?;
-        for name in overrides.names() {
-            if !self.originals.contains_key(name) {
-                self.originals.insert(name.clone(), self.engine.weight(name)?.shallow_clone());
-            }
+        // The guard's probes: the requests' locality prompts, against the weights now.
+        let loc: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
+        let probes = match &self.guard {
+            Some(_) => guard::Probes::new(&self.engine, &loc)?,
+            None => None,
+        };
+        if self.guard.is_some() && probes.is_none() {
+            tracing::warn!("no request has a locality prompt: the commit guard has nothing to measure and is off");
         }
-        self.engine.commit(&overrides)?;
-        self.edits_total += requests.len();
-        let mut out = Vec::with_capacity(requests.len());
-        for ((r, e), m) in requests.iter().zip(&examples).zip(metrics) {
-            let answer = self.greedy_ids(&e.inner.ids[..e.inner.answer_start], e.inner.answer().len(), false)?;
+        let mut reports = Vec::new();
+        let checked = |engine: &Engine, ov: Overrides, inner: &TokenBatch, reports: &mut Vec<GuardReport>| -> Result<Option<Overrides>> {
+            let (Some(cfg), Some(p)) = (&self.guard, &probes) else { return Ok(Some(ov)) };
+            let (kept, rep) = guard::check_edit(engine, &ov, p, Some(inner), cfg)?;
+            match rep.decision {
+                guard::Decision::Accepted => tracing::info!("{}", rep.message),
+                _ => tracing::warn!("edit {}: {}", reports.len(), rep.message),
+            }
+            reports.push(rep);
+            Ok(kept)
+        };
+        let before = eval::measure_before(&self.engine, &refs)?;
+        let start = Instant::now();
+        let metrics = if sequential {
+            for e in examples {
+                let inner = self.engine.collate(&[&e.inner]);
+                let steps = self.stepwise.as_ref().map_or(1, |s| s.steps);
+                for _ in 0..steps {
+                    let overrides = match (&self.stepwise, &mut *method) {
+                        (Some(sw), Method::Mend(editor)) => stepwise::step(&self.engine, editor, &inner, sw)?,
+                        (_, m) => edit::make_edit(&self.engine, m, &inner)?,
+                    };
+                    if let Some(ov) = checked(&self.engine, overrides, &inner, &mut reports)? {
+                        commit(&mut self.engine, &mut self.originals, &ov)?;
+                    }
+                    if self.stepwise.is_none() || guard::makes_edit(&self.engine, &Overrides::new(), &inner)? {
+                        break;
+                    }
+                }
+            }
+            let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
+            eval::measure_after(&self.engine, &Overrides::new(), &refs, &before, per_request)?
+        } else {
+            let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
+            let batch = self.engine.collate(&inner);
+            let overrides = edit::make_edit(&self.engine, method, &batch)?;
+            let overrides = checked(&self.engine, overrides, &batch, &mut reports)?.unwrap_or_default();
+            let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
+            let m = eval::measure_after(&self.engine, &overrides, &refs, &before, per_request)?;
+            commit(&mut self.engine, &mut self.originals, &overrides)?;
+            m
+        };
+        self.edits_total += examples.len();
+        let frozen = ParamView::frozen(&self.engine.lm.params);
+        let mut out = Vec::with_capacity(examples.len());
+        for ((r, e), m) in records.iter().zip(examples).zip(metrics) {
             out.push(RequestResult {
                 prompt: r.prompt.clone(),
                 target_new: r.target_new.clone(),
-                answer_after: self.engine.lm.tokenizer.decode(&answer.0)?,
+                answer_after: edit::answer(&self.engine.lm, &frozen, &e.inner)?,
                 metrics: m,
             });
         }
         let summary = Summary::of(&out.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
-        Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total })
+        Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total, guard: reports })
     }
 
     /// Next-token log-probabilities of `text` under the current (edited) weights.
@@ -287,58 +320,33 @@ impl Session {
         score_text(&self.engine.lm, &ParamView::frozen(&self.engine.lm.params), text)
     }
 
+    /// [`Session::score`] with an optional image shown before the text (Qwen2-VL /
+    /// Qwen2.5-VL models): every text token's log-probability given the image and the
+    /// text before it, and the tokens the image took ([`Score::image_tokens`]).
+    pub fn score_image(&self, text: &str, image: Option<&Path>) -> Result<Score> {
+        let images: Vec<&Path> = image.into_iter().collect();
+        score_with_images(&self.engine.lm, &ParamView::frozen(&self.engine.lm.params), text, &images)
+    }
+
     /// Greedy continuation of `prompt` under the current weights, with a KV cache: the
     /// prompt is run once, then one token per step. Stops after `max_new_tokens`, at the
     /// model's end-of-sequence token, or when the context is full.
     pub fn generate(&self, prompt: &str, max_new_tokens: usize) -> Result<Generation> {
-        let ids = self.engine.lm.tokenizer.encode(prompt)?;
+        let lm = &self.engine.lm;
+        let ids = lm.tokenizer.encode(prompt)?;
         if ids.is_empty() {
             return Err(Error::input("prompt is empty (it encodes to no tokens)"));
         }
-        check_length(&self.engine.lm, ids.len())?;
-        let (tokens, finish_reason) = self.greedy_ids(&ids, max_new_tokens, true)?;
-        Ok(Generation { text: self.engine.lm.tokenizer.decode(&tokens)?, prompt_tokens: ids.len(), tokens, finish_reason })
-    }
-
-    /// Greedy decoding with a KV cache from token ids; `stop_at_eos` ends at the model's
-    /// end-of-sequence token (edit answers are read for a fixed number of tokens instead).
-    fn greedy_ids(&self, prompt: &[i64], max_new: usize, stop_at_eos: bool) -> Result<(Vec<i64>, &'static str)> {
-        let _g = tch::no_grad_guard();
-        let lm = &self.engine.lm;
-        let params = ParamView::frozen(&lm.params);
-        let device = lm.params.device();
-        let max = self.max_positions();
-        let none = Default::default();
-        let mut cache = KvCache::new();
-        let mut feed = prompt.to_vec();
-        let mut out = Vec::new();
-        while out.len() < max_new {
-            if prompt.len() + out.len() >= max {
-                return Ok((out, "context"));
-            }
-            let ids = crate::error::guard(|| Ok(Tensor::from_slice(&feed).unsqueeze(0).to_device(device)))?;
-            // Only the last position's logits are needed: the LM head runs on one row.
-            let keep = crate::error::guard(|| {
-                let n = feed.len() as i64;
-                Ok(Tensor::arange(n, (Kind::Int64, device)).eq(n - 1).unsqueeze(0))
-            })?;
-            let input = ForwardInput { keep: Some(&keep), ..ForwardInput::new(&ids, &none) };
-            let logits = lm.model.forward_cached(&params, &input, &mut cache)?.logits;
-            let next = crate::error::guard(|| Ok(logits.reshape([-1]).argmax(0, false).int64_value(&[])))?;
-            out.push(next);
-            if stop_at_eos && self.eos.contains(&next) {
-                return Ok((out, "eos"));
-            }
-            feed = vec![next];
-        }
-        Ok((out, "length"))
+        check_length(lm, ids.len())?;
+        let (tokens, finish_reason) = edit::greedy(lm, &ParamView::frozen(&lm.params), &ids, max_new_tokens, &self.eos)?;
+        Ok(Generation { text: lm.tokenizer.decode(&tokens)?, prompt_tokens: ids.len(), tokens, finish_reason })
     }
 
     /// Puts back the exact weights the model was loaded with (on both devices), undoing
     /// every edit. Returns how many parameters were restored.
     pub fn reset(&mut self) -> Result<usize> {
         let n = self.originals.len();
-        let originals: crate::model::Overrides = self.originals.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        let originals: Overrides = self.originals.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
         self.engine.commit(&originals)?;
         self.originals.clear();
         self.edits_total = 0;
@@ -349,7 +357,7 @@ impl Session {
     /// (`config.json`, `tokenizer.json`, `model.safetensors`) that `Session::open`,
     /// `dualedit score` and transformers load.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        crate::run::save_model(&self.engine, dir)
+        edit::save_model(&self.engine.lm, dir)
     }
 
     /// Memory figures of each device the session uses.
@@ -358,17 +366,15 @@ impl Session {
     }
 }
 
-/// Edited weight names an editor was trained on, from its `editor.json` (the engine must
-/// capture exactly those before the editor itself can be loaded and checked).
-fn editor_params(dir: &Path) -> Result<Vec<String>> {
-    if !dir.is_dir() {
-        return Err(Error::file(dir, "editor directory not found"));
+/// Commits `overrides` into the engine's weights, first keeping the loaded tensor of every
+/// parameter it changes for the first time (what [`Session::reset`] puts back).
+fn commit(engine: &mut Engine, originals: &mut HashMap<String, Tensor>, overrides: &Overrides) -> Result<()> {
+    for name in overrides.names() {
+        if !originals.contains_key(name) {
+            originals.insert(name.clone(), engine.weight(name)?.shallow_clone());
+        }
     }
-    let path = dir.join(checkpoint::EDITOR_JSON);
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    let meta: checkpoint::EditorMeta =
-        serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid editor description: {e}")))?;
-    Ok(meta.params.into_iter().map(|p| p.name).collect())
+    engine.commit(overrides)
 }
 
 /// End-of-sequence ids from `config.json` (`eos_token_id`: a number or a list).

@@ -60,9 +60,10 @@ impl EditBatches {
         Self::build(examples, pad, device, false)
     }
 
-    /// The batches `cfg` asks for (see [`MendConfig::inner_in_edit_loss`]).
-    pub fn for_config(examples: &[&EditExample], pad: i64, device: tch::Device, cfg: &MendConfig) -> Self {
-        Self::build(examples, pad, device, cfg.inner_in_edit_loss)
+    /// The batches `cfg` asks for (see [`MendConfig::inner_in_edit_loss`]), on the
+    /// engine's main device.
+    pub fn for_config(engine: &Engine, examples: &[&EditExample], cfg: &MendConfig) -> Self {
+        Self::build(examples, engine.lm.tokenizer.pad_id(), engine.plan.main, cfg.inner_in_edit_loss)
     }
 
     fn build(examples: &[&EditExample], pad: i64, device: tch::Device, inner_in_edit_loss: bool) -> Self {
@@ -274,10 +275,9 @@ pub struct TrainSetup<'a> {
 /// Mean validation losses (editor in evaluation mode: statistics frozen, no gradients).
 pub fn validate(engine: &Engine, editor: &mut Editor, val: &[EditExample]) -> Result<ValLog> {
     let _g = tch::no_grad_guard();
-    let pad = engine.lm.tokenizer.pad_id();
     let mut mean = StepLosses::default();
     for e in val {
-        let b = EditBatches::for_config(&[e], pad, engine.plan.main, &editor.config);
+        let b = EditBatches::for_config(engine, &[e], &editor.config);
         let (_, l) = meta_loss(engine, editor, &b, false)?;
         mean.add_scaled(&l, 1.0 / val.len() as f64);
     }
@@ -285,8 +285,18 @@ pub fn validate(engine: &Engine, editor: &mut Editor, val: &[EditExample]) -> Re
 }
 
 /// Env var for fault injection in tests: an impossible allocation at this step, to
-/// exercise the out-of-memory path end to end on a machine with memory to spare.
+/// exercise the out-of-memory path end to end on a machine with memory to spare. Read
+/// once per run, and only by builds with the `fault-injection` feature (the tests').
 pub const FAULT_OOM_STEP: &str = "DUALEDIT_FAULT_OOM_STEP";
+
+/// The step [`FAULT_OOM_STEP`] names, in builds with the `fault-injection` feature.
+fn fault_oom_step() -> Option<usize> {
+    if cfg!(feature = "fault-injection") {
+        std::env::var(FAULT_OOM_STEP).ok().and_then(|v| v.parse().ok())
+    } else {
+        None
+    }
+}
 
 /// The micro-batches of one optimiser step: forwards, backwards, accumulated gradients.
 fn accumulate(
@@ -297,19 +307,19 @@ fn accumulate(
     seed: i64,
     mut tracker: Option<&mut MemoryTracker>,
     phase: &mut &'static str,
+    fault: Option<usize>,
 ) -> Result<StepLosses> {
     let cfg = setup.config;
-    let pad = engine.lm.tokenizer.pad_id();
     let n = setup.train.len();
     let k = cfg.accumulate as f64;
     let mut acc = StepLosses::default();
     for micro in 0..cfg.accumulate {
         let base = (step * cfg.accumulate + micro) * cfg.batch_size;
         let batch: Vec<&EditExample> = (0..cfg.batch_size).map(|j| &setup.train[example_at(n, seed, base + j)]).collect();
-        let b = EditBatches::for_config(&batch, pad, engine.plan.main, &editor.config);
+        let b = EditBatches::for_config(engine, &batch, &editor.config);
         *phase = "capture, editor and edited forwards";
         let (loss, parts) = meta_loss(engine, editor, &b, true)?;
-        if std::env::var(FAULT_OOM_STEP).ok().and_then(|v| v.parse::<usize>().ok()) == Some(step) {
+        if fault == Some(step) {
             let _ = Tensor::f_empty([1i64 << 50], (tch::Kind::Float, engine.plan.sub))?;
         }
         if let (Some(t), 0) = (tracker.as_deref_mut(), micro) {
@@ -380,7 +390,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     }
     let (net, lrs) = editor.trainables();
     let mut adam = crate::error::guard(|| Ok(Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)])))
-        .map_err(|e| crate::device::oom::diagnose(e, counters.step, "optimizer setup", engine, cfg, tracker, out))?;
+        .map_err(|e| crate::device::oom::diagnose(e, counters.step, "optimizer setup", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?;
     if let Some(t) = &saved_adam {
         adam.load_state(t, counters.adam_step)?;
     }
@@ -392,11 +402,12 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     let mut stopped_early = false;
     let start = Instant::now();
     let first_step = counters.step;
+    let fault = fault_oom_step();
     while counters.step < cfg.max_steps {
         let step = counters.step;
         let mark = step < first_step + 2 || step % cfg.val_every == 0;
         let mut phase = "start";
-        let acc = match accumulate(engine, editor, setup, step, counters.seed, mark.then_some(&mut *tracker), &mut phase) {
+        let acc = match accumulate(engine, editor, setup, step, counters.seed, mark.then_some(&mut *tracker), &mut phase, fault) {
             Ok(acc) => acc,
             Err(e @ (Error::OutOfMemory(_) | Error::Torch(_))) => {
                 // Keep what was learned: the editor has not been touched by this step.
@@ -405,7 +416,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
                 if !out.join(checkpoint::EDITOR_FILE).exists() {
                     checkpoint::save_editor(out, editor, engine, counters.step)?;
                 }
-                return Err(crate::device::oom::diagnose(e, step, phase, engine, cfg, tracker, out));
+                return Err(crate::device::oom::diagnose(e, step, phase, &engine.placement(), cfg, tracker, checkpoint::saved_state(out)));
             }
             Err(e) => return Err(e),
         };
@@ -422,7 +433,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             adam.zero_grad();
             Ok(grad_norm)
         })
-        .map_err(|e| crate::device::oom::diagnose(e, step, "optimizer_step", engine, cfg, tracker, out))?;
+        .map_err(|e| crate::device::oom::diagnose(e, step, "optimizer_step", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?;
         if !acc.loss.is_finite() || !grad_norm.is_finite() {
             counters.skipped_steps += 1;
             consecutive_bad += 1;
@@ -462,7 +473,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
                 ValLog::at(0, &acc)
             } else {
                 crate::error::guard(|| validate(engine, editor, setup.val))
-                    .map_err(|e| crate::device::oom::diagnose(e, counters.step, "validation", engine, cfg, tracker, out))?
+                    .map_err(|e| crate::device::oom::diagnose(e, counters.step, "validation", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?
             };
             v.step = counters.step;
             info!(step = v.step, loss = v.loss, edit_acc = v.edit_acc, loc_kl = v.loc_kl, loc_acc = v.loc_acc, "validation");

@@ -124,6 +124,7 @@ fn report() -> RunReport<BTreeMap<String, f64>> {
         devices: DeviceInfo { main: "cpu".into(), sub: "cpu".into(), split: false },
         dtype: "f32".into(),
         seed: 0,
+        data: None,
         metrics: BTreeMap::new(),
         seconds: BTreeMap::new(),
         memory: BTreeMap::new(),

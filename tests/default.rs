@@ -8,7 +8,8 @@ use dualedit::data::synthetic::WorldConfig;
 use dualedit::demo::{build_default, shipped_root, BuildSpec};
 use dualedit::device::DevicePlan;
 use dualedit::pretrain::PretrainConfig;
-use dualedit::run::{run_eval, Common, EvalOptions, MethodSpec};
+use dualedit::edit::MethodSpec;
+use dualedit::run::{run_eval, Common, EvalOptions};
 use tch::{Device, Kind};
 
 /// The tests of this file run one at a time: the demo's time limit is about the demo, not
@@ -67,6 +68,7 @@ fn shipped_default_meets_its_targets() {
             dtype: Kind::Float,
             seed: 0,
             report: Some(std::env::temp_dir().join(format!("dualedit-default-{}.json", std::process::id()))),
+            over_long: Default::default(),
         },
         method: MethodSpec::Mend { editor: root.join("editor") },
         data: root.join("world/edits-holdout.json"),

@@ -10,11 +10,12 @@ use dualedit::compare::{compare_eval, compare_train};
 use dualedit::config::MendConfig;
 use dualedit::data::DatasetKind;
 use dualedit::device::{memory, DevicePlan};
-use dualedit::run::{Common, EvalOptions, MethodSpec, TrainOptions};
+use dualedit::edit::MethodSpec;
+use dualedit::run::{Common, EvalOptions, TrainOptions};
 use tch::{Device, Kind};
 
 fn common(report: PathBuf) -> Common {
-    Common { model: fixture("gpt2"), plan: DevicePlan::single(Device::Cpu), dtype: Kind::Float, seed: 5, report: Some(report) }
+    Common { model: fixture("gpt2"), plan: DevicePlan::single(Device::Cpu), dtype: Kind::Float, seed: 5, report: Some(report), over_long: Default::default() }
 }
 
 #[test]

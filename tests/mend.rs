@@ -497,7 +497,7 @@ fn inner_in_edit_loss_scores_the_edit_prompt_too() {
     let pad = engine.lm.tokenizer.pad_id();
     let cfg = MendConfig { rank: 16, inner_in_edit_loss: true, ..MendConfig::default() };
     let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
-    let with = EditBatches::for_config(&[&ex[0]], pad, Device::Cpu, &cfg);
+    let with = EditBatches::for_config(&engine, &[&ex[0]], &cfg);
     let without = EditBatches::new(&[&ex[0]], pad, Device::Cpu);
     assert_eq!(with.outer.batch_size(), 2);
     assert_eq!(without.outer.batch_size(), 1);
@@ -519,7 +519,7 @@ fn validation_locality_accuracy_is_the_eval_metric() {
     let cfg = MendConfig { rank: 16, edit_lr: 30.0, ..MendConfig::default() };
     let mut editor = seeded_editor(&engine, &cfg, 1);
     let val = dualedit::train::validate(&engine, &mut editor, &ex).unwrap();
-    let recs = dualedit::eval::evaluate(&engine, &mut dualedit::eval::Method::Mend(editor), &ex, |_, _| {}).unwrap();
+    let recs = dualedit::edit::evaluate(&engine, &mut dualedit::edit::Method::Mend(editor), &ex, |_, _| {}).unwrap();
     let loc: Vec<f64> = recs.iter().map(|r| r.locality.unwrap()).collect();
     let mean = loc.iter().sum::<f64>() / loc.len() as f64;
     assert!((val.loc_acc - mean).abs() < 1e-9, "validation {} vs eval {mean} ({loc:?})", val.loc_acc);

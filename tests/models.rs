@@ -238,3 +238,31 @@ fn lm_head_fast_paths_equal_plain_products() {
     let x = Tensor::randn([2, 3, 48], (Kind::Float, Device::Cpu));
     assert_eq!(dualedit::model::lm_head(&x, &w).size(), vec![2, 3, 5000]);
 }
+
+/// Shapes handed to a forward from outside are checked: a wrong rank, dtype or a mask of
+/// another shape is an input error, not an indexing panic inside the family.
+#[test]
+fn forward_checks_the_ranks_it_is_given() {
+    let none = HashSet::new();
+    for name in ["gpt2", "llama", "qwen2"] {
+        let lm = load_model(&fixture(name), Device::Cpu, Kind::Float).unwrap();
+        let p = ParamView::frozen(&lm.params);
+        let flat = Tensor::from_slice(&[1i64, 2, 3]);
+        let float = Tensor::ones([1, 3], (Kind::Float, Device::Cpu));
+        let ids = Tensor::from_slice(&[1i64, 2, 3]).unsqueeze(0);
+        let short_mask = Tensor::ones([1, 2], (Kind::Int64, Device::Cpu));
+        let cases = [
+            ForwardInput::new(&flat, &none),
+            ForwardInput::new(&float, &none),
+            ForwardInput { attention_mask: Some(&short_mask), ..ForwardInput::new(&ids, &none) },
+            ForwardInput { keep: Some(&short_mask), ..ForwardInput::new(&ids, &none) },
+        ];
+        for input in &cases {
+            match lm.model.forward(&p, input) {
+                Err(dualedit::Error::Input(msg)) => assert!(msg.contains("shape") || msg.contains("ids"), "{name}: {msg}"),
+                other => panic!("{name}: expected an input error, got {:?}", other.map(|o| o.logits.size())),
+            }
+        }
+        assert!(lm.model.forward(&p, &ForwardInput::new(&ids, &none)).is_ok());
+    }
+}

@@ -24,11 +24,12 @@ use dualedit::config::MendConfig;
 use dualedit::data::{EditExample, Example};
 use dualedit::device::memory::{reset_peak, sample};
 use dualedit::device::DevicePlan;
-use dualedit::eval::{make_edit, Method};
+use dualedit::edit::{make_edit, Method};
 use dualedit::mend::checkpoint::{save_state, TrainCounters};
 use dualedit::mend::optim::Adam;
 use dualedit::mend::{losses, Editor, Engine};
 use dualedit::model::gpt2::{Gpt2, Gpt2Config};
+use dualedit::model::llama::{Llama, LlamaConfig};
 use dualedit::model::{random_params, LoadedModel, Model, Tokenizer};
 use dualedit::planner::{plan_dir, plan_model, Group, MemoryPlan, Phase, PlanOptions};
 use dualedit::train::{meta_loss, EditBatches};
@@ -42,6 +43,9 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// One measured configuration.
 struct Case {
     name: &'static str,
+    /// A LLaMA-shaped model with grouped-query attention instead of GPT-2-small: each
+    /// family's `block_saved` is measured against its real forward.
+    llama: bool,
     rank: i64,
     batch: usize,
     tokens: usize,
@@ -56,16 +60,17 @@ struct Case {
 
 const CASES: &[Case] = &[
     // MEND's defaults (rank 1920, last 3 MLPs), one short example.
-    Case { name: "gpt2s-rank1920", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: false, recompute: false },
+    Case { llama: false, name: "gpt2s-rank1920", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: false, recompute: false },
     // Small editor, longer batch, edits from block 4 upward: activations matter more.
-    Case { name: "gpt2s-rank256-deep", rank: 256, batch: 2, tokens: 128, kept: 64, edit_layers: &[4, 6, 8, 10, 11], split: false, recompute: false },
+    Case { llama: false, name: "gpt2s-rank256-deep", rank: 256, batch: 2, tokens: 128, kept: 64, edit_layers: &[4, 6, 8, 10, 11], split: false, recompute: false },
     // The dual-device path on one CPU: the mover's W' copies and logits on "sub". (The
     // replica is not a copy here: `to_device` onto the device a tensor is already on
     // returns the same storage, so the test takes the replica out of the plan.)
-    Case { name: "gpt2s-rank1920-split", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: true, recompute: false },
+    Case { llama: false, name: "gpt2s-rank1920-split", rank: 1920, batch: 1, tokens: 64, kept: 16, edit_layers: &[], split: true, recompute: false },
     // The deep case with recomputation: block inputs and one block's activations instead
     // of every edited block's.
     Case {
+        llama: false,
         name: "gpt2s-rank256-deep-recompute",
         rank: 256,
         batch: 2,
@@ -75,14 +80,28 @@ const CASES: &[Case] = &[
         split: false,
         recompute: true,
     },
+    // LLaMA's gated MLP, RMSNorm and GQA: gate/up/down of the last three blocks edited.
+    Case { llama: true, name: "llama-gqa-rank256", rank: 256, batch: 2, tokens: 128, kept: 32, edit_layers: &[], split: false, recompute: false },
 ];
+
+fn model_of(case: &Case) -> Model {
+    if !case.llama {
+        return gpt2_small();
+    }
+    let config: LlamaConfig = serde_json::from_value(serde_json::json!({
+        "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8,
+        "num_attention_heads": 12, "num_key_value_heads": 4, "max_position_embeddings": 1024,
+    }))
+    .unwrap();
+    Model::new(Llama::new(config, "LlamaForCausalLM").unwrap())
+}
 
 fn gpt2_small() -> Model {
     let config: Gpt2Config = serde_json::from_value(serde_json::json!({
         "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024,
     }))
     .unwrap();
-    Model::Gpt2(Gpt2::new(config).unwrap())
+    Model::new(Gpt2::new(config).unwrap())
 }
 
 fn config_of(case: &Case) -> MendConfig {
@@ -97,7 +116,7 @@ fn config_of(case: &Case) -> MendConfig {
 fn plan_of(case: &Case) -> MemoryPlan {
     let mut opts = PlanOptions::new("cpu", None, Kind::Float, case.tokens as i64, Some(case.kept as i64)).unwrap();
     opts.split = case.split;
-    plan_model(&gpt2_small(), &config_of(case), &opts).unwrap()
+    plan_model(&model_of(case), &config_of(case), &opts).unwrap()
 }
 
 fn rss() -> (u64, u64) {
@@ -144,7 +163,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
     let start = std::time::Instant::now();
 
     let cfg = config_of(case);
-    let model = gpt2_small();
+    let model = model_of(case);
     let vocab = model.info().vocab_size;
     let params = random_params(&model, Device::Cpu, Kind::Float);
     let lm = LoadedModel { dir: "random-gpt2-small".into(), model, params, tokenizer, config_json: serde_json::json!({}) };

@@ -25,6 +25,7 @@ fn options(dir: &Path, out: &str, config: MendConfig, resume: bool) -> TrainOpti
             dtype: Kind::Float,
             seed: 11,
             report: Some(dir.join(format!("{out}-report.json"))),
+            over_long: Default::default(),
         },
         data,
         ds: DatasetKind::Counterfact,

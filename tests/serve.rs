@@ -4,6 +4,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,13 +71,19 @@ fn as_body<T: serde::Serialize>(v: &T) -> String {
 }
 
 fn try_http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> std::io::Result<(u16, Value, String)> {
+    try_http_with(addr, method, path, body, None).map(|(st, v, text, _)| (st, v, text))
+}
+
+/// [`try_http`] with an optional `Authorization` header value; also returns the response head.
+fn try_http_with(addr: SocketAddr, method: &str, path: &str, body: Option<&str>, auth: Option<&str>) -> std::io::Result<(u16, Value, String, String)> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     s.set_write_timeout(Some(Duration::from_secs(30)))?;
     let body = body.unwrap_or("");
+    let auth = auth.map(|a| format!("Authorization: {a}\r\n")).unwrap_or_default();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )?;
     let mut raw = Vec::new();
@@ -93,7 +100,7 @@ fn try_http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> s
     let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
     let payload = if chunked { dechunk(rest) } else { rest.to_string() };
     let value = serde_json::from_str(&payload).map_err(|e| std::io::Error::other(format!("{e}: {payload:?}")))?;
-    Ok((status, value, payload))
+    Ok((status, value, payload, head.to_string()))
 }
 
 fn dechunk(mut s: &str) -> String {
@@ -121,7 +128,8 @@ fn ids(v: &Value) -> Vec<i64> {
 fn edit_generate_save_reset_over_http() {
     let _serial = serial();
     let (session, _editor) = trained_editor_session();
-    let server = Running::start(session, ServeOptions::default());
+    let dir = tempfile::tempdir().unwrap();
+    let server = Running::start(session, ServeOptions { save_root: Some(dir.path().to_path_buf()), ..ServeOptions::default() });
     let a = server.addr;
     let (st, health) = http(a, "GET", "/health", None);
     assert_eq!(st, 200);
@@ -153,9 +161,7 @@ fn edit_generate_save_reset_over_http() {
     let (_, edited) = http_text(a, "POST", "/score", Some(&text));
     assert_ne!(edited, before);
 
-    let dir = tempfile::tempdir().unwrap();
-    let save = json!({ "dir": dir.path().join("edited") }).to_string();
-    let (st, saved) = http(a, "POST", "/save", Some(&save));
+    let (st, saved) = http(a, "POST", "/save", Some(r#"{"dir": "edited"}"#));
     assert_eq!(st, 200, "{saved}");
     assert!(dir.path().join("edited/model.safetensors").is_file());
 
@@ -295,7 +301,9 @@ fn bad_requests_get_the_right_4xx_and_leave_the_session_intact() {
     let _serial = serial();
     let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
     let reference = as_body(&session.score("The capital of France is Paris").unwrap());
-    let server = Running::start(session, ServeOptions { max_body_bytes: 4096, ..ServeOptions::default() });
+    let root = tempfile::tempdir().unwrap();
+    let opts = ServeOptions { max_body_bytes: 4096, save_root: Some(root.path().to_path_buf()), ..ServeOptions::default() };
+    let server = Running::start(session, opts);
     let a = server.addr;
     let long = "word ".repeat(200);
     let valid_edit = r#"{"requests": [{"prompt": "The capital of France is", "target_new": "Rome"}]}"#;
@@ -343,28 +351,122 @@ fn bad_requests_get_the_right_4xx_and_leave_the_session_intact() {
     assert_eq!(stats.client_errors as usize, cases.len(), "{stats:?}");
 }
 
+/// Without `--save-root`, `/save` is refused (403) whatever it names, and nothing is written.
+#[test]
+fn save_is_refused_without_a_save_root() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
+    let server = Running::start(session, ServeOptions::default());
+    for target in [dir.path().join("abs").display().to_string(), "relative".to_string()] {
+        let (st, v) = http(server.addr, "POST", "/save", Some(&json!({ "dir": target }).to_string()));
+        assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{target}: {v}");
+        assert!(v["error"].as_str().unwrap().contains("--save-root"), "{v}");
+    }
+    assert!(!dir.path().join("abs").exists() && !Path::new("relative").exists());
+    let stats = server.stop();
+    assert_eq!((stats.client_errors, stats.model_requests), (2, 0), "{stats:?}");
+}
+
+/// With a save root, `/save` writes only inside it: absolute paths, `..` and symbolic
+/// links out of the root are refused (403) without writing anything.
 #[test]
 fn save_root_confines_saves() {
     let _serial = serial();
-    let root = tempfile::tempdir().unwrap();
+    let top = tempfile::tempdir().unwrap();
+    let root = top.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let outside = top.path().join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    std::os::unix::fs::symlink(&outside, root.join("link-out")).unwrap();
+    std::os::unix::fs::symlink(outside.join("not-yet"), root.join("dangling")).unwrap();
     let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
-    let server = Running::start(session, ServeOptions { save_root: Some(root.path().to_path_buf()), ..ServeOptions::default() });
-    for bad in ["/tmp/x", "../x", "a/../../x"] {
+    let server = Running::start(session, ServeOptions { save_root: Some(root.clone()), ..ServeOptions::default() });
+    let absolute = outside.join("abs").display().to_string();
+    for (bad, needle) in [
+        (absolute.as_str(), "absolute"),
+        ("../x", "\"..\""),
+        ("a/../../x", "\"..\""),
+        ("a/..", "\"..\""),
+        ("link-out", "symbolic link"),
+        ("link-out/m", "symbolic link"),
+        ("dangling", "cannot be resolved"),
+    ] {
         let (st, v) = http(server.addr, "POST", "/save", Some(&json!({ "dir": bad }).to_string()));
-        assert_eq!(st, 400, "{bad}: {v}");
+        assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{bad}: {v}");
+        assert!(v["error"].as_str().unwrap().contains(needle), "{bad}: {v}");
     }
+    assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0, "nothing was written outside the root");
     let (st, v) = http(server.addr, "POST", "/save", Some(r#"{"dir": "m/edited"}"#));
     assert_eq!(st, 200, "{v}");
-    assert!(root.path().join("m/edited/config.json").is_file());
+    assert!(root.join("m/edited/config.json").is_file());
     server.stop();
+}
+
+/// With a token, every request (known route or not) needs `Authorization: Bearer <token>`:
+/// 401 with `WWW-Authenticate` otherwise, and nothing runs on the model.
+#[test]
+fn a_token_is_required_on_every_request() {
+    let _serial = serial();
+    let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
+    let token = "s3cret-token_1";
+    let server = Running::start(session, ServeOptions { token: Some(token.into()), ..ServeOptions::default() });
+    let a = server.addr;
+    let score = r#"{"text": "The capital of France is Paris"}"#;
+    let requests = [("GET", "/health", None), ("GET", "/memory", None), ("POST", "/score", Some(score)), ("POST", "/reset", None), ("GET", "/nope", None)];
+    let wrong = [None, Some("Bearer wrong"), Some("Bearer s3cret-token_"), Some("Bearer s3cret-token_12"), Some("Basic czNjcmV0"), Some(token), Some("Bearer")];
+    let mut refused = 0;
+    for (method, path, body) in requests {
+        for auth in wrong {
+            let (st, v, _, head) = try_http_with(a, method, path, body, auth).unwrap();
+            assert_eq!((st, v["kind"].as_str()), (401, Some("unauthorized")), "{method} {path} {auth:?}: {v}");
+            assert!(head.to_ascii_lowercase().contains("www-authenticate: bearer"), "{head}");
+            refused += 1;
+        }
+    }
+    let bearer = format!("Bearer {token}");
+    let (st, v, _, _) = try_http_with(a, "POST", "/score", Some(score), Some(&bearer)).unwrap();
+    assert_eq!(st, 200, "{v}");
+    // The scheme is case-insensitive.
+    let (st, v, _, _) = try_http_with(a, "GET", "/health", None, Some(&format!("bearer {token}"))).unwrap();
+    assert_eq!((st, v["status"].as_str()), (200, Some("ok")), "{v}");
+    let (st, _, _, _) = try_http_with(a, "GET", "/nope", None, Some(&bearer)).unwrap();
+    assert_eq!(st, 404);
+    let stats = server.stop();
+    assert_eq!(stats.client_errors, refused + 1, "{stats:?}");
+    assert_eq!(stats.model_requests, 1, "only the authorised /score ran: {stats:?}");
+}
+
+/// A non-loopback address needs a token or an explicit `insecure_no_token`; a token must
+/// be something a header can carry; a save root must exist.
+#[test]
+fn bind_refuses_unsafe_settings() {
+    let _serial = serial();
+    let err = Server::bind("0.0.0.0:0", ServeOptions::default()).err().expect("refused").to_string();
+    assert!(err.contains("without a token") && err.contains("--token") && err.contains("--insecure-no-token"), "{err}");
+    assert!(Server::bind("0.0.0.0:0", ServeOptions { insecure_no_token: true, ..ServeOptions::default() }).is_ok());
+    assert!(Server::bind("0.0.0.0:0", ServeOptions { token: Some("t0k".into()), ..ServeOptions::default() }).is_ok());
+    for bad in ["", "has space", "tab\there", "naïve"] {
+        let err = Server::bind("127.0.0.1:0", ServeOptions { token: Some(bad.into()), ..ServeOptions::default() }).err().expect("refused").to_string();
+        assert!(err.contains("printable ASCII"), "{bad:?}: {err}");
+    }
+    let missing = tempfile::tempdir().unwrap().path().join("gone");
+    let err = Server::bind("127.0.0.1:0", ServeOptions { save_root: Some(missing.clone()), ..ServeOptions::default() }).err().expect("refused").to_string();
+    assert!(err.contains("gone") && err.contains("existing directory"), "{err}");
 }
 
 /// `dualedit serve` on port 0; returns the child and the address it printed.
 fn spawn_binary() -> (std::process::Child, SocketAddr, BufReader<std::process::ChildStderr>) {
+    spawn_binary_with(&[], &[])
+}
+
+fn spawn_binary_with(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, SocketAddr, BufReader<std::process::ChildStderr>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_dualedit"))
         .args(["serve", "--model"])
         .arg(fixture("gpt2"))
         .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -431,4 +533,27 @@ fn sigint_and_sigterm_finish_in_flight_requests_and_exit_cleanly() {
         }
         assert!(n > 0, "no request was answered before SIG{signal}");
     }
+}
+
+/// The binary: `DUALEDIT_TOKEN` turns authentication on (a `--token` flag wins over it),
+/// and a non-loopback `--listen` without a token stops before loading anything.
+#[test]
+fn the_binary_takes_its_token_from_the_environment_and_refuses_open_listeners() {
+    let _serial = serial();
+    for (args, env, token) in [(&[][..], &[("DUALEDIT_TOKEN", "from-env")][..], "from-env"), (&["--token", "from-flag"][..], &[("DUALEDIT_TOKEN", "from-env")][..], "from-flag")] {
+        let (mut child, addr, _stderr) = spawn_binary_with(args, env);
+        let (st, _, _, _) = try_http_with(addr, "GET", "/health", None, None).unwrap();
+        assert_eq!(st, 401);
+        let (st, _, _, _) = try_http_with(addr, "GET", "/health", None, Some(&format!("Bearer {token}"))).unwrap();
+        assert_eq!(st, 200, "{args:?}");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        .args(["serve", "--model", "/nonexistent/model", "--listen", "0.0.0.0:0"])
+        .env_remove("DUALEDIT_TOKEN")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("without a token") && err.trim().lines().count() == 1, "{err}");
 }

@@ -10,6 +10,7 @@ use std::path::Path;
 use common::{fixture, records, trained_editor, trained_editor_session};
 use dualedit::data::Example;
 use dualedit::model::{load_model, ForwardInput, KvCache, LoadedModel, ParamView};
+use dualedit::edit::Finish;
 use dualedit::session::{Session, SessionOptions};
 use dualedit::Error;
 use tch::{Device, Kind, Tensor};
@@ -100,8 +101,8 @@ fn bad_input_is_a_typed_error_and_leaves_the_session_intact() {
     let err = Session::open(&fixture("qwen2"), Some(editor_dir.path()), &opts).unwrap_err();
     assert!(matches!(err, Error::File { .. }) && err.to_string().contains("another model"), "{err}");
     // Unknown device / dtype.
-    assert!(matches!(SessionOptions::parse("tpu", None, "f32").unwrap_err(), Error::Device { .. }));
-    assert!(matches!(SessionOptions::parse("cpu", None, "f64").unwrap_err(), Error::Input(_)));
+    assert!(matches!(dualedit::device::DevicePlan::parse("tpu", None).unwrap_err(), Error::Device { .. }));
+    assert!(matches!(dualedit::model::parse_dtype("f64").unwrap_err(), Error::Input(_)));
 
     let mut s = Session::open(&fixture("gpt2"), None, &opts).unwrap();
     let reference = s.score("The capital of France is Paris").unwrap();
@@ -118,7 +119,7 @@ fn bad_input_is_a_typed_error_and_leaves_the_session_intact() {
     let tok = &s.engine().lm.tokenizer;
     let near = (1..).map(|n| "word ".repeat(n)).find(|p| tok.encode(p).unwrap().len() + 4 >= s.max_positions()).unwrap();
     let g = s.generate(&near, 1000).unwrap();
-    assert_eq!(g.finish_reason, "context");
+    assert_eq!(g.finish_reason, Finish::Context);
     assert_eq!(g.prompt_tokens + g.tokens.len(), s.max_positions());
 
     let (engine, editor) = trained_editor();
@@ -230,7 +231,7 @@ fn session_generate_equals_full_recompute_greedy() {
                 }
             }
             assert_eq!(g.tokens, want, "{name}: {prompt:?}");
-            assert_eq!(g.finish_reason, if want.len() == 20 { "length" } else { "eos" });
+            assert_eq!(g.finish_reason, if want.len() == 20 { Finish::Length } else { Finish::Eos });
             assert_eq!(g.text, lm.tokenizer.decode(&want).unwrap());
         }
     }

@@ -92,6 +92,8 @@ impl TokenBatch {
             attention_mask: self.padded.then_some(&self.attention_mask),
             keep: Some(&self.keep),
             capture,
+            position_ids: None,
+            image_embeds: None,
         }
     }
 

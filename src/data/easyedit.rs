@@ -10,7 +10,7 @@
 //! top-level array, matching Python's indexing of the same files.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::str::FromStr;
 
 use serde_json::{Map, Value};
@@ -192,38 +192,6 @@ pub fn split_holdout(
     let at = records.len().saturating_sub(holdout);
     let held_out = records.split_off(at);
     (records, held_out)
-}
-
-/// Environment variable that turns a missing shared-data folder from a skip into a failure,
-/// so CI (which has the data) cannot pass by silently skipping the real-data tests.
-pub const REQUIRE_SHARED_ENV: &str = "DUALEDIT_REQUIRE_SHARED";
-
-/// Locate the read-only shared datasets (`../shared/data` next to the crate) for tests and
-/// benchmarks that use real files.
-///
-/// The data is kept outside the repository, so it may be absent on a fresh checkout:
-/// returns `Some(dir)` if the folder exists; otherwise prints
-/// `SKIP: ../shared/data not found (...)` to stderr and returns `None` so the caller can
-/// return early — unless `DUALEDIT_REQUIRE_SHARED=1`, in which case it panics.
-pub fn shared_data_dir() -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("shared")
-        .join("data");
-    if dir.is_dir() {
-        return Some(dir.canonicalize().unwrap_or(dir));
-    }
-    if std::env::var(REQUIRE_SHARED_ENV).is_ok_and(|v| v.trim() == "1") {
-        panic!(
-            "../shared/data not found (looked in {}) and {REQUIRE_SHARED_ENV}=1 requires it",
-            dir.display()
-        );
-    }
-    eprintln!(
-        "SKIP: ../shared/data not found (looked in {}); set {REQUIRE_SHARED_ENV}=1 to make this a failure",
-        dir.display()
-    );
-    None
 }
 
 // ---------------------------------------------------------------------------------------
@@ -820,41 +788,5 @@ mod tests {
         assert_eq!((train.len(), held.len()), (5, 0));
         let (train, held) = split_holdout(recs, 9);
         assert_eq!((train.len(), held.len()), (0, 5));
-    }
-
-    #[test]
-    fn real_shared_files() {
-        let Some(dir) = shared_data_dir() else { return };
-
-        let (zsre, report) =
-            load_records(&dir.join("zsre/zsre_mend_train-1k.json"), DatasetKind::Zsre).unwrap();
-        assert_eq!(zsre.len() + report.skipped.len(), 1000);
-        assert_eq!(zsre.len(), 998);
-        assert_eq!(report.skipped.len(), 2);
-        assert!(
-            report
-                .skipped
-                .iter()
-                .all(|(_, why)| why.contains("\"alt\"")),
-            "{:?}",
-            report.skipped
-        );
-        assert!(zsre
-            .iter()
-            .all(|r| r.ground_truth.is_some() && r.locality_prompt.is_some()));
-
-        for (file, n) in [
-            ("counterfact/counterfact-train.json", 10000),
-            ("counterfact/counterfact-val.json", 1919),
-        ] {
-            for kind in [DatasetKind::Counterfact, DatasetKind::Requests] {
-                let (recs, report) = load_records(&dir.join(file), kind).unwrap();
-                assert_eq!(recs.len(), n, "{file} as {kind}");
-                assert!(report.skipped.is_empty(), "{file}: {:?}", report.skipped);
-                assert!(recs
-                    .iter()
-                    .all(|r| r.rephrase.is_some() && r.locality_ground_truth.is_some()));
-            }
-        }
     }
 }

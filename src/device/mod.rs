@@ -12,27 +12,55 @@ pub use mover::{Mover, MoverStats};
 
 use crate::{Error, Result};
 
+/// A device as the command line names it: `cpu`, `cuda` (= `cuda:0`) or `cuda:N`. The one
+/// parser of device names; [`parse_device`] adds the check that the device exists here,
+/// which the planner (planning for another machine) leaves out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceName {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceName {
+    type Err = Error;
+
+    fn from_str(name: &str) -> Result<Self> {
+        match name.trim() {
+            "cpu" => Ok(DeviceName::Cpu),
+            "cuda" => Ok(DeviceName::Cuda(0)),
+            s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(i)) => Ok(DeviceName::Cuda(i)),
+                _ => Err(Error::Device { name: name.to_string(), msg: "expected cpu, cuda or cuda:N".into() }),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceName::Cpu => write!(f, "cpu"),
+            DeviceName::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
 /// Parses `cpu`, `cuda` or `cuda:N`, and checks the device exists on this machine.
 pub fn parse_device(name: &str) -> Result<Device> {
     let err = |msg: String| Error::Device { name: name.to_string(), msg };
-    let device = match name.trim() {
-        "cpu" => return Ok(Device::Cpu),
-        "cuda" => Device::Cuda(0),
-        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(i)) => Device::Cuda(i),
-            _ => return Err(err("expected cpu, cuda or cuda:N".into())),
-        },
-    };
-    let count = tch::Cuda::device_count() as usize;
-    if let Device::Cuda(i) = device {
-        if count == 0 {
-            return Err(err("CUDA is not available on this machine (no GPU seen by libtorch)".into()));
-        }
-        if i >= count {
-            return Err(err(format!("this machine has {count} CUDA device(s)")));
+    match name.parse::<DeviceName>()? {
+        DeviceName::Cpu => Ok(Device::Cpu),
+        DeviceName::Cuda(i) => {
+            let count = tch::Cuda::device_count() as usize;
+            if count == 0 {
+                return Err(err("CUDA is not available on this machine (no GPU seen by libtorch)".into()));
+            }
+            if i >= count {
+                return Err(err(format!("this machine has {count} CUDA device(s)")));
+            }
+            Ok(Device::Cuda(i))
         }
     }
-    Ok(device)
 }
 
 /// The main device (frozen model, editor, optimiser) and the sub-device (replica of the

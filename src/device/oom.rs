@@ -6,19 +6,27 @@ use tch::Kind;
 
 use super::memory::{format_bytes, MemoryTracker};
 use crate::config::MendConfig;
-use crate::mend::Engine;
 use crate::Error;
 
+/// What the advice depends on besides the config: how the run is placed.
+#[derive(Debug, Clone, Copy)]
+pub struct Placement {
+    /// Whether the edited forwards already run on a sub-device.
+    pub split: bool,
+    /// Dtype of the model weights.
+    pub weights: Kind,
+}
+
 /// Builds the error a run stops with after `err` at optimiser step `step` (the message says
-/// where the training state is, if one was saved in `out`).
+/// where the training state is when `saved_state` names the folder holding one).
 pub fn diagnose(
     err: Error,
     step: usize,
     phase: &str,
-    engine: &Engine,
+    placement: &Placement,
     cfg: &MendConfig,
     tracker: &mut MemoryTracker,
-    out: &Path,
+    saved_state: Option<&Path>,
 ) -> Error {
     let _ = tracker.mark("failure");
     let what = match &err {
@@ -36,13 +44,12 @@ pub fn diagnose(
         ));
     }
     msg.push_str("  what would make it fit:\n");
-    for a in advice(engine, cfg) {
+    for a in advice(placement, cfg) {
         msg.push_str(&format!("    - {a}\n"));
     }
-    if out.join(crate::mend::checkpoint::STATE_FILE).exists() {
-        msg.push_str(&format!("  training state saved in {} (continue with --resume)", out.display()));
-    } else {
-        msg.push_str("  no training state was saved yet");
+    match saved_state {
+        Some(dir) => msg.push_str(&format!("  training state saved in {} (continue with --resume)", dir.display())),
+        None => msg.push_str("  no training state was saved yet"),
     }
     match err {
         Error::OutOfMemory(_) => Error::OutOfMemory(msg),
@@ -51,12 +58,12 @@ pub fn diagnose(
 }
 
 /// Changes that reduce the peak, most effective first, given the current setup.
-pub fn advice(engine: &Engine, cfg: &MendConfig) -> Vec<String> {
+pub fn advice(placement: &Placement, cfg: &MendConfig) -> Vec<String> {
     let mut out = Vec::new();
-    if !engine.plan.split {
+    if !placement.split {
         out.push("run the edited forwards on a second device: --sub-device cuda:1 (or --sub-device cpu)".into());
     }
-    if engine.lm.params.kind() == Kind::Float {
+    if placement.weights == Kind::Float {
         out.push("load the model in bf16 (--dtype bf16): weights and activations take half the memory; editor maths stays f32".into());
     }
     if !cfg.recompute {

@@ -18,6 +18,11 @@ use crate::{Error, Result};
 pub const EDITOR_FILE: &str = "editor.safetensors";
 pub const EDITOR_JSON: &str = "editor.json";
 pub const STATE_FILE: &str = "train_state.safetensors";
+
+/// `out` when it holds a training state to resume from (for error messages).
+pub fn saved_state(out: &std::path::Path) -> Option<&std::path::Path> {
+    out.join(STATE_FILE).exists().then_some(out)
+}
 const FORMAT: &str = "dualedit-mend-editor/1";
 const META_KEY: &str = "dualedit";
 

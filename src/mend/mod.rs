@@ -14,7 +14,7 @@ use tracing::info;
 
 pub use editor::{EditedParam, Editor, Factors};
 
-use crate::data::TokenBatch;
+use crate::data::{Example, TokenBatch};
 use crate::device::worker::Worker;
 use crate::device::{DevicePlan, Mover};
 use crate::model::{lm_head, lm_head_input_grad, LoadedModel, LowRank, Overrides, ParamStore, ParamView, WeightLayout};
@@ -104,6 +104,17 @@ impl Engine {
             None => None,
         };
         Ok(Self { mover: Mover::new(&plan), lm, replica, plan, edit_params, capture_set, sub_worker })
+    }
+
+    /// One padded batch of `examples` on the main device, where the capture and the
+    /// unedited forwards run (the mover takes it to the sub-device for edited forwards).
+    pub fn collate(&self, examples: &[&Example]) -> TokenBatch {
+        TokenBatch::collate(examples, self.lm.tokenizer.pad_id(), self.plan.main)
+    }
+
+    /// How this engine is placed, for out-of-memory advice.
+    pub fn placement(&self) -> crate::device::oom::Placement {
+        crate::device::oom::Placement { split: self.plan.split, weights: self.lm.params.kind() }
     }
 
     pub fn edit_names(&self) -> Vec<String> {

@@ -21,8 +21,7 @@
 use serde::Serialize;
 
 use crate::data::TokenBatch;
-use crate::eval::Method;
-use crate::mend::{EditShape, Engine};
+use crate::mend::{EditShape, Editor, Engine};
 use crate::model::Overrides;
 use crate::Result;
 
@@ -43,19 +42,12 @@ impl Default for Stepwise {
     }
 }
 
-/// One step's edit of `inner` on the engine's current weights (not committed). Methods
-/// other than MEND make their usual edit, scaled.
-pub fn step(engine: &Engine, method: &mut Method, inner: &TokenBatch, sw: &Stepwise) -> Result<Overrides> {
-    let ov = match method {
-        Method::Mend(editor) => {
-            let _g = tch::no_grad_guard();
-            let (_, factors) = engine.capture(inner)?;
-            let clip = std::mem::replace(&mut editor.input_clip, sw.input_clip);
-            let ov = engine.edit_low_rank_shaped(editor, &factors, false, &sw.shape);
-            editor.input_clip = clip;
-            ov?
-        }
-        other => crate::eval::make_edit(engine, other, inner)?,
-    };
-    crate::mend::guard::scale_overrides(engine, &ov, sw.scale)
+/// One step's edit of `inner` on the engine's current weights (not committed).
+pub fn step(engine: &Engine, editor: &mut Editor, inner: &TokenBatch, sw: &Stepwise) -> Result<Overrides> {
+    let _g = tch::no_grad_guard();
+    let (_, factors) = engine.capture(inner)?;
+    let clip = std::mem::replace(&mut editor.input_clip, sw.input_clip);
+    let ov = engine.edit_low_rank_shaped(editor, &factors, false, &sw.shape);
+    editor.input_clip = clip;
+    crate::mend::guard::scale_overrides(engine, &ov?, sw.scale)
 }

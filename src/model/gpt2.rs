@@ -4,15 +4,16 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Deserialize;
 use tch::Tensor;
 
-use super::{activation, attend, check_activation, check_sizes, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH, linear_captured, position_ids, AttnMask};
+use super::family::{BlockSaved, Dims, Family, MatmulSaves};
+use super::{attend, check_sizes, linear_captured, position_ids, Activation, AttnMask, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH};
 use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
     1e-5
 }
-fn default_act() -> String {
-    "gelu_new".into()
+fn default_act() -> Activation {
+    Activation::GeluTanh
 }
 fn default_true() -> bool {
     true
@@ -31,7 +32,7 @@ pub struct Gpt2Config {
     #[serde(default = "default_eps")]
     pub layer_norm_epsilon: f64,
     #[serde(default = "default_act")]
-    pub activation_function: String,
+    pub activation_function: Activation,
     #[serde(default = "default_true")]
     pub scale_attn_weights: bool,
     #[serde(default)]
@@ -64,7 +65,6 @@ impl Gpt2 {
                 "unsupported GPT-2 attention options (scale_attn_weights=false, scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn)",
             ));
         }
-        check_activation(&c.activation_function)?;
         Ok(Self { config })
     }
 
@@ -72,7 +72,15 @@ impl Gpt2 {
         self.config.n_inner.unwrap_or(4 * self.config.n_embd)
     }
 
-    pub fn info(&self) -> ModelInfo {
+    fn layer_norm(p: &ParamView, prefix: &str, x: &Tensor, eps: f64) -> Result<Tensor> {
+        let w = p.get(&format!("{prefix}.weight"))?;
+        let b = p.get(&format!("{prefix}.bias"))?;
+        Ok(x.layer_norm([*x.size().last().unwrap_or(&1)], Some(w), Some(b), eps, false))
+    }
+}
+
+impl Family for Gpt2 {
+    fn info(&self) -> ModelInfo {
         let n_params = self.expected_params().iter().map(|(_, s)| s.iter().product::<i64>()).sum();
         ModelInfo {
             architecture: "GPT2LMHeadModel".into(),
@@ -84,7 +92,7 @@ impl Gpt2 {
         }
     }
 
-    pub fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
+    fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
         let (d, f, v) = (self.config.n_embd, self.inner(), self.config.vocab_size);
         let mut out = vec![
             ("transformer.wte.weight".to_string(), vec![v, d]),
@@ -114,7 +122,7 @@ impl Gpt2 {
         out
     }
 
-    pub fn layout(&self, name: &str) -> Option<WeightLayout> {
+    fn layout(&self, name: &str) -> Option<WeightLayout> {
         let is_linear = name.starts_with("transformer.h.")
             && [".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"]
                 .iter()
@@ -122,7 +130,7 @@ impl Gpt2 {
         is_linear.then_some(WeightLayout::Conv1d)
     }
 
-    pub fn default_edit_params(&self) -> Vec<String> {
+    fn default_edit_params(&self) -> Vec<String> {
         let n = self.config.n_layer;
         ((n - 3).max(0)..n)
             .flat_map(|i| {
@@ -131,15 +139,22 @@ impl Gpt2 {
             .collect()
     }
 
-    fn layer_norm(p: &ParamView, prefix: &str, x: &Tensor, eps: f64) -> Result<Tensor> {
-        let w = p.get(&format!("{prefix}.weight"))?;
-        let b = p.get(&format!("{prefix}.bias"))?;
-        Ok(x.layer_norm([*x.size().last().unwrap_or(&1)], Some(w), Some(b), eps, false))
+    fn block_prefix(&self) -> &'static str {
+        "transformer.h."
+    }
+
+    /// Checkpoints written by older code lack the `transformer.` prefix.
+    fn canonical_name(&self, name: &str) -> String {
+        if name.starts_with("transformer.") || name.starts_with("lm_head.") {
+            name.to_string()
+        } else {
+            format!("transformer.{name}")
+        }
     }
 
     /// Token + position embeddings, and what every block shares.
-    pub(crate) fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
-        let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
+    fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
+        let (b, t) = input.dims()?;
         let mut pos = position_ids(input.input_ids, input.attention_mask);
         if past > 0 {
             pos += past;
@@ -151,8 +166,7 @@ impl Gpt2 {
     }
 
     /// Block `i`: attention and MLP, each behind a pre-norm and a residual connection.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn block(
+    fn block(
         &self,
         p: &ParamView,
         i: usize,
@@ -182,18 +196,70 @@ impl Gpt2 {
         let x = x + y;
         let h = Self::layer_norm(p, &format!("{pre}.ln_2"), &x, c.layer_norm_epsilon)?;
         let h = linear_captured(p, capture, captures, conv, &format!("{pre}.mlp.c_fc"), &h, true)?;
-        let h = activation(&c.activation_function, &h);
+        let h = c.activation_function.apply(&h);
         let h = linear_captured(p, capture, captures, conv, &format!("{pre}.mlp.c_proj"), &h, true)?;
         Ok(x + h)
     }
 
     /// Final layer norm over the last block's output.
-    pub(crate) fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
+    fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
         Self::layer_norm(p, "transformer.ln_f", x, self.config.layer_norm_epsilon)
     }
 
     /// The LM head's weight (tied to the token embedding).
-    pub(crate) fn head_weight_name(&self) -> &'static str {
+    fn head_weight_name(&self) -> &'static str {
         "transformer.wte.weight"
+    }
+
+    fn dims(&self) -> Dims {
+        let c = &self.config;
+        Dims { d: c.n_embd, f: self.inner(), heads: c.n_head, q: c.n_embd, kv: c.n_embd, gqa: false, n_layers: c.n_layer, vocab: c.vocab_size }
+    }
+
+    /// Follows [`Family::block`] op by op: LayerNorm saves its input, mean and rstd; a
+    /// matmul saves its input when its weight is edited and the weight when its input
+    /// requires grad; SDPA saves q, k, v, its output and the logsumexp; GELU its input.
+    fn block_saved(&self, s: i64, res_rg: bool, edited: &[String]) -> BlockSaved {
+        let Dims { d, f, heads: h, .. } = self.dims();
+        let mut mm = MatmulSaves::new(edited);
+        let mut bytes = 0i64;
+        if res_rg {
+            bytes += d * s + 8; // ln_1: input, mean, rstd (f32)
+        }
+        if mm.is_edited("attn.c_attn") {
+            bytes += d * s; // ln_1 output, input of an edited matmul
+        }
+        let qkv_rg = mm.matmul(res_rg, "attn.c_attn");
+        if qkv_rg {
+            bytes += 3 * d * s + d * s + h * 4; // SDPA: q, k, v (one qkv tensor), output, logsumexp
+        }
+        if mm.is_edited("attn.c_proj") {
+            bytes += d * s; // contiguous copy of the attention output
+        }
+        let a_rg = mm.matmul(qkv_rg, "attn.c_proj");
+        let x1_rg = res_rg || a_rg;
+        if x1_rg {
+            bytes += d * s + 8; // ln_2
+        }
+        if mm.is_edited("mlp.c_fc") {
+            bytes += d * s;
+        }
+        let fc_rg = mm.matmul(x1_rg, "mlp.c_fc");
+        if fc_rg {
+            bytes += f * s; // gelu input
+        }
+        if mm.is_edited("mlp.c_proj") {
+            bytes += f * s; // gelu output
+        }
+        let o_rg = mm.matmul(fc_rg, "mlp.c_proj");
+        BlockSaved { per_token: bytes, output_requires_grad: x1_rg || o_rg, weights_kept: mm.kept }
+    }
+
+    fn final_norm_saved(&self, s: i64) -> i64 {
+        self.config.n_embd * s + 8
+    }
+
+    fn inference_working_set(&self, s: i64) -> i64 {
+        (2 * self.config.n_embd + 3 * self.inner()) * s
     }
 }

@@ -8,15 +8,16 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
-use super::{activation, attend, check_activation, check_sizes, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH, linear_captured, position_ids, AttnMask};
+use super::family::{BlockSaved, Dims, Family, MatmulSaves};
+use super::{attend, check_sizes, linear_captured, position_ids, Activation, AttnMask, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH};
 use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
     1e-6
 }
-fn default_act() -> String {
-    "silu".into()
+fn default_act() -> Activation {
+    Activation::Silu
 }
 
 /// The fields of a LLaMA / Qwen2 `config.json` that the forward uses.
@@ -47,7 +48,7 @@ pub struct LlamaConfig {
     #[serde(default)]
     pub mlp_bias: bool,
     #[serde(default = "default_act")]
-    pub hidden_act: String,
+    pub hidden_act: Activation,
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
 }
@@ -88,7 +89,6 @@ impl Llama {
                 return Err(Error::input(format!("rope scaling of type {kind:?} is not supported")));
             }
         }
-        check_activation(&c.hidden_act)?;
         let qkv_bias = architecture == "Qwen2ForCausalLM" || c.attention_bias;
         Ok(Self { config, architecture: architecture.to_string(), qkv_bias })
     }
@@ -106,7 +106,29 @@ impl Llama {
         self.config.head_dim.unwrap_or(self.config.hidden_size / self.config.num_attention_heads)
     }
 
-    pub fn info(&self) -> ModelInfo {
+    /// RMSNorm computed in f32 and cast back, as transformers does.
+    fn rms_norm(&self, p: &ParamView, name: &str, x: &Tensor) -> Result<Tensor> {
+        let w = p.get(name)?;
+        let xf = x.to_kind(Kind::Float);
+        let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed = (xf * (var + self.config.rms_norm_eps).rsqrt()).to_kind(x.kind());
+        Ok(w * normed)
+    }
+
+    /// cos/sin tables `[B, 1, T, head_dim]` for the given positions.
+    fn rope(&self, pos: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+        let hd = self.head_dim();
+        let device = pos.device();
+        let exponents = Tensor::arange_start_step(0, hd, 2, (Kind::Int64, device)).to_kind(Kind::Float) / hd as f64;
+        let inv_freq = Tensor::from(self.rope_theta() as f32).to_device(device).pow(&exponents).reciprocal();
+        let freqs = pos.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
+        let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
+        (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+    }
+}
+
+impl Family for Llama {
+    fn info(&self) -> ModelInfo {
         let n_params = self.expected_params().iter().map(|(_, s)| s.iter().product::<i64>()).sum();
         ModelInfo {
             architecture: self.architecture.clone(),
@@ -118,7 +140,7 @@ impl Llama {
         }
     }
 
-    pub fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
+    fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
         let c = &self.config;
         let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let (q, kv) = (c.num_attention_heads * self.head_dim(), self.kv_heads() * self.head_dim());
@@ -158,7 +180,7 @@ impl Llama {
         out
     }
 
-    pub fn layout(&self, name: &str) -> Option<WeightLayout> {
+    fn layout(&self, name: &str) -> Option<WeightLayout> {
         let is_linear = name.starts_with("model.layers.")
             && name.ends_with("_proj.weight")
             && (name.contains(".self_attn.") || name.contains(".mlp."));
@@ -166,7 +188,7 @@ impl Llama {
     }
 
     /// EasyEdit's choice: gate/up/down for LLaMA, up/down for Qwen2.
-    pub fn default_edit_params(&self) -> Vec<String> {
+    fn default_edit_params(&self) -> Vec<String> {
         let n = self.config.num_hidden_layers;
         let mats: &[&str] = if self.architecture == "Qwen2ForCausalLM" {
             &["up_proj", "down_proj"]
@@ -178,29 +200,13 @@ impl Llama {
             .collect()
     }
 
-    /// RMSNorm computed in f32 and cast back, as transformers does.
-    fn rms_norm(&self, p: &ParamView, name: &str, x: &Tensor) -> Result<Tensor> {
-        let w = p.get(name)?;
-        let xf = x.to_kind(Kind::Float);
-        let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-        let normed = (xf * (var + self.config.rms_norm_eps).rsqrt()).to_kind(x.kind());
-        Ok(w * normed)
-    }
-
-    /// cos/sin tables `[B, 1, T, head_dim]` for the given positions.
-    fn rope(&self, pos: &Tensor, kind: Kind) -> (Tensor, Tensor) {
-        let hd = self.head_dim();
-        let device = pos.device();
-        let exponents = Tensor::arange_start_step(0, hd, 2, (Kind::Int64, device)).to_kind(Kind::Float) / hd as f64;
-        let inv_freq = Tensor::from(self.rope_theta() as f32).to_device(device).pow(&exponents).reciprocal();
-        let freqs = pos.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
-        let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
-        (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+    fn block_prefix(&self) -> &'static str {
+        "model.layers."
     }
 
     /// Token embeddings, and what every block shares (mask, rotary tables).
-    pub(crate) fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
-        let (b, t) = (input.input_ids.size()[0], input.input_ids.size()[1]);
+    fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
+        let (b, t) = input.dims()?;
         let mask = AttnMask::new(input.attention_mask, t, past, input.input_ids.device());
         let x = Tensor::embedding(p.get("model.embed_tokens.weight")?, input.input_ids, -1, false, false);
         let mut pos = position_ids(input.input_ids, input.attention_mask);
@@ -213,8 +219,7 @@ impl Llama {
 
     /// Block `i`: grouped-query attention with rotary positions and a gated MLP, each
     /// behind an RMSNorm and a residual connection.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn block(
+    fn block(
         &self,
         p: &ParamView,
         i: usize,
@@ -259,18 +264,93 @@ impl Llama {
         let h = self.rms_norm(p, &format!("{pre}.post_attention_layernorm.weight"), &x)?;
         let g = linear_captured(p, cap, captures, lin, &format!("{pre}.mlp.gate_proj"), &h, c.mlp_bias)?;
         let u = linear_captured(p, cap, captures, lin, &format!("{pre}.mlp.up_proj"), &h, c.mlp_bias)?;
-        let m = activation(&c.hidden_act, &g) * u;
+        let m = c.hidden_act.apply(&g) * u;
         let m = linear_captured(p, cap, captures, lin, &format!("{pre}.mlp.down_proj"), &m, c.mlp_bias)?;
         Ok(x + m)
     }
 
     /// Final RMSNorm over the last block's output.
-    pub(crate) fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
+    fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
         self.rms_norm(p, "model.norm.weight", x)
     }
 
     /// The LM head's weight (or the tied embedding).
-    pub(crate) fn head_weight_name(&self) -> &'static str {
+    fn head_weight_name(&self) -> &'static str {
         if self.config.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" }
+    }
+
+    fn dims(&self) -> Dims {
+        let c = &self.config;
+        let kvh = self.kv_heads();
+        Dims {
+            d: c.hidden_size,
+            f: c.intermediate_size,
+            heads: c.num_attention_heads,
+            q: c.num_attention_heads * self.head_dim(),
+            kv: kvh * self.head_dim(),
+            gqa: kvh != c.num_attention_heads,
+            n_layers: c.num_hidden_layers,
+            vocab: c.vocab_size,
+        }
+    }
+
+    /// Follows [`Family::block`] op by op: RMSNorm (in f32) saves its input as f32 and
+    /// the rsqrt; a matmul saves its input when its weight is edited and the weight when
+    /// its input requires grad; SDPA saves the rotated q, k, v (after the GQA repeat),
+    /// output and logsumexp; the gated MLP saves the SiLU input, its output and `up`.
+    fn block_saved(&self, s: i64, res_rg: bool, edited: &[String]) -> BlockSaved {
+        let Dims { d, f, heads: h, q, kv, gqa, .. } = self.dims();
+        let mut mm = MatmulSaves::new(edited);
+        let mut bytes = 0i64;
+        if res_rg {
+            bytes += d * 4 + 4; // RMSNorm in f32: input (as f32), rsqrt
+        }
+        if mm.is_edited("self_attn.q_proj") || mm.is_edited("self_attn.k_proj") || mm.is_edited("self_attn.v_proj") {
+            bytes += d * s;
+        }
+        let q_rg = mm.matmul(res_rg, "self_attn.q_proj");
+        let k_rg = mm.matmul(res_rg, "self_attn.k_proj");
+        let v_rg = mm.matmul(res_rg, "self_attn.v_proj");
+        let att_rg = q_rg || k_rg || v_rg;
+        if att_rg {
+            let kvw = if gqa { q } else { kv };
+            bytes += q * s + 2 * kvw * s + q * s + h * 4; // SDPA: rotated q, k, v, output, logsumexp
+        }
+        if mm.is_edited("self_attn.o_proj") {
+            bytes += q * s;
+        }
+        let o_rg = mm.matmul(att_rg, "self_attn.o_proj");
+        let x1_rg = res_rg || o_rg;
+        if x1_rg {
+            bytes += d * 4 + 4;
+        }
+        if mm.is_edited("mlp.gate_proj") || mm.is_edited("mlp.up_proj") {
+            bytes += d * s;
+        }
+        let g_rg = mm.matmul(x1_rg, "mlp.gate_proj");
+        let u_rg = mm.matmul(x1_rg, "mlp.up_proj");
+        if g_rg {
+            bytes += f * s; // silu input
+        }
+        if u_rg {
+            bytes += f * s; // act, saved by act·u for u's gradient
+        }
+        if g_rg {
+            bytes += f * s; // u, saved for act's gradient
+        }
+        if mm.is_edited("mlp.down_proj") {
+            bytes += f * s;
+        }
+        let m_rg = mm.matmul(g_rg || u_rg, "mlp.down_proj");
+        BlockSaved { per_token: bytes, output_requires_grad: x1_rg || m_rg, weights_kept: mm.kept }
+    }
+
+    fn final_norm_saved(&self, _s: i64) -> i64 {
+        self.config.hidden_size * 4 + 4
+    }
+
+    fn inference_working_set(&self, s: i64) -> i64 {
+        let (d, f) = (self.config.hidden_size, self.config.intermediate_size);
+        (2 * d + 4 * f) * s + d * 4
     }
 }

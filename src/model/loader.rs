@@ -9,8 +9,9 @@ use crate::io::kind_of;
 use tch::{Device, Kind, Tensor};
 use tracing::{debug, info};
 
-use super::gpt2::{Gpt2, Gpt2Config};
+use super::gpt2::Gpt2;
 use super::llama::{Llama, LlamaConfig};
+use super::qwen2_vl::Qwen2Vl;
 use super::{Model, ParamStore, Tokenizer};
 use crate::{Error, Result};
 
@@ -44,6 +45,27 @@ fn read_json(path: &Path) -> Result<serde_json::Value> {
     serde_json::from_str(&text).map_err(|e| Error::file(path, format!("malformed JSON: {e}")))
 }
 
+/// Builds a family from its `config.json` (parsed) and the architecture name.
+type Build = fn(&str, &serde_json::Value) -> Result<Model>;
+
+fn build<C: serde::de::DeserializeOwned, F: super::Family + 'static>(
+    json: &serde_json::Value,
+    new: impl FnOnce(C) -> Result<F>,
+) -> Result<Model> {
+    let cfg = serde_json::from_value::<C>(json.clone()).map_err(|e| Error::input(e.to_string()))?;
+    Ok(Model::new(new(cfg)?))
+}
+
+/// Every supported architecture (`architectures[0]` of `config.json`) and its family.
+pub const FAMILIES: &[(&str, Build)] = &[
+    ("GPT2LMHeadModel", |_, j| build(j, Gpt2::new)),
+    ("LlamaForCausalLM", |a, j| build(j, |c: LlamaConfig| Llama::new(c, a))),
+    ("Qwen2ForCausalLM", |a, j| build(j, |c: LlamaConfig| Llama::new(c, a))),
+    ("MistralForCausalLM", |a, j| build(j, |c: LlamaConfig| Llama::new(c, a))),
+    ("Qwen2VLForConditionalGeneration", |a, j| Ok(Model::new(Qwen2Vl::from_json(j, a)?))),
+    ("Qwen2_5_VLForConditionalGeneration", |a, j| Ok(Model::new(Qwen2Vl::from_json(j, a)?))),
+];
+
 /// Builds the architecture named by `architectures[0]` in `config.json`.
 pub fn read_config(dir: &Path) -> Result<(Model, serde_json::Value)> {
     let path = dir.join("config.json");
@@ -54,23 +76,11 @@ pub fn read_config(dir: &Path) -> Result<(Model, serde_json::Value)> {
         .and_then(|a| a.as_str())
         .ok_or_else(|| Error::file(&path, "no \"architectures\" entry naming the model class"))?
         .to_string();
-    let bad = |e: serde_json::Error| Error::file(&path, format!("invalid {arch} config: {e}"));
-    let wrap = |e: Error| Error::file(&path, e.to_string());
-    let model = match arch.as_str() {
-        "GPT2LMHeadModel" => Model::Gpt2(Gpt2::new(serde_json::from_value::<Gpt2Config>(json.clone()).map_err(bad)?).map_err(wrap)?),
-        "LlamaForCausalLM" | "Qwen2ForCausalLM" | "MistralForCausalLM" => {
-            let cfg = serde_json::from_value::<LlamaConfig>(json.clone()).map_err(bad)?;
-            Model::Llama(Llama::new(cfg, &arch).map_err(wrap)?)
-        }
-        other => {
-            return Err(Error::file(
-                &path,
-                format!(
-                    "unknown architecture {other:?} (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)"
-                ),
-            ))
-        }
+    let Some((_, build)) = FAMILIES.iter().find(|(name, _)| *name == arch) else {
+        let known: Vec<&str> = FAMILIES.iter().map(|(n, _)| *n).collect();
+        return Err(Error::file(&path, format!("unknown architecture {arch:?} (supported: {})", known.join(", "))));
     };
+    let model = build(&arch, &json).map_err(|e| Error::file(&path, format!("invalid {arch} config: {e}")))?;
     Ok((model, json))
 }
 
@@ -94,16 +104,6 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         return Ok(vec![single]);
     }
     Err(Error::file(dir, "no model.safetensors or model.safetensors.index.json (only safetensors weights are supported)"))
-}
-
-/// GPT-2 checkpoints written by older code lack the `transformer.` prefix.
-fn canonical_name(model: &Model, name: &str) -> String {
-    match model {
-        Model::Gpt2(_) if !name.starts_with("transformer.") && !name.starts_with("lm_head.") => {
-            format!("transformer.{name}")
-        }
-        _ => name.to_string(),
-    }
 }
 
 /// Block index of a per-block tensor name (`transformer.h.7.…`, `model.layers.7.…`).
@@ -138,7 +138,7 @@ pub fn read_weights(model: &Model, files: &[PathBuf], device: Device, kind: Kind
         let st = SafeTensors::deserialize(&mmap)
             .map_err(|e| Error::file(path, format!("not a valid safetensors file (truncated or corrupt?): {e}")))?;
         for (name, view) in st.tensors() {
-            let name = canonical_name(model, &name);
+            let name = model.family().canonical_name(&name);
             let Some(shape) = expected.get(&name) else {
                 if let Some(i) = block_index(&name).filter(|&i| i >= n_layers) {
                     return Err(Error::file(

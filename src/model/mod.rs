@@ -3,17 +3,21 @@
 //! Every forward is functional (weights come from a [`ParamView`]) and reports, for the
 //! linear layers the caller names, their input `x` and output `h`: tch has no hooks, and
 //! MEND reads its gradient factors from exactly those two tensors.
+pub mod family;
 pub mod gpt2;
 pub mod llama;
 pub mod loader;
 pub mod params;
+pub mod qwen2_vl;
 pub mod recompute;
 pub mod tokenizer;
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 
 use tch::{Device, Tensor};
 
+pub use family::Family;
 pub use loader::{load_model, parse_dtype, random_params, LoadedModel};
 pub use params::{LowRank, Overrides, ParamStore, ParamView};
 pub use tokenizer::Tokenizer;
@@ -106,11 +110,36 @@ pub struct ForwardInput<'a> {
     pub keep: Option<&'a Tensor>,
     /// Weight names whose layer input/output to return.
     pub capture: &'a HashSet<String>,
+    /// M-RoPE position ids `[3, B, T]` (temporal, height, width) for vision-language
+    /// models; `None`: positions from the padding mask, equal on all three streams.
+    pub position_ids: Option<&'a Tensor>,
+    /// Image features `[N, D]` placed, in order, at the N `<|image_pad|>` tokens of
+    /// `input_ids` (vision-language models; see [`qwen2_vl::Qwen2Vl::image_features`]).
+    pub image_embeds: Option<&'a Tensor>,
 }
 
 impl<'a> ForwardInput<'a> {
     pub fn new(input_ids: &'a Tensor, capture: &'a HashSet<String>) -> Self {
-        Self { input_ids, attention_mask: None, keep: None, capture }
+        Self { input_ids, attention_mask: None, keep: None, capture, position_ids: None, image_embeds: None }
+    }
+
+    /// `(B, T)`, after checking the shapes a caller handed in: `input_ids` is `[B, T]`
+    /// integer ids, and the mask and `keep` (when given) are `[B, T]` too. A forward
+    /// checks this first, so a wrong rank is an error, never an indexing panic.
+    pub fn dims(&self) -> Result<(i64, i64)> {
+        let (b, t) = match self.input_ids.size()[..] {
+            [b, t] => (b, t),
+            ref other => return Err(crate::Error::input(format!("input_ids must be [batch, tokens], got shape {other:?}"))),
+        };
+        if !matches!(self.input_ids.kind(), tch::Kind::Int64 | tch::Kind::Int) {
+            return Err(crate::Error::input(format!("input_ids must be integer token ids, got {:?}", self.input_ids.kind())));
+        }
+        for (name, t_) in [("attention_mask", self.attention_mask), ("keep", self.keep)] {
+            if let Some(m) = t_.filter(|m| m.size() != [b, t]) {
+                return Err(crate::Error::input(format!("{name} has shape {:?}, expected [{b}, {t}] like input_ids", m.size())));
+            }
+        }
+        Ok((b, t))
     }
 }
 
@@ -215,14 +244,21 @@ pub struct ModelInfo {
     pub n_params: i64,
 }
 
-/// A loaded architecture (weights live in a [`ParamStore`], not here).
+/// A loaded architecture (weights live in a [`ParamStore`], not here): one [`Family`]
+/// behind the one forward loop. Cheap to clone (the family is shared).
 #[derive(Debug, Clone)]
-pub enum Model {
-    Gpt2(gpt2::Gpt2),
-    Llama(llama::Llama),
-}
+pub struct Model(Arc<dyn Family>);
 
 impl Model {
+    pub fn new(family: impl Family + 'static) -> Self {
+        Self(Arc::new(family))
+    }
+
+    /// The family, for what the forward loop does not cover (the planner's sizes).
+    pub fn family(&self) -> &dyn Family {
+        self.0.as_ref()
+    }
+
     pub fn forward(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
         crate::error::guard(|| self.forward_with(p, input, None))
     }
@@ -252,6 +288,7 @@ impl Model {
         input: &ForwardInput,
         mut cache: Option<&mut KvCache>,
     ) -> Result<(Tensor, BTreeMap<String, Capture>)> {
+        input.dims()?;
         let mut captures = BTreeMap::new();
         let past = cache.as_ref().map_or(0, |c| c.len());
         let (mut x, ctx) = self.embed(p, input, past)?;
@@ -268,7 +305,7 @@ impl Model {
         if input.attention_mask.is_some() {
             return Err(crate::Error::input("the KV cache takes unpadded inputs (no attention mask)"));
         }
-        let (past, t) = (cache.len(), input.input_ids.size().get(1).copied().unwrap_or(0));
+        let (past, t) = (cache.len(), input.dims()?.1);
         let max = self.info().max_positions;
         if past + t > max {
             return Err(crate::Error::input(format!(
@@ -291,10 +328,7 @@ impl Model {
     /// Hidden states the first block reads, `[B, T, D]`, and what the blocks share.
     /// `past` is the number of tokens already in a KV cache (0 without one).
     pub fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
-        crate::error::guard(|| match self {
-            Model::Gpt2(m) => m.embed(p, input, past),
-            Model::Llama(m) => m.embed(p, input, past),
-        })
+        crate::error::guard(|| self.0.embed(p, input, past))
     }
 
     /// Block `i` (0-based) applied to its input `x`; records `(x, h)` of the layers whose
@@ -312,10 +346,7 @@ impl Model {
         captures: &mut BTreeMap<String, Capture>,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        match self {
-            Model::Gpt2(m) => m.block(p, i, x, ctx, capture, captures, cache),
-            Model::Llama(m) => m.block(p, i, x, ctx, capture, captures, cache),
-        }
+        self.0.block(p, i, x, ctx, capture, captures, cache)
     }
 
     /// Final norm and LM head over the last block's output: logits at the `keep`
@@ -326,18 +357,12 @@ impl Model {
 
     /// Final layer norm (GPT-2) or RMSNorm (LLaMA family) over the last block's output.
     pub fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Model::Gpt2(m) => m.final_norm(p, x),
-            Model::Llama(m) => m.final_norm(p, x),
-        }
+        self.0.final_norm(p, x)
     }
 
     /// The LM head's weight `[vocab, D]`.
     pub fn head_weight<'a>(&self, p: &'a ParamView) -> Result<&'a Tensor> {
-        p.get(match self {
-            Model::Gpt2(m) => m.head_weight_name(),
-            Model::Llama(m) => m.head_weight_name(),
-        })
+        p.get(self.0.head_weight_name())
     }
 
     /// Number of transformer blocks.
@@ -348,43 +373,27 @@ impl Model {
     /// The block that reads parameter `name`, `None` for parameters outside the blocks
     /// (embeddings, final norm, LM head).
     pub fn block_of(&self, name: &str) -> Option<usize> {
-        let prefix = match self {
-            Model::Gpt2(_) => "transformer.h.",
-            Model::Llama(_) => "model.layers.",
-        };
-        let (idx, _) = name.strip_prefix(prefix)?.split_once('.')?;
+        let (idx, _) = name.strip_prefix(self.0.block_prefix())?.split_once('.')?;
         idx.parse().ok().filter(|i| *i < self.n_blocks())
     }
 
     pub fn info(&self) -> ModelInfo {
-        match self {
-            Model::Gpt2(m) => m.info(),
-            Model::Llama(m) => m.info(),
-        }
+        self.0.info()
     }
 
     /// Every parameter the architecture reads, with its expected shape.
     pub fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
-        match self {
-            Model::Gpt2(m) => m.expected_params(),
-            Model::Llama(m) => m.expected_params(),
-        }
+        self.0.expected_params()
     }
 
     /// Layout of a 2-D weight of a linear layer, `None` if `name` is not one.
     pub fn layout(&self, name: &str) -> Option<WeightLayout> {
-        match self {
-            Model::Gpt2(m) => m.layout(name),
-            Model::Llama(m) => m.layout(name),
-        }
+        self.0.layout(name)
     }
 
     /// MEND's default edited weights: the MLP weights of the last 3 blocks.
     pub fn default_edit_params(&self) -> Vec<String> {
-        match self {
-            Model::Gpt2(m) => m.default_edit_params(),
-            Model::Llama(m) => m.default_edit_params(),
-        }
+        self.0.default_edit_params()
     }
 }
 
@@ -561,24 +570,33 @@ pub(crate) fn check_sizes(fields: &[(&str, i64, i64)]) -> Result<()> {
     Ok(())
 }
 
-/// Activation functions as Hugging Face configs spell them.
-const ACTIVATIONS: &[&str] = &["gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "relu", "silu", "swish"];
-
-/// Refuses an activation the forward cannot apply, at load time.
-pub(crate) fn check_activation(name: &str) -> Result<()> {
-    if ACTIVATIONS.contains(&name) {
-        Ok(())
-    } else {
-        Err(crate::Error::input(format!("unsupported activation function {name:?} (supported: {})", ACTIVATIONS.join(", "))))
-    }
+/// Activation functions as Hugging Face configs spell them (`hidden_act`,
+/// `activation_function`); an unknown name is refused when the config is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+pub enum Activation {
+    /// GELU with the tanh approximation (GPT-2's `gelu_new`).
+    #[serde(rename = "gelu_new", alias = "gelu_pytorch_tanh", alias = "gelu_fast")]
+    GeluTanh,
+    /// Exact (erf) GELU.
+    #[serde(rename = "gelu")]
+    Gelu,
+    /// `x · sigmoid(1.702 x)` (CLIP-style vision towers).
+    #[serde(rename = "quick_gelu")]
+    QuickGelu,
+    #[serde(rename = "relu")]
+    Relu,
+    #[serde(rename = "silu", alias = "swish")]
+    Silu,
 }
 
-/// Applies a named activation function (checked by [`check_activation`] at load).
-pub(crate) fn activation(name: &str, x: &Tensor) -> Tensor {
-    match name {
-        "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => x.gelu("tanh"),
-        "gelu" => x.gelu("none"),
-        "relu" => x.relu(),
-        _ => x.silu(),
+impl Activation {
+    pub fn apply(self, x: &Tensor) -> Tensor {
+        match self {
+            Activation::GeluTanh => x.gelu("tanh"),
+            Activation::Gelu => x.gelu("none"),
+            Activation::QuickGelu => x * (x * 1.702).sigmoid(),
+            Activation::Relu => x.relu(),
+            Activation::Silu => x.silu(),
+        }
     }
 }

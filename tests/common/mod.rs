@@ -97,3 +97,35 @@ pub fn twin_editors(cfg: &MendConfig, params: &[dualedit::mend::EditedParam]) ->
     b.load_tensors(&tensors, &counts).unwrap();
     (a, b)
 }
+
+/// Environment variable that turns a missing shared-data folder from a skip into a failure,
+/// so CI (which has the data) cannot pass by silently skipping the real-data tests.
+pub const REQUIRE_SHARED_ENV: &str = "DUALEDIT_REQUIRE_SHARED";
+
+/// Locate the read-only shared datasets (`../shared/data` next to the crate) for tests and
+/// benchmarks that use real files.
+///
+/// The data is kept outside the repository, so it may be absent on a fresh checkout:
+/// returns `Some(dir)` if the folder exists; otherwise prints
+/// `SKIP: ../shared/data not found (...)` to stderr and returns `None` so the caller can
+/// return early — unless `DUALEDIT_REQUIRE_SHARED=1`, in which case it panics.
+pub fn shared_data_dir() -> Option<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("shared")
+        .join("data");
+    if dir.is_dir() {
+        return Some(dir.canonicalize().unwrap_or(dir));
+    }
+    if std::env::var(REQUIRE_SHARED_ENV).is_ok_and(|v| v.trim() == "1") {
+        panic!(
+            "../shared/data not found (looked in {}) and {REQUIRE_SHARED_ENV}=1 requires it",
+            dir.display()
+        );
+    }
+    eprintln!(
+        "SKIP: ../shared/data not found (looked in {}); set {REQUIRE_SHARED_ENV}=1 to make this a failure",
+        dir.display()
+    );
+    None
+}

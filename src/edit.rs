@@ -1,0 +1,271 @@
+//! Making an edit, the one place that does it: the method (MEND, fine-tuning, none),
+//! reading a trained editor, opening a model for it, an edit measured before and after,
+//! greedy answers (with a KV cache) and writing an edited model.
+//!
+//! [`crate::session::Session`] (and through it `dualedit edit` and `serve`), the demo and
+//! `eval` all edit through these functions; [`crate::eval`] keeps the metrics.
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use tch::{Kind, Tensor};
+use tracing::info;
+
+use crate::data::{EditExample, Example, TokenBatch};
+use crate::device::DevicePlan;
+use crate::eval::{self, RecordMetrics};
+use crate::mend::{checkpoint, Editor, Engine};
+use crate::model::{load_model, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
+use crate::{Error, Result};
+
+/// How an edit is made.
+pub enum Method {
+    /// No edit: the unedited model's scores.
+    Unedited,
+    /// One plain gradient step on the edit NLL: `W' = W − lr·∇W` (the fine-tuning baseline).
+    FineTune { lr: f64 },
+    /// MEND with a trained editor.
+    Mend(Editor),
+}
+
+impl Method {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Method::Unedited => "unedited",
+            Method::FineTune { .. } => "ft",
+            Method::Mend(_) => "mend",
+        }
+    }
+}
+
+/// A method as the user names it, before anything is loaded.
+#[derive(Debug, Clone)]
+pub enum MethodSpec {
+    Unedited,
+    FineTune { lr: f64 },
+    /// MEND with the editor trained into this directory.
+    Mend { editor: PathBuf },
+}
+
+/// Where a model runs and how it is loaded.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    /// Main device (frozen model, editor) and sub-device (edited forwards).
+    pub plan: DevicePlan,
+    /// Dtype of the model weights (editor maths is always f32).
+    pub dtype: Kind,
+    /// Seed of tch's RNG, set before loading (nothing in an edit is random after that).
+    pub seed: i64,
+}
+
+impl Default for LoadOptions {
+    /// CPU, f32, seed 0.
+    fn default() -> Self {
+        Self { plan: DevicePlan::single(tch::Device::Cpu), dtype: Kind::Float, seed: 0 }
+    }
+}
+
+/// The edited weight names a trained editor was made for, from its `editor.json`: the
+/// engine must capture exactly those before the editor itself can be loaded and checked.
+pub fn editor_params(dir: &Path) -> Result<Vec<String>> {
+    if !dir.is_dir() {
+        return Err(Error::file(dir, "editor directory not found"));
+    }
+    let path = dir.join(checkpoint::EDITOR_JSON);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let meta: checkpoint::EditorMeta =
+        serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid editor description: {e}")))?;
+    Ok(meta.params.into_iter().map(|p| p.name).collect())
+}
+
+/// Loads `model` on the main device (the replica on the sub-device when split) with the
+/// weights `edit_names` marked for editing (empty: the family's default).
+pub fn open_engine(model: &Path, opts: &LoadOptions, edit_names: &[String]) -> Result<Engine> {
+    tch::manual_seed(opts.seed);
+    let lm = load_model(model, opts.plan.main, opts.dtype)?;
+    Engine::new(lm, opts.plan, edit_names)
+}
+
+/// Opens the engine and the method: with an editor, on the weights it was trained to edit
+/// (a model without them is another model than the editor's, and the error says so).
+pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engine, Method)> {
+    let names = match spec {
+        MethodSpec::Mend { editor } => editor_params(editor)?,
+        _ => Vec::new(),
+    };
+    let engine = open_engine(model, opts, &names).map_err(|e| match (spec, e) {
+        (MethodSpec::Mend { editor }, Error::Input(msg)) => Error::file(
+            editor.join(checkpoint::EDITOR_JSON),
+            format!("editor was trained for another model than {}: {msg}", model.display()),
+        ),
+        (_, e) => e,
+    })?;
+    let method = match spec {
+        MethodSpec::Unedited => Method::Unedited,
+        MethodSpec::FineTune { lr } => Method::FineTune { lr: *lr },
+        MethodSpec::Mend { editor } => {
+            let (ed, meta) = checkpoint::load_editor(editor, &engine)?;
+            info!(dir = %editor.display(), step = meta.step, "editor loaded");
+            Method::Mend(ed)
+        }
+    };
+    Ok((engine, method))
+}
+
+/// Computes the edited weights for the edit examples in `inner` (one batch; the update is
+/// the sum over its examples).
+pub fn make_edit(engine: &Engine, method: &mut Method, inner: &TokenBatch) -> Result<Overrides> {
+    let _g = tch::no_grad_guard();
+    match method {
+        Method::Unedited => Ok(Overrides::new()),
+        Method::FineTune { lr } => {
+            let (_, factors) = engine.capture(inner)?;
+            engine
+                .edit_params
+                .iter()
+                .zip(&factors)
+                .map(|(p, f)| {
+                    let w = engine.weight(&p.name)?;
+                    let g = p.layout.outer(&f.x, &f.delta);
+                    Ok((p.name.clone(), (w.to_kind(Kind::Float) - g * *lr).to_kind(w.kind())))
+                })
+                .collect()
+        }
+        Method::Mend(editor) => {
+            let (_, factors) = engine.capture(inner)?;
+            engine.edit_low_rank(editor, &factors, false)
+        }
+    }
+}
+
+/// An edit and what it did: the edited weights (not committed) and each example's metrics
+/// against the weights before it.
+pub struct Measured {
+    pub overrides: Overrides,
+    pub metrics: Vec<RecordMetrics>,
+}
+
+/// Measures `examples` before, makes one batch edit of all of them, measures after.
+pub fn measured_edit(engine: &Engine, method: &mut Method, examples: &[&EditExample]) -> Result<Measured> {
+    if examples.is_empty() {
+        return Err(Error::input("no edit requests"));
+    }
+    let before = eval::measure_before(engine, examples)?;
+    let start = Instant::now();
+    let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
+    let overrides = make_edit(engine, method, &engine.collate(&inner))?;
+    let per_example = start.elapsed().as_secs_f64() / examples.len() as f64;
+    let metrics = eval::measure_after(engine, &overrides, examples, &before, per_example)?;
+    Ok(Measured { overrides, metrics })
+}
+
+/// EasyEdit-style evaluation: each example is edited on its own, starting from the
+/// unedited model, and measured before and after.
+pub fn evaluate(
+    engine: &Engine,
+    method: &mut Method,
+    examples: &[EditExample],
+    mut on_record: impl FnMut(usize, &RecordMetrics),
+) -> Result<Vec<RecordMetrics>> {
+    let mut all = Vec::with_capacity(examples.len());
+    for (i, e) in examples.iter().enumerate() {
+        let m = measured_edit(engine, method, &[e])?.metrics.remove(0);
+        on_record(i, &m);
+        all.push(m);
+    }
+    Ok(all)
+}
+
+/// One edit request's outcome.
+#[derive(Debug, Clone, Serialize)]
+pub struct RequestResult {
+    pub prompt: String,
+    pub target_new: String,
+    /// Greedy answer after the edit (as many tokens as the target has).
+    pub answer_after: String,
+    #[serde(flatten)]
+    pub metrics: RecordMetrics,
+}
+
+/// Why a greedy continuation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Finish {
+    /// The requested number of tokens was generated.
+    Length,
+    /// An end-of-sequence token was generated (it is included in the tokens).
+    Eos,
+    /// The model's context is full.
+    Context,
+}
+
+/// Greedy continuation of `prompt` ids under the weights seen through `params` (edited or
+/// not), with a KV cache: the prompt runs once, then one token per step, and the LM head
+/// runs on the last position only. Stops after `max_new` tokens, at any of `eos`, or when
+/// the context is full.
+pub fn greedy(lm: &LoadedModel, params: &ParamView, prompt: &[i64], max_new: usize, eos: &[i64]) -> Result<(Vec<i64>, Finish)> {
+    if prompt.is_empty() {
+        return Err(Error::input("prompt is empty (it encodes to no tokens)"));
+    }
+    let _g = tch::no_grad_guard();
+    let device = params.device();
+    let max = lm.model.info().max_positions.max(0) as usize;
+    let none = Default::default();
+    let mut cache = KvCache::new();
+    let mut feed = prompt.to_vec();
+    let mut out = Vec::new();
+    while out.len() < max_new {
+        if prompt.len() + out.len() >= max {
+            return Ok((out, Finish::Context));
+        }
+        let (ids, keep) = crate::error::guard(|| {
+            let n = feed.len() as i64;
+            let ids = Tensor::from_slice(&feed).unsqueeze(0).to_device(device);
+            Ok((ids, Tensor::arange(n, (Kind::Int64, device)).eq(n - 1).unsqueeze(0)))
+        })?;
+        let input = ForwardInput { keep: Some(&keep), ..ForwardInput::new(&ids, &none) };
+        let logits = lm.model.forward_cached(params, &input, &mut cache)?.logits;
+        let next = crate::error::guard(|| Ok(logits.reshape([-1]).argmax(0, false).int64_value(&[])))?;
+        out.push(next);
+        if eos.contains(&next) {
+            return Ok((out, Finish::Eos));
+        }
+        feed = vec![next];
+    }
+    Ok((out, Finish::Length))
+}
+
+/// The model's greedy answer to an example's prompt, as many tokens long as its target,
+/// decoded.
+pub fn answer(lm: &LoadedModel, params: &ParamView, e: &Example) -> Result<String> {
+    let (ids, _) = greedy(lm, params, &e.ids[..e.answer_start], e.answer().len(), &[])?;
+    lm.tokenizer.decode(&ids)
+}
+
+/// Refuses to write a model into a folder that already holds one (the source model or any
+/// other), which would replace it or leave a mix of two models' files.
+pub fn check_new_model_dir(dir: &Path) -> Result<()> {
+    for f in ["config.json", "model.safetensors", "model.safetensors.index.json"] {
+        if dir.join(f).exists() {
+            return Err(Error::file(dir, format!("already holds a model ({f}); choose a new or empty folder")));
+        }
+    }
+    Ok(())
+}
+
+/// Writes the (edited) model as a Hugging Face directory that `score` and transformers
+/// load; every file is written atomically, and a folder holding a model is refused.
+pub fn save_model(lm: &LoadedModel, dir: &Path) -> Result<()> {
+    check_new_model_dir(dir)?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    crate::io::write_json_atomic(&dir.join("config.json"), &lm.config_json)?;
+    let tok = lm.tokenizer.path();
+    let bytes = std::fs::read(tok).map_err(|e| Error::io(tok, e))?;
+    crate::io::write_atomic(&dir.join("tokenizer.json"), &bytes)?;
+    let mut tensors: Vec<(String, Tensor)> = lm.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    crate::io::write_safetensors(&dir.join("model.safetensors"), &tensors, meta)?;
+    info!(dir = %dir.display(), "edited model saved");
+    Ok(())
+}

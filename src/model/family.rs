@@ -1,0 +1,154 @@
+//! The one interface a model family implements.
+//!
+//! Everything the rest of the crate knows about an architecture comes through [`Family`]:
+//! the forward dispatcher ([`super::Model`]), the loader (tensor names and shapes) and the
+//! memory planner (sizes, and what a block's forward keeps for the backward). Adding a
+//! family is one new file implementing this trait plus its entry in
+//! [`super::loader::FAMILIES`].
+use std::collections::{BTreeMap, HashSet};
+
+use tch::Tensor;
+
+use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
+use crate::Result;
+
+/// The sizes of a decoder that the memory planner needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    /// Residual width.
+    pub d: i64,
+    /// MLP inner size.
+    pub f: i64,
+    pub heads: i64,
+    /// Width of q (heads · head_dim).
+    pub q: i64,
+    /// Width of k and v (kv heads · head_dim).
+    pub kv: i64,
+    /// Whether k/v are repeated to the query heads (grouped-query attention).
+    pub gqa: bool,
+    pub n_layers: i64,
+    pub vocab: i64,
+}
+
+/// What one block's forward keeps alive for the backward, as the planner counts it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BlockSaved {
+    /// Bytes per token saved by the block's ops.
+    pub per_token: i64,
+    /// Whether the block's output requires grad (so the next block's ops save their inputs).
+    pub output_requires_grad: bool,
+    /// Edited matrices (`mlp.c_fc`, ...) whose input requires grad: their matmul saves the
+    /// edited weight `W'` too, which then lives as long as the graph.
+    pub weights_kept: Vec<String>,
+}
+
+/// A model family: its tensors, its forward in pieces, and its memory shape.
+///
+/// The forward is split into [`Family::embed`], [`Family::block`] (one per layer) and
+/// [`Family::final_norm`] + the LM head, so that callers can run blocks one at a time
+/// (recomputation in the backward) and so that [`super::Model`] owns the one forward loop.
+/// Weights always come from a [`ParamView`]; a family holds only its configuration.
+pub trait Family: std::fmt::Debug + Send + Sync {
+    /// Architecture name, sizes and parameter count.
+    fn info(&self) -> ModelInfo;
+
+    /// Every parameter the forward reads, with its shape (the loader checks checkpoints
+    /// against this list, the planner counts weight bytes from it).
+    fn expected_params(&self) -> Vec<(String, Vec<i64>)>;
+
+    /// Layout of a 2-D weight of a linear layer, `None` if `name` is not one.
+    fn layout(&self, name: &str) -> Option<WeightLayout>;
+
+    /// MEND's default edited weights for this family (EasyEdit's choice).
+    fn default_edit_params(&self) -> Vec<String>;
+
+    /// Prefix of per-block parameter names, up to the block index (`model.layers.`).
+    fn block_prefix(&self) -> &'static str;
+
+    /// The name this family reads a checkpoint tensor under (older writers dropped or
+    /// changed prefixes); identity by default.
+    fn canonical_name(&self, name: &str) -> String {
+        name.to_string()
+    }
+
+    /// Hidden states the first block reads, `[B, T, D]`, and what the blocks share.
+    /// `past` is the number of tokens already in a KV cache (0 without one).
+    fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)>;
+
+    /// Block `i` (0-based) applied to its input `x` `[B, T, D]`; records `(x, h)` of the
+    /// layers whose weights are in `capture`, and extends `cache` when there is one.
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &self,
+        p: &ParamView,
+        i: usize,
+        x: &Tensor,
+        ctx: &BlockContext,
+        capture: &HashSet<String>,
+        captures: &mut BTreeMap<String, Capture>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor>;
+
+    /// The final norm over the last block's output, `[.., D]` -> `[.., D]`.
+    fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor>;
+
+    /// Name of the LM head's weight `[vocab, D]` (the embedding when tied).
+    fn head_weight_name(&self) -> &'static str;
+
+    /// Sizes for the memory planner.
+    fn dims(&self) -> Dims;
+
+    /// What block `matrices`' forward keeps for the backward at `s` bytes per element,
+    /// given whether its input requires grad and which of its matrices are edited (names
+    /// relative to the block, without `.weight`: `mlp.up_proj`). Must follow
+    /// [`Family::block`] op by op; `tests/planner.rs` measures it against the real forward.
+    fn block_saved(&self, s: i64, input_requires_grad: bool, edited: &[String]) -> BlockSaved;
+
+    /// Bytes per token the final norm saves when its input requires grad.
+    fn final_norm_saved(&self, s: i64) -> i64;
+
+    /// Bytes per token alive in one block of a forward without grad (its working set).
+    fn inference_working_set(&self, s: i64) -> i64;
+
+    /// The image side of a vision-language family (vision tower, prompt layout, M-RoPE
+    /// positions); `None` for text-only families.
+    fn vision_language(&self) -> Option<&super::qwen2_vl::Qwen2Vl> {
+        None
+    }
+}
+
+/// What a block's matmuls save, for [`Family::block_saved`]: a matmul saves its input when
+/// its weight is edited (it requires grad) and the weight `W'` when its input requires
+/// grad, and its output requires grad when either does.
+pub struct MatmulSaves<'a> {
+    edited: &'a [String],
+    /// Edited matrices whose `W'` the graph keeps.
+    pub kept: Vec<String>,
+}
+
+impl<'a> MatmulSaves<'a> {
+    pub fn new(edited: &'a [String]) -> Self {
+        Self { edited, kept: Vec::new() }
+    }
+
+    pub fn is_edited(&self, m: &str) -> bool {
+        self.edited.iter().any(|x| x == m)
+    }
+
+    /// Matmul `m` with an input that does (`input_rg`) or does not require grad: whether
+    /// its output requires grad.
+    pub fn matmul(&mut self, input_rg: bool, m: &str) -> bool {
+        let edited = self.is_edited(m);
+        if edited && input_rg {
+            self.kept.push(m.to_string());
+        }
+        input_rg || edited
+    }
+}
+
+/// Block index and matrix (`mlp.c_fc`) of a weight named `<prefix><i>.<matrix>.weight`.
+pub fn split_block_name(prefix: &str, name: &str) -> Option<(i64, String)> {
+    let (idx, m) = name.strip_prefix(prefix)?.split_once('.')?;
+    let m = m.strip_suffix(".weight")?;
+    Some((idx.parse().ok()?, m.to_string()))
+}

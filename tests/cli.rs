@@ -1,0 +1,224 @@
+//! The built binary as scripts use it: `--json` gives exactly one JSON object on stdout for
+//! every command that takes it, records longer than the maximum length are skipped (and
+//! counted in the report), cut with `--truncate` or refused with `--strict`, and warnings
+//! written to a pipe carry no colour codes.
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::{fixture, TRAIN_RECORDS};
+use serde_json::Value;
+
+fn dualedit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dualedit")).args(args).env_remove("NO_COLOR").env("TERM", "xterm-256color").output().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Stdout as exactly one JSON object (serde_json refuses anything after the value).
+fn one_object(what: &str, o: &Output) -> Value {
+    assert!(o.status.success(), "{what}: {}", stderr(o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: stdout is not one JSON value ({e}): {text:?}"));
+    assert!(v.is_object(), "{what}: {v}");
+    v
+}
+
+/// The shipped default (tiny model, its editor, its world's edit records).
+fn shipped(part: &str) -> String {
+    dualedit::demo::shipped_root().join(part).display().to_string()
+}
+
+/// Subcommands (`compare` expanded into `compare train` / `compare eval`) whose help
+/// lists `--json`, read from the binary itself so that a new one cannot go untested.
+fn commands_with_json() -> BTreeSet<String> {
+    let help = |args: &[&str]| String::from_utf8_lossy(&dualedit(&[args, &["--help"]].concat()).stdout).into_owned();
+    let subcommands = |text: &str| -> Vec<String> {
+        text.split("Commands:")
+            .nth(1)
+            .unwrap_or("")
+            .lines()
+            .skip(1) // the rest of the "Commands:" line
+            .take_while(|l| !l.trim().is_empty())
+            .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+            .filter(|c| c != "help")
+            .collect()
+    };
+    let mut found = BTreeSet::new();
+    let top = subcommands(&help(&[]));
+    assert!(top.len() >= 10, "no subcommands found in --help: {top:?}");
+    for c in top {
+        let text = help(&[&c]);
+        let nested = subcommands(&text);
+        if nested.is_empty() {
+            if text.contains("--json") {
+                found.insert(c);
+            }
+        } else {
+            for n in nested {
+                if help(&[&c, &n]).contains("--json") {
+                    found.insert(format!("{c} {n}"));
+                }
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn every_json_command_prints_one_json_object() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = |name: &str| dir.path().join(name).display().to_string();
+    let (edit_report, eval_report, compare_report) = (report("edit.json"), report("eval.json"), report("cmp/eval.json"));
+    let (model, editor, holdout) = (shipped("model"), shipped("editor"), shipped("world/edits-holdout.json"));
+    // Two edit requests from the world's held-out records.
+    let records: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&holdout).unwrap()).unwrap();
+    let requests = dir.path().join("requests.json");
+    std::fs::write(&requests, Value::from(records[..2].to_vec()).to_string()).unwrap();
+    let requests = requests.display().to_string();
+    let eval = ["--model", &model, "--editor", &editor, "--data", &holdout, "--ds", "counterfact", "--limit", "2", "--json"];
+    let runs: Vec<(&str, Vec<&str>, &str)> = vec![
+        ("score", vec!["score", "--model", &model, "--text", "Vacorp was founded by", "--json"], "mean_nll"),
+        ("plan", vec!["plan", "--model", &model, "--config", "configs/world.json", "--json"], "totals"),
+        ("edit", vec!["edit", "--model", &model, "--editor", &editor, "--requests", &requests, "--json", "--report", &edit_report], "requests"),
+        ("eval", [&["eval"][..], &eval, &["--report", &eval_report]].concat(), "reliability"),
+        (
+            "compare eval",
+            [&["compare", "eval"][..], &eval, &["--device", "cpu", "--sub-device", "cpu", "--report", &compare_report]].concat(),
+            "metrics_agree",
+        ),
+    ];
+    let tested: BTreeSet<String> = runs.iter().map(|(name, _, _)| name.to_string()).collect();
+    assert_eq!(commands_with_json(), tested, "a command takes --json but is not run here");
+    for (name, args, key) in &runs {
+        let v = one_object(name, &dualedit(args));
+        assert!(v.get(*key).is_some(), "{name}: no `{key}` in {v}");
+    }
+}
+
+/// A records file: two over-long records (0 and 3), one with an empty target (2, skipped
+/// by the reader) and two that fit in 12 GPT-2 tokens.
+fn over_long_records(dir: &Path) -> PathBuf {
+    let long = "In the long and winding story that everyone in the old village by the river keeps telling to \
+                every visitor who stops there for the night, the capital of France is";
+    let text = serde_json::json!([
+        { "prompt": long, "target_new": "Rome" },
+        { "prompt": "The capital of France is", "target_new": "Rome" },
+        { "prompt": "The capital of Spain is", "target_new": "" },
+        { "prompt": long.replace("France", "Italy"), "target_new": "Paris" },
+        { "prompt": "The capital of Italy is", "target_new": "Paris" }
+    ]);
+    let path = dir.join("long.json");
+    std::fs::write(&path, text.to_string()).unwrap();
+    path
+}
+
+fn no_colour(what: &str, err: &str) {
+    assert!(!err.contains('\u{1b}'), "{what}: colour codes in a piped stderr: {err:?}");
+}
+
+#[test]
+fn over_long_records_are_skipped_counted_truncated_or_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = over_long_records(dir.path());
+    let (m, d) = (fixture("gpt2").display().to_string(), data.display().to_string());
+    let report = |name: &str| dir.path().join(name).display().to_string();
+    let eval = |extra: &[&str], name: &str| {
+        let args = [&["eval", "--model", &m, "--method", "unedited", "--data", &d, "--ds", "counterfact", "--max-length", "12", "--json"][..], extra];
+        let r = report(name);
+        dualedit(&[&args.concat()[..], &["--report", &r]].concat())
+    };
+
+    // Default: skipped, named in one warning, counted in the output and the report.
+    let out = eval(&[], "skip.json");
+    let v = one_object("eval", &out);
+    let err = stderr(&out);
+    no_colour("eval", &err);
+    let warnings: Vec<&str> = err.lines().filter(|l| l.contains("longer than 12 tokens")).collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(warnings[0].contains("WARN") && warnings[0].contains("long.json"), "{err}");
+    assert!(warnings[0].contains("skipped 2 of 4") && warnings[0].contains("record 0:") && warnings[0].contains("record 3:"), "{err}");
+    assert_eq!(v["n"], 2, "{v}");
+    let data = &v["data"];
+    assert_eq!((data["records"].as_u64(), data["used"].as_u64()), (Some(5), Some(2)), "{data}");
+    assert_eq!((data["skipped_empty"].as_u64(), data["skipped_too_long"].as_u64(), data["truncated"].as_u64()), (Some(1), Some(2), Some(0)), "{data}");
+    let first: Vec<u64> = data["first_skipped"].as_array().unwrap().iter().map(|s| s["record"].as_u64().unwrap()).collect();
+    assert_eq!(first, [0, 2, 3], "{data}");
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(report("skip.json")).unwrap()).unwrap();
+    assert_eq!(&saved["data"], data, "the report carries the same counts");
+
+    // --truncate: every record that can be cut is used.
+    let v = one_object("eval --truncate", &eval(&["--truncate"], "truncate.json"));
+    assert_eq!(v["n"], 4, "{v}");
+    assert_eq!((v["data"]["truncated"].as_u64(), v["data"]["skipped_too_long"].as_u64()), (Some(2), Some(0)), "{v}");
+
+    // --strict: today's error, naming the file and the record.
+    let out = eval(&["--strict"], "strict.json");
+    let err = stderr(&out);
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert!(!out.status.success() && errors.len() == 1, "{err}");
+    assert!(errors[0].contains("long.json: record 0: prompt + target is") && errors[0].contains("longer than the maximum of 12"), "{err}");
+    assert!(!Path::new(&report("strict.json")).exists());
+    let out = eval(&["--strict", "--truncate"], "both.json");
+    assert!(!out.status.success() && stderr(&out).contains("cannot be used with"), "{}", stderr(&out));
+
+    // edit: the same records as requests.
+    let out = dualedit(&["edit", "--model", &m, "--method", "ft", "--requests", &d, "--max-length", "12", "--json", "--report", &report("edit.json")]);
+    let v = one_object("edit", &out);
+    no_colour("edit", &stderr(&out));
+    assert_eq!(v["requests"].as_array().unwrap().len(), 2, "{v}");
+    assert_eq!(v["requests"][0]["prompt"], "The capital of France is", "records and results stay aligned: {v}");
+    assert_eq!(v["data"]["skipped_too_long"], 2, "{v}");
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(report("edit.json")).unwrap()).unwrap();
+    assert_eq!(saved["data"]["skipped_too_long"], 2, "{saved}");
+
+    // train: the five training records plus two over-long ones.
+    let mut records: Vec<Value> = serde_json::from_str(TRAIN_RECORDS).unwrap();
+    let long: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(over_long_records(dir.path())).unwrap()).unwrap();
+    records.insert(1, long[0].clone());
+    records.push(long[3].clone());
+    let train_data = dir.path().join("train.json");
+    std::fs::write(&train_data, Value::from(records).to_string()).unwrap();
+    let cfg = dir.path().join("cfg.json");
+    std::fs::write(&cfg, r#"{"rank": 16, "accumulate": 1, "max_steps": 2, "val_every": 2, "val_records": 1, "max_length": 24}"#).unwrap();
+    let train = |extra: &[&str], out: &str| {
+        let base = ["train", "--model", &m, "--data", train_data.to_str().unwrap(), "--ds", "counterfact", "--config", cfg.to_str().unwrap()];
+        let (o, r) = (report(out), report(&format!("{out}.json")));
+        dualedit(&[&base[..], &["--out", &o, "--report", &r], extra].concat())
+    };
+    let out = train(&[], "ed");
+    assert!(out.status.success(), "{}", stderr(&out));
+    no_colour("train", &stderr(&out));
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(report("ed.json")).unwrap()).unwrap();
+    assert_eq!((saved["data"]["used"].as_u64(), saved["data"]["skipped_too_long"].as_u64()), (Some(5), Some(2)), "{}", saved["data"]);
+    let first: Vec<u64> = saved["data"]["first_skipped"].as_array().unwrap().iter().map(|s| s["record"].as_u64().unwrap()).collect();
+    assert_eq!(first, [1, 6], "{}", saved["data"]);
+    let out = train(&["--strict"], "ed-strict");
+    assert!(!out.status.success() && stderr(&out).contains("train.json: record 1: prompt + target"), "{}", stderr(&out));
+}
+
+/// The issue's case: the shared zsRE file with the embedded default's config (32 tokens)
+/// stopped at record 0; now the run goes on without the records that do not fit.
+#[test]
+fn shared_zsre_trains_with_the_default_config() {
+    let Some(shared) = common::shared_data_dir() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let zsre = shared.join("zsre/zsre_mend_train-1k.json").display().to_string();
+    let model = shipped("model");
+    let run = |extra: &[&str], out: &str| {
+        let (o, r) = (dir.path().join(out).display().to_string(), dir.path().join(format!("{out}.json")).display().to_string());
+        let base = ["train", "--model", &model, "--data", &zsre, "--ds", "zsre", "--config", "configs/world.json", "--max-steps", "1"];
+        (dualedit(&[&base[..], &["--out", &o, "--report", &r], extra].concat()), r)
+    };
+    let (out, report) = run(&["--limit", "100", "--truncate"], "truncate");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let saved: Value = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    let data = &saved["data"];
+    assert!(data["truncated"].as_u64().unwrap() > 0 && data["used"].as_u64().unwrap() > 50, "{data}");
+    let (out, _) = run(&["--limit", "100", "--strict"], "strict");
+    assert!(!out.status.success() && stderr(&out).contains("record 0: prompt + target is 38 tokens"), "{}", stderr(&out));
+}

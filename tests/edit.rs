@@ -1,0 +1,102 @@
+//! `dualedit edit` end to end on the embedded default (`data/model`, `data/editor`, its
+//! held-out edits): a batch of edits and sequential edits change the answers they ask
+//! for, `--save` writes a model that carries them and leaves the source alone, and a
+//! session's reset puts back the exact scores of the unedited model.
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use dualedit::session::{Session, SessionOptions};
+
+fn shipped() -> PathBuf {
+    common::init();
+    dualedit::demo::shipped_root()
+}
+
+/// The first `n` held-out records of the embedded default as a request file.
+fn requests(dir: &Path, n: usize) -> PathBuf {
+    let text = std::fs::read_to_string(shipped().join("world/edits-holdout.json")).unwrap();
+    let all: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+    let path = dir.join(format!("first-{n}.json"));
+    std::fs::write(&path, serde_json::to_string(&all[..n]).unwrap()).unwrap();
+    path
+}
+
+/// Runs `dualedit edit` on `model` with `extra` flags and returns its one JSON object.
+fn edit(dir: &Path, model: &Path, requests: &Path, extra: &[&str]) -> serde_json::Value {
+    let report = tempfile::NamedTempFile::new_in(dir).unwrap().into_temp_path().keep().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        .args(["edit", "--model"])
+        .arg(model)
+        .arg("--requests")
+        .arg(requests)
+        .arg("--report")
+        .arg(&report)
+        .arg("--json")
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "edit {extra:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn answers(v: &serde_json::Value) -> Vec<(String, String)> {
+    v["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["answer_after"].as_str().unwrap().trim().to_string(), r["target_new"].as_str().unwrap().trim().to_string()))
+        .collect()
+}
+
+#[test]
+fn batch_and_sequential_mend_edits_change_the_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, editor) = (shipped().join("model"), shipped().join("editor"));
+    let editor = editor.to_str().unwrap();
+    let two = requests(dir.path(), 2);
+    let unedited = edit(dir.path(), &model, &two, &["--method", "unedited"]);
+    for (answer, target) in answers(&unedited) {
+        assert!(!answer.starts_with(&target), "the unedited model already answers {target:?}");
+    }
+
+    let batch = edit(dir.path(), &model, &two, &["--method", "mend", "--editor", editor]);
+    assert_eq!(batch["sequential"], false);
+    let rel = batch["reliability"].as_f64().unwrap();
+    assert!(rel > unedited["reliability"].as_f64().unwrap() + 0.3, "batch reliability {rel}");
+    assert!(answers(&batch).iter().any(|(a, t)| a.starts_with(t.as_str())), "{:?}", answers(&batch));
+
+    let save = dir.path().join("edited");
+    let seq = edit(dir.path(), &model, &two, &["--method", "mend", "--editor", editor, "--sequential", "--save", save.to_str().unwrap()]);
+    assert_eq!(seq["sequential"], true);
+    for (answer, target) in answers(&seq) {
+        assert!(answer.starts_with(&target), "after sequential edits the model answers {answer:?}, not {target:?}");
+    }
+    assert!(seq["reliability"].as_f64().unwrap() >= 0.9, "{seq}");
+    assert!(seq["locality"].as_f64().unwrap() >= 0.9, "{seq}");
+
+    // The saved model carries both edits; the shipped one is untouched.
+    for (answer, target) in answers(&edit(dir.path(), &save, &two, &["--method", "unedited"])) {
+        assert!(answer.starts_with(&target), "the saved model answers {answer:?}, not {target:?}");
+    }
+    let again = edit(dir.path(), &model, &two, &["--method", "unedited"]);
+    assert_eq!(answers(&again), answers(&unedited), "the shipped model changed");
+}
+
+#[test]
+fn reset_restores_the_unedited_scores_exactly() {
+    let root = shipped();
+    let text = std::fs::read_to_string(root.join("world/edits-holdout.json")).unwrap();
+    let (records, _) =
+        dualedit::data::easyedit::parse_records(&text, Path::new("edits-holdout.json"), dualedit::data::DatasetKind::Requests).unwrap();
+    let mut s = Session::open(&root.join("model"), Some(&root.join("editor")), &SessionOptions::default()).unwrap();
+    let probe = format!("{} {}", records[0].prompt, records[0].target_new);
+    let before = s.score(&probe).unwrap();
+    let out = s.edit(&records[..3]).unwrap();
+    assert_eq!(out.edits_total, 3);
+    let edited = s.score(&probe).unwrap();
+    assert!(edited.mean_nll < before.mean_nll - 0.1, "edit did not raise the target: {} -> {}", before.mean_nll, edited.mean_nll);
+    assert_eq!(s.reset().unwrap(), s.engine().edit_params.len());
+    assert_eq!(s.score(&probe).unwrap().logprobs, before.logprobs);
+}
