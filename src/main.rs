@@ -487,6 +487,28 @@ struct EditArgs {
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
+    /// Commit every edit as the editor makes it: no guard on the locality prompts.
+    #[arg(long)]
+    no_guard: bool,
+    /// Guard: the least top-1 agreement of the locality prompts with the unedited model.
+    #[arg(long, default_value_t = 0.9)]
+    guard_min_agreement: f64,
+    /// Guard: the most one edit may lower that agreement.
+    #[arg(long, default_value_t = 0.05)]
+    guard_max_drop: f64,
+    /// Guard: the largest KL(unedited || edited) per locality position, in nats.
+    #[arg(long, default_value_t = 1.0)]
+    guard_max_kl: f64,
+    /// Guard: refuse an edit that fails instead of scaling it back.
+    #[arg(long)]
+    guard_refuse: bool,
+    /// Guard: shrink each edit to the smallest scale (1, 1/2, 1/4, ...) that still makes it.
+    #[arg(long)]
+    guard_shrink: bool,
+    /// With --sequential: make each request in up to 8 committed steps of a centred,
+    /// clipped, capped edit at 1/4 scale (experimental; see src/mend/stepwise.rs).
+    #[arg(long, requires = "sequential")]
+    stepwise: bool,
 }
 
 #[derive(Args)]
@@ -613,6 +635,15 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
         sequential: a.sequential,
         save: a.save,
         max_length: a.method.max_length,
+        guard: (!a.no_guard).then(|| dualedit::mend::guard::GuardConfig {
+            min_agreement: a.guard_min_agreement,
+            max_drop: a.guard_max_drop,
+            max_kl: a.guard_max_kl,
+            scale_back: !a.guard_refuse,
+            shrink: a.guard_shrink,
+            ..Default::default()
+        }),
+        stepwise: a.stepwise.then(dualedit::mend::stepwise::Stepwise::default),
     };
     let (out, path) = run::run_edit(&opts)?;
     if a.json {
@@ -632,6 +663,11 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
             r.metrics.generalization.map_or("-".into(), |g| format!("{g:.2}")),
             r.metrics.locality.map_or("-".into(), |l| format!("{l:.2}"))
         );
+    }
+    let refused = out.guard.iter().filter(|g| g.decision == dualedit::mend::guard::Decision::Refused).count();
+    let scaled = out.guard.iter().filter(|g| g.decision == dualedit::mend::guard::Decision::Scaled).count();
+    if refused + scaled > 0 {
+        println!("guard: {refused} edit(s) refused, {scaled} scaled back, of {} (see the report's \"guard\")", out.guard.len());
     }
     print_summary(&out.summary);
     if let Some(dir) = &out.saved {

@@ -272,11 +272,20 @@ pub struct EditOptions {
     pub sequential: bool,
     pub save: Option<PathBuf>,
     pub max_length: usize,
+    /// The commit guard ([`crate::mend::guard`]) on the requests' locality prompts; `None`
+    /// commits every edit as the editor makes it.
+    pub guard: Option<crate::mend::guard::GuardConfig>,
+    /// Sequential only: make each request in small committed steps
+    /// ([`crate::mend::stepwise`], experimental).
+    pub stepwise: Option<crate::mend::stepwise::Stepwise>,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EditOutput {
     pub sequential: bool,
+    /// The guard's decision on each edit committed (one per request when sequential, one
+    /// for the batch); empty without a guard or without locality prompts.
+    pub guard: Vec<crate::mend::guard::GuardReport>,
     #[serde(flatten)]
     pub summary: Summary,
     pub requests: Vec<RequestResult>,
@@ -302,6 +311,8 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     let (records, examples, data) =
         load_examples(session.engine(), &o.requests, DatasetKind::Requests, None, o.max_length, o.common.over_long)?;
     let t1 = Instant::now();
+    session.guard = o.guard.clone();
+    session.stepwise = o.stepwise.clone();
     let outcome = session.edit_examples(&records, &examples, o.sequential)?;
     let edit_s = t1.elapsed().as_secs_f64();
     tracker.mark("edit")?;
@@ -312,7 +323,7 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
         }
         None => None,
     };
-    let out = EditOutput { sequential: o.sequential, summary: outcome.summary, requests: outcome.requests, saved, data };
+    let out = EditOutput { sequential: o.sequential, guard: outcome.guard, summary: outcome.summary, requests: outcome.requests, saved, data };
     let seconds = BTreeMap::from([("load".to_string(), t1.duration_since(t0).as_secs_f64()), ("edit".to_string(), edit_s)]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("edit"));
     let path = report("edit", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;

@@ -30,11 +30,13 @@ use tch::Tensor;
 
 use crate::data::easyedit::EditRecord;
 use crate::data::examples::prepare;
-use crate::data::EditExample;
+use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::memory::{self, MemorySample};
 use crate::device::DevicePlan;
 use crate::edit::{self, Finish, Method, MethodSpec, RequestResult};
 use crate::eval::{self, Summary};
+use crate::mend::guard::{self, GuardConfig, GuardReport};
+use crate::mend::stepwise::{self, Stepwise};
 use crate::mend::{Editor, Engine};
 use crate::model::{ModelInfo, Overrides, ParamView};
 use crate::score::{check_length, score_text, score_with_images, Score};
@@ -66,6 +68,9 @@ pub struct EditOutcome {
     pub summary: Summary,
     /// Requests committed into this session's weights since it was opened or last reset.
     pub edits_total: usize,
+    /// The commit guard's decision on each edit (one per request, or per step with
+    /// `stepwise`, when sequential; one for a batch); empty without a guard.
+    pub guard: Vec<GuardReport>,
 }
 
 /// Memory figures of one device the session uses.
@@ -106,6 +111,12 @@ pub struct Session {
     originals: HashMap<String, Tensor>,
     edits_total: usize,
     eos: Vec<i64>,
+    /// Measure each edit on the requests' locality prompts before committing it, and scale
+    /// it back or refuse it beyond these limits ([`crate::mend::guard`]); `None` commits
+    /// every edit as the editor makes it.
+    pub guard: Option<GuardConfig>,
+    /// Sequential edits in small committed steps ([`crate::mend::stepwise`], experimental).
+    pub stepwise: Option<Stepwise>,
 }
 
 impl std::fmt::Debug for Session {
@@ -149,7 +160,7 @@ impl Session {
 
     fn with_method(engine: Engine, method: Option<Method>) -> Self {
         let eos = eos_ids(&engine.lm.config_json);
-        Self { engine, method, editor_dir: None, originals: HashMap::new(), edits_total: 0, eos }
+        Self { engine, method, editor_dir: None, originals: HashMap::new(), edits_total: 0, eos, guard: None, stepwise: None }
     }
 
     /// The engine underneath (model, device plan, edited weight names).
@@ -238,19 +249,56 @@ impl Session {
             return Err(Error::input("no edit requests"));
         }
         let refs: Vec<&EditExample> = examples.iter().collect();
+        // The guard's probes: the requests' locality prompts, against the weights now.
+        let loc: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
+        let probes = match &self.guard {
+            Some(_) => guard::Probes::new(&self.engine, &loc)?,
+            None => None,
+        };
+        if self.guard.is_some() && probes.is_none() {
+            tracing::warn!("no request has a locality prompt: the commit guard has nothing to measure and is off");
+        }
+        let mut reports = Vec::new();
+        let checked = |engine: &Engine, ov: Overrides, inner: &TokenBatch, reports: &mut Vec<GuardReport>| -> Result<Option<Overrides>> {
+            let (Some(cfg), Some(p)) = (&self.guard, &probes) else { return Ok(Some(ov)) };
+            let (kept, rep) = guard::check_edit(engine, &ov, p, Some(inner), cfg)?;
+            match rep.decision {
+                guard::Decision::Accepted => tracing::info!("{}", rep.message),
+                _ => tracing::warn!("edit {}: {}", reports.len(), rep.message),
+            }
+            reports.push(rep);
+            Ok(kept)
+        };
+        let before = eval::measure_before(&self.engine, &refs)?;
+        let start = Instant::now();
         let metrics = if sequential {
-            let before = eval::measure_before(&self.engine, &refs)?;
-            let start = Instant::now();
             for e in examples {
-                let overrides = edit::make_edit(&self.engine, method, &self.engine.collate(&[&e.inner]))?;
-                commit(&mut self.engine, &mut self.originals, &overrides)?;
+                let inner = self.engine.collate(&[&e.inner]);
+                let steps = self.stepwise.as_ref().map_or(1, |s| s.steps);
+                for _ in 0..steps {
+                    let overrides = match (&self.stepwise, &mut *method) {
+                        (Some(sw), Method::Mend(editor)) => stepwise::step(&self.engine, editor, &inner, sw)?,
+                        (_, m) => edit::make_edit(&self.engine, m, &inner)?,
+                    };
+                    if let Some(ov) = checked(&self.engine, overrides, &inner, &mut reports)? {
+                        commit(&mut self.engine, &mut self.originals, &ov)?;
+                    }
+                    if self.stepwise.is_none() || guard::makes_edit(&self.engine, &Overrides::new(), &inner)? {
+                        break;
+                    }
+                }
             }
             let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
             eval::measure_after(&self.engine, &Overrides::new(), &refs, &before, per_request)?
         } else {
-            let m = edit::measured_edit(&self.engine, method, &refs)?;
-            commit(&mut self.engine, &mut self.originals, &m.overrides)?;
-            m.metrics
+            let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
+            let batch = self.engine.collate(&inner);
+            let overrides = edit::make_edit(&self.engine, method, &batch)?;
+            let overrides = checked(&self.engine, overrides, &batch, &mut reports)?.unwrap_or_default();
+            let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
+            let m = eval::measure_after(&self.engine, &overrides, &refs, &before, per_request)?;
+            commit(&mut self.engine, &mut self.originals, &overrides)?;
+            m
         };
         self.edits_total += examples.len();
         let frozen = ParamView::frozen(&self.engine.lm.params);
@@ -264,7 +312,7 @@ impl Session {
             });
         }
         let summary = Summary::of(&out.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
-        Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total })
+        Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total, guard: reports })
     }
 
     /// Next-token log-probabilities of `text` under the current (edited) weights.

@@ -61,7 +61,11 @@ fn identity_equals_autograd_on(engine: Engine, name: &str, mode: EditorMode) {
     let view = ParamView::new(&engine.lm.params, Some(&leaves));
     let none = Default::default();
     let logits = engine.lm.model.forward(&view, &batch.forward_input(&none)).unwrap().logits;
-    let loss = logits.cross_entropy_for_logits(&batch.kept_targets());
+    // The edit loss of a batch: the sum over its examples of each one's mean NLL.
+    let nll = -logits.log_softmax(-1, Kind::Float).gather(1, &batch.kept_targets().unsqueeze(1), false).squeeze_dim(1);
+    let rows = batch.kept_rows();
+    let counts = Tensor::zeros([batch.batch_size()], (Kind::Float, Device::Cpu)).index_add(0, &rows, &nll.ones_like());
+    let loss = (nll / counts.index_select(0, &rows)).sum(Kind::Float);
     let names: Vec<&String> = engine.edit_params.iter().map(|p| &p.name).collect();
     let ws: Vec<&Tensor> = names.iter().map(|n| &leaves.dense()[*n]).collect();
     let grads = Tensor::run_backward(&[&loss], &ws, false, false);
@@ -101,6 +105,46 @@ fn identity_editor_equals_autograd_in_every_mode() {
     use EditorMode::*;
     for mode in [Combine, XOnly, DeltaOnly, OneSided, Separate] {
         identity_equals_autograd_on(engine("gpt2"), "gpt2", mode);
+    }
+}
+
+/// MEND's batched setting (issue #24): a batch edit is the sum of its examples' single
+/// edits. The capture gives each example of a batch the `δ` it has alone and the editor
+/// transforms rows independently, so the update of a batch of two examples of different
+/// lengths (padded) equals the sum of their updates, with a trained-like editor
+/// (normalisation statistics, non-identity network). A capture scoring the mean over all
+/// the batch's tokens shrank each example's `δ` and failed this.
+#[test]
+fn batch_edit_is_the_sum_of_single_edits() {
+    let engine = engine("gpt2");
+    let ex = examples(&engine);
+    let pad = engine.lm.tokenizer.pad_id();
+    let mut editor = seeded_editor(&engine, &MendConfig { rank: 16, ..MendConfig::default() }, 5);
+    for e in &ex {
+        let (_, f) = engine.capture(&TokenBatch::collate(&[&e.inner], pad, Device::Cpu)).unwrap();
+        let _ = editor.pseudo_grads(&f, true);
+    }
+    tch::no_grad(|| {
+        for (n, mut t) in editor.named_tensors() {
+            if n.ends_with(".u") || n.ends_with(".scale") || n.ends_with(".shift") {
+                let _ = t.f_add_(&(Tensor::randn_like(&t) * 0.1)).unwrap();
+            }
+        }
+    });
+    let _g = tch::no_grad_guard();
+    assert_ne!(ex[0].inner.ids.len(), ex[2].inner.ids.len(), "the batch is padded");
+    let mut delta_w = |batch: &[&dualedit::data::Example]| -> Vec<Tensor> {
+        let (_, f) = engine.capture(&TokenBatch::collate(batch, pad, Device::Cpu)).unwrap();
+        let ov = engine.edit_low_rank(&mut editor, &f, false).unwrap();
+        let full: HashMap<String, Tensor> = engine.lm.params.materialise(&ov, |n| engine.lm.model.layout(n)).unwrap().into_iter().collect();
+        engine.edit_params.iter().map(|p| &full[&p.name] - engine.weight(&p.name).unwrap()).collect()
+    };
+    let both = delta_w(&[&ex[0].inner, &ex[2].inner]);
+    let (one, two) = (delta_w(&[&ex[0].inner]), delta_w(&[&ex[2].inner]));
+    for (i, p) in engine.edit_params.iter().enumerate() {
+        let sum = &one[i] + &two[i];
+        let rel = (&both[i] - &sum).norm().double_value(&[]) / sum.norm().double_value(&[]);
+        assert!(rel < 1e-4, "{}: batch update differs from the sum of single updates by {rel} (relative)", p.name);
     }
 }
 

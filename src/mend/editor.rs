@@ -232,6 +232,12 @@ pub struct Editor {
     transforms: BTreeMap<String, GradientTransform>,
     /// Per-weight edit learning rates `[n_params]`.
     pub edit_lrs: Tensor,
+    /// Outside training: clamp the normalised inputs to `±c` standard deviations. `None`
+    /// (the default, and MEND's behaviour) leaves them as they are. On an edited model an
+    /// MLP unit that was nearly dead in the statistics (std 7.7e-3) can fire and be
+    /// normalised to thousands of standard deviations, far outside anything the editor
+    /// was trained on (issue #24; see [`crate::mend::stepwise`]).
+    pub input_clip: Option<f64>,
     device: Device,
 }
 
@@ -259,7 +265,7 @@ impl Editor {
             .map(|(k, (d_in, d_out, n))| (k, GradientTransform::new(d_in, d_out, config, n, device)))
             .collect();
         let edit_lrs = Tensor::full([params.len() as i64], config.edit_lr, (Kind::Float, device)).set_requires_grad(true);
-        Ok(Self { config: config.clone(), params, assignment, transforms, edit_lrs, device })
+        Ok(Self { config: config.clone(), params, assignment, transforms, edit_lrs, input_clip: None, device })
     }
 
     pub fn device(&self) -> Device {
@@ -292,8 +298,14 @@ impl Editor {
             }
             let n = x.size()[0];
             rows.push(n);
-            xns.push(if norm { t.x_stats.normalise(&x) } else { x.shallow_clone() });
-            dns.push(if norm { t.d_stats.normalise(&d) } else { d.shallow_clone() });
+            // Outside training, optionally bound the normalised inputs (see `input_clip`).
+            let clip = if training { None } else { self.input_clip };
+            let cl = |t: Tensor| match clip {
+                Some(c) => t.clamp(-c, c),
+                None => t,
+            };
+            xns.push(cl(if norm { t.x_stats.normalise(&x) } else { x.shallow_clone() }));
+            dns.push(cl(if norm { t.d_stats.normalise(&d) } else { d.shallow_clone() }));
             modes.push(Tensor::full([n], self.assignment[i].1, (Kind::Int64, self.device)));
             xs.push(x);
             ds.push(d);

@@ -17,6 +17,26 @@ pub fn nll_and_grad(logits: &Tensor, targets: &Tensor) -> (f64, Tensor) {
     (nll, (logp.exp() - onehot) / n)
 }
 
+/// The edit loss of a batch of edit examples, `Σ_rows mean NLL of the row's positions`, and
+/// its gradient w.r.t. `logits`, `(softmax − onehot(targets)) / n_row` at each position (no
+/// graph). `rows` `[N]` names each position's batch row.
+///
+/// Each example's gradient is exactly the one it has when edited alone (a mean over all
+/// positions of the batch would shrink it by the batch's token count): the editor, trained
+/// on one example at a time, sees every example of a batch as it saw its training examples,
+/// and a batch edit is the sum of the examples' own edits (MEND's batched setting). With one
+/// example this is [`nll_and_grad`]. The value returned is the mean over the rows.
+pub fn nll_and_grad_per_row(logits: &Tensor, targets: &Tensor, rows: &Tensor, batch: i64) -> (f64, Tensor) {
+    let logp = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    let idx = targets.unsqueeze(1);
+    let counts = Tensor::zeros([batch], (Kind::Float, logits.device())).index_add(0, rows, &Tensor::ones([rows.size()[0]], (Kind::Float, logits.device())));
+    let w = counts.clamp_min(1.0).reciprocal().index_select(0, rows).unsqueeze(1);
+    let per_pos = -logp.gather(1, &idx, false);
+    let nll = (&per_pos * &w).sum(Kind::Float).double_value(&[]) / (batch.max(1) as f64);
+    let onehot = logp.zeros_like().scatter_value(1, &idx, 1.0);
+    (nll, (logp.exp() - onehot) * w)
+}
+
 /// `KL(p_base ‖ p_post)` per position, averaged: the locality loss. `base` carries no grad.
 pub fn kl(base: &Tensor, post: &Tensor) -> Tensor {
     let base_lp = base.to_kind(Kind::Float).log_softmax(-1, Kind::Float);

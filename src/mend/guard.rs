@@ -1,0 +1,272 @@
+//! The commit guard (issue #24): before an edit is committed into the weights, its effect
+//! on a small set of locality probes is measured, and an edit that would break them beyond
+//! a threshold is scaled back or refused, so that a run of edits never ends with a model
+//! that answers nonsense (and `--save` never writes one).
+//!
+//! Why a guard: MEND's editor is trained to edit the *unedited* model once. Its inputs are
+//! normalised with statistics of that model, and most of an edit is the editor's answer to
+//! the normalisation offsets rather than to the gradient (an edit of a request the model
+//! already answers is as large as any other). Edits committed one after another add up and
+//! move the inputs of later edits out of the editor's distribution: on the embedded default
+//! the third edit of the issue's five requests moved `h.1.mlp.c_proj` by 61 times its norm
+//! (a nearly dead MLP unit, training std 7.7e-3, switched on by the first two commits and
+//! normalised to 1062 standard deviations). Nothing in a single edit shows this coming,
+//! so the guard looks at what the edit does, not at how it was made.
+//!
+//! What it measures, on the probes (prompts with answers, e.g. a request file's locality
+//! prompts): the top-1 agreement of the edited model (the current weights plus the proposed
+//! edit) with a reference model, usually the weights the run started from, and the mean KL
+//! from the reference. The decision:
+//!
+//! * **accepted**: agreement ≥ `min_agreement`, the drop from the agreement before the
+//!   edit ≤ `max_drop`, and KL ≤ `max_kl`;
+//! * **scaled**: the edit fails at full size but passes at a smaller scale `s` (the edit
+//!   `W + s·ΔW`, the largest `s` ≥ `min_scale` found by bisection) that still makes the edit
+//!   (every answer token of the edit prompt is the model's top-1);
+//! * **refused**: no scale ≥ `min_scale` passes, or the largest passing scale no longer
+//!   makes the edit. Nothing is committed.
+//!
+//! Optionally (`shrink`), an accepted edit is also shrunk to the smallest scale in a halving
+//! ladder that still makes the edit: MEND's edits overshoot (a single one moves an MLP
+//! weight by 10–75 % of its norm on the embedded default), and a smaller edit leaves more
+//! room for the edits after it.
+use serde::Serialize;
+use tch::{Kind, Tensor};
+
+use crate::data::{Example, TokenBatch};
+use crate::mend::{losses, Engine};
+use crate::model::{LowRank, Overrides};
+use crate::{Error, Result};
+
+/// Thresholds of the guard. The defaults keep at least 90 % of the probes' top-1 answers of
+/// the reference, allow no single edit to change more than 5 % of them, and keep the KL below
+/// 1 nat per probe position.
+#[derive(Debug, Clone, Serialize)]
+pub struct GuardConfig {
+    /// The least top-1 agreement with the reference the model may have after the edit.
+    pub min_agreement: f64,
+    /// The most one edit may lower the agreement.
+    pub max_drop: f64,
+    /// The largest mean KL(reference ‖ edited) per probe position, in nats.
+    pub max_kl: f64,
+    /// Try smaller scales of an edit that fails at full size (otherwise refuse it at once).
+    pub scale_back: bool,
+    /// The smallest scale tried.
+    pub min_scale: f64,
+    /// Shrink every accepted edit to the smallest scale (1, ½, ¼, … ≥ `min_scale`) that
+    /// still makes it.
+    pub shrink: bool,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        Self { min_agreement: 0.9, max_drop: 0.05, max_kl: 1.0, scale_back: true, min_scale: 1.0 / 64.0, shrink: false }
+    }
+}
+
+/// Prompts whose answers an edit should leave alone, with the reference model's view of them.
+pub struct Probes {
+    batch: TokenBatch,
+    /// The reference's logits at the scored positions `[N, V]`.
+    reference: Tensor,
+}
+
+impl Probes {
+    /// Probes from `examples` (prompt + answer; the answer positions are the ones scored),
+    /// with the engine's current weights as the reference. `None` when there are none.
+    pub fn new(engine: &Engine, examples: &[&Example]) -> Result<Option<Self>> {
+        if examples.is_empty() {
+            return Ok(None);
+        }
+        let _g = tch::no_grad_guard();
+        let batch = TokenBatch::collate(examples, engine.lm.tokenizer.pad_id(), engine.plan.main);
+        let reference = engine.base_logits(&batch)?;
+        Ok(Some(Self { batch, reference }))
+    }
+
+    pub fn len(&self) -> usize {
+        self.batch.batch_size() as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Top-1 agreement with the reference (mean over probes of the share of their scored
+    /// positions) and mean KL(reference ‖ model) per position, for the current weights plus
+    /// `overrides`.
+    pub fn measure(&self, engine: &Engine, overrides: &Overrides) -> Result<ProbeScore> {
+        let _g = tch::no_grad_guard();
+        let logits = if overrides.is_empty() { engine.base_logits(&self.batch)? } else { engine.edited_logits(overrides, &self.batch)? };
+        crate::error::guard(|| {
+            let agree = losses::agreement(&logits, &self.reference, &self.batch.kept_rows(), self.batch.batch_size());
+            let kl = losses::kl(&self.reference, &logits).double_value(&[]);
+            Ok(ProbeScore { agreement: agree.iter().sum::<f64>() / agree.len().max(1) as f64, kl })
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct ProbeScore {
+    pub agreement: f64,
+    pub kl: f64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Decision {
+    Accepted,
+    Scaled,
+    Refused,
+}
+
+/// What the guard decided about one edit, with its numbers.
+#[derive(Debug, Clone, Serialize)]
+pub struct GuardReport {
+    pub decision: Decision,
+    /// The scale of the edit that is committed (0 when refused).
+    pub scale: f64,
+    /// The probes before the edit (current weights).
+    pub before: ProbeScore,
+    /// The probes with the full edit.
+    pub full: ProbeScore,
+    /// The probes with what is committed (the current weights again when refused).
+    pub after: ProbeScore,
+    /// Whether the committed edit makes the edit (every answer token top-1), when known.
+    pub edit_success: Option<bool>,
+    /// One line for logs and reports.
+    pub message: String,
+}
+
+/// `overrides` with every weight change scaled by `s`: low-rank changes as `(s·a, b)`,
+/// replaced weights `W'` as `W + s·(W' − W)`.
+pub fn scale_overrides(engine: &Engine, overrides: &Overrides, s: f64) -> Result<Overrides> {
+    let _g = tch::no_grad_guard();
+    crate::error::guard(|| {
+        let mut out = Overrides::new();
+        for name in overrides.names() {
+            if let Some(l) = overrides.low_rank(name) {
+                out.insert_low_rank(name.clone(), LowRank { a: &l.a * s, b: l.b.shallow_clone() });
+            } else if let Some(w2) = overrides.get(name) {
+                let w = engine.weight(name)?;
+                let w32 = w.to_kind(Kind::Float);
+                out.insert(name.clone(), (&w32 + (w2.to_kind(Kind::Float) - &w32) * s).to_kind(w2.kind()));
+            }
+        }
+        Ok(out)
+    })
+}
+
+/// Whether the current weights plus `overrides` make every answer token of every example
+/// in `edit` the top-1 prediction.
+pub fn makes_edit(engine: &Engine, overrides: &Overrides, edit: &TokenBatch) -> Result<bool> {
+    let _g = tch::no_grad_guard();
+    let logits = engine.edited_logits(overrides, edit)?;
+    crate::error::guard(|| {
+        let (_, exact) = losses::token_accuracy(&logits, &edit.kept_targets(), &edit.kept_rows(), edit.batch_size());
+        Ok(exact.iter().all(|e| *e))
+    })
+}
+
+fn passes(cfg: &GuardConfig, before: &ProbeScore, s: &ProbeScore) -> bool {
+    s.agreement >= cfg.min_agreement && before.agreement - s.agreement <= cfg.max_drop && s.kl <= cfg.max_kl && s.kl.is_finite()
+}
+
+/// Decides whether `overrides` (a proposed edit on the engine's current weights) may be
+/// committed, measured on `probes`; `edit` is the edit's own batch (prompt + new target),
+/// used to check that a scaled-back edit still makes the edit. Returns the overrides to
+/// commit (`None` when refused) and the report. Commits nothing itself.
+///
+/// Costs one forward of the probes before and one with the full edit; an edit that fails
+/// costs up to 7 more (bisection of the scale) and one forward of `edit`.
+pub fn check_edit(
+    engine: &Engine,
+    overrides: &Overrides,
+    probes: &Probes,
+    edit: Option<&TokenBatch>,
+    cfg: &GuardConfig,
+) -> Result<(Option<Overrides>, GuardReport)> {
+    if !(0.0 < cfg.min_scale && cfg.min_scale <= 1.0) {
+        return Err(Error::input(format!("guard min_scale must be in (0, 1], got {}", cfg.min_scale)));
+    }
+    let before = probes.measure(engine, &Overrides::new())?;
+    let full = probes.measure(engine, overrides)?;
+    let fmt = |p: &ProbeScore| format!("top-1 agreement {:.3}, KL {:.3}", p.agreement, p.kl);
+    let limits = format!(
+        "limits: agreement >= {:.2}, drop <= {:.2}, KL <= {:.2}",
+        cfg.min_agreement, cfg.max_drop, cfg.max_kl
+    );
+    if passes(cfg, &before, &full) {
+        if cfg.shrink {
+            if let Some(edit) = edit {
+                // The smallest scale on the halving ladder that still makes the edit.
+                let (mut best, mut s) = (1.0, 0.5);
+                while s >= cfg.min_scale {
+                    if !makes_edit(engine, &scale_overrides(engine, overrides, s)?, edit)? {
+                        break;
+                    }
+                    best = s;
+                    s /= 2.0;
+                }
+                if best < 1.0 {
+                    let scaled = scale_overrides(engine, overrides, best)?;
+                    let after = probes.measure(engine, &scaled)?;
+                    let message = format!("edit shrunk to scale {best} (the smallest that still makes it): probes {}", fmt(&after));
+                    let report = GuardReport { decision: Decision::Scaled, scale: best, before, full, after, edit_success: Some(true), message };
+                    return Ok((Some(scaled), report));
+                }
+            }
+        }
+        let message = format!("edit accepted: probes {} (before {})", fmt(&full), fmt(&before));
+        let report = GuardReport { decision: Decision::Accepted, scale: 1.0, before, full, after: full, edit_success: None, message };
+        return Ok((Some(overrides.map(|t| t.shallow_clone())), report));
+    }
+    let refuse = |why: String, before: ProbeScore, full: ProbeScore| {
+        let message = format!(
+            "edit refused: it would break the locality probes ({} -> {}; {limits}){why}; nothing was committed",
+            fmt(&before),
+            fmt(&full)
+        );
+        GuardReport { decision: Decision::Refused, scale: 0.0, before, full, after: before, edit_success: Some(false), message }
+    };
+    if !cfg.scale_back {
+        return Ok((None, refuse(String::new(), before, full)));
+    }
+    // Bisection on the scale between a failing `hi` and a passing `lo` (if any).
+    let (mut lo, mut hi) = (0.0, 1.0);
+    let mut lo_score = None;
+    let s_min = cfg.min_scale;
+    let low = probes.measure(engine, &scale_overrides(engine, overrides, s_min)?)?;
+    if passes(cfg, &before, &low) {
+        lo = s_min;
+        lo_score = Some(low);
+        for _ in 0..6 {
+            let mid = (lo * hi).sqrt(); // geometric: scales span orders of magnitude
+            let sc = probes.measure(engine, &scale_overrides(engine, overrides, mid)?)?;
+            if passes(cfg, &before, &sc) {
+                lo = mid;
+                lo_score = Some(sc);
+            } else {
+                hi = mid;
+            }
+        }
+    }
+    let Some(after) = lo_score else {
+        return Ok((None, refuse(format!(", even at scale {s_min}"), before, full)));
+    };
+    let scaled = scale_overrides(engine, overrides, lo)?;
+    let success = match edit {
+        Some(e) => Some(makes_edit(engine, &scaled, e)?),
+        None => None,
+    };
+    if success == Some(false) {
+        return Ok((None, refuse(format!(", and scaled to {lo:.3} (probes {}) it no longer makes the edit", fmt(&after)), before, full)));
+    }
+    let message = format!(
+        "edit scaled back to {lo:.3}: at full size it would break the locality probes ({} -> {}; {limits}); scaled: {}",
+        fmt(&before),
+        fmt(&full),
+        fmt(&after)
+    );
+    Ok((Some(scaled), GuardReport { decision: Decision::Scaled, scale: lo, before, full, after, edit_success: success, message }))
+}

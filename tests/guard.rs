@@ -1,0 +1,96 @@
+//! The commit guard (issue #24): harmless edits pass, an edit that would break the locality
+//! probes is scaled back or refused, and what it returns keeps the probes within bounds.
+mod common;
+use std::collections::HashMap;
+use std::path::Path;
+
+use common::{fixture, RECORDS};
+
+use dualedit::config::MendConfig;
+use dualedit::data::easyedit::{parse_records, DatasetKind};
+use dualedit::data::examples::prepare;
+use dualedit::data::{Example, TokenBatch};
+use dualedit::device::DevicePlan;
+use dualedit::mend::guard::{check_edit, scale_overrides, Decision, GuardConfig, Probes};
+use dualedit::mend::{Editor, Engine};
+use dualedit::model::{load_model, Overrides};
+use tch::{Device, Kind, Tensor};
+
+fn setup() -> (Engine, Editor, Vec<dualedit::data::EditExample>) {
+    let lm = load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
+    let engine = Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
+    let (recs, _) = parse_records(RECORDS, Path::new("inline.json"), DatasetKind::Requests).unwrap();
+    let ex = prepare(&engine.lm.tokenizer, &recs, 64, Path::new("inline.json")).unwrap();
+    // An untrained editor is the identity: a plain gradient step of size edit_lr.
+    let cfg = MendConfig { rank: 8, norm: false, edit_lr: 1e-4, ..MendConfig::default() };
+    tch::manual_seed(0);
+    let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    (engine, editor, ex)
+}
+
+fn edit_of(engine: &Engine, editor: &mut Editor, e: &Example) -> (Overrides, TokenBatch) {
+    let _g = tch::no_grad_guard();
+    let b = TokenBatch::collate(&[e], engine.lm.tokenizer.pad_id(), Device::Cpu);
+    let (_, f) = engine.capture(&b).unwrap();
+    (engine.edit_low_rank(editor, &f, false).unwrap(), b)
+}
+
+fn full(engine: &Engine, ov: &Overrides) -> HashMap<String, Tensor> {
+    engine.lm.params.materialise(ov, |n| engine.lm.model.layout(n)).unwrap().into_iter().collect()
+}
+
+#[test]
+fn scaled_edit_is_w_plus_s_delta() {
+    let (engine, mut editor, ex) = setup();
+    let (ov, _) = edit_of(&engine, &mut editor, &ex[0].inner);
+    // Large enough that W + ΔW − W keeps ΔW's digits in f32.
+    let ov = scale_overrides(&engine, &ov, 1e3).unwrap();
+    let (one, half) = (full(&engine, &ov), full(&engine, &scale_overrides(&engine, &ov, 0.5).unwrap()));
+    for p in &engine.edit_params {
+        let w = engine.weight(&p.name).unwrap();
+        let want = (&one[&p.name] - w) * 0.5;
+        let rel = (&half[&p.name] - w - &want).norm().double_value(&[]) / want.norm().double_value(&[]);
+        assert!(rel < 1e-4, "{}: {rel}", p.name);
+    }
+}
+
+#[test]
+fn harmless_edit_is_accepted_and_a_destructive_one_is_not_committed_as_is() {
+    let (engine, mut editor, ex) = setup();
+    let loc: Vec<&Example> = ex.iter().filter_map(|e| e.loc.as_ref()).collect();
+    let probes = Probes::new(&engine, &loc).unwrap().expect("the records have locality prompts");
+    assert_eq!(probes.len(), 3);
+    let cfg = GuardConfig::default();
+
+    // A small gradient step leaves the probes' answers as they were.
+    let (ov, batch) = edit_of(&engine, &mut editor, &ex[0].inner);
+    let (kept, rep) = check_edit(&engine, &ov, &probes, Some(&batch), &cfg).unwrap();
+    assert_eq!(rep.decision, Decision::Accepted, "{}", rep.message);
+    assert!(kept.is_some() && rep.scale == 1.0 && rep.before.agreement == 1.0);
+
+    // The same edit a million times larger answers nonsense: never committed at full size.
+    let huge = scale_overrides(&engine, &ov, 1e6).unwrap();
+    let (kept, rep) = check_edit(&engine, &huge, &probes, Some(&batch), &cfg).unwrap();
+    assert!(rep.full.agreement < cfg.min_agreement || rep.full.kl > cfg.max_kl, "the huge edit breaks the probes: {}", rep.message);
+    assert_ne!(rep.decision, Decision::Accepted, "{}", rep.message);
+    match rep.decision {
+        Decision::Refused => {
+            assert!(kept.is_none() && rep.scale == 0.0);
+            assert!(rep.message.contains("refused"), "{}", rep.message);
+        }
+        Decision::Scaled => {
+            // What the guard hands back keeps the probes within its limits.
+            let kept = kept.unwrap();
+            let now = probes.measure(&engine, &kept).unwrap();
+            assert!(rep.scale < 1.0 && now.agreement >= cfg.min_agreement && now.kl <= cfg.max_kl, "{}", rep.message);
+            assert_eq!(rep.edit_success, Some(true));
+        }
+        Decision::Accepted => unreachable!(),
+    }
+
+    // Without scaling back it is refused outright, with the numbers in the message.
+    let strict = GuardConfig { scale_back: false, ..GuardConfig::default() };
+    let (kept, rep) = check_edit(&engine, &huge, &probes, Some(&batch), &strict).unwrap();
+    assert!(kept.is_none() && rep.decision == Decision::Refused);
+    assert!(rep.message.contains("top-1 agreement"), "{}", rep.message);
+}
