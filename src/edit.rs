@@ -15,7 +15,7 @@ use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::DevicePlan;
 use crate::eval::{self, RecordMetrics};
 use crate::mend::{checkpoint, Editor, Engine};
-use crate::model::{load_model, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
+use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
 use crate::{Error, Result};
 
 /// How an edit is made.
@@ -82,7 +82,13 @@ pub fn editor_params(dir: &Path) -> Result<Vec<String>> {
 /// weights `edit_names` marked for editing (empty: the family's default).
 pub fn open_engine(model: &Path, opts: &LoadOptions, edit_names: &[String]) -> Result<Engine> {
     tch::manual_seed(opts.seed);
-    let lm = load_model(model, opts.plan.main, opts.dtype)?;
+    // A layer split reads its sub-side blocks straight onto the sub-device.
+    let plan = &opts.plan;
+    let sub_side = match (plan.split, plan.placement, plan.boundary) {
+        (true, crate::device::Placement::Balanced, Some(at)) => Some((plan.sub, at)),
+        _ => None,
+    };
+    let lm = load_model_split(model, plan.main, opts.dtype, sub_side)?;
     Engine::new(lm, opts.plan, edit_names)
 }
 

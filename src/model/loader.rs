@@ -117,10 +117,11 @@ fn block_index(name: &str) -> Option<i64> {
     None
 }
 
-/// Reads every tensor the architecture needs from `files`, converted to `kind` on `device`.
+/// Reads every tensor the architecture needs from `files`, converted to `kind` on the
+/// device `place` names for it.
 /// Checks presence and shape of each expected parameter; unknown extra tensors (buffers such
 /// as GPT-2's `attn.bias`, a tied `lm_head.weight`) are ignored.
-pub fn read_weights(model: &Model, files: &[PathBuf], device: Device, kind: Kind) -> Result<HashMap<String, Tensor>> {
+pub fn read_weights(model: &Model, files: &[PathBuf], place: &dyn Fn(&str) -> Device, kind: Kind) -> Result<HashMap<String, Tensor>> {
     let expected: HashMap<String, Vec<i64>> = model.expected_params().into_iter().collect();
     let n_layers = model.info().n_layers;
     let mut out = HashMap::with_capacity(expected.len());
@@ -159,7 +160,7 @@ pub fn read_weights(model: &Model, files: &[PathBuf], device: Device, kind: Kind
             let src_kind = kind_of(view.dtype())
                 .ok_or_else(|| Error::file(path, format!("tensor {name:?} has unsupported dtype {:?}", view.dtype())))?;
             let t = crate::error::guard(|| {
-                Ok(Tensor::f_from_data_size(view.data(), &actual, src_kind)?.to_kind(kind).to_device(device))
+                Ok(Tensor::f_from_data_size(view.data(), &actual, src_kind)?.to_kind(kind).to_device(place(&name)))
             })?;
             // A NaN or infinite weight makes every output NaN; say so here, not as NaN metrics.
             if crate::error::guard(|| Ok(t.f_isfinite()?.f_all()?.f_int64_value(&[])?))? == 0 {
@@ -183,6 +184,14 @@ pub fn read_weights(model: &Model, files: &[PathBuf], device: Device, kind: Kind
 
 /// Loads a Hugging Face model directory onto `device` in `kind`.
 pub fn load_model(dir: &Path, device: Device, kind: Kind) -> Result<LoadedModel> {
+    load_model_split(dir, device, kind, None)
+}
+
+/// [`load_model`] for a layer split: with `sub_side = Some((sub, at))` the parameters of
+/// blocks `at..` and of the final norm and head are read straight onto `sub`, so the main
+/// device never holds them, not even while loading (the engine then only records the
+/// split). The rest goes to `device`.
+pub fn load_model_split(dir: &Path, device: Device, kind: Kind, sub_side: Option<(Device, usize)>) -> Result<LoadedModel> {
     if dir.is_file() {
         return Err(Error::file(dir, "is a file; --model takes the model's directory"));
     }
@@ -200,7 +209,15 @@ pub fn load_model(dir: &Path, device: Device, kind: Kind) -> Result<LoadedModel>
         ));
     }
     let files = weight_files(dir)?;
-    let tensors = read_weights(&model, &files, device, kind)?;
+    let on_sub: std::collections::HashSet<String> = match sub_side {
+        Some((_, at)) => model.sub_side_params(at).0.into_iter().collect(),
+        None => Default::default(),
+    };
+    let place = |name: &str| match sub_side {
+        Some((sub, _)) if on_sub.contains(name) => sub,
+        _ => device,
+    };
+    let tensors = read_weights(&model, &files, &place, kind)?;
     let params = ParamStore::new(tensors, device, kind);
     let info = model.info();
     info!(dir = %dir.display(), arch = %info.architecture, params = info.n_params, ?device, ?kind, "model loaded");

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use tch::{Device, Tensor};
 
 pub use family::Family;
-pub use loader::{load_model, parse_dtype, random_params, LoadedModel};
+pub use loader::{load_model, load_model_split, parse_dtype, random_params, LoadedModel};
 pub use params::{Crossing, LayerSplit, LowRank, Overrides, ParamStore, ParamView};
 pub use tokenizer::Tokenizer;
 
