@@ -239,14 +239,20 @@ impl Session {
         }
         let refs: Vec<&EditExample> = examples.iter().collect();
         let metrics = if sequential {
-            let before = eval::measure_before(&self.engine, &refs)?;
+            // Image features borrow the engine, which each commit changes: computed before
+            // and after the commits (the tower is frozen, so they are the same features).
+            let before = {
+                let images = self.engine.images(&eval::all_views(&refs))?;
+                eval::measure_before(&self.engine, &refs, images.as_ref())?
+            };
             let start = Instant::now();
             for e in examples {
-                let overrides = edit::make_edit(&self.engine, method, &self.engine.collate(&[&e.inner]))?;
+                let overrides = edit::make_edit(&self.engine, method, &self.engine.collate(&[&e.inner])?)?;
                 commit(&mut self.engine, &mut self.originals, &overrides)?;
             }
             let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
-            eval::measure_after(&self.engine, &Overrides::new(), &refs, &before, per_request)?
+            let images = self.engine.images(&eval::all_views(&refs))?;
+            eval::measure_after(&self.engine, &Overrides::new(), &refs, &before, per_request, images.as_ref())?
         } else {
             let m = edit::measured_edit(&self.engine, method, &refs)?;
             commit(&mut self.engine, &mut self.originals, &m.overrides)?;

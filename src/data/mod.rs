@@ -3,7 +3,8 @@
 pub mod batch;
 pub mod easyedit;
 pub mod examples;
+pub mod multimodal;
 pub mod synthetic;
 
-pub use batch::{EditExample, Example, TokenBatch};
+pub use batch::{EditExample, Example, ImageRef, TokenBatch};
 pub use easyedit::{load_records, DatasetKind, EditRecord};
