@@ -45,7 +45,7 @@ fn model_dir() -> tempfile::TempDir {
 fn example(seed: i64) -> Example {
     tch::manual_seed(seed);
     let ids = Vec::<i64>::try_from(Tensor::randint(50257, [TOKENS as i64], (Kind::Int64, Device::Cpu))).expect("ids");
-    Example { ids, answer_start: TOKENS - ANSWER }
+    Example { ids, answer_start: TOKENS - ANSWER, image: None }
 }
 
 fn main() {
@@ -56,7 +56,7 @@ fn main() {
     let cfg = MendConfig::default();
     tch::manual_seed(0);
     let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).expect("editor");
-    let ex = EditExample { inner: example(1), outer: example(2), rephrased: true, loc: Some(example(3)), portability: vec![] };
+    let ex = EditExample { inner: example(1), outer: example(2), rephrased: true, loc: Some(example(3)), portability: vec![], outer_image: None, loc_image: None };
     let pad = 0;
     let mut c = Criterion::default()
         .sample_size(10)

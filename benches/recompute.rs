@@ -81,10 +81,10 @@ fn batches(engine: &Engine) -> EditBatches {
     tch::manual_seed(1);
     let example = || {
         let ids = Tensor::randint(50257, [TOKENS as i64], (Kind::Int64, Device::Cpu));
-        Example { ids: Vec::<i64>::try_from(&ids).expect("ids"), answer_start: TOKENS - KEPT }
+        Example { ids: Vec::<i64>::try_from(&ids).expect("ids"), answer_start: TOKENS - KEPT, image: None }
     };
     let examples: Vec<EditExample> =
-        (0..BATCH).map(|_| EditExample { inner: example(), outer: example(), rephrased: true, loc: Some(example()), portability: vec![] }).collect();
+        (0..BATCH).map(|_| EditExample { inner: example(), outer: example(), rephrased: true, loc: Some(example()), portability: vec![], outer_image: None, loc_image: None }).collect();
     let refs: Vec<&EditExample> = examples.iter().collect();
     EditBatches::new(&refs, engine.lm.tokenizer.pad_id(), Device::Cpu)
 }

@@ -86,7 +86,7 @@ fn main() -> dualedit::Result<()> {
     let model = PathBuf::from(args.get(3).map(String::as_str).unwrap_or("data/model"));
     let editor = PathBuf::from(args.get(4).map(String::as_str).unwrap_or("data/editor"));
     let (mut engine, mut method) = open(&model, &LoadOptions::default(), &MethodSpec::Mend { editor })?;
-    let (_, examples, _) = dualedit::run::load_examples(&engine, &requests, DatasetKind::Requests, Some(n), 32, Default::default())?;
+    let (_, examples, _) = dualedit::run::load_examples(&engine, &requests, DatasetKind::Requests, Some(n), 32, Default::default(), None)?;
     let _g = tch::no_grad_guard();
     let pad = engine.lm.tokenizer.pad_id();
 

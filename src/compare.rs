@@ -82,6 +82,11 @@ pub fn compare_train(o: &TrainOptions, dual_plan: DevicePlan) -> Result<Comparis
         let mut metrics = BTreeMap::new();
         for h in &rep.history {
             metrics.insert(format!("loss.step{:05}", h.step), h.loss);
+            for (name, v) in [("image_edit_acc", h.image_edit_acc), ("image_loc_kl", h.image_loc_kl), ("image_loc_acc", h.image_loc_acc)] {
+                if let Some(v) = v {
+                    metrics.insert(format!("{name}.step{:05}", h.step), v);
+                }
+            }
         }
         for v in &rep.validations {
             metrics.insert(format!("val_loss.step{:05}", v.step), v.loss);
@@ -117,6 +122,11 @@ pub fn compare_eval(o: &EvalOptions, dual_plan: DevicePlan, out: &Path) -> Resul
         }
         if let Some(l) = s.locality {
             metrics.insert("locality".to_string(), l);
+        }
+        for (name, v) in [("image_generalization", s.image_generalization), ("image_locality", s.image_locality)] {
+            if let Some(v) = v {
+                metrics.insert(name.to_string(), v);
+            }
         }
         sides.push(side(&plan, metrics, read_memory(&path)?, t.elapsed().as_secs_f64(), path));
     }

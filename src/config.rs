@@ -80,6 +80,9 @@ pub struct MendConfig {
     pub descent: bool,
     pub c_edit: f64,
     pub c_loc: f64,
+    /// Weight of the edit loss on the rephrase image (multimodal data only; EasyEdit's
+    /// `iedit`): `c_edit·l_edit + c_loc·(l_loc + l_image_loc) + i_edit·l_image_edit`.
+    pub i_edit: f64,
     /// Score the edit target after the edit prompt itself too, not only after its
     /// rephrase (EasyEdit scores the rephrase only). On CounterFact the locality prompts
     /// share the edit prompt's template, so a locality-weighted editor trained on the
@@ -128,6 +131,7 @@ impl Default for MendConfig {
             descent: true,
             c_edit: 0.1,
             c_loc: 1.0,
+            i_edit: 0.1,
             inner_in_edit_loss: false,
             lr: 1e-6,
             edit_lr: 1e-4,
@@ -171,7 +175,7 @@ impl MendConfig {
                 return Err(Error::input(format!("{name} must be a non-negative number, got {v}")));
             }
         }
-        for (name, v) in [("c_edit", self.c_edit), ("c_loc", self.c_loc), ("grad_clip", self.grad_clip)] {
+        for (name, v) in [("c_edit", self.c_edit), ("c_loc", self.c_loc), ("i_edit", self.i_edit), ("grad_clip", self.grad_clip)] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(Error::input(format!("{name} must be a non-negative number, got {v}")));
             }

@@ -69,6 +69,7 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
         seed: 0,
         report: Some(root.join("runs").join("train.json")),
         over_long: Default::default(),
+        image_roots: None,
     };
     let (train, _) = run_train(&TrainOptions {
         common: common.clone(),
@@ -139,7 +140,7 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
         if plan.split { "" } else { " (single device)" }
     ))?;
     let holdout = world_dir(root).join("edits-holdout.json");
-    let (records, examples, _) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize, Default::default())?;
+    let (records, examples, _) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize, Default::default(), None)?;
     let frozen = ParamView::frozen(&engine.lm.params);
     // Answers are a word or two: generate a few tokens and stop at the sentence's end.
     let answer = |params: &ParamView, ids: &[i64]| -> Result<String> {
@@ -151,7 +152,7 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
     };
     for (r, e) in records.iter().zip(&examples).take(shown) {
         let before = answer(&frozen, &e.inner.ids[..e.inner.answer_start])?;
-        let overrides = make_edit(&engine, &mut method, &engine.collate(&[&e.inner]))?;
+        let overrides = make_edit(&engine, &mut method, &engine.collate(&[&e.inner])?)?;
         let edited = ParamView::new(&engine.lm.params, Some(&overrides));
         let after = answer(&edited, &e.inner.ids[..e.inner.answer_start])?;
         w(out, String::new())?;

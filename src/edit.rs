@@ -156,12 +156,14 @@ pub fn measured_edit(engine: &Engine, method: &mut Method, examples: &[&EditExam
     if examples.is_empty() {
         return Err(Error::input("no edit requests"));
     }
-    let before = eval::measure_before(engine, examples)?;
+    // The frozen tower's features of every image of the edit, once, for all views.
+    let images = engine.images(&eval::all_views(examples))?;
+    let before = eval::measure_before(engine, examples, images.as_ref())?;
     let start = Instant::now();
     let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
-    let overrides = make_edit(engine, method, &engine.collate(&inner))?;
+    let overrides = make_edit(engine, method, &engine.collate_with(&inner, images.as_ref())?)?;
     let per_example = start.elapsed().as_secs_f64() / examples.len() as f64;
-    let metrics = eval::measure_after(engine, &overrides, examples, &before, per_example)?;
+    let metrics = eval::measure_after(engine, &overrides, examples, &before, per_example, images.as_ref())?;
     Ok(Measured { overrides, metrics })
 }
 

@@ -4,6 +4,7 @@
 use serde::Serialize;
 use tch::Tensor;
 
+use crate::data::multimodal::StepImages;
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::mend::{losses, Engine};
 use crate::model::Overrides;
@@ -20,6 +21,25 @@ pub struct RecordMetrics {
     pub nll_pre: f64,
     pub nll_post: f64,
     pub edit_seconds: f64,
+    /// Multimodal: accuracy of the target with the rephrase image (EasyEdit's
+    /// `rephrase_image_acc`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_generalization: Option<f64>,
+    /// Multimodal: share of the `loc_image` top-10 token lists unchanged by the edit
+    /// (EasyEdit's `multimodal_locality_acc`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_locality: Option<f64>,
+}
+
+/// The summary's figures under the names EasyEdit's multimodal evaluation prints them
+/// with (present in reports of image edits).
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct EasyEditNames {
+    pub rewrite_acc: f64,
+    pub rephrase_acc: Option<f64>,
+    pub rephrase_image_acc: Option<f64>,
+    pub locality_acc: Option<f64>,
+    pub multimodal_locality_acc: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -37,6 +57,15 @@ pub struct Summary {
     pub nll_pre: f64,
     pub nll_post: f64,
     pub edit_seconds: f64,
+    /// Mean over records with a rephrase image; absent without images.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_generalization: Option<f64>,
+    /// Mean over records with a locality image; absent without images.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_locality: Option<f64>,
+    /// The same figures with EasyEdit's names (image edits only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub easyedit: Option<EasyEditNames>,
 }
 
 impl Summary {
@@ -46,11 +75,24 @@ impl Summary {
             let v: Vec<f64> = records.iter().filter_map(f).collect();
             (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
         };
+        let reliability = mean(&|r| Some(r.reliability)).unwrap_or(0.0);
+        let (generalization, locality) = (mean(&|r| r.generalization), mean(&|r| r.locality));
+        let (image_generalization, image_locality) = (mean(&|r| r.image_generalization), mean(&|r| r.image_locality));
+        let easyedit = (image_generalization.is_some() || image_locality.is_some()).then(|| EasyEditNames {
+            rewrite_acc: reliability,
+            rephrase_acc: generalization,
+            rephrase_image_acc: image_generalization,
+            locality_acc: locality,
+            multimodal_locality_acc: image_locality,
+        });
         Self {
             n,
-            reliability: mean(&|r| Some(r.reliability)).unwrap_or(0.0),
-            generalization: mean(&|r| r.generalization),
-            locality: mean(&|r| r.locality),
+            reliability,
+            generalization,
+            locality,
+            image_generalization,
+            image_locality,
+            easyedit,
             portability: mean(&|r| r.portability),
             edit_success: mean(&|r| Some(if r.edit_success { 1.0 } else { 0.0 })).unwrap_or(0.0),
             nll_pre: mean(&|r| Some(r.nll_pre)).unwrap_or(0.0),
@@ -69,8 +111,8 @@ struct Scored {
     batch: TokenBatch,
 }
 
-fn score(engine: &Engine, overrides: &Overrides, examples: &[&Example]) -> Result<Scored> {
-    let batch = engine.collate(examples);
+fn score(engine: &Engine, overrides: &Overrides, examples: &[&Example], images: Option<&StepImages>) -> Result<Scored> {
+    let batch = engine.collate_with(examples, images)?;
     let logits = if overrides.is_empty() { engine.base_logits(&batch)? } else { engine.edited_logits(overrides, &batch)? };
     let (t, rows, b) = (batch.kept_targets(), batch.kept_rows(), batch.batch_size());
     let (acc, exact) = losses::token_accuracy(&logits, &t, &rows, b);
@@ -82,19 +124,35 @@ fn score(engine: &Engine, overrides: &Overrides, examples: &[&Example]) -> Resul
 pub struct Before {
     nll: Vec<f64>,
     loc: Vec<Option<Tensor>>,
+    /// Unedited logits `[N, V]` of each example's `loc_image` (multimodal).
+    loc_image: Vec<Option<Tensor>>,
 }
 
-pub fn measure_before(engine: &Engine, examples: &[&EditExample]) -> Result<Before> {
+/// Every example of every view of `examples` (for [`Engine::images`]: one tower forward
+/// per distinct image of an edit, shared by the views and by before / after).
+pub fn all_views<'a>(examples: &[&'a EditExample]) -> Vec<&'a Example> {
+    examples
+        .iter()
+        .flat_map(|e| [Some(&e.inner), Some(&e.outer), e.outer_image.as_ref(), e.loc.as_ref(), e.loc_image.as_ref()].into_iter().flatten().chain(&e.portability))
+        .collect()
+}
+
+/// `images`: the features of the examples' images ([`Engine::images`] of [`all_views`]).
+pub fn measure_before(engine: &Engine, examples: &[&EditExample], images: Option<&StepImages>) -> Result<Before> {
     let _g = tch::no_grad_guard();
     let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
-    let nll = score(engine, &Overrides::new(), &inner)?.nll;
+    let nll = score(engine, &Overrides::new(), &inner, images)?.nll;
     let loc = examples
         .iter()
         .map(|e| {
-            e.loc.as_ref().map(|l| Ok(score(engine, &Overrides::new(), &[l])?.logits.argmax(-1, false))).transpose()
+            e.loc.as_ref().map(|l| Ok(score(engine, &Overrides::new(), &[l], images)?.logits.argmax(-1, false))).transpose()
         })
         .collect::<Result<_>>()?;
-    Ok(Before { nll, loc })
+    let loc_image = examples
+        .iter()
+        .map(|e| e.loc_image.as_ref().map(|l| Ok(score(engine, &Overrides::new(), &[l], images)?.logits)).transpose())
+        .collect::<Result<_>>()?;
+    Ok(Before { nll, loc, loc_image })
 }
 
 /// Metrics of each example under the edited weights `overrides`.
@@ -104,17 +162,18 @@ pub fn measure_after(
     examples: &[&EditExample],
     before: &Before,
     edit_seconds: f64,
+    images: Option<&StepImages>,
 ) -> Result<Vec<RecordMetrics>> {
     let _g = tch::no_grad_guard();
     let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
     let outer: Vec<&Example> = examples.iter().map(|e| &e.outer).collect();
-    let rel = score(engine, overrides, &inner)?;
-    let gen = score(engine, overrides, &outer)?;
+    let rel = score(engine, overrides, &inner, images)?;
+    let gen = score(engine, overrides, &outer, images)?;
     let mut out = Vec::with_capacity(examples.len());
     for (i, e) in examples.iter().enumerate() {
         let locality = match (&e.loc, &before.loc[i]) {
             (Some(l), Some(pre)) => {
-                let post = score(engine, overrides, &[l])?;
+                let post = score(engine, overrides, &[l], images)?;
                 let rows = post.batch.kept_rows();
                 Some(losses::token_accuracy(&post.logits, pre, &rows, 1).0[0])
             }
@@ -124,8 +183,16 @@ pub fn measure_after(
             None
         } else {
             let ex: Vec<&Example> = e.portability.iter().collect();
-            let p = score(engine, overrides, &ex)?;
+            let p = score(engine, overrides, &ex, images)?;
             Some(p.acc.iter().sum::<f64>() / p.acc.len() as f64)
+        };
+        let image_generalization = match &e.outer_image {
+            Some(o) => Some(score(engine, overrides, &[o], images)?.acc[0]),
+            None => None,
+        };
+        let image_locality = match (&e.loc_image, &before.loc_image[i]) {
+            (Some(l), Some(pre)) => Some(losses::topk_agreement(&score(engine, overrides, &[l], images)?.logits, pre, 10)),
+            _ => None,
         };
         out.push(RecordMetrics {
             reliability: rel.acc[i],
@@ -136,6 +203,8 @@ pub fn measure_after(
             nll_pre: before.nll[i],
             nll_post: rel.nll[i],
             edit_seconds,
+            image_generalization,
+            image_locality,
         });
     }
     Ok(out)

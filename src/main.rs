@@ -249,7 +249,7 @@ struct PretrainArgs {
     /// EasyEdit files whose facts make the corpus (repeat the flag for several).
     #[arg(long, required = true)]
     data: Vec<PathBuf>,
-    /// zsre or counterfact.
+    /// zsre, counterfact, vqa or caption (E-VQA / E-IC, with --image-root).
     #[arg(long)]
     ds: String,
     /// Output model directory.
@@ -359,9 +359,16 @@ struct CommonArgs {
     /// fit, instead of skipping those records.
     #[arg(long, conflicts_with = "strict")]
     truncate: bool,
-    /// Stop at the first record longer than the maximum length, instead of skipping it.
+    /// Stop at the first record longer than the maximum length (or, with --ds vqa|caption,
+    /// whose image is missing or unreadable), instead of skipping it.
     #[arg(long)]
     strict: bool,
+    /// --ds vqa|caption: the folder `image` and `m_loc` are relative to (COCO).
+    #[arg(long)]
+    image_root: Option<PathBuf>,
+    /// --ds vqa|caption: the folder `image_rephrase` is relative to (default: --image-root).
+    #[arg(long, requires = "image_root")]
+    rephrase_image_root: Option<PathBuf>,
 }
 
 impl CommonArgs {
@@ -380,6 +387,7 @@ impl CommonArgs {
                 (_, true) => OverLong::Strict,
                 _ => OverLong::Skip,
             },
+            image_roots: self.image_root.clone().map(|r| dualedit::data::multimodal::ImageRoots::new(r, self.rephrase_image_root.clone())),
         })
     }
 }
@@ -391,7 +399,7 @@ struct TrainArgs {
     /// EasyEdit-format training file.
     #[arg(long)]
     data: PathBuf,
-    /// zsre or counterfact.
+    /// zsre, counterfact, vqa or caption (E-VQA / E-IC, with --image-root).
     #[arg(long)]
     ds: String,
     /// MEND hyper-parameters (JSON, see configs/).
@@ -520,7 +528,7 @@ struct EvalArgs {
     /// EasyEdit-format dataset.
     #[arg(long)]
     data: PathBuf,
-    /// zsre or counterfact.
+    /// zsre, counterfact, vqa or caption (E-VQA / E-IC, with --image-root).
     #[arg(long)]
     ds: String,
     /// Evaluate only the first N records.
@@ -557,7 +565,7 @@ fn score(args: ScoreArgs) -> anyhow::Result<()> {
 
 fn dataset(ds: &str) -> anyhow::Result<DatasetKind> {
     match ds.parse::<DatasetKind>()? {
-        DatasetKind::Requests => anyhow::bail!("--ds must be zsre or counterfact"),
+        DatasetKind::Requests => anyhow::bail!("--ds must be zsre, counterfact, vqa or caption"),
         k => Ok(k),
     }
 }

@@ -154,7 +154,7 @@ pub fn pretrain(
         let ids = tok.encode(s)?;
         // Lines longer than the context cannot be trained on whole; they are rare.
         if ids.len() <= cfg.n_positions as usize && ids.len() >= 2 {
-            examples.push(Example { ids, answer_start: 0 });
+            examples.push(Example { ids, answer_start: 0, image: None });
         }
     }
     if examples.len() < corpus.len() {

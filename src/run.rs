@@ -10,6 +10,7 @@ use tracing::info;
 
 use crate::config::MendConfig;
 use crate::data::easyedit::{load_records, DatasetKind, EditRecord};
+use crate::data::multimodal::{load_mm, prepare_mm, ImageRoots, VlPrompt};
 use crate::data::examples::{prepare_with, DataCounts, OverLong, SkippedRecord, SHOWN_SKIPPED};
 use crate::data::EditExample;
 use crate::device::memory::MemoryTracker;
@@ -31,8 +32,11 @@ pub struct Common {
     pub seed: i64,
     /// Where the run report goes (default `runs/<command>-<time>.json`).
     pub report: Option<PathBuf>,
-    /// What to do with data records longer than the maximum length (default: skip them).
+    /// What to do with data records longer than the maximum length (default: skip them);
+    /// `Strict` also makes a missing or unreadable image of a multimodal record an error.
     pub over_long: OverLong,
+    /// Where the images of multimodal data (`--ds vqa|caption`) are.
+    pub image_roots: Option<ImageRoots>,
 }
 
 fn dtype_name(k: Kind) -> &'static str {
@@ -101,7 +105,11 @@ pub fn load_examples(
     limit: Option<usize>,
     max_len: usize,
     over_long: OverLong,
+    image_roots: Option<&ImageRoots>,
 ) -> Result<(Vec<EditRecord>, Vec<EditExample>, DataCounts)> {
+    if ds.is_multimodal() {
+        return load_mm_examples(engine, path, ds, limit, max_len, over_long, image_roots);
+    }
     let (mut records, load) = load_records(path, ds)?;
     let in_file = records.len() + load.skipped.len();
     // Positions in the file of the records the reader kept (it drops empty targets).
@@ -127,6 +135,7 @@ pub fn load_examples(
         used: prepared.examples.len(),
         skipped_empty: load.skipped.len(),
         skipped_too_long: prepared.skipped.len(),
+        skipped_image: 0,
         truncated: prepared.truncated.len(),
         max_length: max_len,
         over_long,
@@ -139,6 +148,63 @@ pub fn load_examples(
         pos += 1;
         keep
     });
+    Ok((records, prepared.examples, counts))
+}
+
+/// [`load_examples`] for E-VQA / E-IC: the five views of each record, with images. The
+/// records returned are the edit requests as text (`src` → `alt`, rephrase, NQ locality).
+fn load_mm_examples(
+    engine: &Engine,
+    path: &Path,
+    ds: DatasetKind,
+    limit: Option<usize>,
+    max_len: usize,
+    over_long: OverLong,
+    image_roots: Option<&ImageRoots>,
+) -> Result<(Vec<EditRecord>, Vec<EditExample>, DataCounts)> {
+    let roots = image_roots.ok_or_else(|| Error::file(path, format!("--ds {ds} names images relative to a root: pass --image-root (and --rephrase-image-root if the rephrase images are elsewhere)")))?;
+    let (Some(vl), Some(proc)) = (engine.lm.model.family().vision_language(), engine.image_proc.as_ref()) else {
+        return Err(Error::file(path, format!("--ds {ds} needs a vision-language model (Qwen2-VL), not {}", engine.lm.model.info().architecture)));
+    };
+    let mut load = load_mm(path, ds, roots, over_long == OverLong::Strict)?;
+    if let Some(l) = limit {
+        load.records.truncate(l);
+        load.file_index.truncate(l);
+    }
+    let context = engine.lm.model.info().max_positions as usize;
+    let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc }, &load, max_len, context, over_long, path)?;
+    let mut first_skipped: Vec<(usize, String)> = load.skipped_empty.iter().chain(&load.skipped_image).chain(&prepared.skipped).cloned().collect();
+    first_skipped.sort_by_key(|(i, _)| *i);
+    first_skipped.truncate(SHOWN_SKIPPED);
+    let counts = DataCounts {
+        file: path.to_path_buf(),
+        records: load.in_file,
+        used: prepared.examples.len(),
+        skipped_empty: load.skipped_empty.len(),
+        skipped_too_long: prepared.skipped.len(),
+        skipped_image: load.skipped_image.len(),
+        truncated: 0,
+        max_length: max_len,
+        over_long,
+        first_skipped: first_skipped.into_iter().map(|(record, reason)| SkippedRecord { record, reason }).collect(),
+    };
+    let records = prepared
+        .kept
+        .iter()
+        .map(|&k| {
+            let r = &load.records[k];
+            EditRecord {
+                prompt: r.src.clone(),
+                target_new: r.alt.clone(),
+                subject: None,
+                ground_truth: r.pred.clone(),
+                rephrase: Some(r.rephrase.clone()),
+                locality_prompt: Some(r.loc.clone()),
+                locality_ground_truth: Some(r.loc_ans.clone()),
+                portability: Vec::new(),
+            }
+        })
+        .collect();
     Ok((records, prepared.examples, counts))
 }
 
@@ -173,7 +239,7 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     let engine = edit::open_engine(&o.common.model, &o.common.load_options(), &o.config.edit_params)?;
     tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
-    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length, o.common.over_long)?;
+    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
     let holdout = o.config.val_records.min(examples.len() / 5);
     let (train_set, val_set) = split_holdout_examples(examples, holdout);
     if train_set.is_empty() {
@@ -253,7 +319,7 @@ pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics
     let (engine, mut method) = edit::open(&o.common.model, &o.common.load_options(), &o.method)?;
     tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
-    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length, o.common.over_long)?;
+    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
     let t1 = Instant::now();
     let records = crate::edit::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, m))?;
     tracker.mark("eval")?;
@@ -309,7 +375,7 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     let mut session = Session::open_method(&o.common.model, &o.method, &o.common.load_options())?;
     tracker.mark("load")?;
     let (records, examples, data) =
-        load_examples(session.engine(), &o.requests, DatasetKind::Requests, None, o.max_length, o.common.over_long)?;
+        load_examples(session.engine(), &o.requests, DatasetKind::Requests, None, o.max_length, o.common.over_long, None)?;
     let t1 = Instant::now();
     session.guard = o.guard.clone();
     session.stepwise = o.stepwise.clone();

@@ -269,11 +269,16 @@ impl Session {
             reports.push(rep);
             Ok(kept)
         };
-        let before = eval::measure_before(&self.engine, &refs)?;
+        // Image features borrow the engine, which each commit changes: computed before
+        // and after the commits (the tower is frozen, so they are the same features).
+        let before = {
+            let images = self.engine.images(&eval::all_views(&refs))?;
+            eval::measure_before(&self.engine, &refs, images.as_ref())?
+        };
         let start = Instant::now();
         let metrics = if sequential {
             for e in examples {
-                let inner = self.engine.collate(&[&e.inner]);
+                let inner = self.engine.collate(&[&e.inner])?;
                 let steps = self.stepwise.as_ref().map_or(1, |s| s.steps);
                 for _ in 0..steps {
                     let overrides = match (&self.stepwise, &mut *method) {
@@ -289,14 +294,18 @@ impl Session {
                 }
             }
             let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
-            eval::measure_after(&self.engine, &Overrides::new(), &refs, &before, per_request)?
+            let images = self.engine.images(&eval::all_views(&refs))?;
+            eval::measure_after(&self.engine, &Overrides::new(), &refs, &before, per_request, images.as_ref())?
         } else {
             let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
-            let batch = self.engine.collate(&inner);
+            let batch = self.engine.collate(&inner)?;
             let overrides = edit::make_edit(&self.engine, method, &batch)?;
             let overrides = checked(&self.engine, overrides, &batch, &mut reports)?.unwrap_or_default();
             let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
-            let m = eval::measure_after(&self.engine, &overrides, &refs, &before, per_request)?;
+            let m = {
+                let images = self.engine.images(&eval::all_views(&refs))?;
+                eval::measure_after(&self.engine, &overrides, &refs, &before, per_request, images.as_ref())?
+            };
             commit(&mut self.engine, &mut self.originals, &overrides)?;
             m
         };

@@ -28,6 +28,25 @@ pub struct StepLosses {
     /// Share of locality tokens whose top-1 prediction the edit left unchanged (1 without
     /// locality text): the locality metric, as `eval` computes it.
     pub loc_acc: f64,
+    /// Multimodal only: the edit NLL on the rephrase image (`edit_outer_image`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_edit_nll: Option<f64>,
+    /// Multimodal only: token accuracy of the target on the rephrase image.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_edit_acc: Option<f64>,
+    /// Multimodal only: KL(pre ‖ post) on `loc_image`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_loc_kl: Option<f64>,
+    /// Multimodal only: share of `loc_image` top-10 entries unchanged (EasyEdit's
+    /// `multimodal_locality_acc`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_loc_acc: Option<f64>,
+}
+
+fn add_opt(a: &mut Option<f64>, b: Option<f64>, w: f64) {
+    if let Some(v) = b {
+        *a = Some(a.unwrap_or(0.0) + v * w);
+    }
 }
 
 impl StepLosses {
@@ -38,52 +57,111 @@ impl StepLosses {
         self.loc_kl += o.loc_kl * w;
         self.edit_acc += o.edit_acc * w;
         self.loc_acc += o.loc_acc * w;
+        add_opt(&mut self.image_edit_nll, o.image_edit_nll, w);
+        add_opt(&mut self.image_edit_acc, o.image_edit_acc, w);
+        add_opt(&mut self.image_loc_kl, o.image_loc_kl, w);
+        add_opt(&mut self.image_loc_acc, o.image_loc_acc, w);
     }
 }
 
-/// Inner / outer / locality batches of a group of examples.
+/// The batches of a group of examples: EasyEdit's `edit_inner`, `edit_outer`, `loc` and,
+/// with multimodal data, `edit_outer_image` and `loc_image`.
 pub struct EditBatches {
     pub inner: TokenBatch,
     /// What the edit loss scores: the rephrases, then (with `inner_in_edit_loss`) the
     /// edit prompts themselves.
     pub outer: TokenBatch,
     pub loc: Option<TokenBatch>,
-    /// Outer and locality examples in one batch (outer rows first) when there is locality
-    /// text: the edited model runs one forward over both, so its weights are read (and
-    /// `W'` crosses the mover) once per micro-batch instead of twice.
+    /// The edit prompts shown with the rephrase images (multimodal).
+    pub outer_image: Option<TokenBatch>,
+    /// Unrelated images and questions (multimodal).
+    pub loc_image: Option<TokenBatch>,
+    /// Every view the edited model scores in one batch, rows in the order outer,
+    /// outer_image, loc, loc_image (those present), when there is more than `outer`: the
+    /// edited model runs one forward over all of them, so its weights are read (and the
+    /// edit crosses the mover) once per micro-batch.
     pub edited: Option<TokenBatch>,
 }
 
+/// The edited model's logits of each scored view, split out of the one edited forward.
+struct Posts {
+    outer: Tensor,
+    outer_image: Option<Tensor>,
+    loc: Option<Tensor>,
+    loc_image: Option<Tensor>,
+}
+
 impl EditBatches {
-    /// The batches EasyEdit builds: the edit loss scores the rephrases.
+    /// The batches EasyEdit builds for text examples: the edit loss scores the rephrases.
     pub fn new(examples: &[&EditExample], pad: i64, device: tch::Device) -> Self {
-        Self::build(examples, pad, device, false)
+        let Ok(b) = Self::build(examples, false, |ex| Ok::<_, std::convert::Infallible>(TokenBatch::collate(ex, pad, device)));
+        b
     }
 
     /// The batches `cfg` asks for (see [`MendConfig::inner_in_edit_loss`]), on the
-    /// engine's main device.
-    pub fn for_config(engine: &Engine, examples: &[&EditExample], cfg: &MendConfig) -> Self {
-        Self::build(examples, engine.lm.tokenizer.pad_id(), engine.plan.main, cfg.inner_in_edit_loss)
+    /// engine's main device, with the features of every distinct image of the group
+    /// computed once by the frozen tower and shared by the views that show it.
+    pub fn for_config(engine: &Engine, examples: &[&EditExample], cfg: &MendConfig) -> Result<Self> {
+        let all: Vec<&Example> = examples
+            .iter()
+            .flat_map(|e| [Some(&e.inner), Some(&e.outer), e.outer_image.as_ref(), e.loc.as_ref(), e.loc_image.as_ref()])
+            .flatten()
+            .collect();
+        let images = engine.images(&all)?;
+        Self::build(examples, cfg.inner_in_edit_loss, |ex| engine.collate_with(ex, images.as_ref()))
     }
 
-    fn build(examples: &[&EditExample], pad: i64, device: tch::Device, inner_in_edit_loss: bool) -> Self {
+    fn build<E>(
+        examples: &[&EditExample],
+        inner_in_edit_loss: bool,
+        mut collate: impl FnMut(&[&Example]) -> std::result::Result<TokenBatch, E>,
+    ) -> std::result::Result<Self, E> {
         let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
         let mut outer: Vec<&Example> = examples.iter().map(|e| &e.outer).collect();
         if inner_in_edit_loss {
             outer.extend(&inner);
         }
+        let outer_image: Vec<&Example> = examples.iter().filter_map(|e| e.outer_image.as_ref()).collect();
         let loc: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
-        let both: Vec<&Example> = outer.iter().chain(&loc).copied().collect();
-        Self {
-            inner: TokenBatch::collate(&inner, pad, device),
-            outer: TokenBatch::collate(&outer, pad, device),
-            loc: (!loc.is_empty()).then(|| TokenBatch::collate(&loc, pad, device)),
-            edited: (!loc.is_empty()).then(|| TokenBatch::collate(&both, pad, device)),
-        }
+        let loc_image: Vec<&Example> = examples.iter().filter_map(|e| e.loc_image.as_ref()).collect();
+        let all: Vec<&Example> = outer.iter().chain(&outer_image).chain(&loc).chain(&loc_image).copied().collect();
+        let inner_b = collate(&inner)?;
+        let outer_b = collate(&outer)?;
+        let mut some = |v: &[&Example]| (!v.is_empty()).then(|| collate(v)).transpose();
+        Ok(Self {
+            inner: inner_b,
+            outer: outer_b,
+            outer_image: some(&outer_image)?,
+            loc: some(&loc)?,
+            loc_image: some(&loc_image)?,
+            edited: some(if all.len() > outer.len() { &all } else { &[] })?,
+        })
+    }
+
+    /// The edited logits of every scored view from one forward over `edited`.
+    fn edited_posts(&self, engine: &Engine, overrides: &Overrides) -> Result<Posts> {
+        let Some(all) = &self.edited else {
+            return Ok(Posts { outer: engine.edited_logits_on_sub(overrides, &self.outer)?, outer_image: None, loc: None, loc_image: None });
+        };
+        let logits = engine.edited_logits_on_sub(overrides, all)?;
+        let mut at = 0i64;
+        let mut take = |b: Option<&TokenBatch>| {
+            b.map(|b| {
+                let n = b.keep.sum(tch::Kind::Int64).int64_value(&[]);
+                let t = logits.narrow(0, at, n);
+                at += n;
+                t
+            })
+        };
+        let outer = take(Some(&self.outer)).ok_or_else(|| Error::Torch("no edit_outer logits".into()))?;
+        Ok(Posts { outer, outer_image: take(self.outer_image.as_ref()), loc: take(self.loc.as_ref()), loc_image: take(self.loc_image.as_ref()) })
     }
 }
 
-/// Forward of the meta-training loss for one micro-batch; returns the differentiable loss.
+/// Forward of the meta-training loss for one micro-batch; returns the differentiable loss
+/// `c_edit·l_edit + c_loc·(l_loc + l_image_loc) + i_edit·l_image_edit` (the image terms
+/// with multimodal data, as EasyEdit's MultimodalTrainer), every NLL with the next-token
+/// shift (EasyEdit's Qwen2-VL path scores position i against label i; dualedit does not).
 ///
 /// With `recompute` in the config (and the edit differentiable), the edited forwards and
 /// their backward run here, block by block ([`Engine::edited_grads`]); the tensor returned
@@ -94,6 +172,7 @@ pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training
     // The unedited reference for locality does not depend on the edit: when split, it runs
     // on the sub-device's worker while the main device captures and runs the editor.
     let base_loc = b.loc.as_ref().map(|l| engine.base_logits_async(l)).transpose()?;
+    let base_loc_image = b.loc_image.as_ref().map(|l| engine.base_logits_async(l)).transpose()?;
     let (_, factors) = engine.capture(&b.inner)?;
     // Recomputation differentiates w.r.t. whole edited weights (`Engine::edited_grads`);
     // otherwise the edit stays factored, and the backward reaches the editor through the
@@ -102,56 +181,73 @@ pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training
     // Targets go where the edited logits are: the losses are computed on the sub-device and
     // only the scalar loss comes back (autograd carries its gradient across).
     let targets = engine.mover.to_sub(&b.outer.kept_targets());
+    let targets_image = b.outer_image.as_ref().map(|o| engine.mover.to_sub(&o.kept_targets()));
     if cfg.recompute && overrides.dense().values().any(Tensor::requires_grad) {
-        return recomputed_meta_loss(engine, &cfg, b, &targets, &overrides, base_loc);
+        return recomputed_meta_loss(engine, &cfg, b, (&targets, targets_image.as_ref()), &overrides, (base_loc, base_loc_image));
     }
-    let (post_outer, post_loc) = match &b.edited {
-        Some(both) => {
-            let logits = engine.edited_logits_on_sub(&overrides, both)?;
-            let n_outer = targets.size()[0];
-            let n_loc = logits.size()[0] - n_outer;
-            (logits.narrow(0, 0, n_outer), Some(logits.narrow(0, n_outer, n_loc)))
-        }
-        None => (engine.edited_logits_on_sub(&overrides, &b.outer)?, None),
-    };
-    let l_edit = losses::nll(&post_outer, &targets);
-    let loc = match (post_loc, &b.loc, base_loc) {
-        (Some(post), Some(l), Some(base)) => Some(locality(l, &base.wait()?, &post)),
+    let post = b.edited_posts(engine, &overrides)?;
+    let l_edit = losses::nll(&post.outer, &targets);
+    let image_edit = match (&post.outer_image, &targets_image) {
+        (Some(p), Some(t)) => Some((p.shallow_clone(), losses::nll(p, t))),
         _ => None,
     };
-    let (loss, parts) = weigh(&cfg, b, &targets, &post_outer, &l_edit, loc);
+    let loc = match (post.loc, &b.loc, base_loc) {
+        (Some(post), Some(l), Some(base)) => Some(locality(l, &base.wait()?, &post, 1)),
+        _ => None,
+    };
+    let loc_image = match (post.loc_image, &b.loc_image, base_loc_image) {
+        (Some(post), Some(l), Some(base)) => Some(locality(l, &base.wait()?, &post, 10)),
+        _ => None,
+    };
+    let (loss, parts) = weigh(&cfg, b, (&targets, targets_image.as_ref()), (&post.outer, &l_edit), image_edit, loc, loc_image);
     Ok((engine.mover.to_main(&loss), parts))
 }
 
-/// The locality KL (differentiable) and the share of locality tokens whose top-1
-/// prediction is unchanged, from the unedited and edited logits of the locality batch.
-fn locality(loc: &TokenBatch, base: &Tensor, post: &Tensor) -> (Tensor, f64) {
-    let rows = loc.kept_rows().to_device(post.device());
-    let agree = losses::agreement(&post.detach(), base, &rows, loc.batch_size());
-    (losses::kl(base, post), agree.iter().sum::<f64>() / agree.len().max(1) as f64)
+/// The locality KL (differentiable) and the share of locality entries unchanged: each
+/// kept position's top-`k` token list, compared entry by entry (k = 1: the top-1
+/// prediction, `locality_acc`; k = 10: EasyEdit's `multimodal_locality_acc`).
+fn locality(loc: &TokenBatch, base: &Tensor, post: &Tensor, k: i64) -> (Tensor, f64) {
+    let agree = if k == 1 {
+        // Per row, then the mean over rows (as `eval` reports text locality).
+        let rows = loc.kept_rows().to_device(post.device());
+        let a = losses::agreement(&post.detach(), base, &rows, loc.batch_size());
+        a.iter().sum::<f64>() / a.len().max(1) as f64
+    } else {
+        losses::topk_agreement(&post.detach(), base, k)
+    };
+    (losses::kl(base, post), agree)
 }
 
-/// The weighted loss `c_edit·NLL + c_loc·KL` and its parts, from the edited logits of the
-/// edit-loss batch and the locality terms of [`locality`] (no locality text: a zero KL).
+/// The weighted loss and its parts, from the edited logits of the edit-loss batches and
+/// the locality terms of [`locality`] (no locality text: a zero KL).
 fn weigh(
     cfg: &MendConfig,
     b: &EditBatches,
-    targets: &Tensor,
-    post_outer: &Tensor,
-    l_edit: &Tensor,
+    (targets, targets_image): (&Tensor, Option<&Tensor>),
+    (post_outer, l_edit): (&Tensor, &Tensor),
+    image_edit: Option<(Tensor, Tensor)>,
     loc: Option<(Tensor, f64)>,
+    loc_image: Option<(Tensor, f64)>,
 ) -> (Tensor, StepLosses) {
     let (l_loc, loc_acc) = loc.unwrap_or_else(|| (l_edit.zeros_like(), 1.0));
     let rows = b.outer.kept_rows().to_device(post_outer.device());
     let (acc, _) = losses::token_accuracy(post_outer, targets, &rows, b.outer.batch_size());
-    let loss = l_edit * cfg.c_edit + &l_loc * cfg.c_loc;
-    let parts = StepLosses {
-        loss: loss.double_value(&[]),
-        edit_nll: l_edit.double_value(&[]),
-        loc_kl: l_loc.double_value(&[]),
-        edit_acc: acc.iter().sum::<f64>() / acc.len().max(1) as f64,
-        loc_acc,
-    };
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let mut loss = l_edit * cfg.c_edit + &l_loc * cfg.c_loc;
+    let mut parts = StepLosses { edit_nll: l_edit.double_value(&[]), loc_kl: l_loc.double_value(&[]), edit_acc: mean(&acc), loc_acc, ..Default::default() };
+    if let (Some((post, l)), Some(t), Some(ob)) = (image_edit, targets_image, &b.outer_image) {
+        let rows = ob.kept_rows().to_device(post.device());
+        let (acc, _) = losses::token_accuracy(&post, t, &rows, ob.batch_size());
+        loss = loss + &l * cfg.i_edit;
+        parts.image_edit_nll = Some(l.double_value(&[]));
+        parts.image_edit_acc = Some(mean(&acc));
+    }
+    if let Some((kl, agree)) = loc_image {
+        loss = loss + &kl * cfg.c_loc;
+        parts.image_loc_kl = Some(kl.double_value(&[]));
+        parts.image_loc_acc = Some(agree);
+    }
+    parts.loss = loss.double_value(&[]);
     (loss, parts)
 }
 
@@ -165,36 +261,50 @@ fn recomputed_meta_loss(
     engine: &Engine,
     cfg: &MendConfig,
     b: &EditBatches,
-    targets: &Tensor,
+    targets: (&Tensor, Option<&Tensor>),
     overrides: &Overrides,
-    base_loc: Option<Pending>,
+    (base_loc, base_loc_image): (Option<Pending>, Option<Pending>),
 ) -> Result<(Tensor, StepLosses)> {
     let mut outer: Option<(Tensor, Tensor)> = None;
+    let mut image_edit: Option<(Tensor, Tensor)> = None;
     let mut loc: Option<(Tensor, f64)> = None;
+    let mut loc_image: Option<(Tensor, f64)> = None;
     let grads = {
         let mut passes: Vec<(&TokenBatch, LogitsLoss)> = vec![(
             &b.outer,
             Box::new(|logits: &Tensor| {
-                let l = losses::nll(logits, targets);
+                let l = losses::nll(logits, targets.0);
                 outer = Some((logits.detach(), l.detach()));
                 Ok(&l * cfg.c_edit)
             }),
         )];
-        if let (Some(l), Some(base)) = (&b.loc, base_loc) {
+        if let (Some(ob), Some(t)) = (&b.outer_image, targets.1) {
             passes.push((
-                l,
+                ob,
                 Box::new(|logits: &Tensor| {
-                    let (kl, agree) = locality(l, &base.wait()?, logits);
-                    loc = Some((kl.detach(), agree));
-                    Ok(&kl * cfg.c_loc)
+                    let l = losses::nll(logits, t);
+                    image_edit = Some((logits.detach(), l.detach()));
+                    Ok(&l * cfg.i_edit)
                 }),
             ));
+        }
+        for (batch, base, k, slot) in [(&b.loc, base_loc, 1, &mut loc), (&b.loc_image, base_loc_image, 10, &mut loc_image)] {
+            if let (Some(l), Some(base)) = (batch, base) {
+                passes.push((
+                    l,
+                    Box::new(move |logits: &Tensor| {
+                        let (kl, agree) = locality(l, &base.wait()?, logits, k);
+                        *slot = Some((kl.detach(), agree));
+                        Ok(&kl * cfg.c_loc)
+                    }),
+                ));
+            }
         }
         engine.edited_grads(overrides, passes)?
     };
     let (post_outer, l_edit) = outer.ok_or_else(|| Error::Torch("the edited forward of edit_outer did not run".into()))?;
     crate::error::guard(|| {
-        let (loss, parts) = weigh(cfg, b, targets, &post_outer, &l_edit, loc);
+        let (loss, parts) = weigh(cfg, b, targets, (&post_outer, &l_edit), image_edit, loc, loc_image);
         let inner = grads
             .iter()
             .map(|(name, g)| engine.scalar_to_main(&(&overrides.dense()[name] * g).sum(tch::Kind::Float)))
@@ -223,6 +333,12 @@ pub struct StepLog {
     pub edit_acc: f64,
     pub loc_acc: f64,
     pub grad_norm: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_edit_acc: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_loc_kl: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_loc_acc: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -280,7 +396,7 @@ pub fn validate(engine: &Engine, editor: &mut Editor, val: &[EditExample]) -> Re
     let _g = tch::no_grad_guard();
     let mut mean = StepLosses::default();
     for e in val {
-        let b = EditBatches::for_config(engine, &[e], &editor.config);
+        let b = EditBatches::for_config(engine, &[e], &editor.config)?;
         let (_, l) = meta_loss(engine, editor, &b, false)?;
         mean.add_scaled(&l, 1.0 / val.len() as f64);
     }
@@ -319,7 +435,7 @@ fn accumulate(
     for micro in 0..cfg.accumulate {
         let base = (step * cfg.accumulate + micro) * cfg.batch_size;
         let batch: Vec<&EditExample> = (0..cfg.batch_size).map(|j| &setup.train[example_at(n, seed, base + j)]).collect();
-        let b = EditBatches::for_config(engine, &batch, &editor.config);
+        let b = EditBatches::for_config(engine, &batch, &editor.config)?;
         *phase = "capture, editor and edited forwards";
         let (loss, parts) = meta_loss(engine, editor, &b, true)?;
         if fault == Some(step) {
@@ -467,6 +583,9 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             edit_acc: acc.edit_acc,
             loc_acc: acc.loc_acc,
             grad_norm,
+            image_edit_acc: acc.image_edit_acc,
+            image_loc_kl: acc.image_loc_kl,
+            image_loc_acc: acc.image_loc_acc,
         });
         bar.set_position(counters.step as u64);
         bar.set_message(format!(

@@ -69,6 +69,7 @@ fn shipped_default_meets_its_targets() {
             seed: 0,
             report: Some(std::env::temp_dir().join(format!("dualedit-default-{}.json", std::process::id()))),
             over_long: Default::default(),
+            image_roots: None,
         },
         method: MethodSpec::Mend { editor: root.join("editor") },
         data: root.join("world/edits-holdout.json"),

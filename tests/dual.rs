@@ -15,7 +15,7 @@ use dualedit::run::{Common, EvalOptions, TrainOptions};
 use tch::{Device, Kind};
 
 fn common(report: PathBuf) -> Common {
-    Common { model: fixture("gpt2"), plan: DevicePlan::single(Device::Cpu), dtype: Kind::Float, seed: 5, report: Some(report), over_long: Default::default() }
+    Common { model: fixture("gpt2"), plan: DevicePlan::single(Device::Cpu), dtype: Kind::Float, seed: 5, report: Some(report), over_long: Default::default(), image_roots: None }
 }
 
 #[test]

@@ -497,7 +497,7 @@ fn inner_in_edit_loss_scores_the_edit_prompt_too() {
     let pad = engine.lm.tokenizer.pad_id();
     let cfg = MendConfig { rank: 16, inner_in_edit_loss: true, ..MendConfig::default() };
     let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
-    let with = EditBatches::for_config(&engine, &[&ex[0]], &cfg);
+    let with = EditBatches::for_config(&engine, &[&ex[0]], &cfg).unwrap();
     let without = EditBatches::new(&[&ex[0]], pad, Device::Cpu);
     assert_eq!(with.outer.batch_size(), 2);
     assert_eq!(without.outer.batch_size(), 1);

@@ -51,6 +51,7 @@ fn train_options(dir: &std::path::Path, model: &str, cfg: MendConfig, name: &str
             seed: 3,
             report: None,
             over_long: Default::default(),
+            image_roots: None,
         },
         data,
         ds: DatasetKind::Counterfact,
@@ -157,15 +158,17 @@ fn layer_split_moves_weights_once_then_only_activations() {
     assert_eq!(setup.bytes_to_main, 0);
 
     let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
-    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept };
+    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
     let example = EditExample {
         inner: ex(&[5, 6, 7, 8, 9, 10], 2),
         outer: ex(&[11, 12, 7, 8, 9, 10], 2),
         rephrased: true,
         loc: Some(ex(&[20, 21, 22, 23, 24], 3)),
         portability: Vec::new(),
+        outer_image: None,
+        loc_image: None,
     };
-    let b = EditBatches::for_config(&engine, &[&example], &cfg);
+    let b = EditBatches::for_config(&engine, &[&example], &cfg).unwrap();
     let (loss, _) = meta_loss(&engine, &mut editor, &b, true).unwrap();
     loss.backward();
     let step = engine.mover.stats();

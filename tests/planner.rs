@@ -135,7 +135,7 @@ fn peak_during<T>(base: u64, f: impl FnOnce() -> T) -> (T, u64) {
 
 fn example(len: usize, kept: usize, vocab: i64) -> Example {
     let ids = Tensor::randint(vocab, [len as i64], (Kind::Int64, Device::Cpu));
-    Example { ids: Vec::<i64>::try_from(&ids).unwrap(), answer_start: len - kept }
+    Example { ids: Vec::<i64>::try_from(&ids).unwrap(), answer_start: len - kept, image: None }
 }
 
 /// Runs one case in this (fresh) process and prints its figures as one JSON line.
@@ -180,6 +180,8 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
             rephrased: true,
             loc: Some(example(case.tokens, case.kept, vocab)),
             portability: Vec::new(),
+            outer_image: None,
+            loc_image: None,
         })
         .collect();
     let refs: Vec<&EditExample> = examples.iter().collect();

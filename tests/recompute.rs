@@ -79,7 +79,7 @@ fn lockstep(plain: &Engine, recomputed: &Engine, steps: usize) -> (Trace, Trace)
     // Validation (no grad) takes the ordinary path either way and must agree too.
     for (engine, (editor, _, trace)) in [plain, recomputed].into_iter().zip(sides.iter_mut()) {
         let val = validate(engine, editor, &ex[..2]).unwrap();
-        trace.push((StepLosses { loss: val.loss, edit_nll: 0.0, loc_kl: val.loc_kl, edit_acc: val.edit_acc, loc_acc: val.loc_acc }, BTreeMap::new()));
+        trace.push((StepLosses { loss: val.loss, edit_nll: 0.0, loc_kl: val.loc_kl, edit_acc: val.edit_acc, loc_acc: val.loc_acc, ..Default::default() }, BTreeMap::new()));
     }
     let mut traces = sides.into_iter().map(|(_, _, t)| t);
     (traces.next().unwrap(), traces.next().unwrap())

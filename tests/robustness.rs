@@ -26,6 +26,7 @@ fn options(dir: &Path, out: &str, config: MendConfig, resume: bool) -> TrainOpti
             seed: 11,
             report: Some(dir.join(format!("{out}-report.json"))),
             over_long: Default::default(),
+            image_roots: None,
         },
         data,
         ds: DatasetKind::Counterfact,

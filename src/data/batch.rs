@@ -12,12 +12,23 @@ pub struct Example {
     pub ids: Vec<i64>,
     /// Index of the first answer token in `ids`.
     pub answer_start: usize,
+    /// The image shown at the example's `<|image_pad|>` run (vision-language models).
+    pub image: Option<ImageRef>,
+}
+
+/// An image of an example: its file and the grid `[t, h, w]` (in patches) it is cut into,
+/// which fixes how many `<|image_pad|>` tokens it takes. Its pixels and features are read
+/// when a batch is built ([`super::multimodal::StepImages`]), not kept with the example.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageRef {
+    pub path: std::path::PathBuf,
+    pub grid: [i64; 3],
 }
 
 impl Example {
     pub fn new(tok: &Tokenizer, prompt: &str, answer: &str) -> Result<Self> {
         let (ids, answer_start) = tok.encode_continuation(prompt, answer)?;
-        Ok(Self { ids, answer_start })
+        Ok(Self { ids, answer_start, image: None })
     }
 
     pub fn answer(&self) -> &[i64] {
@@ -39,6 +50,12 @@ pub struct EditExample {
     pub loc: Option<Example>,
     /// Questions whose answers should follow from the edit (EasyEdit's portability).
     pub portability: Vec<Example>,
+    /// Multimodal only: the edit prompt shown with the rephrase image (EasyEdit's
+    /// `edit_outer_image`), scored like `outer`.
+    pub outer_image: Option<Example>,
+    /// Multimodal only: an unrelated image and question (EasyEdit's `loc_image`), kept
+    /// like `loc`.
+    pub loc_image: Option<Example>,
 }
 
 /// Token ids `[B, T]`, padding mask `[B, T]`, and `targets[b, t]`: the token position `t`
@@ -53,6 +70,11 @@ pub struct TokenBatch {
     pub keep: Tensor,
     /// Whether any row is padded (an all-ones mask lets attention take its causal fast path).
     pub padded: bool,
+    /// M-RoPE position ids `[3, B, T]` when a row shows an image (vision-language models).
+    pub position_ids: Option<Tensor>,
+    /// Image features `[N, D]` for the batch's `<|image_pad|>` tokens, in row-major order:
+    /// an input like the ids, computed once per image by the frozen tower.
+    pub image_embeds: Option<Tensor>,
 }
 
 pub const IGNORE: i64 = -100;
@@ -82,7 +104,7 @@ impl TokenBatch {
         let mk = |v: &[i64]| Tensor::from_slice(v).reshape(shape).to_device(device);
         let padded = mask.contains(&0);
         let targets = mk(&targets);
-        Self { input_ids: mk(&ids), attention_mask: mk(&mask), keep: targets.ne(IGNORE), targets, padded }
+        Self { input_ids: mk(&ids), attention_mask: mk(&mask), keep: targets.ne(IGNORE), targets, padded, position_ids: None, image_embeds: None }
     }
 
     /// The forward input for this batch: logits only where a target is scored.
@@ -92,8 +114,8 @@ impl TokenBatch {
             attention_mask: self.padded.then_some(&self.attention_mask),
             keep: Some(&self.keep),
             capture,
-            position_ids: None,
-            image_embeds: None,
+            position_ids: self.position_ids.as_ref(),
+            image_embeds: self.image_embeds.as_ref(),
         }
     }
 
@@ -118,13 +140,16 @@ impl TokenBatch {
             targets: self.targets.to_device(device),
             keep: self.keep.to_device(device),
             padded: self.padded,
+            position_ids: self.position_ids.as_ref().map(|t| t.to_device(device)),
+            image_embeds: self.image_embeds.as_ref().map(|t| t.to_device(device)),
         }
     }
 
     /// Bytes the batch occupies (what the mover transfers).
     pub fn nbytes(&self) -> u64 {
-        [&self.input_ids, &self.attention_mask, &self.targets]
-            .iter()
+        [Some(&self.input_ids), Some(&self.attention_mask), Some(&self.targets), self.position_ids.as_ref(), self.image_embeds.as_ref()]
+            .into_iter()
+            .flatten()
             .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
             .sum()
     }

@@ -30,15 +30,27 @@ pub enum DatasetKind {
     /// Edit requests: the CounterFact keys plus an optional `portability`, so any
     /// CounterFact file is also a valid requests file.
     Requests,
+    /// EasyEdit's E-VQA (multimodal, [`crate::data::multimodal`]): `src`, `alt`,
+    /// `rephrase`, `image`, `image_rephrase`, `loc`, `loc_ans`, `m_loc`, `m_loc_q`, `m_loc_a`.
+    Vqa,
+    /// EasyEdit's E-IC (image captions), the same layout as E-VQA.
+    Caption,
 }
 
 impl DatasetKind {
     /// Every kind, in the order they are listed in messages.
-    pub const ALL: [DatasetKind; 3] = [
+    pub const ALL: [DatasetKind; 5] = [
         DatasetKind::Zsre,
         DatasetKind::Counterfact,
         DatasetKind::Requests,
+        DatasetKind::Vqa,
+        DatasetKind::Caption,
     ];
+
+    /// Image + text records, read by [`crate::data::multimodal::load_mm`].
+    pub fn is_multimodal(self) -> bool {
+        matches!(self, DatasetKind::Vqa | DatasetKind::Caption)
+    }
 
     /// The name used on the command line and in serialized configs.
     pub fn as_str(self) -> &'static str {
@@ -46,6 +58,8 @@ impl DatasetKind {
             DatasetKind::Zsre => "zsre",
             DatasetKind::Counterfact => "counterfact",
             DatasetKind::Requests => "requests",
+            DatasetKind::Vqa => "vqa",
+            DatasetKind::Caption => "caption",
         }
     }
 }
@@ -119,6 +133,9 @@ pub fn parse_records(
     path: &Path,
     kind: DatasetKind,
 ) -> Result<(Vec<EditRecord>, LoadReport)> {
+    if kind.is_multimodal() {
+        return Err(Error::file(path, format!("{kind} records carry images: read them with data::multimodal::load_mm (and --image-root)")));
+    }
     let root: Value = serde_json::from_str(text)
         .map_err(|e| Error::file(path, format!("malformed JSON: {e}")))?;
     let items = match root {
@@ -150,6 +167,7 @@ pub fn parse_records(
             // The requests format is CounterFact's plus `portability`; a CounterFact file that
             // happens to carry portability probes keeps them rather than dropping them silently.
             DatasetKind::Counterfact | DatasetKind::Requests => parse_counterfact(&rec),
+            DatasetKind::Vqa | DatasetKind::Caption => return Err(Error::file(path, "multimodal records are read by data::multimodal")),
         }
         .map_err(|msg| Error::file(path, msg))?;
         match parsed {

@@ -54,6 +54,8 @@ pub struct DataCounts {
     /// Skipped because prompt + answer is longer than `max_length` (policy `skip`, or an
     /// answer too long to fit even with the whole prompt cut under `truncate`).
     pub skipped_too_long: usize,
+    /// Multimodal data: skipped because an image is missing or unreadable.
+    pub skipped_image: usize,
     /// Records whose prompts were cut from the left to fit (policy `truncate`).
     pub truncated: usize,
     /// Longest example in tokens (prompt + answer), as applied.
@@ -151,7 +153,7 @@ pub fn prepare_with(
                     Err(why) => return Ok(Err(why)),
                 }
             }
-            Ok(Ok(EditExample { inner, outer, rephrased: r.rephrase.is_some(), loc, portability }))
+            Ok(Ok(EditExample { inner, outer, rephrased: r.rephrase.is_some(), loc, portability, outer_image: None, loc_image: None }))
         })()?;
         match example {
             Ok(e) => {
@@ -208,7 +210,7 @@ fn truncate_left(e: Example, max_len: usize, head: &[i64]) -> Option<Example> {
     }
     let mut ids = e.ids[..keep_head].to_vec();
     ids.extend_from_slice(&e.ids[keep_head + over..]);
-    Some(Example { ids, answer_start: e.answer_start - over })
+    Some(Example { ids, answer_start: e.answer_start - over, image: e.image })
 }
 
 #[cfg(test)]
@@ -216,7 +218,7 @@ mod tests {
     use super::*;
 
     fn ex(n: usize, answer_start: usize) -> Example {
-        Example { ids: (0..n as i64).collect(), answer_start }
+        Example { ids: (0..n as i64).collect(), answer_start, image: None }
     }
 
     #[test]

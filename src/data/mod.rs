@@ -3,8 +3,9 @@
 pub mod batch;
 pub mod easyedit;
 pub mod examples;
+pub mod multimodal;
 pub mod synthetic;
 pub mod visual_world;
 
-pub use batch::{EditExample, Example, TokenBatch};
+pub use batch::{EditExample, Example, ImageRef, TokenBatch};
 pub use easyedit::{load_records, DatasetKind, EditRecord};

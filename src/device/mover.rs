@@ -89,6 +89,8 @@ impl Mover {
             targets: self.to_sub(&b.targets),
             keep: self.to_sub(&b.keep),
             padded: b.padded,
+            position_ids: b.position_ids.as_ref().map(|t| self.to_sub(t)),
+            image_embeds: b.image_embeds.as_ref().map(|t| self.to_sub(t)),
         }
     }
 

@@ -64,6 +64,20 @@ pub fn agreement(a: &Tensor, b: &Tensor, rows: &Tensor, batch: i64) -> Vec<f64> 
     token_accuracy(a, &b.argmax(-1, false), rows, batch).0
 }
 
+/// Share of the top-`k` token lists (ranked, entry by entry) of `a` equal to those of `b`
+/// over all positions (`[N, V]` each): EasyEdit's locality (k = 1) and multimodal
+/// locality (k = 10, `multimodal_locality_acc`). 1 for no positions.
+pub fn topk_agreement(a: &Tensor, b: &Tensor, k: i64) -> f64 {
+    let n = a.size()[0];
+    if n == 0 {
+        return 1.0;
+    }
+    let k = k.min(*a.size().last().unwrap_or(&1)).max(1);
+    let (_, ia) = a.to_kind(Kind::Float).topk(k, -1, true, true);
+    let (_, ib) = b.to_kind(Kind::Float).to_device(a.device()).topk(k, -1, true, true);
+    ia.eq_tensor(&ib).to_kind(Kind::Double).mean(Kind::Double).double_value(&[])
+}
+
 /// Per batch row mean NLL of the kept positions.
 pub fn nll_per_row(logits: &Tensor, targets: &Tensor, rows: &Tensor, batch: i64) -> Vec<f64> {
     let lp = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);

@@ -15,9 +15,11 @@ use tracing::info;
 
 pub use editor::{EditedParam, Editor, Factors};
 
+use crate::data::multimodal::StepImages;
 use crate::data::{Example, TokenBatch};
 use crate::device::worker::Worker;
 use crate::device::{DevicePlan, Mover, Placement};
+use crate::model::qwen2_vl::ImageProcessorConfig;
 use crate::model::{lm_head, lm_head_input_grad, LoadedModel, LowRank, Overrides, ParamStore, ParamView, WeightLayout};
 use crate::{Error, Result};
 
@@ -44,6 +46,8 @@ pub struct Engine {
     /// Computes the unedited locality logits on the sub-device, from the replica, while the
     /// main device captures and runs the editor (split only).
     sub_worker: Option<Worker>,
+    /// The image processor of a vision-language model (`preprocessor_config.json`).
+    pub image_proc: Option<ImageProcessorConfig>,
 }
 
 /// How [`Engine::edit_low_rank_shaped`] reshapes the editor's edit (the default leaves it
@@ -84,7 +88,13 @@ impl Pending {
 impl Engine {
     /// Places `lm` (loaded on `plan.main`) and checks the edited weight names.
     pub fn new(lm: LoadedModel, plan: DevicePlan, edit_names: &[String]) -> Result<Self> {
-        let names: Vec<String> = if edit_names.is_empty() { lm.model.default_edit_params() } else { edit_names.to_vec() };
+        // Names in either tensor layout (Qwen2-VL: transformers 5's `model.language_model.*`
+        // or the released `model.*`) resolve to the loader's canonical ones.
+        let names: Vec<String> = if edit_names.is_empty() {
+            lm.model.default_edit_params()
+        } else {
+            edit_names.iter().map(|n| lm.model.family().canonical_name(n)).collect()
+        };
         let mut edit_params = Vec::with_capacity(names.len());
         let model_dir = lm.dir.display();
         for (i, name) in names.iter().enumerate() {
@@ -124,7 +134,11 @@ impl Engine {
             Some(r) => Some(Worker::spawn(lm.model.clone(), r.shallow_clone(), "sub")?),
             None => None,
         };
-        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker })
+        let image_proc = match lm.model.family().vision_language() {
+            Some(vl) => Some(vl.image_processor(&lm.dir)?),
+            None => None,
+        };
+        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc })
     }
 
     /// The layer split's boundary, checked: a split plan, within the model, at most the
@@ -170,9 +184,38 @@ impl Engine {
     }
 
     /// One padded batch of `examples` on the main device, where the capture and the
-    /// unedited forwards run (the mover takes it to the sub-device for edited forwards).
-    pub fn collate(&self, examples: &[&Example]) -> TokenBatch {
-        TokenBatch::collate(examples, self.lm.tokenizer.pad_id(), self.plan.main)
+    /// unedited forwards run (the mover takes it to the sub-device for edited forwards),
+    /// with the features of the examples' images (computed here; use
+    /// [`Engine::images`] + [`Engine::collate_with`] to share them between batches).
+    pub fn collate(&self, examples: &[&Example]) -> Result<TokenBatch> {
+        let images = self.images(examples)?;
+        self.collate_with(examples, images.as_ref())
+    }
+
+    /// [`Engine::collate`] with image features computed beforehand by [`Engine::images`].
+    pub fn collate_with(&self, examples: &[&Example], images: Option<&StepImages>) -> Result<TokenBatch> {
+        let pad = self.lm.tokenizer.pad_id();
+        match images {
+            Some(im) => im.collate(examples, pad, self.plan.main),
+            None if examples.iter().any(|e| e.image.is_some()) => Err(Error::input("examples show images but no image features were computed")),
+            None => Ok(TokenBatch::collate(examples, pad, self.plan.main)),
+        }
+    }
+
+    /// The frozen vision tower's features of every distinct image of `examples`, once
+    /// each, on the main device (`None` without images). A text-only model refuses images.
+    pub fn images(&self, examples: &[&Example]) -> Result<Option<StepImages<'_>>> {
+        if examples.iter().all(|e| e.image.is_none()) {
+            return Ok(None);
+        }
+        match (self.lm.model.family().vision_language(), &self.image_proc) {
+            (Some(vl), Some(proc)) => StepImages::compute(vl, &ParamView::frozen(&self.lm.params), proc, examples),
+            _ => Err(Error::input(format!(
+                "{} is a text-only model ({}); images need a Qwen2-VL or Qwen2.5-VL model",
+                self.lm.dir.display(),
+                self.lm.model.info().architecture
+            ))),
+        }
     }
 
     /// How this engine is placed, for out-of-memory advice.

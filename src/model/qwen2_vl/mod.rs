@@ -97,6 +97,35 @@ impl Qwen2Vl {
         ids
     }
 
+    /// Qwen2-VL's chat template (transformers' `apply_chat_template` with
+    /// `add_generation_prompt`) for one user turn: the image placeholder, then `text`. The
+    /// one `<|image_pad|>` stands for the image's run ([`Qwen2Vl::image_prompt`]), which
+    /// the caller expands once it has the image's grid.
+    pub fn chat_image_prompt(text: &str) -> String {
+        format!(
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n",
+            text.trim()
+        )
+    }
+
+    /// The image processor of the model in `dir` (`preprocessor_config.json`, its
+    /// defaults when absent), checked against `config.json`'s vision tower.
+    pub fn image_processor(&self, dir: &std::path::Path) -> Result<ImageProcessorConfig> {
+        let path = dir.join("preprocessor_config.json");
+        let proc = ImageProcessorConfig::load(&path)?;
+        let v = &self.config.vision;
+        if proc.patch_size != v.patch_size || proc.merge_size != v.spatial_merge_size || proc.temporal_patch_size != v.temporal_patch_size {
+            return Err(Error::file(
+                &path,
+                format!(
+                    "patch_size {} / merge_size {} / temporal_patch_size {} do not match config.json's vision_config ({} / {} / {})",
+                    proc.patch_size, proc.merge_size, proc.temporal_patch_size, v.patch_size, v.spatial_merge_size, v.temporal_patch_size
+                ),
+            ));
+        }
+        Ok(proc)
+    }
+
     /// M-RoPE position ids `[3, T]` for one unpadded sequence: text tokens count up on all
     /// three streams; each run of `<|image_pad|>` tokens (one image, `grids` in order)
     /// gets (temporal, row, column) offsets from the position where it starts, and the

@@ -1,0 +1,389 @@
+//! EasyEdit's multimodal edit data (E-VQA, E-IC) for vision-language models: the reader,
+//! the five views of its `MultimodalTrainer` as tokenised examples, and the image features
+//! a group of examples needs, computed once per image.
+//!
+//! Records carry `src`, `pred`, `alt`, `rephrase`, `image`, `image_rephrase`, `loc`,
+//! `loc_ans`, `m_loc`, `m_loc_q`, `m_loc_a`. `image` and `m_loc` are relative to the COCO
+//! root (`--image-root`), `image_rephrase` to the rephrase-image root
+//! (`--rephrase-image-root`, default the first). As EasyEdit, records with an empty `alt`
+//! are skipped; a record whose image is missing or unreadable is skipped and named (an
+//! error under `--strict`), where EasyEdit would stop with a Python traceback.
+//!
+//! Views (per record): `edit_inner` (src + image → alt), `edit_outer` (rephrase + image →
+//! alt), `edit_outer_image` (src + image_rephrase → alt), `loc` (the text-only NQ
+//! question → loc_ans) and `loc_image` (`Question: {m_loc_q} Short answer:` + the m_loc
+//! image → m_loc_a). Image prompts go through Qwen2-VL's chat template
+//! ([`Qwen2Vl::chat_image_prompt`]) with the image's `<|image_pad|>` run; the answer
+//! follows as `" " + target` and only its tokens are labelled.
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use tch::{Device, Tensor};
+
+use super::batch::{EditExample, Example, ImageRef, TokenBatch};
+use super::easyedit::DatasetKind;
+use super::examples::{OverLong, Prepared};
+use crate::model::qwen2_vl::{image, Grid, ImageProcessorConfig, Qwen2Vl};
+use crate::model::{ParamView, Tokenizer};
+use crate::{Error, Result};
+
+/// Where the relative image paths of a multimodal file point.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageRoots {
+    /// `image` and `m_loc` (EasyEdit's `coco_image`).
+    pub image_root: PathBuf,
+    /// `image_rephrase` (EasyEdit's `rephrase_image`); the image root when not given.
+    pub rephrase_root: PathBuf,
+}
+
+impl ImageRoots {
+    pub fn new(image_root: PathBuf, rephrase_root: Option<PathBuf>) -> Self {
+        let rephrase_root = rephrase_root.unwrap_or_else(|| image_root.clone());
+        Self { image_root, rephrase_root }
+    }
+}
+
+/// An image file of a record, checked readable, with its size in pixels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageFile {
+    pub path: PathBuf,
+    pub height: i64,
+    pub width: i64,
+}
+
+/// One E-VQA / E-IC record with its images resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MmRecord {
+    pub src: String,
+    pub pred: Option<String>,
+    pub alt: String,
+    pub rephrase: String,
+    pub image: ImageFile,
+    pub image_rephrase: ImageFile,
+    pub loc: String,
+    pub loc_ans: String,
+    pub m_loc: ImageFile,
+    pub m_loc_q: String,
+    pub m_loc_a: String,
+}
+
+/// What the reader kept and what it left out.
+#[derive(Debug, Clone, Default)]
+pub struct MmLoad {
+    pub records: Vec<MmRecord>,
+    /// Index in the file of each kept record.
+    pub file_index: Vec<usize>,
+    /// Records in the file.
+    pub in_file: usize,
+    /// Records with an empty `alt` (EasyEdit skips them too).
+    pub skipped_empty: Vec<(usize, String)>,
+    /// Records with a missing or unreadable image.
+    pub skipped_image: Vec<(usize, String)>,
+}
+
+/// Reads an E-VQA (`DatasetKind::Vqa`) or E-IC (`DatasetKind::Caption`) file.
+pub fn load_mm(path: &Path, kind: DatasetKind, roots: &ImageRoots, strict: bool) -> Result<MmLoad> {
+    let text = crate::io::read_text(path)?;
+    parse_mm(&text, path, kind, roots, strict)
+}
+
+fn str_key<'a>(obj: &'a serde_json::Map<String, Value>, i: usize, key: &str) -> std::result::Result<&'a str, String> {
+    match obj.get(key) {
+        Some(Value::String(s)) => Ok(s),
+        None => Err(format!("record {i}: missing key {key:?}")),
+        Some(_) => Err(format!("record {i}: key {key:?} must be a string")),
+    }
+}
+
+/// Parses the text of a multimodal file (`path` only for messages) and checks every image
+/// it names: a readable PNG/JPEG header under its root. `strict`: a bad image is an error.
+pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, strict: bool) -> Result<MmLoad> {
+    if !kind.is_multimodal() {
+        return Err(Error::file(path, format!("{kind} is not a multimodal dataset kind (vqa or caption)")));
+    }
+    for root in [&roots.image_root, &roots.rephrase_root] {
+        if !root.is_dir() {
+            return Err(Error::file(root, "image root is not a directory"));
+        }
+    }
+    let root: Value = serde_json::from_str(text).map_err(|e| Error::file(path, format!("malformed JSON: {e}")))?;
+    let Value::Array(items) = root else {
+        return Err(Error::file(path, format!("top level must be a JSON array of {kind} records")));
+    };
+    if items.is_empty() {
+        return Err(Error::file(path, "no records (the top-level array is empty)"));
+    }
+    let mut out = MmLoad { in_file: items.len(), ..Default::default() };
+    let mut sizes: HashMap<PathBuf, std::result::Result<(i64, i64), String>> = HashMap::new();
+    let mut check = |root: &Path, rel: &str| -> std::result::Result<ImageFile, String> {
+        let p = root.join(rel);
+        let r = sizes
+            .entry(p.clone())
+            .or_insert_with(|| match ::image::image_dimensions(&p) {
+                Ok((w, h)) if w > 0 && h > 0 => Ok((h as i64, w as i64)),
+                Ok(_) => Err(format!("{}: image has no pixels", p.display())),
+                Err(::image::ImageError::IoError(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+                    Err(format!("{}: image file not found", p.display()))
+                }
+                Err(e) => Err(format!("{}: unreadable image: {e}", p.display())),
+            })
+            .clone()?;
+        Ok(ImageFile { path: p, height: r.0, width: r.1 })
+    };
+    for (i, item) in items.iter().enumerate() {
+        let Value::Object(obj) = item else {
+            return Err(Error::file(path, format!("record {i}: expected a JSON object")));
+        };
+        let s = |key: &str| str_key(obj, i, key).map_err(|m| Error::file(path, m));
+        let (src, alt) = (s("src")?, s("alt")?);
+        let fields = [s("rephrase")?, s("image")?, s("image_rephrase")?, s("loc")?, s("loc_ans")?, s("m_loc")?, s("m_loc_q")?, s("m_loc_a")?];
+        let pred = match obj.get("pred") {
+            Some(Value::String(p)) if !p.trim().is_empty() => Some(p.clone()),
+            _ => None,
+        };
+        if alt.trim().is_empty() {
+            out.skipped_empty.push((i, "empty \"alt\" (target)".into()));
+            continue;
+        }
+        if src.trim().is_empty() {
+            out.skipped_empty.push((i, "empty \"src\" (prompt)".into()));
+            continue;
+        }
+        let [rephrase, img, img_rephrase, loc, loc_ans, m_loc, m_loc_q, m_loc_a] = fields;
+        let images = (|| -> std::result::Result<_, String> {
+            Ok((check(&roots.image_root, img)?, check(&roots.rephrase_root, img_rephrase)?, check(&roots.image_root, m_loc)?))
+        })();
+        let (image, image_rephrase, m_loc) = match images {
+            Ok(t) => t,
+            Err(why) if strict => return Err(Error::file(path, format!("record {i}: {why}"))),
+            Err(why) => {
+                tracing::warn!(file = %path.display(), "record {i} skipped: {why}");
+                out.skipped_image.push((i, why));
+                continue;
+            }
+        };
+        out.records.push(MmRecord {
+            src: src.to_string(),
+            pred,
+            alt: alt.to_string(),
+            rephrase: rephrase.to_string(),
+            image,
+            image_rephrase,
+            loc: loc.to_string(),
+            loc_ans: loc_ans.to_string(),
+            m_loc,
+            m_loc_q: m_loc_q.to_string(),
+            m_loc_a: m_loc_a.to_string(),
+        });
+        out.file_index.push(i);
+    }
+    if out.records.is_empty() {
+        let first = out.skipped_empty.iter().chain(&out.skipped_image).min_by_key(|(i, _)| *i);
+        let why = first.map(|(i, w)| format!(" (first: record {i}: {w})")).unwrap_or_default();
+        return Err(Error::file(path, format!("no usable records: all {} were skipped{why}", out.in_file)));
+    }
+    if !out.skipped_empty.is_empty() || !out.skipped_image.is_empty() {
+        tracing::warn!(
+            file = %path.display(),
+            "skipped {} of {} records: {} with an empty target, {} with a missing or unreadable image{}",
+            out.skipped_empty.len() + out.skipped_image.len(),
+            out.in_file,
+            out.skipped_empty.len(),
+            out.skipped_image.len(),
+            if strict { "" } else { " (--strict makes a bad image an error)" }
+        );
+    }
+    Ok(out)
+}
+
+/// What turns text + image into the tokens of a vision-language model.
+#[derive(Clone, Copy)]
+pub struct VlPrompt<'a> {
+    pub vl: &'a Qwen2Vl,
+    pub proc: &'a ImageProcessorConfig,
+}
+
+impl VlPrompt<'_> {
+    /// The example `chat(image, text) + " " + answer`, labelled on the answer, with the
+    /// template's one `<|image_pad|>` expanded to the image's merged-patch count.
+    pub fn image_example(&self, tok: &Tokenizer, img: &ImageFile, text: &str, answer: &str) -> Result<Example> {
+        let grid = self.proc.grid_for(img.height, img.width).map_err(|e| Error::file(&img.path, e.to_string()))?;
+        let answer = answer.trim();
+        if answer.is_empty() {
+            return Err(Error::input(format!("empty answer for {text:?}")));
+        }
+        let prompt = Qwen2Vl::chat_image_prompt(text);
+        let full = tok.encode(&format!("{prompt} {answer}"))?;
+        let prompt_ids = tok.encode(&prompt)?;
+        let start = prompt_ids.iter().zip(&full).take_while(|(a, b)| a == b).count();
+        if start >= full.len() {
+            return Err(Error::input(format!("answer {answer:?} adds no token after {text:?}")));
+        }
+        let pad = self.vl.config.tokens.image_pad;
+        let at: Vec<usize> = full[..start].iter().enumerate().filter(|(_, &t)| t == pad).map(|(i, _)| i).collect();
+        if at.len() != 1 {
+            return Err(Error::input(format!(
+                "the chat template gives {} <|image_pad|> token(s) with {} (tokenizer {}), expected 1",
+                at.len(),
+                text.chars().take(40).collect::<String>(),
+                tok.path().display()
+            )));
+        }
+        let run = self.vl.image_prompt(&grid);
+        let n = run.len() - 2; // without vision_start / vision_end
+        let mut ids = Vec::with_capacity(full.len() + n);
+        ids.extend_from_slice(&full[..at[0]]);
+        ids.extend(std::iter::repeat_n(pad, n));
+        ids.extend_from_slice(&full[at[0] + 1..]);
+        Ok(Example { ids, answer_start: start + n - 1, image: Some(ImageRef { path: img.path.clone(), grid }) })
+    }
+}
+
+/// The five views of each record. An example longer than the model's context, or whose
+/// text (image tokens not counted) is longer than `max_len`, is skipped (`Strict`: an
+/// error; `Truncate` cannot cut an image prompt and skips too).
+pub fn prepare_mm(tok: &Tokenizer, vp: VlPrompt, load: &MmLoad, max_len: usize, context: usize, policy: OverLong, path: &Path) -> Result<Prepared> {
+    let mut out = Prepared::default();
+    for (pos, (r, &i)) in load.records.iter().zip(&load.file_index).enumerate() {
+        let fail = |e: Error| Error::file(path, format!("record {i}: {e}"));
+        let views = (|| -> Result<std::result::Result<EditExample, String>> {
+            let question = format!("Question: {} Short answer:", r.m_loc_q.trim());
+            let built = [
+                ("edit_inner", vp.image_example(tok, &r.image, &r.src, &r.alt)),
+                ("edit_outer", vp.image_example(tok, &r.image, &r.rephrase, &r.alt)),
+                ("edit_outer_image", vp.image_example(tok, &r.image_rephrase, &r.src, &r.alt)),
+                ("loc", Example::new(tok, &r.loc, &r.loc_ans)),
+                ("loc_image", vp.image_example(tok, &r.m_loc, &question, &r.m_loc_a)),
+            ];
+            let mut views = Vec::with_capacity(5);
+            for (name, e) in built {
+                let e = e.map_err(fail)?;
+                let image_tokens = e.ids.iter().filter(|&&t| t == vp.vl.config.tokens.image_pad).count();
+                let text = e.ids.len() - image_tokens;
+                let why = if e.ids.len() > context {
+                    Some(format!("{name} is {} tokens, longer than the model's context of {context}", e.ids.len()))
+                } else if text > max_len {
+                    Some(format!("{name} has {text} text tokens, more than the maximum of {max_len}"))
+                } else {
+                    None
+                };
+                match (why, policy) {
+                    (Some(w), OverLong::Strict) => return Err(fail(Error::input(w))),
+                    (Some(w), _) => return Ok(Err(w)),
+                    (None, _) => views.push(e),
+                }
+            }
+            let mut it = views.into_iter();
+            let mut next = || it.next().ok_or_else(|| Error::Torch("a view was not built".into()));
+            let (inner, outer, outer_image, loc, loc_image) = (next()?, next()?, next()?, next()?, next()?);
+            Ok(Ok(EditExample {
+                inner,
+                outer,
+                rephrased: true,
+                loc: Some(loc),
+                portability: Vec::new(),
+                outer_image: Some(outer_image),
+                loc_image: Some(loc_image),
+            }))
+        })()?;
+        match views {
+            Ok(e) => {
+                out.examples.push(e);
+                out.kept.push(pos);
+            }
+            Err(why) => out.skipped.push((i, why)),
+        }
+    }
+    if out.examples.is_empty() {
+        let first = out.skipped.first().map(|(i, w)| format!(" (first: record {i}: {w})")).unwrap_or_default();
+        return Err(Error::file(path, format!("no record fits: all {} were skipped{first}", out.skipped.len())));
+    }
+    if !out.skipped.is_empty() {
+        tracing::warn!(file = %path.display(), "skipped {} records too long ({})", out.skipped.len(), super::examples::shown(&out.skipped));
+    }
+    Ok(out)
+}
+
+/// The frozen vision tower's features of every distinct image of a group of examples
+/// (one optimiser micro-step, one evaluated edit), computed once and shared by every view
+/// that shows the image; on the device of the weights they were computed with (main).
+pub struct StepImages<'a> {
+    vl: &'a Qwen2Vl,
+    feats: HashMap<PathBuf, Tensor>,
+}
+
+impl<'a> StepImages<'a> {
+    /// Features `[n_i, D]` of each distinct image of `examples`, from one tower forward;
+    /// `None` when no example has an image.
+    pub fn compute(vl: &'a Qwen2Vl, params: &ParamView, proc: &ImageProcessorConfig, examples: &[&Example]) -> Result<Option<Self>> {
+        let mut order: Vec<&ImageRef> = Vec::new();
+        for r in examples.iter().filter_map(|e| e.image.as_ref()) {
+            if !order.iter().any(|o| o.path == r.path) {
+                order.push(r);
+            }
+        }
+        if order.is_empty() {
+            return Ok(None);
+        }
+        let mut pixels = Vec::with_capacity(order.len());
+        let mut grids: Vec<Grid> = Vec::with_capacity(order.len());
+        for r in &order {
+            let p = image::prepare(&r.path, proc)?;
+            if p.grid != r.grid {
+                return Err(Error::file(&r.path, format!("image grid {:?} differs from {:?} when the data was read (file changed?)", p.grid, r.grid)));
+            }
+            pixels.push(p.pixel_values);
+            grids.push(p.grid);
+        }
+        let feats = crate::error::guard(|| {
+            let all = vl.image_features(params, &Tensor::cat(&pixels, 0).to_device(params.device()), &grids)?;
+            let merge = vl.config.vision.merge_unit();
+            let sizes: Vec<i64> = grids.iter().map(|g| g.iter().product::<i64>() / merge).collect();
+            Ok(all.split_with_sizes(sizes.as_slice(), 0))
+        })?;
+        Ok(Some(Self { vl, feats: order.iter().map(|r| r.path.clone()).zip(feats).collect() }))
+    }
+
+    /// Distinct images computed.
+    pub fn len(&self) -> usize {
+        self.feats.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.feats.is_empty()
+    }
+
+    /// [`TokenBatch::collate`] plus, when a row shows an image, the M-RoPE positions
+    /// `[3, B, T]` of every row (text rows: plain positions on all three streams, padding
+    /// 0) and the rows' image features in row order `[Σ n_i, D]`.
+    pub fn collate(&self, examples: &[&Example], pad_id: i64, device: Device) -> Result<TokenBatch> {
+        let mut b = TokenBatch::collate(examples, pad_id, device);
+        if examples.iter().all(|e| e.image.is_none()) {
+            return Ok(b);
+        }
+        let t = b.input_ids.size()[1] as usize;
+        let n_rows = examples.len();
+        let mut pos = vec![0i64; 3 * n_rows * t];
+        let mut feats = Vec::new();
+        for (row, e) in examples.iter().enumerate() {
+            let n = e.ids.len().saturating_sub(1).max(1).min(e.ids.len());
+            let grids: Vec<Grid> = e.image.iter().map(|r| r.grid).collect();
+            let p = Vec::<i64>::try_from(self.vl.mrope_positions(&e.ids[..n], &grids)?.reshape([-1]))?;
+            for s in 0..3 {
+                let at = (s * n_rows + row) * t;
+                pos[at..at + n].copy_from_slice(&p[s * n..(s + 1) * n]);
+            }
+            if let Some(r) = &e.image {
+                let f = self.feats.get(&r.path).ok_or_else(|| Error::file(&r.path, "image features were not computed for this step"))?;
+                feats.push(f.shallow_clone());
+            }
+        }
+        crate::error::guard(|| {
+            b.position_ids = Some(Tensor::from_slice(&pos).reshape([3, n_rows as i64, t as i64]).to_device(device));
+            b.image_embeds = Some(Tensor::cat(&feats, 0).to_device(device));
+            Ok(())
+        })?;
+        Ok(b)
+    }
+}

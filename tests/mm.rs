@@ -1,0 +1,229 @@
+//! Multimodal MEND (issue #22) on the tiny random Qwen2-VL fixture: the E-VQA reader, the
+//! five views' tokens and labels, the shifted loss, and single = dual training and
+//! evaluation with images on CPU.
+mod common;
+use std::path::{Path, PathBuf};
+
+use common::fixture;
+use dualedit::compare::{compare_eval, compare_train};
+use dualedit::config::MendConfig;
+use dualedit::data::multimodal::{load_mm, parse_mm, ImageRoots};
+use dualedit::data::{DatasetKind, Example};
+use dualedit::device::DevicePlan;
+use dualedit::edit::{open_engine, LoadOptions, MethodSpec};
+use dualedit::mend::{losses, Engine};
+use dualedit::model::ForwardInput;
+use dualedit::run::{load_examples, Common, EvalOptions, TrainOptions};
+use tch::{Device, Kind, Tensor};
+
+/// A `w × h` PNG filled from `seed`.
+fn png(path: &Path, w: u32, h: u32, seed: u8) {
+    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([(x as u8).wrapping_mul(seed), (y as u8).wrapping_add(seed), seed.wrapping_mul(7)]));
+    img.save(path).unwrap();
+}
+
+/// COCO root with a.png / b.png / loc.png, rephrase root with r.png (another size).
+fn roots(dir: &Path) -> ImageRoots {
+    let (coco, reph) = (dir.join("coco"), dir.join("reph"));
+    std::fs::create_dir_all(coco.join("val")).unwrap();
+    std::fs::create_dir_all(&reph).unwrap();
+    png(&coco.join("val/a.png"), 40, 30, 3);
+    png(&coco.join("val/b.png"), 30, 40, 5);
+    png(&coco.join("loc.png"), 50, 50, 9);
+    png(&reph.join("r.png"), 224, 28, 11);
+    ImageRoots::new(coco, Some(reph))
+}
+
+fn record(src: &str, alt: &str, image: &str) -> serde_json::Value {
+    serde_json::json!({
+        "src": src, "pred": "a dog", "alt": alt, "rephrase": format!("{src} Tell me."),
+        "image": image, "image_rephrase": "r.png",
+        "loc": "nq question: who wrote hamlet", "loc_ans": "shakespeare",
+        "m_loc": "loc.png", "m_loc_q": "What colour is the bus?", "m_loc_a": "red"
+    })
+}
+
+fn write_data(dir: &Path, records: &[serde_json::Value]) -> PathBuf {
+    let p = dir.join("vqa.json");
+    std::fs::write(&p, serde_json::to_string(records).unwrap()).unwrap();
+    p
+}
+
+#[test]
+fn reader_resolves_roots_and_skips_empty_targets_and_missing_images() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = roots(dir.path());
+    let data = write_data(
+        dir.path(),
+        &[
+            record("What is in the picture?", "a cat", "val/a.png"),
+            record("What animal is this?", "", "val/a.png"),
+            record("What is on the table?", "a cup", "val/missing.png"),
+            record("What is shown?", "a bird", "val/b.png"),
+        ],
+    );
+    let load = load_mm(&data, DatasetKind::Vqa, &r, false).unwrap();
+    assert_eq!((load.in_file, load.records.len()), (4, 2));
+    assert_eq!(load.file_index, vec![0, 3]);
+    assert_eq!(load.skipped_empty.iter().map(|s| s.0).collect::<Vec<_>>(), vec![1]);
+    assert_eq!(load.skipped_image.len(), 1);
+    assert_eq!(load.skipped_image[0].0, 2);
+    assert!(load.skipped_image[0].1.contains("missing.png"), "{:?}", load.skipped_image);
+    let a = &load.records[0];
+    assert_eq!(a.image.path, r.image_root.join("val/a.png"));
+    assert_eq!((a.image.height, a.image.width), (30, 40));
+    assert_eq!(a.image_rephrase.path, r.rephrase_root.join("r.png"));
+    assert_eq!(a.m_loc.path, r.image_root.join("loc.png"));
+    assert_eq!(a.pred.as_deref(), Some("a dog"));
+
+    // --strict: the bad image is an error naming the file, the record and the image.
+    let err = load_mm(&data, DatasetKind::Vqa, &r, true).unwrap_err().to_string();
+    assert!(err.contains("vqa.json") && err.contains("record 2") && err.contains("missing.png"), "{err}");
+    // The rephrase root defaults to the image root, where r.png is not.
+    let err = load_mm(&data, DatasetKind::Vqa, &ImageRoots::new(r.image_root.clone(), None), true).unwrap_err().to_string();
+    assert!(err.contains("r.png"), "{err}");
+    // A key missing is an error naming it; text readers refuse the kind.
+    let err = parse_mm(r#"[{"src": "q", "alt": "a"}]"#, Path::new("x.json"), DatasetKind::Caption, &r, false).unwrap_err().to_string();
+    assert!(err.contains("x.json") && err.contains("rephrase"), "{err}");
+    let err = dualedit::data::load_records(&data, DatasetKind::Vqa).unwrap_err().to_string();
+    assert!(err.contains("--image-root") || err.contains("multimodal"), "{err}");
+}
+
+fn engine(plan: DevicePlan) -> Engine {
+    open_engine(&fixture("qwen2_vl"), &LoadOptions { plan, ..LoadOptions::default() }, &[]).unwrap()
+}
+
+#[test]
+fn five_views_tokens_labels_and_the_shifted_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = roots(dir.path());
+    let data = write_data(dir.path(), &[record("What is in the picture?", "a cat", "val/a.png")]);
+    let engine = engine(DevicePlan::single(Device::Cpu));
+    let (recs, ex, counts) = load_examples(&engine, &data, DatasetKind::Vqa, None, 200, Default::default(), Some(&r)).unwrap();
+    assert_eq!((recs.len(), counts.used, counts.skipped_image), (1, 1, 0));
+    let e = &ex[0];
+    let tok = &engine.lm.tokenizer;
+    let (vs, pad, ve) = (3i64, 5i64, 4i64);
+    let count = |x: &Example| x.ids.iter().filter(|&&t| t == pad).count();
+    // smart_resize (min_pixels 3136): 40×30 -> 84×56, 6 merged tokens; 50×50 -> 56×56, 4;
+    // the 224×28 rephrase image stays, 2×16 patches, 8.
+    let oi = e.outer_image.as_ref().unwrap();
+    for (name, x, n) in [("inner", &e.inner, 6), ("outer", &e.outer, 6), ("outer_image", oi, 8), ("loc_image", e.loc_image.as_ref().unwrap(), 4)] {
+        assert_eq!(count(x), n, "{name}");
+        let g = x.image.as_ref().unwrap().grid;
+        assert_eq!(g.iter().product::<i64>() / 4, n as i64, "{name}: {g:?}");
+    }
+    assert_eq!(oi.image.as_ref().unwrap().path, r.rephrase_root.join("r.png"));
+    let loc = e.loc.as_ref().unwrap();
+    assert!(loc.image.is_none() && count(loc) == 0);
+    // Each image view: chat template, vision_start, the pad run, vision_end, then the
+    // text; the labels are exactly the tokens of " " + target.
+    for (x, text, answer) in [(&e.inner, "What is in the picture?", "a cat"), (&e.outer, "What is in the picture? Tell me.", "a cat"), (oi, "What is in the picture?", "a cat")] {
+        let start = x.ids.iter().position(|&t| t == vs).unwrap();
+        let n = count(x);
+        assert!(x.ids[start + 1..=start + n].iter().all(|&t| t == pad) && x.ids[start + n + 1] == ve);
+        let prompt = tok.decode(&x.ids[..x.answer_start]).unwrap();
+        assert!(prompt.contains(text) && prompt.contains("assistant"), "{prompt:?}");
+        assert_eq!(tok.decode(x.answer()).unwrap().trim(), answer);
+    }
+    let li = e.loc_image.as_ref().unwrap();
+    assert!(tok.decode(&li.ids[..li.answer_start]).unwrap().contains("Question: What colour is the bus? Short answer:"));
+    assert_eq!(tok.decode(li.answer()).unwrap().trim(), "red");
+    assert_eq!(tok.decode(loc.answer()).unwrap().trim(), "shakespeare");
+
+    // The batch: labels only on the target, M-RoPE positions and features for every row.
+    let images = engine.images(&[&e.inner, oi]).unwrap().unwrap();
+    assert_eq!(images.len(), 2, "one tower forward per distinct image");
+    let b = engine.collate_with(&[&e.inner, oi], Some(&images)).unwrap();
+    let kept: Vec<i64> = Vec::try_from(b.kept_targets()).unwrap();
+    let mut want = e.inner.answer().to_vec();
+    want.extend(oi.answer());
+    assert_eq!(kept, want);
+    assert_eq!(b.position_ids.as_ref().unwrap().size()[..2], [3, 2]);
+    assert_eq!(b.image_embeds.as_ref().unwrap().size()[0], (count(&e.inner) + count(oi)) as i64);
+
+    // The loss: position i's logits against token i + 1, by hand from the full logits.
+    let one = engine.collate(&[&e.inner]).unwrap();
+    let none = Default::default();
+    let full = {
+        let input = ForwardInput { keep: None, ..one.forward_input(&none) };
+        engine.lm.model.forward(&dualedit::model::ParamView::frozen(&engine.lm.params), &input).unwrap().logits
+    };
+    let full = full.reshape([-1, full.size()[full.dim() - 1]]);
+    let lp = full.log_softmax(-1, Kind::Float);
+    let a = e.inner.answer_start;
+    let by_hand: f64 = (a..e.inner.ids.len()).map(|p| -lp.double_value(&[(p - 1) as i64, e.inner.ids[p]])).sum::<f64>() / (e.inner.ids.len() - a) as f64;
+    let ours = losses::nll(&engine.base_logits(&one).unwrap(), &one.kept_targets()).double_value(&[]);
+    assert!((ours - by_hand).abs() < 1e-5, "{ours} vs {by_hand}");
+    // EasyEdit's unshifted Qwen2-VL scoring (position i against label i) is another number.
+    let unshifted: f64 = (a..e.inner.ids.len() - 1).map(|p| -lp.double_value(&[p as i64, e.inner.ids[p]])).sum::<f64>() / (e.inner.ids.len() - 1 - a) as f64;
+    assert!((unshifted - by_hand).abs() > 1e-3, "{unshifted} vs {by_hand}");
+    let _ = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+}
+
+#[test]
+fn image_training_and_evaluation_match_between_single_and_dual_on_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = roots(dir.path());
+    let qs = ["What is in the picture?", "What animal is this?", "What is shown here?", "What do you see?", "Name the object."];
+    let alts = ["a cat", "a horse", "a bird", "a lamp", "a boat"];
+    let recs: Vec<_> = qs.iter().zip(alts).enumerate().map(|(i, (q, a))| record(q, a, if i % 2 == 0 { "val/a.png" } else { "val/b.png" })).collect();
+    let data = write_data(dir.path(), &recs);
+    let common = Common {
+        model: fixture("qwen2_vl"),
+        plan: DevicePlan::single(Device::Cpu),
+        dtype: Kind::Float,
+        seed: 3,
+        report: None,
+        over_long: Default::default(),
+        image_roots: Some(r.clone()),
+    };
+    let config = MendConfig { rank: 8, lr: 1e-3, edit_lr: 1e-3, accumulate: 1, max_steps: 3, val_every: 3, val_records: 1, max_length: 200, ..MendConfig::default() };
+    let opts = TrainOptions { common: common.clone(), data: data.clone(), ds: DatasetKind::Vqa, config, out: dir.path().join("train"), limit: None, resume: false, progress: false };
+    let split = DevicePlan::split_on(Device::Cpu, Device::Cpu);
+    let c = compare_train(&opts, split).unwrap();
+    for k in ["image_edit_acc.step00001", "image_loc_kl.step00003", "image_loc_acc.step00002"] {
+        assert!(c.single.metrics.contains_key(k), "{k} missing: {:?}", c.single.metrics.keys());
+    }
+    assert!(c.metrics_agree, "train: max relative difference {}", c.max_relative_difference);
+    for (k, a) in &c.single.metrics {
+        let b = c.dual.metrics[k];
+        assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{k}: single {a} vs dual {b}");
+    }
+
+    let eval = EvalOptions {
+        common,
+        method: MethodSpec::Mend { editor: dir.path().join("train/single") },
+        data,
+        ds: DatasetKind::Vqa,
+        limit: Some(2),
+        max_length: 200,
+    };
+    let c = compare_eval(&eval, split, dir.path()).unwrap();
+    for k in ["reliability", "generalization", "locality", "image_generalization", "image_locality"] {
+        assert!(c.single.metrics.contains_key(k), "{k} missing");
+    }
+    assert!(c.metrics_agree, "eval: max relative difference {}", c.max_relative_difference);
+    // The report carries EasyEdit's names.
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("eval-dual.json")).unwrap()).unwrap();
+    let text = report.to_string();
+    for k in ["rewrite_acc", "rephrase_acc", "rephrase_image_acc", "locality_acc", "multimodal_locality_acc"] {
+        assert!(text.contains(k), "{k} not in the eval report");
+    }
+}
+
+#[test]
+fn qwen2vl_7b_preset_names_resolve_in_both_layouts() {
+    use dualedit::model::qwen2_vl::Qwen2Vl;
+    let cfg = MendConfig::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2vl-7b.json")).unwrap();
+    assert_eq!((cfg.rank, cfg.c_edit, cfg.c_loc, cfg.i_edit, cfg.shared), (1920, 0.1, 1.0, 0.1, true));
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("qwen2_vl_7b_instruct").join("config.json")).unwrap()).unwrap();
+    let m = Qwen2Vl::from_json(&json, "Qwen2VLForConditionalGeneration").unwrap();
+    let names: Vec<String> = dualedit::model::Family::expected_params(&m).into_iter().map(|(n, _)| n).collect();
+    for n in &cfg.edit_params {
+        assert!(names.contains(n), "{n} is not a parameter of Qwen2-VL-7B");
+        let new_layout = n.replacen("model.", "model.language_model.", 1);
+        assert_eq!(&Qwen2Vl::canonical_name(&new_layout), n);
+        assert!(dualedit::model::Family::layout(&m, n).is_some(), "{n} is not an editable linear layer");
+    }
+}
