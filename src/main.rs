@@ -102,46 +102,29 @@ impl DeviceArgs {
         Ok(plan.with_optimizer(self.optimizer_device.unwrap_or_default()))
     }
 
-    /// The plan with `--placement` resolved: the layer split's boundary and `auto`'s
-    /// choice come from the planner (`config.json` of `f.model`), against `--max-memory`.
+    /// The plan with `--placement` resolved by the planner against `--max-memory`.
     fn placed(&self, f: &PlaceFor) -> anyhow::Result<DevicePlan> {
-        let request = self.placement.unwrap_or_default();
         let base = DevicePlan::parse(&self.device, self.sub_device.as_deref())?;
         if let Some(caps) = &self.max_memory {
             dualedit::device::memory::apply_caps(caps)?;
         }
-        let mut base = base.with_optimizer(self.optimizer_device.unwrap_or_default());
-        if request == PlacementRequest::Replica {
-            return Ok(base);
-        }
-        let (model, _) = dualedit::model::loader::read_config(f.model)?;
-        let mut o = dualedit::planner::PlanOptions::new(&self.device, self.sub_device.as_deref(), f.dtype, f.tokens, None)?;
-        o.caps = self.max_memory.clone().unwrap_or_default();
-        o.balance_for = f.phase;
-        o.optimizer = base.optimizer;
-        let chosen = match request.fixed() {
-            Some(p) => dualedit::planner::plan_model(&model, f.config, &o.with_placement(p, base.optimizer)?)?,
-            None => {
-                let p = dualedit::planner::choose(&model, f.config, &o, f.phase)?;
-                let opt = p.shape.optimizer_device.as_str();
-                base = base.with_optimizer(if opt == o.main {
-                    OptimizerDevice::Main
-                } else if opt == o.sub {
-                    OptimizerDevice::Sub
-                } else {
-                    OptimizerDevice::Cpu
-                });
-                if self.optimizer_device.is_some_and(|d| d != base.optimizer) {
-                    anyhow::bail!("--placement auto: no placement with --optimizer-device {:?} fits; the planner's choice puts the optimiser on {opt}", self.optimizer_device);
-                }
-                eprintln!("placement: {} (chosen by the planner)", p.placement_label());
-                p
-            }
+        let query = dualedit::planner::PlacementQuery {
+            main: &self.device,
+            sub: self.sub_device.as_deref(),
+            request: self.placement.unwrap_or_default(),
+            optimizer: self.optimizer_device,
+            caps: self.max_memory.as_ref(),
+            model: f.model,
+            config: f.config,
+            dtype: f.dtype,
+            tokens: f.tokens,
+            phase: f.phase,
         };
-        match (chosen.shape.placement, chosen.shape.boundary) {
-            (Placement::Balanced, Some(k)) => Ok(base.balanced(k as usize)?),
-            _ => Ok(base),
+        let (plan, chosen) = dualedit::planner::resolve_placement(base, &query)?;
+        if let Some(label) = chosen {
+            eprintln!("placement: {label} (chosen by the planner)");
         }
+        Ok(plan)
     }
 
     /// The one device of a command that runs everything in one place.

@@ -26,7 +26,7 @@ use tch::Kind;
 
 use crate::config::{EditorMode, MendConfig};
 use crate::device::memory::format_bytes;
-use crate::device::{MaxMemory, OptimizerDevice, Placement};
+use crate::device::{DevicePlan, MaxMemory, OptimizerDevice, Placement, PlacementRequest};
 use crate::model::loader::read_config;
 use crate::model::family::{split_block_name, Dims, Family};
 use crate::model::qwen2_vl::{ImageProcessorConfig, Qwen2Vl};
@@ -1603,5 +1603,63 @@ impl MemoryPlan {
             s.push_str(&format!(", optimizer on {}", sh.optimizer_device));
         }
         s
+    }
+}
+
+/// What a run's `--placement` is resolved against: its devices, the request, the model's
+/// `config.json`, the MEND config, the weights' dtype, tokens per example and the phase
+/// whose peaks matter.
+pub struct PlacementQuery<'a> {
+    pub main: &'a str,
+    pub sub: Option<&'a str>,
+    pub request: PlacementRequest,
+    /// `--optimizer-device` as given (`None`: main, or `auto`'s choice).
+    pub optimizer: Option<OptimizerDevice>,
+    pub caps: Option<&'a MaxMemory>,
+    pub model: &'a Path,
+    pub config: &'a MendConfig,
+    pub dtype: Kind,
+    pub tokens: i64,
+    pub phase: Phase,
+}
+
+/// `base` with the request resolved: the layer split's boundary and `auto`'s choice of
+/// placement and optimiser device come from the plan of `q.model` against `q.caps`.
+/// Returns the plan, and for `auto` the label of the placement it chose.
+pub fn resolve_placement(base: DevicePlan, q: &PlacementQuery) -> Result<(DevicePlan, Option<String>)> {
+    let mut base = base.with_optimizer(q.optimizer.unwrap_or_default());
+    if q.request == PlacementRequest::Replica {
+        return Ok((base, None));
+    }
+    let (model, _) = read_config(q.model)?;
+    let mut o = PlanOptions::new(q.main, q.sub, q.dtype, q.tokens, None)?;
+    o.caps = q.caps.cloned().unwrap_or_default();
+    o.balance_for = q.phase;
+    o.optimizer = base.optimizer;
+    let chosen = match q.request.fixed() {
+        Some(p) => plan_model(&model, q.config, &o.with_placement(p, base.optimizer)?)?,
+        None => {
+            let p = choose(&model, q.config, &o, q.phase)?;
+            let opt = p.shape.optimizer_device.as_str();
+            base = base.with_optimizer(if opt == o.main {
+                OptimizerDevice::Main
+            } else if opt == o.sub {
+                OptimizerDevice::Sub
+            } else {
+                OptimizerDevice::Cpu
+            });
+            if q.optimizer.is_some_and(|d| d != base.optimizer) {
+                return Err(Error::input(format!(
+                    "--placement auto: no placement with --optimizer-device {:?} fits; the planner's choice puts the optimiser on {opt}",
+                    q.optimizer
+                )));
+            }
+            p
+        }
+    };
+    let label = q.request.fixed().is_none().then(|| chosen.placement_label());
+    match (chosen.shape.placement, chosen.shape.boundary) {
+        (Placement::Balanced, Some(k)) => Ok((base.balanced(k as usize)?, label)),
+        _ => Ok((base, label)),
     }
 }
