@@ -556,10 +556,11 @@ fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result
     })
 }
 
-/// Whether an `/edit` body's requests are E-VQA records (they name an image or carry
-/// `src`) rather than EasyEdit text records.
+/// Whether an `/edit` body's requests are E-VQA records (one of them names an `image`)
+/// rather than EasyEdit text records. A ZsRE-style text record (`src` without `image`)
+/// stays a text request, and its error names the text fields it lacks.
 fn is_image_request(requests: &Value) -> bool {
-    requests.as_array().is_some_and(|a| a.iter().any(|r| r.get("image").is_some() || r.get("src").is_some()))
+    requests.as_array().is_some_and(|a| a.iter().any(|r| r.get("image").is_some()))
 }
 
 fn forbidden(msg: String) -> Reply {
