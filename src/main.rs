@@ -217,6 +217,11 @@ struct ServeArgs {
     /// (without it, /save is refused with 403).
     #[arg(long)]
     save_root: Option<PathBuf>,
+    /// Allow image paths in requests (/score's `image`, E-VQA /edit requests), read only
+    /// at relative paths inside this existing directory (without it, they are refused
+    /// with 403; /score's `image_base64` needs no root).
+    #[arg(long)]
+    image_root: Option<PathBuf>,
     /// Require `Authorization: Bearer TOKEN` on every request (401 otherwise). Default:
     /// $DUALEDIT_TOKEN, which is better than the flag (the process list shows flags).
     #[arg(long)]
@@ -877,6 +882,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         max_body_bytes: a.max_body_bytes,
         queue_timeout: std::time::Duration::from_secs(a.queue_timeout),
         save_root: a.save_root,
+        image_root: a.image_root,
         // An empty variable counts as unset, as for most tools' *_TOKEN variables.
         token: a.token.or_else(|| std::env::var(dualedit::serve::TOKEN_ENV).ok().filter(|t| !t.is_empty())),
         insecure_no_token: a.insecure_no_token,

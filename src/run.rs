@@ -191,19 +191,7 @@ fn load_mm_examples(
     let records = prepared
         .kept
         .iter()
-        .map(|&k| {
-            let r = &load.records[k];
-            EditRecord {
-                prompt: r.src.clone(),
-                target_new: r.alt.clone(),
-                subject: None,
-                ground_truth: r.pred.clone(),
-                rephrase: Some(r.rephrase.clone()),
-                locality_prompt: Some(r.loc.clone()),
-                locality_ground_truth: Some(r.loc_ans.clone()),
-                portability: Vec::new(),
-            }
-        })
+        .map(|&k| load.records[k].as_edit_record())
         .collect();
     Ok((records, prepared.examples, counts))
 }

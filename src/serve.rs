@@ -4,7 +4,8 @@
 //! | route            | body                                   | answer                                   |
 //! |------------------|----------------------------------------|------------------------------------------|
 //! | `POST /edit`     | `{"requests": [EasyEdit records]}`     | per-request metrics, summary             |
-//! | `POST /score`    | `{"text"}`                             | `{"tokens", "logprobs", "mean_nll"}`     |
+//! | `POST /edit`     | `{"requests": [E-VQA records]}`        | the same, edits with images              |
+//! | `POST /score`    | `{"text", "image"? \| "image_base64"?}` | `{"tokens", "logprobs", "mean_nll"}`     |
 //! | `POST /generate` | `{"prompt", "max_new_tokens"?: 16}`    | `{"text", "tokens", ...}`                |
 //! | `POST /reset`    | none                                   | `{"restored_params", "edits_total"}`     |
 //! | `POST /save`     | `{"dir"}`                              | `{"dir", "edits_total"}`                 |
@@ -12,8 +13,9 @@
 //! | `GET /memory`    |                                        | per-device figures                       |
 //!
 //! Errors are JSON `{"error": message, "kind": ...}`: 400 malformed JSON or a missing /
-//! mistyped / unknown field (named), 401 a missing or wrong bearer token, 403 a `/save`
-//! the server does not allow (no save root, or a path that leaves it), 404 unknown route,
+//! mistyped / unknown field (named), a bad `image_base64` or a named image that is not
+//! there, 401 a missing or wrong bearer token, 403 a `/save` or an image path the server
+//! does not allow (no save or image root, or a path that leaves it), 404 unknown route,
 //! 405 wrong method, 413 body too large, 422 a well-formed request the model refuses (a
 //! prompt longer than its context, an edit without an editor), 503 queue full or shutting
 //! down, 500 anything else.
@@ -21,7 +23,9 @@
 //! Security: anyone who can reach the port can edit the model, read its scores and, with a
 //! save root, write model folders. So by default the server listens on loopback only,
 //! `/save` is refused unless a save root is given (and then writes only inside it, see
-//! [`crate::io::resolve_under`]), and with a token every request must carry
+//! [`crate::io::resolve_under`]), images are read by path only under the image root by
+//! the same rule (`image`, and E-VQA requests' `image` / `image_rephrase` / `m_loc`; an
+//! `image_base64` upload is decoded in memory), and with a token every request must carry
 //! `Authorization: Bearer <token>`; a non-loopback address without a token is refused
 //! unless [`ServeOptions::insecure_no_token`] says otherwise.
 //!
@@ -44,8 +48,9 @@ use tiny_http::{Header, Method, Request, Response};
 use tracing::{info, warn};
 
 use crate::data::easyedit::{parse_records, DatasetKind, EditRecord};
+use crate::data::multimodal::{confine_images, ImageRoots, MmRecord};
 use crate::device::DevicePlan;
-use crate::session::{device_memory, Session};
+use crate::session::{device_memory, image_kind, read_image_requests, Session};
 use crate::{Error, Result};
 
 /// The address `serve` listens on unless told otherwise: loopback only.
@@ -66,6 +71,11 @@ pub struct ServeOptions {
     /// `None` (the default) refuses `/save` with 403, since otherwise any client could
     /// write model folders wherever the process can.
     pub save_root: Option<PathBuf>,
+    /// The existing directory that request image paths (`/score`'s `image`, E-VQA edit
+    /// requests' images) are relative to and confined to; `None` (the default) refuses
+    /// image paths with 403, so a client cannot make the server read arbitrary files.
+    /// `image_base64` needs no root.
+    pub image_root: Option<PathBuf>,
     /// When set, every request must carry `Authorization: Bearer <token>` (401 otherwise).
     pub token: Option<String>,
     /// Allows a non-loopback address without a token (refused otherwise).
@@ -80,6 +90,7 @@ impl Default for ServeOptions {
             max_body_bytes: 1 << 20,
             queue_timeout: Duration::from_secs(60),
             save_root: None,
+            image_root: None,
             token: None,
             insecure_no_token: false,
         }
@@ -177,6 +188,11 @@ impl Server {
                 return Err(Error::file(root, "--save-root must be an existing directory"));
             }
         }
+        if let Some(root) = &opts.image_root {
+            if !root.is_dir() {
+                return Err(Error::file(root, "--image-root must be an existing directory"));
+            }
+        }
         let http = tiny_http::Server::http(addr).map_err(|e| Error::input(format!("cannot listen on {addr}: {e}")))?;
         let addr = http.server_addr().to_ip().ok_or_else(|| Error::input(format!("{addr} is not an IP listener")))?;
         Ok(Self { http, addr, opts })
@@ -263,10 +279,20 @@ impl Health {
 /// A model request, parsed and validated by a worker.
 enum Op {
     Edit(Vec<EditRecord>),
-    Score { text: String },
+    /// E-VQA requests, their images confined to the image root and checked readable.
+    EditImages(Vec<MmRecord>),
+    Score { text: String, image: Option<ScoreImage> },
     Generate { prompt: String, max_new_tokens: usize },
     Reset,
     Save { dir: PathBuf },
+}
+
+/// The image of a `/score` request.
+enum ScoreImage {
+    /// A file under the image root, resolved and confined.
+    File(PathBuf),
+    /// A decoded `image_base64` upload, checked to be a PNG or JPEG.
+    Bytes(Vec<u8>),
 }
 
 struct Job {
@@ -477,6 +503,9 @@ fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result
             if !requests.is_array() {
                 return Err(bad("field `requests` must be an array of edit records".into()));
             }
+            if is_image_request(requests) {
+                return image_edit(path, requests, opts);
+            }
             let (records, report) =
                 parse_records(&requests.to_string(), Path::new("requests"), DatasetKind::Requests).map_err(|e| bad(e.to_string()))?;
             if let Some((i, why)) = report.skipped.first() {
@@ -484,7 +513,17 @@ fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result
             }
             Op::Edit(records)
         }
-        "/score" => Op::Score { text: string_field(path, &json_object(path, body, &["text"])?, "text")? },
+        "/score" => {
+            let obj = json_object(path, body, &["text", "image", "image_base64"])?;
+            let text = string_field(path, &obj, "text")?;
+            let image = match (obj.contains_key("image"), obj.contains_key("image_base64")) {
+                (true, true) => return Err(bad("give `image` or `image_base64`, not both".into())),
+                (true, false) => Some(ScoreImage::File(image_path(path, &string_field(path, &obj, "image")?, opts)?)),
+                (false, true) => Some(ScoreImage::Bytes(decode_image(path, &string_field(path, &obj, "image_base64")?)?)),
+                (false, false) => None,
+            };
+            Op::Score { text, image }
+        }
         "/generate" => {
             let obj = json_object(path, body, &["prompt", "max_new_tokens"])?;
             let max_new_tokens = match obj.get("max_new_tokens") {
@@ -515,6 +554,67 @@ fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result
         }
         other => return Err((404, error_body(format!("no route {other}"), "not_found"))),
     })
+}
+
+/// Whether an `/edit` body's requests are E-VQA records (one of them names an `image`)
+/// rather than EasyEdit text records. A ZsRE-style text record (`src` without `image`)
+/// stays a text request, and its error names the text fields it lacks.
+fn is_image_request(requests: &Value) -> bool {
+    requests.as_array().is_some_and(|a| a.iter().any(|r| r.get("image").is_some()))
+}
+
+fn forbidden(msg: String) -> Reply {
+    (403, error_body(msg, "forbidden"))
+}
+
+/// The 403 for an image path without an image root.
+fn no_image_root(path: &str) -> Reply {
+    forbidden(format!("{path}: image paths are disabled: start the server with --image-root DIR to allow images inside DIR (or send `image_base64`)"))
+}
+
+/// A confinement error: 403 for a path that leaves the root, 500 when the root itself
+/// cannot be read (removed since the start, say: the server's fault).
+fn confinement_error(path: &str, e: Error) -> Reply {
+    match e {
+        Error::Input(m) => forbidden(format!("{path}: {m}")),
+        e => (500, error_body(format!("{path}: {e}"), "internal")),
+    }
+}
+
+/// `/score`'s `image`: resolved under the image root (403 without one, or out of it) and
+/// required to be a file there (400, named as the client gave it).
+fn image_path(path: &str, name: &str, opts: &ServeOptions) -> std::result::Result<PathBuf, Reply> {
+    let Some(root) = opts.image_root.as_deref() else { return Err(no_image_root(path)) };
+    let resolved = crate::io::resolve_under(root, Path::new(name)).map_err(|e| confinement_error(path, e))?;
+    if !resolved.is_file() {
+        return Err((400, error_body(format!("{path}: image {name:?} is not a file under the image root"), "bad_request")));
+    }
+    Ok(resolved)
+}
+
+/// `/score`'s `image_base64`: standard base64 (whitespace ignored) of a PNG or JPEG file;
+/// anything else is 400. Its size is bounded by the body limit.
+fn decode_image(path: &str, b64: &str) -> std::result::Result<Vec<u8>, Reply> {
+    let bad = |msg: String| (400, error_body(format!("{path}: field `image_base64`: {msg}"), "bad_request"));
+    let compact: String = b64.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+    if compact.is_empty() {
+        return Err(bad("empty".into()));
+    }
+    let bytes = base64::decode(&compact).map_err(|e| bad(format!("not valid base64: {e}")))?;
+    image_kind(&bytes).map_err(|e| bad(e.to_string()))?;
+    Ok(bytes)
+}
+
+/// An `/edit` of E-VQA records: every image name confined to the image root (403 without
+/// one or out of it), then every record parsed and its images checked readable (400).
+fn image_edit(path: &str, requests: &Value, opts: &ServeOptions) -> std::result::Result<Op, Reply> {
+    let Some(root) = opts.image_root.as_deref() else { return Err(no_image_root(path)) };
+    let roots = ImageRoots::new(root.to_path_buf(), None);
+    let mut requests = requests.clone();
+    confine_images(&mut requests, &roots).map_err(|e| confinement_error(path, e))?;
+    let records = read_image_requests(&requests.to_string(), &roots)
+        .map_err(|e| (400, error_body(format!("{path}: {e}"), "bad_request")))?;
+    Ok(Op::EditImages(records))
 }
 
 fn model_loop(session: &mut Session, rx: &Receiver<Job>, shared: &Shared, shutdown: &AtomicBool) {
@@ -568,7 +668,10 @@ fn run_op(session: &mut Session, op: Op) -> Reply {
 fn run_session_op(session: &mut Session, op: Op) -> Reply {
     match op {
         Op::Edit(records) => reply(session.edit(&records)),
-        Op::Score { text } => reply(session.score(&text)),
+        Op::EditImages(records) => reply(session.edit_images(&records)),
+        Op::Score { text, image: None } => reply(session.score(&text)),
+        Op::Score { text, image: Some(ScoreImage::File(p)) } => reply(session.score_image(&text, Some(&p))),
+        Op::Score { text, image: Some(ScoreImage::Bytes(b)) } => reply(session.score_image_bytes(&text, &b)),
         Op::Generate { prompt, max_new_tokens } => reply(session.generate(&prompt, max_new_tokens)),
         Op::Reset => reply(session.reset().map(|n| json!({ "restored_params": n, "edits_total": session.edits_total() }))),
         Op::Save { dir } => match session.save(&dir) {

@@ -28,8 +28,9 @@ use std::time::Instant;
 use serde::Serialize;
 use tch::Tensor;
 
-use crate::data::easyedit::EditRecord;
-use crate::data::examples::prepare;
+use crate::data::easyedit::{DatasetKind, EditRecord};
+use crate::data::examples::{prepare, OverLong};
+use crate::data::multimodal::{parse_mm, prepare_mm, ImageRoots, MmLoad, MmRecord, VlPrompt};
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::memory::{self, MemorySample};
 use crate::device::DevicePlan;
@@ -237,6 +238,47 @@ impl Session {
         self.edit_examples(requests, &examples, false)
     }
 
+    /// Applies E-VQA / E-IC records (images resolved, see [`parse_mm`]) as one MEND batch
+    /// edit with images, committed like [`Session::edit`]: each record's five views
+    /// (question + image → `alt`, its rephrase, the rephrase image, the NQ locality
+    /// question and the image locality question) go through the model's chat template.
+    /// Metrics and answers name each record by its `src` → `alt`. A text-only model, a
+    /// session without an editor, an unreadable image or a record longer than the model's
+    /// context is an [`Error::Input`] naming the record.
+    pub fn edit_images(&mut self, records: &[MmRecord]) -> Result<EditOutcome> {
+        if self.method.is_none() {
+            return Err(Error::input("this session has no editor: open it with a trained editor directory to edit"));
+        }
+        if records.is_empty() {
+            return Err(Error::input("no edit requests"));
+        }
+        let engine = &self.engine;
+        let (Some(vl), Some(proc)) = (engine.lm.model.family().vision_language(), engine.image_proc.as_ref()) else {
+            return Err(Error::input(format!(
+                "{} is a text-only model ({}); image edit requests need a Qwen2-VL or Qwen2.5-VL model",
+                engine.lm.dir.display(),
+                engine.lm.model.info().architecture
+            )));
+        };
+        let load = MmLoad { records: records.to_vec(), file_index: (0..records.len()).collect(), in_file: records.len(), ..MmLoad::default() };
+        let context = self.max_positions();
+        // Strict: a request that does not fit is refused, never silently dropped.
+        let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc }, &load, context, context, OverLong::Strict, Path::new("requests"))
+            .map_err(|e| Error::input(e.to_string()))?;
+        let text: Vec<EditRecord> = records.iter().map(MmRecord::as_edit_record).collect();
+        self.edit_examples(&text, &prepared.examples, false)
+    }
+
+    /// [`Session::edit_images`] on the text of a JSON array of E-VQA records, whose image
+    /// names are relative to `roots` (joined as the dataset reader joins them: a caller
+    /// that takes names from someone untrusted confines them first with
+    /// [`crate::data::multimodal::confine_images`]). A record with an empty `src` or
+    /// `alt`, or a missing or unreadable image, is an error naming it.
+    pub fn edit_image_requests(&mut self, requests: &str, roots: &ImageRoots) -> Result<EditOutcome> {
+        let records = read_image_requests(requests, roots)?;
+        self.edit_images(&records)
+    }
+
     /// Applies tokenised requests (`records[i]` tokenised as `examples[i]`) as one batch
     /// edit, or with `sequential` one after another, each committed before the next is
     /// made; then measures every request against the weights before this call and reads
@@ -316,7 +358,10 @@ impl Session {
             out.push(RequestResult {
                 prompt: r.prompt.clone(),
                 target_new: r.target_new.clone(),
-                answer_after: edit::answer(&self.engine.lm, &frozen, &e.inner)?,
+                answer_after: match e.inner.image {
+                    Some(_) => image_answer(&self.engine, &e.inner)?,
+                    None => edit::answer(&self.engine.lm, &frozen, &e.inner)?,
+                },
                 metrics: m,
             });
         }
@@ -335,6 +380,15 @@ impl Session {
     pub fn score_image(&self, text: &str, image: Option<&Path>) -> Result<Score> {
         let images: Vec<&Path> = image.into_iter().collect();
         score_with_images(&self.engine.lm, &ParamView::frozen(&self.engine.lm.params), text, &images)
+    }
+
+    /// [`Session::score_image`] with the image given as the bytes of a PNG or JPEG file
+    /// (an upload, say): checked to be one, written to a private temporary file for the
+    /// image preprocessor, scored, and the file removed.
+    pub fn score_image_bytes(&self, text: &str, image: &[u8]) -> Result<Score> {
+        let ext = image_kind(image)?;
+        let tmp = TempImage::write(image, ext)?;
+        self.score_image(text, Some(&tmp.0))
     }
 
     /// Greedy continuation of `prompt` under the current weights, with a KV cache: the
@@ -393,4 +447,94 @@ fn eos_ids(config: &serde_json::Value) -> Vec<i64> {
         Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_i64()).collect(),
         _ => Vec::new(),
     }
+}
+
+/// Parses the text of a JSON array of E-VQA edit requests with images under `roots`. Unlike
+/// the dataset reader, which skips bad records, every record must be usable: an empty
+/// `src` or `alt` or a missing or unreadable image is an [`Error::Input`] naming it.
+pub fn read_image_requests(requests: &str, roots: &ImageRoots) -> Result<Vec<MmRecord>> {
+    let load = parse_mm(requests, Path::new("requests"), DatasetKind::Vqa, roots, true).map_err(|e| Error::input(e.to_string()))?;
+    if let Some((i, why)) = load.skipped_empty.first() {
+        return Err(Error::input(format!("requests: record {i}: {why}")));
+    }
+    Ok(load.records)
+}
+
+/// The file extension of a PNG or JPEG image given as bytes, checked readable (its
+/// header decodes to a size); anything else is an [`Error::Input`].
+pub fn image_kind(bytes: &[u8]) -> Result<&'static str> {
+    let format = image::guess_format(bytes).map_err(|_| Error::input("the image is not a PNG or JPEG (unrecognised signature)"))?;
+    let ext = match format {
+        image::ImageFormat::Png => "png",
+        image::ImageFormat::Jpeg => "jpg",
+        other => return Err(Error::input(format!("{other:?} images are not supported (PNG or JPEG)"))),
+    };
+    let (w, h) = image::io::Reader::with_format(std::io::Cursor::new(bytes), format)
+        .into_dimensions()
+        .map_err(|e| Error::input(format!("the {ext} image cannot be read (truncated or corrupt?): {e}")))?;
+    if w == 0 || h == 0 {
+        return Err(Error::input("the image has no pixels"));
+    }
+    Ok(ext)
+}
+
+/// An image written to a fresh file in the temporary directory (created exclusively, so
+/// never through a link someone planted there), removed when dropped.
+struct TempImage(PathBuf);
+
+impl TempImage {
+    fn write(bytes: &[u8], ext: &str) -> Result<Self> {
+        use std::io::Write;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("dualedit-image-{}-{n}.{ext}", std::process::id()));
+        let mut opts = std::fs::OpenOptions::new();
+        opts.write(true).create_new(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+        let mut f = opts.open(&path).map_err(|e| Error::io(&path, e))?;
+        let tmp = Self(path);
+        f.write_all(bytes).map_err(|e| Error::io(&tmp.0, e))?;
+        Ok(tmp)
+    }
+}
+
+impl Drop for TempImage {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The greedy answer to an image example's prompt under the engine's current weights, as
+/// many tokens as its target: one full forward per new token (the image's features are
+/// computed once), since the KV-cached [`edit::answer`] has no image input.
+fn image_answer(engine: &Engine, e: &Example) -> Result<String> {
+    let images = engine.images(&[e])?;
+    // The vision tokens are never chosen: fed back, they would open an image run with no
+    // image (a barely trained model may rank them first).
+    let vision: Vec<i64> = match engine.lm.model.family().vision_language() {
+        Some(vl) => {
+            let t = &vl.config.tokens;
+            vec![t.image_pad, t.vision_start, t.vision_end]
+        }
+        None => Vec::new(),
+    };
+    let mut ids = e.ids[..e.answer_start].to_vec();
+    let mut out = Vec::with_capacity(e.answer().len());
+    for _ in 0..e.answer().len() {
+        // A placeholder last token makes the one scored position the one that predicts
+        // the token after `ids` (causal attention: the placeholder changes nothing before it).
+        let probe = Example { ids: [ids.as_slice(), &[0]].concat(), answer_start: ids.len(), image: e.image.clone() };
+        let logits = engine.base_logits(&engine.collate_with(&[&probe], images.as_ref())?)?;
+        let vocab = logits.size().last().copied().unwrap_or(1);
+        let last = logits.reshape([-1, vocab]).get(-1).to_kind(tch::Kind::Float);
+        for &v in vision.iter().filter(|&&v| (0..vocab).contains(&v)) {
+            let _ = last.get(v).fill_(f64::NEG_INFINITY);
+        }
+        let next = last.argmax(-1, false).int64_value(&[]);
+        ids.push(next);
+        out.push(next);
+    }
+    engine.lm.tokenizer.decode(&out)
 }

@@ -227,3 +227,68 @@ fn qwen2vl_7b_preset_names_resolve_in_both_layouts() {
         assert!(dualedit::model::Family::layout(&m, n).is_some(), "{n} is not an editable linear layer");
     }
 }
+
+/// A session on the Qwen2-VL fixture with an untrained editor (a plain gradient step of
+/// size edit_lr), for the library and HTTP image edit paths.
+pub fn vl_session() -> dualedit::session::Session {
+    let engine = engine(DevicePlan::single(Device::Cpu));
+    let cfg = MendConfig { rank: 8, edit_lr: 1e-2, ..MendConfig::default() };
+    let editor = dualedit::mend::Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    dualedit::session::Session::from_parts(engine, Some(editor))
+}
+
+/// Issue #22: a library user applies E-VQA requests with images through `Session`; the edit
+/// counts, changes the image score, and `reset` restores it bit for bit. A text-only model
+/// refuses image requests, and a bad request is an input error naming the record.
+#[test]
+fn session_edits_with_images_and_reset_restores_the_image_score() {
+    use dualedit::session::{read_image_requests, Session, SessionOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let r = roots(dir.path());
+    let text = serde_json::to_string(&[record("What is in the picture?", "a cat", "val/a.png"), record("What animal is this?", "a horse", "val/b.png")]).unwrap();
+    let mut s = vl_session();
+    let probe = "What is in the picture? a cat";
+    let img = r.image_root.join("val/a.png");
+    let before = s.score_image(probe, Some(&img)).unwrap();
+    assert!(before.image_tokens > 0);
+
+    let out = s.edit_image_requests(&text, &r).unwrap();
+    assert_eq!((out.requests.len(), out.edits_total, s.edits_total()), (2, 2, 2));
+    assert_eq!(out.requests[0].prompt, "What is in the picture?");
+    assert_eq!(out.requests[1].target_new, "a horse");
+    let edited = s.score_image(probe, Some(&img)).unwrap();
+    assert_ne!(edited.logprobs, before.logprobs, "the image edit changed nothing");
+    // The same records, parsed by the caller.
+    let records = read_image_requests(&text, &r).unwrap();
+    assert_eq!(s.edit_images(&records[..1]).unwrap().edits_total, 3);
+    // Uploaded bytes score as the file does.
+    let bytes = std::fs::read(&img).unwrap();
+    assert_eq!(s.score_image_bytes(probe, &bytes).unwrap().logprobs, s.score_image(probe, Some(&img)).unwrap().logprobs);
+    assert!(s.score_image_bytes(probe, b"not an image").unwrap_err().to_string().contains("PNG or JPEG"));
+
+    assert!(s.reset().unwrap() > 0);
+    assert_eq!(s.edits_total(), 0);
+    let after = s.score_image(probe, Some(&img)).unwrap();
+    assert_eq!(after.logprobs, before.logprobs, "reset restores the image score exactly");
+    assert_eq!(after.tokens, before.tokens);
+
+    // Bad requests: named, input errors.
+    let missing = serde_json::to_string(&[record("Q?", "a", "val/none.png")]).unwrap();
+    let err = s.edit_image_requests(&missing, &r).unwrap_err();
+    assert!(matches!(err, dualedit::Error::Input(_)) && err.to_string().contains("none.png"), "{err}");
+    let empty = serde_json::to_string(&[record("Q?", "", "val/a.png")]).unwrap();
+    assert!(s.edit_image_requests(&empty, &r).unwrap_err().to_string().contains("record 0"));
+    assert!(s.edit_images(&[]).is_err());
+
+    // A text-only model refuses image requests, saying why.
+    let cfg = MendConfig { rank: 8, ..MendConfig::default() };
+    let text_engine = open_engine(&fixture("gpt2"), &LoadOptions::default(), &[]).unwrap();
+    let editor = dualedit::mend::Editor::new(&cfg, text_engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut t = Session::from_parts(text_engine, Some(editor));
+    let err = t.edit_images(&records).unwrap_err();
+    assert!(matches!(err, dualedit::Error::Input(_)) && err.to_string().contains("text-only"), "{err}");
+    assert_eq!(t.edits_total(), 0);
+    // And a session without an editor refuses to edit.
+    let mut plain = Session::open(&fixture("qwen2_vl"), None, &SessionOptions::default()).unwrap();
+    assert!(plain.edit_images(&records).unwrap_err().to_string().contains("no editor"));
+}

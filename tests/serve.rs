@@ -557,3 +557,114 @@ fn the_binary_takes_its_token_from_the_environment_and_refuses_open_listeners() 
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("without a token") && err.trim().lines().count() == 1, "{err}");
 }
+
+/// A `w × h` PNG filled from `seed`.
+fn png(path: &Path, w: u32, h: u32, seed: u8) {
+    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([(x as u8).wrapping_mul(seed), (y as u8).wrapping_add(seed), seed.wrapping_mul(7)]));
+    img.save(path).unwrap();
+}
+
+/// The Qwen2-VL fixture with an untrained editor (a plain gradient step of size edit_lr).
+fn vl_session() -> Session {
+    use dualedit::device::DevicePlan;
+    let opts = dualedit::edit::LoadOptions { plan: DevicePlan::single(tch::Device::Cpu), ..Default::default() };
+    let engine = dualedit::edit::open_engine(&fixture("qwen2_vl"), &opts, &[]).unwrap();
+    let cfg = dualedit::config::MendConfig { rank: 8, edit_lr: 1e-2, ..Default::default() };
+    let editor = dualedit::mend::Editor::new(&cfg, engine.edit_params.clone(), tch::Device::Cpu).unwrap();
+    Session::from_parts(engine, Some(editor))
+}
+
+/// One E-VQA edit request whose question image is `image` (the others are r.png, loc.png).
+fn vqa_request(image: &str) -> Value {
+    json!({
+        "src": "What is in the picture?", "alt": "a cat", "rephrase": "What does the picture show?",
+        "image": image, "image_rephrase": "r.png",
+        "loc": "nq question: who wrote hamlet", "loc_ans": "shakespeare",
+        "m_loc": "loc.png", "m_loc_q": "What colour is the bus?", "m_loc_a": "red"
+    })
+}
+
+/// Issue #22 / #25: `/score` takes an image by path under `--image-root` or as base64, and
+/// `/edit` takes E-VQA requests; image paths follow `/save`'s rule (403 without a root, for
+/// an absolute path, `..` or a link out of it), and a bad upload is 400.
+#[test]
+fn images_by_root_or_base64_score_and_edit_and_never_leave_the_root() {
+    let _serial = serial();
+    let top = tempfile::tempdir().unwrap();
+    let (root, outside) = (top.path().join("images"), top.path().join("outside"));
+    std::fs::create_dir_all(root.join("val")).unwrap();
+    std::fs::create_dir_all(&outside).unwrap();
+    png(&root.join("val/a.png"), 40, 30, 3);
+    png(&root.join("r.png"), 224, 28, 11);
+    png(&root.join("loc.png"), 50, 50, 9);
+    png(&outside.join("secret.png"), 40, 30, 3);
+    std::os::unix::fs::symlink(outside.join("secret.png"), root.join("link.png")).unwrap();
+    let bytes = std::fs::read(root.join("val/a.png")).unwrap();
+    let b64 = base64::encode(&bytes);
+    let text = "What is in the picture? a cat";
+    let score = |a, body: Value| http(a, "POST", "/score", Some(&body.to_string()));
+    let edit = |a, reqs: Value| http(a, "POST", "/edit", Some(&json!({ "requests": reqs }).to_string()));
+
+    // Without --image-root: paths are refused, uploads work.
+    let server = Running::start(vl_session(), ServeOptions::default());
+    let (st, v) = score(server.addr, json!({ "text": text, "image": "val/a.png" }));
+    assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{v}");
+    assert!(v["error"].as_str().unwrap().contains("--image-root"), "{v}");
+    let (st, v) = edit(server.addr, json!([vqa_request("val/a.png")]));
+    assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{v}");
+    let (st, uploaded) = score(server.addr, json!({ "text": text, "image_base64": b64 }));
+    assert_eq!(st, 200, "{uploaded}");
+    assert!(uploaded["image_tokens"].as_u64().unwrap() > 0);
+    let stats = server.stop();
+    assert_eq!((stats.client_errors, stats.model_requests), (2, 1), "{stats:?}");
+
+    assert!(Server::bind("127.0.0.1:0", ServeOptions { image_root: Some(top.path().join("none")), ..ServeOptions::default() }).is_err());
+    let server = Running::start(vl_session(), ServeOptions { image_root: Some(root.clone()), ..ServeOptions::default() });
+    let a = server.addr;
+    let (st, by_path) = score(a, json!({ "text": text, "image": "val/a.png" }));
+    assert_eq!(st, 200, "{by_path}");
+    assert_eq!(by_path["logprobs"], uploaded["logprobs"], "the same image by path and by upload");
+    let (_, plain) = score(a, json!({ "text": text }));
+    assert_eq!(plain["image_tokens"], 0);
+
+    let absolute = outside.join("secret.png").display().to_string();
+    for (bad, needle) in [(absolute.as_str(), "absolute"), ("../outside/secret.png", "\"..\""), ("val/../../outside/secret.png", "\"..\""), ("link.png", "symbolic link")] {
+        let (st, v) = score(a, json!({ "text": text, "image": bad }));
+        assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{bad}: {v}");
+        assert!(v["error"].as_str().unwrap().contains(needle), "{bad}: {v}");
+        let (st, v) = edit(a, json!([vqa_request(bad)]));
+        assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "edit {bad}: {v}");
+    }
+    for (body, needle) in [
+        (json!({ "text": text, "image": "val/missing.png" }), "not a file"),
+        (json!({ "text": text, "image": "val" }), "not a file"),
+        (json!({ "text": text, "image_base64": "!!not base64!!" }), "base64"),
+        (json!({ "text": text, "image_base64": base64::encode(b"plain text, not an image") }), "PNG or JPEG"),
+        (json!({ "text": text, "image_base64": base64::encode(&bytes[..40]) }), "cannot be read"),
+        (json!({ "text": text, "image_base64": "" }), "empty"),
+        (json!({ "text": text, "image_base64": 7 }), "must be a string"),
+        (json!({ "text": text, "image": "val/a.png", "image_base64": b64 }), "not both"),
+    ] {
+        let (st, v) = score(a, body.clone());
+        assert_eq!((st, v["kind"].as_str()), (400, Some("bad_request")), "{body}: {v}");
+        assert!(v["error"].as_str().unwrap().contains(needle), "{needle}: {v}");
+    }
+    let (st, v) = edit(a, json!([vqa_request("val/missing.png")]));
+    assert_eq!(st, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("missing.png"), "{v}");
+    let (_, h) = http(a, "GET", "/health", None);
+    assert_eq!(h["edits_total"], 0, "no refused request edited");
+
+    // An image edit: committed, counted, and it moves the image score; reset undoes it.
+    let (st, out) = edit(a, json!([vqa_request("val/a.png")]));
+    assert_eq!(st, 200, "{out}");
+    assert_eq!(out["edits_total"], 1);
+    assert_eq!(out["requests"][0]["prompt"], "What is in the picture?");
+    let (_, after) = score(a, json!({ "text": text, "image": "val/a.png" }));
+    assert_ne!(after["logprobs"], by_path["logprobs"]);
+    let (st, _) = http(a, "POST", "/reset", None);
+    assert_eq!(st, 200);
+    let (_, reset) = score(a, json!({ "text": text, "image_base64": b64 }));
+    assert_eq!(reset["logprobs"], by_path["logprobs"], "reset restores the image score exactly");
+    server.stop();
+}

@@ -68,6 +68,54 @@ pub struct MmRecord {
     pub m_loc_a: String,
 }
 
+impl MmRecord {
+    /// The record as a text edit request: `src` → `alt`, its rephrase and its NQ
+    /// locality question (what metrics and reports name it by).
+    pub fn as_edit_record(&self) -> crate::data::easyedit::EditRecord {
+        crate::data::easyedit::EditRecord {
+            prompt: self.src.clone(),
+            target_new: self.alt.clone(),
+            subject: None,
+            ground_truth: self.pred.clone(),
+            rephrase: Some(self.rephrase.clone()),
+            locality_prompt: Some(self.loc.clone()),
+            locality_ground_truth: Some(self.loc_ans.clone()),
+            portability: Vec::new(),
+        }
+    }
+}
+
+/// The keys of a record that name images, and whether each is relative to the rephrase
+/// root (otherwise the image root).
+pub const IMAGE_KEYS: [(&str, bool); 3] = [("image", false), ("image_rephrase", true), ("m_loc", false)];
+
+/// Confines the image names of `records` (a JSON array of E-VQA records that a remote
+/// client sent) to their roots: each is resolved with [`crate::io::resolve_under`] (no
+/// absolute path, no `..`, no symbolic link out of the root) and replaced by the resolved
+/// absolute path, which [`parse_mm`] then takes as it is (joining an absolute path to a
+/// root gives the path). A name that leaves its root is an [`Error::Input`] naming the
+/// record and the key; a missing or non-string key is left for [`parse_mm`] to report.
+pub fn confine_images(records: &mut Value, roots: &ImageRoots) -> Result<()> {
+    let Value::Array(items) = records else { return Ok(()) };
+    for (i, item) in items.iter_mut().enumerate() {
+        let Value::Object(obj) = item else { continue };
+        for (key, rephrase) in IMAGE_KEYS {
+            let Some(Value::String(name)) = obj.get(key) else { continue };
+            let root = if rephrase { &roots.rephrase_root } else { &roots.image_root };
+            let resolved = crate::io::resolve_under(root, Path::new(name)).map_err(|e| match e {
+                Error::Input(m) => Error::input(format!("record {i}: key {key:?}: {m}")),
+                e => e,
+            })?;
+            let resolved = resolved
+                .to_str()
+                .ok_or_else(|| Error::input(format!("record {i}: key {key:?}: the resolved image path is not UTF-8")))?
+                .to_string();
+            obj.insert(key.to_string(), Value::String(resolved));
+        }
+    }
+    Ok(())
+}
+
 /// What the reader kept and what it left out.
 #[derive(Debug, Clone, Default)]
 pub struct MmLoad {
