@@ -243,11 +243,44 @@ pub fn greedy(lm: &LoadedModel, params: &ParamView, prompt: &[i64], max_new: usi
     Ok((out, Finish::Length))
 }
 
-/// The model's greedy answer to an example's prompt, as many tokens long as its target,
-/// decoded.
-pub fn answer(lm: &LoadedModel, params: &ParamView, e: &Example) -> Result<String> {
-    let (ids, _) = greedy(lm, params, &e.ids[..e.answer_start], e.answer().len(), &[])?;
-    lm.tokenizer.decode(&ids)
+/// The greedy answer to an example's prompt under the engine's current weights, as many
+/// tokens as its target. Text prompts decode with the KV cache ([`greedy`]). Prompts with
+/// an image run one full forward per new token (the image's features are computed once):
+/// the cache has no M-RoPE continuation yet. Vision tokens are never chosen there: fed
+/// back, they would open an image run with no image.
+pub fn answer(engine: &Engine, e: &Example) -> Result<String> {
+    let lm = &engine.lm;
+    if e.image.is_none() {
+        let (ids, _) = greedy(lm, &ParamView::frozen(&lm.params), &e.ids[..e.answer_start], e.answer().len(), &[])?;
+        return lm.tokenizer.decode(&ids);
+    }
+    let images = engine.images(&[e])?;
+    let vision: Vec<i64> = match lm.model.family().vision_language() {
+        Some(vl) => {
+            let t = &vl.config.tokens;
+            vec![t.image_pad, t.vision_start, t.vision_end]
+        }
+        None => Vec::new(),
+    };
+    let mut ids = e.ids[..e.answer_start].to_vec();
+    let mut out = Vec::with_capacity(e.answer().len());
+    for _ in 0..e.answer().len() {
+        // A placeholder last token makes the one scored position the one that predicts
+        // the token after `ids` (causal attention: the placeholder changes nothing before it).
+        let probe = Example { ids: [ids.as_slice(), &[0]].concat(), answer_start: ids.len(), image: e.image.clone() };
+        let logits = engine.base_logits(&engine.collate_with(&[&probe], images.as_ref())?)?;
+        let next = crate::error::guard(|| {
+            let vocab = logits.size().last().copied().unwrap_or(1);
+            let last = logits.reshape([-1, vocab]).get(-1).to_kind(Kind::Float);
+            for &v in vision.iter().filter(|&&v| (0..vocab).contains(&v)) {
+                let _ = last.get(v).fill_(f64::NEG_INFINITY);
+            }
+            Ok(last.argmax(-1, false).int64_value(&[]))
+        })?;
+        ids.push(next);
+        out.push(next);
+    }
+    lm.tokenizer.decode(&out)
 }
 
 /// Refuses to write a model into a folder that already holds one (the source model or any

@@ -5,7 +5,7 @@ use std::path::Path;
 use serde::Serialize;
 use tch::{Kind, Tensor};
 
-use crate::model::qwen2_vl::{image, ImageProcessorConfig};
+use crate::model::qwen2_vl::image;
 use crate::model::{ForwardInput, LoadedModel, ParamView};
 use crate::{Error, Result};
 
@@ -76,18 +76,8 @@ pub fn score_with_images(lm: &LoadedModel, params: &ParamView, text: &str, image
     if tokens.is_empty() {
         return Err(Error::input(format!("text {text:?} encodes to no tokens")));
     }
-    let proc_path = lm.dir.join("preprocessor_config.json");
-    let proc = ImageProcessorConfig::load(&proc_path)?;
+    let proc = vl.image_processor(&lm.dir)?;
     let v = &vl.config.vision;
-    if proc.patch_size != v.patch_size || proc.merge_size != v.spatial_merge_size || proc.temporal_patch_size != v.temporal_patch_size {
-        return Err(Error::file(
-            &proc_path,
-            format!(
-                "patch_size {} / merge_size {} / temporal_patch_size {} do not match config.json's vision_config ({} / {} / {})",
-                proc.patch_size, proc.merge_size, proc.temporal_patch_size, v.patch_size, v.spatial_merge_size, v.temporal_patch_size
-            ),
-        ));
-    }
     let max = lm.model.info().max_positions;
     let mut ids = Vec::new();
     let mut prepared = Vec::with_capacity(images.len());

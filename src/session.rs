@@ -352,16 +352,12 @@ impl Session {
             m
         };
         self.edits_total += examples.len();
-        let frozen = ParamView::frozen(&self.engine.lm.params);
         let mut out = Vec::with_capacity(examples.len());
         for ((r, e), m) in records.iter().zip(examples).zip(metrics) {
             out.push(RequestResult {
                 prompt: r.prompt.clone(),
                 target_new: r.target_new.clone(),
-                answer_after: match e.inner.image {
-                    Some(_) => image_answer(&self.engine, &e.inner)?,
-                    None => edit::answer(&self.engine.lm, &frozen, &e.inner)?,
-                },
+                answer_after: edit::answer(&self.engine, &e.inner)?,
                 metrics: m,
             });
         }
@@ -506,35 +502,3 @@ impl Drop for TempImage {
     }
 }
 
-/// The greedy answer to an image example's prompt under the engine's current weights, as
-/// many tokens as its target: one full forward per new token (the image's features are
-/// computed once), since the KV-cached [`edit::answer`] has no image input.
-fn image_answer(engine: &Engine, e: &Example) -> Result<String> {
-    let images = engine.images(&[e])?;
-    // The vision tokens are never chosen: fed back, they would open an image run with no
-    // image (a barely trained model may rank them first).
-    let vision: Vec<i64> = match engine.lm.model.family().vision_language() {
-        Some(vl) => {
-            let t = &vl.config.tokens;
-            vec![t.image_pad, t.vision_start, t.vision_end]
-        }
-        None => Vec::new(),
-    };
-    let mut ids = e.ids[..e.answer_start].to_vec();
-    let mut out = Vec::with_capacity(e.answer().len());
-    for _ in 0..e.answer().len() {
-        // A placeholder last token makes the one scored position the one that predicts
-        // the token after `ids` (causal attention: the placeholder changes nothing before it).
-        let probe = Example { ids: [ids.as_slice(), &[0]].concat(), answer_start: ids.len(), image: e.image.clone() };
-        let logits = engine.base_logits(&engine.collate_with(&[&probe], images.as_ref())?)?;
-        let vocab = logits.size().last().copied().unwrap_or(1);
-        let last = logits.reshape([-1, vocab]).get(-1).to_kind(tch::Kind::Float);
-        for &v in vision.iter().filter(|&&v| (0..vocab).contains(&v)) {
-            let _ = last.get(v).fill_(f64::NEG_INFINITY);
-        }
-        let next = last.argmax(-1, false).int64_value(&[]);
-        ids.push(next);
-        out.push(next);
-    }
-    engine.lm.tokenizer.decode(&out)
-}
