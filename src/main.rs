@@ -159,10 +159,20 @@ struct PlanArgs {
     /// Labelled positions per example (default: all but the first, an upper bound).
     #[arg(long)]
     kept_tokens: Option<i64>,
-    /// Vision-language models: the image each example shows, WIDTHxHEIGHT pixels (its
-    /// tokens are added to --max-length; the vision tower's forward is planned).
+    /// Vision-language models: the image each example shows, WIDTHxHEIGHT pixels. Plans
+    /// EasyEdit's five multimodal views (implies --ds vqa): --max-length is the text of the
+    /// image views, to which the image's tokens are added; the vision tower's forward is
+    /// planned once per distinct image.
     #[arg(long, value_parser = parse_image_size)]
     image_size: Option<(i64, i64)>,
+    /// The data planned for: zsre or counterfact (text: edit_inner, edit_outer, loc) or
+    /// vqa or caption (the five multimodal views; needs --image-size).
+    #[arg(long)]
+    ds: Option<String>,
+    /// --ds vqa|caption: tokens of the text-only locality question (E-VQA's NQ `loc`
+    /// view; default --max-length).
+    #[arg(long)]
+    loc_length: Option<i64>,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -847,10 +857,24 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
     opts.caps = d.max_memory.clone().unwrap_or_default();
     opts.optimizer = d.optimizer_device.unwrap_or_default();
     opts.image = a.image_size;
+    opts.loc_tokens = a.loc_length;
+    if let Some(ds) = &a.ds {
+        match (dataset(ds)?.is_multimodal(), a.image_size) {
+            (true, None) => anyhow::bail!("--ds {ds} plans images: give --image-size WIDTHxHEIGHT (e.g. 640x480 for a COCO photo)"),
+            (false, Some(_)) => anyhow::bail!("--ds {ds} is text-only: --image-size plans the multimodal views (--ds vqa or caption)"),
+            _ => {}
+        }
+    }
+    if a.loc_length.is_some() && a.image_size.is_none() {
+        anyhow::bail!("--loc-length is the text-only locality view of --ds vqa|caption: give --image-size");
+    }
     if !a.model.is_dir() {
         return Err(dualedit::Error::file(&a.model, "model directory not found").into());
     }
     let (model, _) = dualedit::model::loader::read_config(&a.model)?;
+    if a.image_size.is_some() && model.family().vision_language().is_some() {
+        opts.image_processor = dualedit::model::qwen2_vl::ImageProcessorConfig::load(&a.model.join("preprocessor_config.json"))?;
+    }
     let plan = match d.placement {
         Some(PlacementRequest::Auto) => choose(&model, &config, &opts, Phase::Train)?,
         Some(p) => plan_model(&model, &config, &opts.with_placement(p.fixed().unwrap_or(Placement::Replica), opts.optimizer)?)?,

@@ -72,6 +72,9 @@ pub struct PlanOptions {
     /// How images are resized and patched (the model directory's
     /// `preprocessor_config.json`, or the processor's defaults).
     pub image_processor: ImageProcessorConfig,
+    /// With an image: tokens of the text-only locality question (E-VQA's NQ `loc` view)
+    /// per example. `None`: `tokens` (the text part of the image views).
+    pub loc_tokens: Option<i64>,
 }
 
 impl PlanOptions {
@@ -97,6 +100,7 @@ impl PlanOptions {
             caps: MaxMemory::default(),
             image: None,
             image_processor: ImageProcessorConfig::default(),
+            loc_tokens: None,
         })
     }
 
@@ -140,9 +144,30 @@ pub struct ImageShape {
     pub patches: i64,
     /// Text tokens the image takes: merged patches + `<|vision_start|>` + `<|vision_end|>`.
     pub tokens: i64,
-    /// Images per edit example whose features are held: the edit image, the rephrased
-    /// image and the locality image of EasyEdit's multimodal views.
+    /// Distinct images per edit example, each run through the tower once per step and
+    /// its features held: the edit image (shown by `edit_inner` and `edit_outer`), the
+    /// rephrase image (`edit_outer_image`) and the locality image (`loc_image`).
     pub images_per_example: i64,
+}
+
+/// One view of an edit example as a meta-training step builds it (EasyEdit's
+/// `edit_inner`, `edit_outer`, `loc`, and with images `edit_outer_image`, `loc_image`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ViewShape {
+    pub name: &'static str,
+    /// Rows of the view's batch (`edit_outer` holds the edit prompts too with
+    /// `inner_in_edit_loss`).
+    pub rows: i64,
+    /// Tokens per row: text, plus the image's tokens for an image view.
+    pub tokens: i64,
+    /// Of `tokens`, those the image takes (0 for a text view).
+    pub image_tokens: i64,
+    /// Labelled positions per row (never an image token).
+    pub kept: i64,
+    /// Whether the edited model scores it (in the one edited forward of a step); the
+    /// others are the capture batch (`edit_inner`) and, for locality, the unedited
+    /// reference is scored too.
+    pub edited: bool,
 }
 
 /// Meta-training (`train`) or editing with a trained editor (`edit`, `eval`).
@@ -275,6 +300,12 @@ pub struct PlanShape {
     pub editor_parameters: i64,
     /// The image each example shows (vision-language models with `--image-size`).
     pub image: Option<ImageShape>,
+    /// The views of one micro-batch as planned: text (inner, outer, loc of one length)
+    /// or, with an image, EasyEdit's five multimodal views.
+    pub views: Vec<ViewShape>,
+    /// Tokens of the one edited forward of a training step: every edited view's rows,
+    /// padded to the longest.
+    pub edited_forward_tokens: i64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -461,6 +492,69 @@ struct Sizes<'a> {
     w_tied_elems: i64,
     /// The image each example shows and its vision-tower cost (VL models with an image size).
     image: Option<(ImageShape, VisionCost)>,
+    /// The views of one micro-batch ([`plan_views`]).
+    views: Vec<ViewShape>,
+    /// Tokens of the one edited forward of a training step (its rows padded to the longest).
+    fwd_n: i64,
+    /// Labelled positions the edited forward scores.
+    fwd_kept: i64,
+    /// Labelled positions of the unedited locality references.
+    base_kept: i64,
+    /// Tokens of the largest single view's batch (one recomputed pass at a time).
+    pass_n: i64,
+    /// Image rows gathered into the step's batches on main (each view's batch and the
+    /// edited forward's), and of those, the edited forward's (moved to a split's sub-device).
+    batch_img_rows: i64,
+    edited_img_rows: i64,
+}
+
+/// The views of one micro-batch and what the step's forwards read of them.
+struct Views {
+    views: Vec<ViewShape>,
+    fwd_n: i64,
+    fwd_kept: i64,
+    base_kept: i64,
+    pass_n: i64,
+    batch_img_rows: i64,
+    edited_img_rows: i64,
+}
+
+/// The views `train::EditBatches` builds for `b` examples. Text: `edit_inner`,
+/// `edit_outer` and `loc`, `tokens` each. With an image of `image_tokens` tokens,
+/// EasyEdit's five multimodal views: `edit_inner`, `edit_outer`, `edit_outer_image` and
+/// `loc_image` show an image (`tokens` = text + image), `loc` is the NQ question alone
+/// (`loc_tokens`). The edited model scores every view but `edit_inner` in one forward, its
+/// rows padded to the longest (`TokenBatch::collate`); `edit_outer` also holds the edit
+/// prompts with `inner_in_edit_loss` (multimodal only: the text plan keeps one row each).
+fn plan_views(b: i64, tokens: i64, kept: i64, image_tokens: Option<i64>, loc: (i64, i64), inner_in_edit_loss: bool) -> Views {
+    let view = |name, rows, tokens, image_tokens, kept, edited| ViewShape { name, rows, tokens, image_tokens, kept, edited };
+    let views = match image_tokens {
+        None => vec![
+            view("edit_inner", b, tokens, 0, kept, false),
+            view("edit_outer", b, tokens, 0, kept, true),
+            view("loc", b, tokens, 0, kept, true),
+        ],
+        Some(it) => {
+            let outer_rows = if inner_in_edit_loss { 2 * b } else { b };
+            vec![
+                view("edit_inner", b, tokens, it, kept, false),
+                view("edit_outer", outer_rows, tokens, it, kept, true),
+                view("edit_outer_image", b, tokens, it, kept, true),
+                view("loc", b, loc.0, 0, loc.1, true),
+                view("loc_image", b, tokens, it, kept, true),
+            ]
+        }
+    };
+    let edited: Vec<&ViewShape> = views.iter().filter(|v| v.edited).collect();
+    let rows: i64 = edited.iter().map(|v| v.rows).sum();
+    let longest = edited.iter().map(|v| v.tokens).max().unwrap_or(0);
+    let fwd_kept = edited.iter().map(|v| v.rows * v.kept).sum();
+    let base_kept = views.iter().filter(|v| v.name.starts_with("loc")).map(|v| v.rows * v.kept).sum();
+    let pass_n = views.iter().map(|v| v.rows * v.tokens).max().unwrap_or(0);
+    let img_rows = |vs: &mut dyn Iterator<Item = &ViewShape>| vs.filter(|v| v.image_tokens > 0).map(|v| v.rows).sum::<i64>();
+    let edited_img_rows = img_rows(&mut edited.iter().copied());
+    let batch_img_rows = img_rows(&mut views.iter()) + edited_img_rows;
+    Views { fwd_n: rows * longest, fwd_kept, base_kept, pass_n, batch_img_rows, edited_img_rows, views }
 }
 
 /// What a phase of the run does with the edit.
@@ -501,12 +595,26 @@ fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOptions) -> Resul
         )));
     }
     let tokens = (o.tokens + image_tokens).min(info.max_positions);
-    let kept = o.kept.unwrap_or(tokens - 1);
-    if tokens < 2 || kept < 1 || kept >= tokens {
+    // Labelled positions are answer tokens, never the image's.
+    let text = tokens - image_tokens;
+    let kept = o.kept.unwrap_or(text - 1);
+    if text < 2 || kept < 1 || kept >= text {
         return Err(Error::input(format!(
-            "need at least 2 tokens per example (got {tokens}) and 1 <= labelled positions < tokens (got {kept})"
+            "need at least 2 text tokens per example (got {text}) and 1 <= labelled positions < text tokens (got {kept})"
         )));
     }
+    let loc_len = o.loc_tokens.unwrap_or(o.tokens).min(info.max_positions);
+    if image.is_some() && loc_len < 2 {
+        return Err(Error::input(format!("need at least 2 tokens in the locality question (got {loc_len})")));
+    }
+    let Views { views, fwd_n, fwd_kept, base_kept, pass_n, batch_img_rows, edited_img_rows } = plan_views(
+        cfg.batch_size as i64,
+        tokens,
+        kept,
+        image.as_ref().map(|(shape, _)| shape.tokens),
+        (loc_len, kept.min(loc_len - 1)),
+        cfg.inner_in_edit_loss,
+    );
     let names: Vec<String> = if cfg.edit_params.is_empty() { model.default_edit_params() } else { cfg.edit_params.clone() };
     let shapes: BTreeMap<String, Vec<i64>> = model.expected_params().into_iter().collect();
     let mut edited = Vec::with_capacity(names.len());
@@ -581,7 +689,8 @@ fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOptions) -> Resul
     Ok(Sizes {
         cfg, o, family, info, dm, names, edited, editors, tokens, kept, s, b, n, nk, v, p_count, w_elems, w_max, din_dout,
         dout_sum, e_params, stats_elems, e_max, located, act_per_token, per_layer, first_layer, w_kept_elems,
-        w_unkept_elems, layers_txt, image, boundary, w_main_elems, w_sub_elems, w_tied_elems,
+        w_unkept_elems, layers_txt, image, boundary, w_main_elems, w_sub_elems, w_tied_elems, views, fwd_n, fwd_kept,
+        base_kept, pass_n, batch_img_rows, edited_img_rows,
     })
 }
 
@@ -756,11 +865,32 @@ fn images(z: &Sizes, it: &mut Items, phase: Phase) {
     use Group::*;
     let (b, s, d) = (z.b, z.s, z.dm.d);
     it.add(phase, Role::Main, &[VisionForward], "vision tower forward, one image (no grad)", cost.formula.clone(), cost.forward_bytes);
-    let feats = b * shape.images_per_example * (shape.tokens - 2) * d * s;
+    let row = (shape.tokens - 2) * d * s;
+    let feats = b * shape.images_per_example * row;
     let formula = format!("B·images·N_img·D·s = {b}·{}·{}·{d}·{s}", shape.images_per_example, shape.tokens - 2);
-    it.add(phase, Role::Main, &[Capture, EditedForward, Backward], "image features (frozen, computed once per image)", formula.clone(), feats);
-    if z.o.split {
-        it.add(phase, Role::Sub, &[EditedForward], "image features moved with the batch", formula, feats);
+    it.add(phase, Role::Main, &[Capture, EditedForward, Backward], "image features (frozen, computed once per distinct image)", formula, feats);
+    // Each view's batch (and the edited forward's) gathers the features of its rows.
+    let rows = if phase == Phase::Train { z.batch_img_rows } else { b };
+    it.add(
+        phase,
+        Role::Main,
+        &[Capture, EditedForward, Backward],
+        "image features gathered into the views' batches",
+        format!("image rows·N_img·D·s = {rows}·{}·{d}·{s}", shape.tokens - 2),
+        rows * row,
+    );
+    if z.o.split && phase == Phase::Train {
+        let rows = z.edited_img_rows;
+        it.add(
+            phase,
+            Role::Sub,
+            &[EditedForward],
+            "image features of the edited forward, moved with its batch",
+            format!("image rows·N_img·D·s = {rows}·{}·{d}·{s}", shape.tokens - 2),
+            rows * row,
+        );
+    } else if z.o.split {
+        it.add(phase, Role::Sub, &[EditedForward], "image features moved with the batch", format!("B·N_img·D·s = {b}·{}·{d}·{s}", shape.tokens - 2), b * row);
     }
 }
 
@@ -1007,7 +1137,10 @@ fn edited_forwards(z: &Sizes, it: &mut Items, phase: Phase) {
     let dm = z.dm;
     let family = z.family;
     let o = z.o;
-    let n_fwd = 2; // rows of text per edit in the edited forward: rephrase + locality
+    // Tokens of the edited forward (every edited view's rows, padded to the longest), and
+    // of the largest single view (recomputation runs one view's pass at a time).
+    let (fwd_n, pass_n) = (z.fwd_n, z.pass_n);
+    let edited_views: Vec<&str> = z.views.iter().filter(|v| v.edited).map(|v| v.name).collect();
     let Mode { train, recompute, .. } = z.mode(phase);
     // The edited forwards run on the sub-device when split.
     let fwd_role = if z.o.split { Role::Sub } else { Role::Main };
@@ -1022,25 +1155,25 @@ fn edited_forwards(z: &Sizes, it: &mut Items, phase: Phase) {
             fwd_role,
             &[EditedForward],
             "recompute: block inputs of one edited forward (blocks ≥ first edited + the last hidden state)",
-            format!("B·T·(L − L{first_layer} + 1)·d·s = {n}·{kept_blocks}·{}·{s}", dm.d),
-            n * kept_blocks * dm.d * s,
+            format!("largest view's rows·T·(L − L{first_layer} + 1)·d·s = {pass_n}·{kept_blocks}·{}·{s}", dm.d),
+            pass_n * kept_blocks * dm.d * s,
         );
         it.add(
             phase,
             fwd_role,
             &[EditedForward],
             "recompute: activations of the largest recomputed block + its backward temporaries",
-            format!("B·T·(L{block_at} bytes/token + (2d + f)·s) = {n}·({block_max} + {}·{s})", 2 * dm.d + dm.f),
-            n * (block_max + (2 * dm.d + dm.f) * s),
+            format!("largest view's rows·T·(L{block_at} bytes/token + (2d + f)·s) = {pass_n}·({block_max} + {}·{s})", 2 * dm.d + dm.f),
+            pass_n * (block_max + (2 * dm.d + dm.f) * s),
         );
     } else if train {
         it.add(
             phase,
             fwd_role,
             &[EditedForward],
-            "edited forwards: activations kept for backward (outer + locality)",
-            format!("{n_fwd}·B·T·Σ_layers≥L{first_layer} bytes/token = {n_fwd}·{n}·{act_per_token}"),
-            n_fwd * n * act_per_token,
+            "edited forwards: activations kept for backward (one forward over the edited views)",
+            format!("tokens({})·Σ_layers≥L{first_layer} bytes/token = {fwd_n}·{act_per_token}", edited_views.join("+")),
+            fwd_n * act_per_token,
         );
     } else {
         it.add(
@@ -1068,6 +1201,7 @@ fn edited_forwards(z: &Sizes, it: &mut Items, phase: Phase) {
 /// the checkpoint write.
 fn losses_and_step(z: &Sizes, it: &mut Items, phase: Phase) {
     let (s, nk, v, w_elems, w_max, e_max) = (z.s, z.nk, z.v, z.w_elems, z.w_max, z.e_max);
+    let (fwd_kept, base_kept) = (z.fwd_kept, z.base_kept);
     let Mode { train, factored, .. } = z.mode(phase);
     // The edited forwards run on the sub-device when split.
     let fwd_role = if z.o.split { Role::Sub } else { Role::Main };
@@ -1079,17 +1213,17 @@ fn losses_and_step(z: &Sizes, it: &mut Items, phase: Phase) {
             phase,
             fwd_role,
             &[EditedForward],
-            "logits at labelled positions (outer, locality, base locality)",
-            format!("3·B·kept·V·s = 3·{nk}·{v}·{s}"),
-            3 * nk * v * s,
+            "logits at labelled positions (edited views, unedited locality)",
+            format!("(edited kept + base kept)·V·s = ({fwd_kept} + {base_kept})·{v}·{s}"),
+            (fwd_kept + base_kept) * v * s,
         );
         it.add(
             phase,
             fwd_role,
             &[EditedForward],
-            "log_softmax copies kept for backward (outer, locality, exp(base))",
-            format!("3·B·kept·V·4 = 3·{nk}·{v}·4"),
-            3 * nk * v * 4,
+            "log_softmax copies kept for backward (edited views, exp(base))",
+            format!("(edited kept + base kept)·V·4 = ({fwd_kept} + {base_kept})·{v}·4"),
+            (fwd_kept + base_kept) * v * 4,
         );
         if !factored {
             it.add(
@@ -1249,6 +1383,8 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         editors: z.editors,
         editor_parameters: z.e_params,
         image: z.image.map(|(shape, _)| shape),
+        views: z.views,
+        edited_forward_tokens: z.fwd_n,
     };
     Ok(MemoryPlan { shape, items: it.items, totals })
 }
@@ -1295,6 +1431,14 @@ impl MemoryPlan {
             "s = {} bytes per weight element; B batch, T tokens, kept labelled positions, V vocabulary, P edited weights",
             sh.dtype_bytes
         );
+        if let Some(im) = &sh.image {
+            let _ = writeln!(
+                out,
+                "image {}x{} -> {}x{}: {} patches, {} tokens; {} distinct images per example, each through the tower once per step",
+                im.size.0, im.size.1, im.resized.0, im.resized.1, im.patches, im.tokens, im.images_per_example
+            );
+        }
+        out.push_str(&views_text(&sh.views, sh.edited_forward_tokens));
         let _ = writeln!(out, "a device's peak = its resident items + the largest of its other groups (they are never alive together)");
         for phase in [Phase::Train, Phase::Edit] {
             let title = match phase {
@@ -1494,6 +1638,18 @@ pub fn choose(model: &Model, cfg: &MendConfig, o: &PlanOptions, phase: Phase) ->
     )))
 }
 
+/// The views as text: one line each (rows × tokens, of which image, labelled), then the
+/// edited forward's tokens.
+fn views_text(views: &[ViewShape], fwd_tokens: i64) -> String {
+    let mut out = String::from("views of one micro-batch (rows x tokens per row, image tokens, labelled positions per row):\n");
+    for v in views {
+        let role = if v.edited { "edited forward" } else { "capture" };
+        let _ = writeln!(out, "  {:<17} {:>3} x {:>5}  image {:>5}  labelled {:>4}  [{role}]", v.name, v.rows, v.tokens, v.image_tokens, v.kept);
+    }
+    let _ = writeln!(out, "  the edited forward runs one batch of the edited views padded to the longest: {fwd_tokens} tokens");
+    out
+}
+
 /// One row of the placements table: a plan's peaks per device against the single-device
 /// run's.
 #[derive(Debug, Clone, Serialize)]
@@ -1516,6 +1672,9 @@ pub struct PlacementRow {
 pub struct PlacementTable {
     pub single_train_bytes: u64,
     pub single_edit_bytes: u64,
+    /// The views every placement plans for (the same for all).
+    pub views: Vec<ViewShape>,
+    pub edited_forward_tokens: i64,
     pub rows: Vec<PlacementRow>,
 }
 
@@ -1546,12 +1705,12 @@ impl PlacementTable {
                 }
             })
             .collect();
-        Ok(Self { single_train_bytes: st, single_edit_bytes: se, rows })
+        Ok(Self { single_train_bytes: st, single_edit_bytes: se, views: single.shape.views.clone(), edited_forward_tokens: single.shape.edited_forward_tokens, rows })
     }
 
     /// As text: one line per placement with each device's training and editing peaks.
     pub fn text(&self) -> String {
-        let mut out = String::new();
+        let mut out = views_text(&self.views, self.edited_forward_tokens);
         let _ = writeln!(
             out,
             "single device: train {}, edit {}",

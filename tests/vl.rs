@@ -306,6 +306,63 @@ fn plan_with_an_image_size() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("WIDTHxHEIGHT"));
 }
 
+/// `plan --ds vqa` (#22) plans EasyEdit's five views as they are, on Qwen2-VL-7B's config
+/// with a 640 × 480 COCO photo (393 tokens): four views show the image (128 text tokens +
+/// 393), `loc` is the NQ question alone (`--loc-length`), only answer tokens are labelled,
+/// and the edited forward is one batch of the four scored views padded to the longest.
+#[test]
+fn plan_ds_vqa_plans_the_five_views() {
+    let dir = fixture("qwen2_vl_7b_instruct");
+    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2vl-7b.json");
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["plan", "--model", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dtype", "bf16", "--device", "cuda:0"];
+        args.extend_from_slice(extra);
+        let out = dualedit(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        out
+    };
+    let json = |extra: &[&str]| -> Value { serde_json::from_slice(&plan(&[extra, &["--json"]].concat()).stdout).unwrap() };
+    let v = json(&["--ds", "vqa", "--image-size", "640x480", "--loc-length", "32"]);
+    let shape = &v["shape"];
+    assert_eq!(shape["image"]["tokens"].as_i64().unwrap(), 393);
+    let views: Vec<(String, i64, i64, i64, i64, bool)> = shape["views"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["name"].as_str().unwrap().to_string(), w["rows"].as_i64().unwrap(), w["tokens"].as_i64().unwrap(), w["image_tokens"].as_i64().unwrap(), w["kept"].as_i64().unwrap(), w["edited"].as_bool().unwrap()))
+        .collect();
+    let img = |name: &str, edited| (name.to_string(), 1, 128 + 393, 393, 127, edited);
+    assert_eq!(views, vec![img("edit_inner", false), img("edit_outer", true), img("edit_outer_image", true), ("loc".into(), 1, 32, 0, 31, true), img("loc_image", true)]);
+    // Padded to the longest: the short loc row costs an image row's tokens.
+    assert_eq!(shape["edited_forward_tokens"].as_i64().unwrap(), 4 * 521);
+    let item = |v: &Value, prefix: &str| -> u64 {
+        let items = v["items"].as_array().unwrap();
+        items.iter().find(|i| i["phase"] == "train" && i["item"].as_str().unwrap().starts_with(prefix)).unwrap_or_else(|| panic!("no {prefix}"))["bytes"].as_u64().unwrap()
+    };
+    // Against the text plan (edit_outer + loc of 128 tokens): the same bytes per token.
+    let text = json(&["--ds", "zsre"]);
+    assert_eq!(text["shape"]["edited_forward_tokens"].as_i64().unwrap(), 2 * 128);
+    let acts = "edited forwards: activations kept";
+    assert_eq!(item(&v, acts) * 256, item(&text, acts) * 2084);
+    // Logits at labelled positions: 3 image views × 127 + loc 31 edited, loc 31 + loc_image 127 unedited.
+    assert_eq!(item(&v, "logits at labelled positions"), (3 * 127 + 31 + 31 + 127) * 152_064 * 2);
+    // Three distinct images per example through the tower; 7 image rows gathered into batches.
+    assert_eq!(shape["image"]["images_per_example"].as_i64().unwrap(), 3);
+    assert_eq!(item(&v, "image features gathered"), 7 * 391 * 3584 * 2);
+    // Text and the placements table show the views.
+    let out = String::from_utf8(plan(&["--ds", "caption", "--image-size", "640x480", "--sub-device", "cuda:1"]).stdout).unwrap();
+    assert!(out.contains("edit_outer_image") && out.contains("loc_image") && out.contains("balanced"), "{out}");
+    // --ds vqa needs the image; a text dataset refuses one.
+    let bad = |extra: &[&str]| {
+        let mut args = vec!["plan", "--model", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        dualedit(&args)
+    };
+    assert_clean_error(&bad(&["--ds", "vqa"]), &["--ds vqa", "--image-size"]);
+    assert_clean_error(&bad(&["--ds", "zsre", "--image-size", "640x480"]), &["text-only", "--image-size"]);
+    assert_clean_error(&bad(&["--loc-length", "32"]), &["--loc-length", "--image-size"]);
+}
+
 /// The library: `Session::score_image` with and without an image.
 #[test]
 fn session_scores_with_an_optional_image() {
