@@ -16,6 +16,7 @@ use crate::device::DevicePlan;
 use crate::eval::{self, RecordMetrics};
 use crate::mend::{checkpoint, Editor, Engine};
 use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
+use crate::model::qwen2_vl::{Grid, Qwen2Vl};
 use crate::{Error, Result};
 
 /// How an edit is made.
@@ -239,6 +240,57 @@ pub fn greedy(lm: &LoadedModel, params: &ParamView, prompt: &[i64], max_new: usi
             return Ok((out, Finish::Eos));
         }
         feed = vec![next];
+    }
+    Ok((out, Finish::Length))
+}
+
+/// [`greedy`] for a prompt that shows images: `prompt` holds the image runs (whose
+/// features `feats` `[Σ merged patches, D]` of `grids` the frozen tower computed once),
+/// and each new token runs one full forward (the KV cache has no M-RoPE continuation
+/// yet), with the LM head on the last position only. Vision tokens are never chosen: fed
+/// back, they would open an image run with no image.
+pub fn greedy_with_images(
+    lm: &LoadedModel,
+    params: &ParamView,
+    (vl, feats, grids): (&Qwen2Vl, &Tensor, &[Grid]),
+    prompt: &[i64],
+    max_new: usize,
+    eos: &[i64],
+) -> Result<(Vec<i64>, Finish)> {
+    if prompt.is_empty() {
+        return Err(Error::input("prompt is empty (it encodes to no tokens)"));
+    }
+    let _g = tch::no_grad_guard();
+    let device = params.device();
+    let max = lm.model.info().max_positions.max(0) as usize;
+    let t = &vl.config.tokens;
+    let vision = [t.image_pad, t.vision_start, t.vision_end];
+    let none = Default::default();
+    let mut ids = prompt.to_vec();
+    let mut out = Vec::new();
+    while out.len() < max_new {
+        if ids.len() >= max {
+            return Ok((out, Finish::Context));
+        }
+        let next = crate::error::guard(|| {
+            let n = ids.len() as i64;
+            let pos = vl.mrope_positions(&ids, grids)?.unsqueeze(1).to_device(device);
+            let input_ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
+            let keep = Tensor::arange(n, (Kind::Int64, device)).eq(n - 1).unsqueeze(0);
+            let input = ForwardInput { keep: Some(&keep), position_ids: Some(&pos), image_embeds: Some(feats), ..ForwardInput::new(&input_ids, &none) };
+            let logits = lm.model.forward(params, &input)?.logits;
+            let vocab = logits.size().last().copied().unwrap_or(1);
+            let last = logits.reshape([-1, vocab]).get(-1).to_kind(Kind::Float);
+            for &v in vision.iter().filter(|&&v| (0..vocab).contains(&v)) {
+                let _ = last.get(v).fill_(f64::NEG_INFINITY);
+            }
+            Ok(last.argmax(-1, false).int64_value(&[]))
+        })?;
+        ids.push(next);
+        out.push(next);
+        if eos.contains(&next) {
+            return Ok((out, Finish::Eos));
+        }
     }
     Ok((out, Finish::Length))
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 use serde::Serialize;
 use tch::{Kind, Tensor};
 
-use crate::model::qwen2_vl::image;
+use crate::model::qwen2_vl::{image, Grid, Qwen2Vl};
 use crate::model::{ForwardInput, LoadedModel, ParamView};
 use crate::{Error, Result};
 
@@ -62,13 +62,6 @@ pub fn score_with_images(lm: &LoadedModel, params: &ParamView, text: &str, image
     if images.is_empty() {
         return score_text(lm, params, text);
     }
-    let Some(vl) = lm.model.family().vision_language() else {
-        return Err(Error::input(format!(
-            "{} is a text-only model ({}); images need a Qwen2-VL or Qwen2.5-VL model",
-            lm.dir.display(),
-            lm.model.info().architecture
-        )));
-    };
     if text.trim().is_empty() {
         return Err(Error::input("text is empty"));
     }
@@ -76,36 +69,12 @@ pub fn score_with_images(lm: &LoadedModel, params: &ParamView, text: &str, image
     if tokens.is_empty() {
         return Err(Error::input(format!("text {text:?} encodes to no tokens")));
     }
-    let proc = vl.image_processor(&lm.dir)?;
-    let v = &vl.config.vision;
-    let max = lm.model.info().max_positions;
-    let mut ids = Vec::new();
-    let mut prepared = Vec::with_capacity(images.len());
-    for path in images {
-        let img = image::prepare(path, &proc)?;
-        ids.extend(vl.image_prompt(&img.grid));
-        if ids.len() as i64 + tokens.len() as i64 > max {
-            return Err(Error::file(
-                path,
-                format!(
-                    "the image takes {} tokens ({}×{} pixels after resizing); with the text's {} that is more than the model's context of {max}",
-                    img.n_tokens(v.spatial_merge_size) + 2,
-                    img.resized.1,
-                    img.resized.0,
-                    tokens.len()
-                ),
-            ));
-        }
-        prepared.push(img);
-    }
+    let ImagePrompt { vl, mut ids, feats, grids } = image_prompt(lm, params, images, tokens.len())?;
     let image_tokens = ids.len();
     ids.extend_from_slice(&tokens);
     let logprobs = crate::error::guard(|| {
         let _guard = tch::no_grad_guard();
         let device = params.device();
-        let pixels = Tensor::cat(&prepared.iter().map(|p| &p.pixel_values).collect::<Vec<_>>(), 0);
-        let grids: Vec<_> = prepared.iter().map(|p| p.grid).collect();
-        let feats = vl.image_features(params, &pixels, &grids)?;
         let pos = vl.mrope_positions(&ids, &grids)?.unsqueeze(1).to_device(device);
         let t = ids.len() as i64;
         let n = tokens.len() as i64;
@@ -122,6 +91,58 @@ pub fn score_with_images(lm: &LoadedModel, params: &ParamView, text: &str, image
     })?;
     let mean_nll = -logprobs.iter().sum::<f64>() / logprobs.len() as f64;
     Ok(Score { tokens, logprobs, mean_nll, image_tokens })
+}
+
+/// The image part of a prompt that shows `images` before some text: the image runs' ids
+/// (in order), the frozen tower's features `[Σ merged patches, D]` of all of them, and
+/// their grids (for the M-RoPE positions).
+pub struct ImagePrompt<'a> {
+    pub vl: &'a Qwen2Vl,
+    pub ids: Vec<i64>,
+    pub feats: Tensor,
+    pub grids: Vec<Grid>,
+}
+
+/// [`ImagePrompt`] of `images` for a prompt whose text is `text_len` tokens: each image
+/// preprocessed as the model's `preprocessor_config.json` says and run through the
+/// frozen vision tower once. A text-only model, an unreadable image, or images and text
+/// longer than the model's context are errors naming what is wrong.
+pub fn image_prompt<'a>(lm: &'a LoadedModel, params: &ParamView, images: &[&Path], text_len: usize) -> Result<ImagePrompt<'a>> {
+    let Some(vl) = lm.model.family().vision_language() else {
+        return Err(Error::input(format!(
+            "{} is a text-only model ({}); images need a Qwen2-VL or Qwen2.5-VL model",
+            lm.dir.display(),
+            lm.model.info().architecture
+        )));
+    };
+    let proc = vl.image_processor(&lm.dir)?;
+    let v = &vl.config.vision;
+    let max = lm.model.info().max_positions;
+    let mut ids = Vec::new();
+    let mut prepared = Vec::with_capacity(images.len());
+    for path in images {
+        let img = image::prepare(path, &proc)?;
+        ids.extend(vl.image_prompt(&img.grid));
+        if ids.len() as i64 + text_len as i64 > max {
+            return Err(Error::file(
+                path,
+                format!(
+                    "the image takes {} tokens ({}×{} pixels after resizing); with the text's {text_len} that is more than the model's context of {max}",
+                    img.n_tokens(v.spatial_merge_size) + 2,
+                    img.resized.1,
+                    img.resized.0,
+                ),
+            ));
+        }
+        prepared.push(img);
+    }
+    let grids: Vec<Grid> = prepared.iter().map(|p| p.grid).collect();
+    let feats = crate::error::guard(|| {
+        let _guard = tch::no_grad_guard();
+        let pixels = Tensor::cat(&prepared.iter().map(|p| &p.pixel_values).collect::<Vec<_>>(), 0);
+        vl.image_features(params, &pixels, &grids)
+    })?;
+    Ok(ImagePrompt { vl, ids, feats, grids })
 }
 
 /// Refuses sequences longer than the model's context (position table / RoPE range).

@@ -6,7 +6,11 @@
 //! | `POST /edit`     | `{"requests": [EasyEdit records]}`     | per-request metrics, summary             |
 //! | `POST /edit`     | `{"requests": [E-VQA records]}`        | the same, edits with images              |
 //! | `POST /score`    | `{"text", "image"? \| "image_base64"?}` | `{"tokens", "logprobs", "mean_nll"}`     |
-//! | `POST /generate` | `{"prompt", "max_new_tokens"?: 16}`    | `{"text", "tokens", ...}`                |
+//! | `POST /generate` | `{"prompt", "max_new_tokens"?: 16, "image"? \| "image_base64"?}` | `{"text", "tokens", ...}` |
+//!
+//! An E-VQA record names each of its three images (`image`, `image_rephrase`, `m_loc`)
+//! by a path under the image root or uploads it as base64 under the same name with
+//! `_base64` (`image_base64`, `image_rephrase_base64`, `m_loc_base64`), one or the other.
 //! | `POST /reset`    | none                                   | `{"restored_params", "edits_total"}`     |
 //! | `POST /save`     | `{"dir"}`                              | `{"dir", "edits_total"}`                 |
 //! | `GET /health`    |                                        | `{"status": "ok", ...}`                  |
@@ -24,8 +28,9 @@
 //! save root, write model folders. So by default the server listens on loopback only,
 //! `/save` is refused unless a save root is given (and then writes only inside it, see
 //! [`crate::io::resolve_under`]), images are read by path only under the image root by
-//! the same rule (`image`, and E-VQA requests' `image` / `image_rephrase` / `m_loc`; an
-//! `image_base64` upload is decoded in memory), and with a token every request must carry
+//! the same rule (`image`, and E-VQA requests' `image` / `image_rephrase` / `m_loc`; a
+//! `*_base64` upload is decoded and checked in memory, then written to a private
+//! temporary file for the preprocessor and removed after the request), and with a token every request must carry
 //! `Authorization: Bearer <token>`; a non-loopback address without a token is refused
 //! unless [`ServeOptions::insecure_no_token`] says otherwise.
 //!
@@ -48,9 +53,9 @@ use tiny_http::{Header, Method, Request, Response};
 use tracing::{info, warn};
 
 use crate::data::easyedit::{parse_records, DatasetKind, EditRecord};
-use crate::data::multimodal::{confine_images, ImageRoots, MmRecord};
+use crate::data::multimodal::{confine_images, ImageRoots, MmRecord, IMAGE_KEYS};
 use crate::device::DevicePlan;
-use crate::session::{device_memory, image_kind, read_image_requests, Session};
+use crate::session::{device_memory, image_kind, read_image_requests, Session, TempImage};
 use crate::{Error, Result};
 
 /// The address `serve` listens on unless told otherwise: loopback only.
@@ -280,15 +285,16 @@ impl Health {
 enum Op {
     Edit(Vec<EditRecord>),
     /// E-VQA requests, their images confined to the image root and checked readable.
-    EditImages(Vec<MmRecord>),
-    Score { text: String, image: Option<ScoreImage> },
-    Generate { prompt: String, max_new_tokens: usize },
+    /// The uploads' temporary files live until the edit has run.
+    EditImages { records: Vec<MmRecord>, _uploads: Vec<TempImage> },
+    Score { text: String, image: Option<RequestImage> },
+    Generate { prompt: String, max_new_tokens: usize, image: Option<RequestImage> },
     Reset,
     Save { dir: PathBuf },
 }
 
-/// The image of a `/score` request.
-enum ScoreImage {
+/// The image of a `/score` or `/generate` request.
+enum RequestImage {
     /// A file under the image root, resolved and confined.
     File(PathBuf),
     /// A decoded `image_base64` upload, checked to be a PNG or JPEG.
@@ -516,16 +522,11 @@ fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result
         "/score" => {
             let obj = json_object(path, body, &["text", "image", "image_base64"])?;
             let text = string_field(path, &obj, "text")?;
-            let image = match (obj.contains_key("image"), obj.contains_key("image_base64")) {
-                (true, true) => return Err(bad("give `image` or `image_base64`, not both".into())),
-                (true, false) => Some(ScoreImage::File(image_path(path, &string_field(path, &obj, "image")?, opts)?)),
-                (false, true) => Some(ScoreImage::Bytes(decode_image(path, &string_field(path, &obj, "image_base64")?)?)),
-                (false, false) => None,
-            };
-            Op::Score { text, image }
+            Op::Score { text, image: request_image(path, &obj, opts)? }
         }
         "/generate" => {
-            let obj = json_object(path, body, &["prompt", "max_new_tokens"])?;
+            let obj = json_object(path, body, &["prompt", "max_new_tokens", "image", "image_base64"])?;
+            let image = request_image(path, &obj, opts)?;
             let max_new_tokens = match obj.get("max_new_tokens") {
                 None => DEFAULT_MAX_NEW_TOKENS,
                 Some(v) => v
@@ -533,7 +534,7 @@ fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result
                     .map(|n| n.min(usize::MAX as u64) as usize)
                     .ok_or_else(|| bad("field `max_new_tokens` must be a non-negative integer".into()))?,
             };
-            Op::Generate { prompt: string_field(path, &obj, "prompt")?, max_new_tokens }
+            Op::Generate { prompt: string_field(path, &obj, "prompt")?, max_new_tokens, image }
         }
         "/reset" => Op::Reset,
         "/save" => {
@@ -556,11 +557,22 @@ fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result
     })
 }
 
-/// Whether an `/edit` body's requests are E-VQA records (one of them names an `image`)
-/// rather than EasyEdit text records. A ZsRE-style text record (`src` without `image`)
-/// stays a text request, and its error names the text fields it lacks.
+/// The optional image of a `/score` or `/generate` body: `image` (a path under the image
+/// root) or `image_base64` (an upload), not both.
+fn request_image(path: &str, obj: &Map<String, Value>, opts: &ServeOptions) -> std::result::Result<Option<RequestImage>, Reply> {
+    Ok(match (obj.contains_key("image"), obj.contains_key("image_base64")) {
+        (true, true) => return Err((400, error_body(format!("{path}: give `image` or `image_base64`, not both"), "bad_request"))),
+        (true, false) => Some(RequestImage::File(image_path(path, &string_field(path, obj, "image")?, opts)?)),
+        (false, true) => Some(RequestImage::Bytes(decode_image(path, "image_base64", &string_field(path, obj, "image_base64")?)?)),
+        (false, false) => None,
+    })
+}
+
+/// Whether an `/edit` body's requests are E-VQA records (one of them names an `image`,
+/// by path or upload) rather than EasyEdit text records. A ZsRE-style text record (`src`
+/// without an image) stays a text request, and its error names the text fields it lacks.
 fn is_image_request(requests: &Value) -> bool {
-    requests.as_array().is_some_and(|a| a.iter().any(|r| r.get("image").is_some()))
+    requests.as_array().is_some_and(|a| a.iter().any(|r| r.get("image").is_some() || r.get("image_base64").is_some()))
 }
 
 fn forbidden(msg: String) -> Reply {
@@ -592,10 +604,11 @@ fn image_path(path: &str, name: &str, opts: &ServeOptions) -> std::result::Resul
     Ok(resolved)
 }
 
-/// `/score`'s `image_base64`: standard base64 (whitespace ignored) of a PNG or JPEG file;
-/// anything else is 400. Its size is bounded by the body limit.
-fn decode_image(path: &str, b64: &str) -> std::result::Result<Vec<u8>, Reply> {
-    let bad = |msg: String| (400, error_body(format!("{path}: field `image_base64`: {msg}"), "bad_request"));
+/// An upload (`image_base64`, an E-VQA record's `*_base64`; `field` names it in errors):
+/// standard base64 (whitespace ignored) of a PNG or JPEG file; anything else is 400. Its
+/// size is bounded by the body limit.
+fn decode_image(path: &str, field: &str, b64: &str) -> std::result::Result<Vec<u8>, Reply> {
+    let bad = |msg: String| (400, error_body(format!("{path}: field `{field}`: {msg}"), "bad_request"));
     let compact: String = b64.chars().filter(|c| !c.is_ascii_whitespace()).collect();
     if compact.is_empty() {
         return Err(bad("empty".into()));
@@ -605,16 +618,53 @@ fn decode_image(path: &str, b64: &str) -> std::result::Result<Vec<u8>, Reply> {
     Ok(bytes)
 }
 
-/// An `/edit` of E-VQA records: every image name confined to the image root (403 without
-/// one or out of it), then every record parsed and its images checked readable (400).
+/// An `/edit` of E-VQA records. Each image is a name under the image root (confined:
+/// 403 without a root or out of it) or a `*_base64` upload (400 unless a PNG or JPEG;
+/// written to a private temporary file that lives until the edit has run), one or the
+/// other; then every record is parsed and its images checked readable (400).
 fn image_edit(path: &str, requests: &Value, opts: &ServeOptions) -> std::result::Result<Op, Reply> {
-    let Some(root) = opts.image_root.as_deref() else { return Err(no_image_root(path)) };
-    let roots = ImageRoots::new(root.to_path_buf(), None);
+    let bad = |msg: String| (400, error_body(format!("{path}: {msg}"), "bad_request"));
     let mut requests = requests.clone();
+    // Uploads out of the records first: confinement sees only the names clients gave.
+    let mut uploads: Vec<(usize, &str, TempImage)> = Vec::new();
+    let mut named = false;
+    if let Value::Array(items) = &mut requests {
+        for (i, item) in items.iter_mut().enumerate() {
+            let Value::Object(obj) = item else { continue };
+            for (key, _) in IMAGE_KEYS {
+                let b64_key = format!("{key}_base64");
+                match (obj.contains_key(key), obj.remove(&b64_key)) {
+                    (true, Some(_)) => return Err(bad(format!("record {i}: give `{key}` or `{b64_key}`, not both"))),
+                    (_, Some(Value::String(b64))) => {
+                        let bytes = decode_image(path, &format!("record {i}: {b64_key}"), &b64)?;
+                        let tmp = TempImage::from_bytes(&bytes).map_err(|e| (500, error_body(format!("{path}: record {i}: {b64_key}: {e}"), "internal")))?;
+                        uploads.push((i, key, tmp));
+                    }
+                    (_, Some(_)) => return Err(bad(format!("record {i}: field `{b64_key}` must be a string of base64"))),
+                    (true, None) => named = true,
+                    (false, None) => {}
+                }
+            }
+        }
+    }
+    let roots = match opts.image_root.as_deref() {
+        Some(root) => ImageRoots::new(root.to_path_buf(), None),
+        None if named => return Err(no_image_root(path)),
+        // Uploads only: every image path is an absolute temporary file, which the reader
+        // takes as it is; the root is only joined to it.
+        None => ImageRoots::new(std::env::temp_dir(), None),
+    };
     confine_images(&mut requests, &roots).map_err(|e| confinement_error(path, e))?;
-    let records = read_image_requests(&requests.to_string(), &roots)
-        .map_err(|e| (400, error_body(format!("{path}: {e}"), "bad_request")))?;
-    Ok(Op::EditImages(records))
+    if let Value::Array(items) = &mut requests {
+        for (i, key, tmp) in &uploads {
+            if let Some(Value::Object(obj)) = items.get_mut(*i) {
+                let p = tmp.path().to_str().ok_or_else(|| (500, error_body(format!("{path}: the temporary directory's path is not UTF-8"), "internal")))?;
+                obj.insert(key.to_string(), Value::String(p.to_string()));
+            }
+        }
+    }
+    let records = read_image_requests(&requests.to_string(), &roots).map_err(|e| bad(e.to_string()))?;
+    Ok(Op::EditImages { records, _uploads: uploads.into_iter().map(|(_, _, t)| t).collect() })
 }
 
 fn model_loop(session: &mut Session, rx: &Receiver<Job>, shared: &Shared, shutdown: &AtomicBool) {
@@ -668,11 +718,13 @@ fn run_op(session: &mut Session, op: Op) -> Reply {
 fn run_session_op(session: &mut Session, op: Op) -> Reply {
     match op {
         Op::Edit(records) => reply(session.edit(&records)),
-        Op::EditImages(records) => reply(session.edit_images(&records)),
+        Op::EditImages { records, _uploads } => reply(session.edit_images(&records)),
         Op::Score { text, image: None } => reply(session.score(&text)),
-        Op::Score { text, image: Some(ScoreImage::File(p)) } => reply(session.score_image(&text, Some(&p))),
-        Op::Score { text, image: Some(ScoreImage::Bytes(b)) } => reply(session.score_image_bytes(&text, &b)),
-        Op::Generate { prompt, max_new_tokens } => reply(session.generate(&prompt, max_new_tokens)),
+        Op::Score { text, image: Some(RequestImage::File(p)) } => reply(session.score_image(&text, Some(&p))),
+        Op::Score { text, image: Some(RequestImage::Bytes(b)) } => reply(session.score_image_bytes(&text, &b)),
+        Op::Generate { prompt, max_new_tokens, image: None } => reply(session.generate(&prompt, max_new_tokens)),
+        Op::Generate { prompt, max_new_tokens, image: Some(RequestImage::File(p)) } => reply(session.generate_image(&prompt, Some(&p), max_new_tokens)),
+        Op::Generate { prompt, max_new_tokens, image: Some(RequestImage::Bytes(b)) } => reply(session.generate_image_bytes(&prompt, &b, max_new_tokens)),
         Op::Reset => reply(session.reset().map(|n| json!({ "restored_params": n, "edits_total": session.edits_total() }))),
         Op::Save { dir } => match session.save(&dir) {
             Ok(()) => (200, json!({ "dir": dir.display().to_string(), "edits_total": session.edits_total() })),

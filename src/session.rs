@@ -40,7 +40,7 @@ use crate::mend::guard::{self, GuardConfig, GuardReport};
 use crate::mend::stepwise::{self, Stepwise};
 use crate::mend::{Editor, Engine};
 use crate::model::{ModelInfo, Overrides, ParamView};
-use crate::score::{check_length, score_text, score_with_images, Score};
+use crate::score::{check_length, image_prompt, score_text, score_with_images, ImagePrompt, Score};
 use crate::{Error, Result};
 
 /// Where a session runs and in which dtype (the same options every edit path loads with).
@@ -118,6 +118,9 @@ pub struct Session {
     pub guard: Option<GuardConfig>,
     /// Sequential edits in small committed steps ([`crate::mend::stepwise`], experimental).
     pub stepwise: Option<Stepwise>,
+    /// Test builds (`fault-injection`): fail an edit call after this many of its commits,
+    /// to show that a failed call leaves the weights as they were.
+    fault_after_commits: Option<usize>,
 }
 
 impl std::fmt::Debug for Session {
@@ -161,7 +164,24 @@ impl Session {
 
     fn with_method(engine: Engine, method: Option<Method>) -> Self {
         let eos = eos_ids(&engine.lm.config_json);
-        Self { engine, method, editor_dir: None, originals: HashMap::new(), edits_total: 0, eos, guard: None, stepwise: None }
+        Self {
+            engine,
+            method,
+            editor_dir: None,
+            originals: HashMap::new(),
+            edits_total: 0,
+            eos,
+            guard: None,
+            stepwise: None,
+            fault_after_commits: None,
+        }
+    }
+
+    /// Test builds only: make each later edit call fail right after its `n`-th commit
+    /// (`None`: never), as a failure in the sequential loop or while answering would.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_fault_after_commits(&mut self, n: Option<usize>) {
+        self.fault_after_commits = n;
     }
 
     /// The engine underneath (model, device plan, edited weight names).
@@ -283,7 +303,57 @@ impl Session {
     /// edit, or with `sequential` one after another, each committed before the next is
     /// made; then measures every request against the weights before this call and reads
     /// each one's greedy answer.
+    ///
+    /// All or nothing: when anything fails after a commit (a later request of a
+    /// sequential call, the measurement, an answer), every weight this call changed is put
+    /// back as it was before the call (the exact tensors, on both devices), and
+    /// [`Session::edits_total`] and what [`Session::reset`] restores are as before; the
+    /// error is returned.
     pub fn edit_examples(&mut self, records: &[EditRecord], examples: &[EditExample], sequential: bool) -> Result<EditOutcome> {
+        // The tensors of every weight this call replaces, taken before its first change.
+        let mut before_call: HashMap<String, Tensor> = HashMap::new();
+        let had_original: std::collections::HashSet<String> = self.originals.keys().cloned().collect();
+        let total = self.edits_total;
+        let result = self.apply_examples(records, examples, sequential, &mut before_call);
+        let Err(e) = result else { return result };
+        if before_call.is_empty() {
+            return Err(e);
+        }
+        let restore: Overrides = before_call.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        if let Err(re) = self.engine.commit(&restore) {
+            tracing::error!("an edit failed ({e}) and putting the weights back failed too ({re}): reset the session");
+            return Err(Error::Torch(format!("{e}; putting back the weights this edit changed also failed ({re}): call reset")));
+        }
+        self.originals.retain(|name, _| had_original.contains(name));
+        self.edits_total = total;
+        tracing::warn!(params = before_call.len(), "edit failed after committing: the weights are back as they were before it");
+        Err(e)
+    }
+
+    /// [`Session::edit_examples`] without the restore on failure; every commit keeps the
+    /// tensors it replaces (first time in this call) in `before_call`.
+    fn apply_examples(
+        &mut self,
+        records: &[EditRecord],
+        examples: &[EditExample],
+        sequential: bool,
+        before_call: &mut HashMap<String, Tensor>,
+    ) -> Result<EditOutcome> {
+        let fault = self.fault_after_commits;
+        let mut commits = 0usize;
+        let mut commit = |engine: &mut Engine, originals: &mut HashMap<String, Tensor>, ov: &Overrides| -> Result<()> {
+            for name in ov.names() {
+                if !before_call.contains_key(name) {
+                    before_call.insert(name.clone(), engine.weight(name)?.shallow_clone());
+                }
+            }
+            commit(engine, originals, ov)?;
+            commits += 1;
+            if fault == Some(commits) {
+                return Err(Error::Torch(format!("injected fault after commit {commits}")));
+            }
+            Ok(())
+        };
         let Some(method) = self.method.as_mut() else {
             return Err(Error::input("this session has no editor: open it with a trained editor directory to edit"));
         };
@@ -382,9 +452,8 @@ impl Session {
     /// (an upload, say): checked to be one, written to a private temporary file for the
     /// image preprocessor, scored, and the file removed.
     pub fn score_image_bytes(&self, text: &str, image: &[u8]) -> Result<Score> {
-        let ext = image_kind(image)?;
-        let tmp = TempImage::write(image, ext)?;
-        self.score_image(text, Some(&tmp.0))
+        let tmp = TempImage::from_bytes(image)?;
+        self.score_image(text, Some(tmp.path()))
     }
 
     /// Greedy continuation of `prompt` under the current weights, with a KV cache: the
@@ -399,6 +468,31 @@ impl Session {
         check_length(lm, ids.len())?;
         let (tokens, finish_reason) = edit::greedy(lm, &ParamView::frozen(&lm.params), &ids, max_new_tokens, &self.eos)?;
         Ok(Generation { text: lm.tokenizer.decode(&tokens)?, prompt_tokens: ids.len(), tokens, finish_reason })
+    }
+
+    /// [`Session::generate`] with an optional image shown before the prompt (Qwen2-VL /
+    /// Qwen2.5-VL models), laid out as [`Session::score_image`] lays it out: the image's
+    /// run, then the prompt's tokens, verbatim (no chat template). The image's features
+    /// are computed once; each new token runs one full forward. `prompt_tokens` counts the
+    /// prompt's text tokens only.
+    pub fn generate_image(&self, prompt: &str, image: Option<&Path>, max_new_tokens: usize) -> Result<Generation> {
+        let Some(image) = image else { return self.generate(prompt, max_new_tokens) };
+        let lm = &self.engine.lm;
+        let text = lm.tokenizer.encode(prompt)?;
+        if text.is_empty() {
+            return Err(Error::input("prompt is empty (it encodes to no tokens)"));
+        }
+        let params = ParamView::frozen(&lm.params);
+        let ImagePrompt { vl, mut ids, feats, grids } = image_prompt(lm, &params, &[image], text.len())?;
+        ids.extend_from_slice(&text);
+        let (tokens, finish_reason) = edit::greedy_with_images(lm, &params, (vl, &feats, &grids), &ids, max_new_tokens, &self.eos)?;
+        Ok(Generation { text: lm.tokenizer.decode(&tokens)?, prompt_tokens: text.len(), tokens, finish_reason })
+    }
+
+    /// [`Session::generate_image`] with the image as the bytes of a PNG or JPEG file.
+    pub fn generate_image_bytes(&self, prompt: &str, image: &[u8], max_new_tokens: usize) -> Result<Generation> {
+        let tmp = TempImage::from_bytes(image)?;
+        self.generate_image(prompt, Some(tmp.path()), max_new_tokens)
     }
 
     /// Puts back the exact weights the model was loaded with (on both devices), undoing
@@ -476,9 +570,19 @@ pub fn image_kind(bytes: &[u8]) -> Result<&'static str> {
 
 /// An image written to a fresh file in the temporary directory (created exclusively, so
 /// never through a link someone planted there), removed when dropped.
-struct TempImage(PathBuf);
+pub(crate) struct TempImage(PathBuf);
 
 impl TempImage {
+    /// The bytes of a PNG or JPEG file ([`image_kind`] checks them) in a fresh file.
+    pub(crate) fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let ext = image_kind(bytes)?;
+        Self::write(bytes, ext)
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.0
+    }
+
     fn write(bytes: &[u8], ext: &str) -> Result<Self> {
         use std::io::Write;
         use std::sync::atomic::{AtomicU64, Ordering};

@@ -668,3 +668,107 @@ fn images_by_root_or_base64_score_and_edit_and_never_leave_the_root() {
     assert_eq!(reset["logprobs"], by_path["logprobs"], "reset restores the image score exactly");
     server.stop();
 }
+
+/// Issue #22: an E-VQA `/edit` takes each of its three images as an upload
+/// (`image_base64`, `image_rephrase_base64`, `m_loc_base64`) as well as a path under
+/// `--image-root`, with the same result; uploads alone need no root, a path still does.
+/// `/generate` shows an image by path or upload, and greedy decoding is the same either way.
+#[test]
+fn image_edits_and_generation_take_uploads_as_well_as_paths() {
+    let _serial = serial();
+    let top = tempfile::tempdir().unwrap();
+    let root = top.path().join("images");
+    std::fs::create_dir_all(root.join("val")).unwrap();
+    png(&root.join("val/a.png"), 40, 30, 3);
+    png(&root.join("r.png"), 224, 28, 11);
+    png(&root.join("loc.png"), 50, 50, 9);
+    let b64 = |p: &str| base64::encode(std::fs::read(root.join(p)).unwrap());
+    let uploaded = || {
+        let mut r = vqa_request("unused");
+        let o = r.as_object_mut().unwrap();
+        for (key, file) in [("image", "val/a.png"), ("image_rephrase", "r.png"), ("m_loc", "loc.png")] {
+            o.remove(key);
+            o.insert(format!("{key}_base64"), json!(b64(file)));
+        }
+        r
+    };
+    let text = "What is in the picture? a cat";
+    let score = |a, body: Value| http(a, "POST", "/score", Some(&body.to_string()));
+    let edit = |a, reqs: Value| http(a, "POST", "/edit", Some(&json!({ "requests": reqs }).to_string()));
+    let generate = |a, body: Value| http(a, "POST", "/generate", Some(&body.to_string()));
+    let temp_images = || {
+        let prefix = format!("dualedit-image-{}-", std::process::id());
+        std::fs::read_dir(std::env::temp_dir()).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with(&prefix)).count()
+    };
+
+    // By path under the root: the reference edit and generation.
+    let server = Running::start(vl_session(), ServeOptions { image_root: Some(root.clone()), ..ServeOptions::default() });
+    let a = server.addr;
+    let (st, g_path) = generate(a, json!({ "prompt": "What is in the picture?", "max_new_tokens": 4, "image": "val/a.png" }));
+    assert_eq!(st, 200, "{g_path}");
+    assert_eq!(g_path["tokens"].as_array().unwrap().len(), 4);
+    let (_, g_b64) = generate(a, json!({ "prompt": "What is in the picture?", "max_new_tokens": 4, "image_base64": b64("val/a.png") }));
+    assert_eq!(g_b64["tokens"], g_path["tokens"], "the same image by path and by upload");
+    // Greedy: two tokens are the first two of four.
+    let (_, g2) = generate(a, json!({ "prompt": "What is in the picture?", "max_new_tokens": 2, "image": "val/a.png" }));
+    assert_eq!(g2["tokens"].as_array().unwrap()[..], g_path["tokens"].as_array().unwrap()[..2]);
+    let (_, g_text) = generate(a, json!({ "prompt": "What is in the picture?", "max_new_tokens": 4 }));
+    assert_eq!(g_text["prompt_tokens"], g_path["prompt_tokens"], "prompt_tokens counts the text");
+    // A mix of a path and uploads is fine with a root.
+    let (_, before) = score(a, json!({ "text": text, "image": "val/a.png" }));
+    let (st, by_path) = edit(a, json!([vqa_request("val/a.png")]));
+    assert_eq!(st, 200, "{by_path}");
+    let (_, after_path) = score(a, json!({ "text": text, "image": "val/a.png" }));
+    assert_ne!(after_path["logprobs"], before["logprobs"]);
+    http(a, "POST", "/reset", None);
+    let mut mixed = uploaded();
+    mixed.as_object_mut().unwrap().remove("image_base64");
+    mixed["image"] = json!("val/a.png");
+    let (st, v) = edit(a, json!([mixed.clone()]));
+    assert_eq!(st, 200, "{v}");
+    let (_, after_mixed) = score(a, json!({ "text": text, "image": "val/a.png" }));
+    assert_eq!(after_mixed["logprobs"], after_path["logprobs"], "the same edit with uploads");
+    server.stop();
+
+    // Uploads only: no root needed, and the same edit as by path.
+    let server = Running::start(vl_session(), ServeOptions::default());
+    let a = server.addr;
+    let (st, out) = edit(a, json!([uploaded()]));
+    assert_eq!(st, 200, "{out}");
+    assert_eq!((out["edits_total"].as_u64(), &out["requests"][0]["prompt"]), (Some(1), &json!("What is in the picture?")));
+    let (_, after) = score(a, json!({ "text": text, "image_base64": b64("val/a.png") }));
+    assert_eq!(after["logprobs"], after_path["logprobs"], "uploads edit as paths do");
+    assert_eq!(temp_images(), 0, "uploads' temporary files are removed after the request");
+    // Paths still need the root, for /edit and /generate alike.
+    let (st, v) = edit(a, json!([mixed]));
+    assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{v}");
+    let (st, v) = generate(a, json!({ "prompt": "What", "image": "val/a.png" }));
+    assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{v}");
+    // Bad uploads are 400 naming the record and the field.
+    let mut both = uploaded();
+    both["image"] = json!("val/a.png");
+    let mut bad_b64 = uploaded();
+    bad_b64["m_loc_base64"] = json!("!!not base64!!");
+    let mut not_image = uploaded();
+    not_image["image_rephrase_base64"] = json!(base64::encode(b"plain text"));
+    let mut not_string = uploaded();
+    not_string["m_loc_base64"] = json!(7);
+    for (reqs, needles) in [
+        (json!([both]), vec!["record 0", "not both"]),
+        (json!([uploaded(), bad_b64]), vec!["record 1", "m_loc_base64", "base64"]),
+        (json!([not_image]), vec!["image_rephrase_base64", "PNG or JPEG"]),
+        (json!([not_string]), vec!["m_loc_base64", "must be a string"]),
+    ] {
+        let (st, v) = edit(a, reqs.clone());
+        assert_eq!((st, v["kind"].as_str()), (400, Some("bad_request")), "{reqs}: {v}");
+        for n in needles {
+            assert!(v["error"].as_str().unwrap().contains(n), "{n}: {v}");
+        }
+    }
+    let (st, v) = generate(a, json!({ "prompt": "What", "image_base64": "!!" }));
+    assert_eq!((st, v["kind"].as_str()), (400, Some("bad_request")), "{v}");
+    let (_, h) = http(a, "GET", "/health", None);
+    assert_eq!(h["edits_total"], 1, "no refused request edited");
+    server.stop();
+    assert_eq!(temp_images(), 0);
+}
