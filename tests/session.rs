@@ -264,3 +264,54 @@ fn kv_cache_refuses_padding_and_overflow_and_stays_consistent() {
     let full = full_last_logits(&lm, &[5, 6, 7, 8]);
     assert!((got.get(0).get(0) - full).abs().max().double_value(&[]) < 1e-4);
 }
+
+/// An edit call is all or nothing: a failure after a commit (here injected after the
+/// first of two sequential commits, and after a batch's commit, before its answers)
+/// puts back every weight the call changed, bit for bit, leaves `edits_total` and what
+/// `reset` restores as they were, and the session edits normally afterwards.
+#[test]
+fn a_failed_edit_call_leaves_the_weights_as_before_it() {
+    use dualedit::config::MendConfig;
+    use dualedit::device::DevicePlan;
+    use dualedit::mend::{Editor, Engine};
+    let lm = load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
+    let engine = Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
+    let cfg = MendConfig { rank: 8, edit_lr: 1e-2, ..MendConfig::default() };
+    let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut s = Session::from_parts(engine, Some(editor));
+    let recs = records();
+    let ex = dualedit::data::examples::prepare(&s.engine().lm.tokenizer, &recs[..2], 64, Path::new("inline.json")).unwrap();
+    let probe = "The capital of France is Rome";
+    let weights = |s: &Session| -> Vec<Tensor> { s.engine().edit_names().iter().map(|n| s.engine().weight(n).unwrap().copy()).collect() };
+    let same = |a: &[Tensor], b: &[Tensor]| a.iter().zip(b).all(|(x, y)| x.equal(y));
+    let loaded = (s.score(probe).unwrap().logprobs, weights(&s));
+
+    // A first, successful edit: what a later failure must return to.
+    s.edit_examples(&recs[..1], &ex[..1], false).unwrap();
+    let first = (s.score(probe).unwrap().logprobs, weights(&s));
+    assert_ne!(first.0, loaded.0, "the edit changed nothing");
+
+    for sequential in [true, false] {
+        s.inject_fault_after_commits(Some(1));
+        let err = s.edit_examples(&recs[..2], &ex, sequential).unwrap_err().to_string();
+        assert!(err.contains("injected fault after commit 1"), "{err}");
+        assert_eq!(s.edits_total(), 1, "sequential {sequential}");
+        assert!(same(&weights(&s), &first.1), "sequential {sequential}: weights differ from before the call");
+        assert_eq!(s.score(probe).unwrap().logprobs, first.0);
+    }
+    // Without the fault the same call commits both requests.
+    s.inject_fault_after_commits(None);
+    let out = s.edit_examples(&recs[..2], &ex, true).unwrap();
+    assert_eq!(out.edits_total, 3);
+    assert!(!same(&weights(&s), &first.1));
+    // reset still puts back the weights as loaded.
+    s.reset().unwrap();
+    assert!(same(&weights(&s), &loaded.1));
+    assert_eq!(s.score(probe).unwrap().logprobs, loaded.0);
+
+    // A failure on a fresh session: reset then has nothing to restore.
+    s.inject_fault_after_commits(Some(1));
+    assert!(s.edit_examples(&recs[..1], &ex[..1], false).is_err());
+    assert!(same(&weights(&s), &loaded.1));
+    assert_eq!(s.reset().unwrap(), 0, "a failed call leaves nothing for reset");
+}
