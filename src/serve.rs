@@ -563,7 +563,7 @@ fn request_image(path: &str, obj: &Map<String, Value>, opts: &ServeOptions) -> s
     Ok(match (obj.contains_key("image"), obj.contains_key("image_base64")) {
         (true, true) => return Err((400, error_body(format!("{path}: give `image` or `image_base64`, not both"), "bad_request"))),
         (true, false) => Some(RequestImage::File(image_path(path, &string_field(path, obj, "image")?, opts)?)),
-        (false, true) => Some(RequestImage::Bytes(decode_image(path, "image_base64", &string_field(path, obj, "image_base64")?)?)),
+        (false, true) => Some(RequestImage::Bytes(decode_image(path, "field `image_base64`", &string_field(path, obj, "image_base64")?)?)),
         (false, false) => None,
     })
 }
@@ -604,11 +604,12 @@ fn image_path(path: &str, name: &str, opts: &ServeOptions) -> std::result::Resul
     Ok(resolved)
 }
 
-/// An upload (`image_base64`, an E-VQA record's `*_base64`; `field` names it in errors):
+/// An upload (`image_base64`, an E-VQA record's `*_base64`; `field` names it in errors,
+/// e.g. ``record 1: field `m_loc_base64` ``):
 /// standard base64 (whitespace ignored) of a PNG or JPEG file; anything else is 400. Its
 /// size is bounded by the body limit.
 fn decode_image(path: &str, field: &str, b64: &str) -> std::result::Result<Vec<u8>, Reply> {
-    let bad = |msg: String| (400, error_body(format!("{path}: field `{field}`: {msg}"), "bad_request"));
+    let bad = |msg: String| (400, error_body(format!("{path}: {field}: {msg}"), "bad_request"));
     let compact: String = b64.chars().filter(|c| !c.is_ascii_whitespace()).collect();
     if compact.is_empty() {
         return Err(bad("empty".into()));
@@ -636,7 +637,7 @@ fn image_edit(path: &str, requests: &Value, opts: &ServeOptions) -> std::result:
                 match (obj.contains_key(key), obj.remove(&b64_key)) {
                     (true, Some(_)) => return Err(bad(format!("record {i}: give `{key}` or `{b64_key}`, not both"))),
                     (_, Some(Value::String(b64))) => {
-                        let bytes = decode_image(path, &format!("record {i}: {b64_key}"), &b64)?;
+                        let bytes = decode_image(path, &format!("record {i}: field `{b64_key}`"), &b64)?;
                         let tmp = TempImage::from_bytes(&bytes).map_err(|e| (500, error_body(format!("{path}: record {i}: {b64_key}: {e}"), "internal")))?;
                         uploads.push((i, key, tmp));
                     }
