@@ -108,7 +108,19 @@ impl EditBatches {
             .flatten()
             .collect();
         let images = engine.images(&all)?;
-        Self::build(examples, cfg.inner_in_edit_loss, |ex| engine.collate_with(ex, images.as_ref()))
+        let b = Self::build(examples, cfg.inner_in_edit_loss, |ex| engine.collate_with(ex, images.as_ref()))?;
+        // Under a layer split the scored views' boundary activations are computed once,
+        // for the batch of all of them, and each view's are its rows of those.
+        if let Some(all) = &b.edited {
+            let mut row = 0;
+            let mut parts = Vec::new();
+            for v in [Some(&b.outer), b.outer_image.as_ref(), b.loc.as_ref(), b.loc_image.as_ref()].into_iter().flatten() {
+                parts.push((v, row));
+                row += v.batch_size();
+            }
+            engine.share_boundary(all, &parts)?;
+        }
+        Ok(b)
     }
 
     fn build<E>(

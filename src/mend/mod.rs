@@ -16,11 +16,11 @@ use tracing::info;
 pub use editor::{EditedParam, Editor, Factors};
 
 use crate::data::multimodal::StepImages;
-use crate::data::{Example, TokenBatch};
+use crate::data::{Example, PrefixKey, TokenBatch};
 use crate::device::worker::Worker;
 use crate::device::{DevicePlan, Mover, Placement};
 use crate::model::qwen2_vl::ImageProcessorConfig;
-use crate::model::{lm_head, lm_head_input_grad, LoadedModel, LowRank, Overrides, ParamStore, ParamView, WeightLayout};
+use crate::model::{lm_head, lm_head_input_grad, Boundary, ForwardInput, LoadedModel, LowRank, Overrides, ParamStore, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 /// A loaded model placed according to a device plan, with the weights MEND edits.
@@ -163,6 +163,45 @@ impl Engine {
         self.lm.params.layer_split().is_some()
     }
 
+    /// The key under which a batch caches this engine's boundary activations.
+    fn prefix_key(&self) -> Option<PrefixKey> {
+        self.lm.params.layer_split().map(|s| PrefixKey { at: s.at, crossing: Arc::as_ptr(&s.cross) as *const () as usize })
+    }
+
+    /// Under a layer split, `batch`'s boundary activations: the embedding and the blocks
+    /// below the boundary run once per batch (no grad) and their output crosses the mover
+    /// once; every later forward of the batch (the unedited one, the capture, the edited
+    /// ones) starts from it. `None` without a layer split.
+    pub fn boundary(&self, batch: &TokenBatch) -> Result<Option<Boundary>> {
+        let Some(key) = self.prefix_key() else {
+            return Ok(None);
+        };
+        let none = HashSet::new();
+        batch.prefix.get_or(key, || self.lm.model.prefix(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none))).map(Some)
+    }
+
+    /// Under a layer split: computes `whole`'s boundary activations (one crossing) and
+    /// gives each of `parts` (a batch of rows `[row, row + B)` of `whole`'s examples, in
+    /// the same order, right-padded to its own length) its slice, so that their forwards
+    /// cross nothing more. Meta-training's edited forward runs over all the scored views
+    /// at once (`whole`), its unedited locality forward and recomputed passes over each.
+    /// Does nothing without a layer split.
+    pub fn share_boundary(&self, whole: &TokenBatch, parts: &[(&TokenBatch, i64)]) -> Result<()> {
+        let (Some(key), Some(b)) = (self.prefix_key(), self.boundary(whole)?) else {
+            return Ok(());
+        };
+        for (part, row) in parts {
+            let (n, t) = (part.batch_size(), part.input_ids.size()[1]);
+            part.prefix.set(key, crate::error::guard(|| b.narrow(*row, n, t))?);
+        }
+        Ok(())
+    }
+
+    /// The forward input of `batch` with its boundary activations (`entry`, under a layer split).
+    fn input_from<'a>(batch: &'a TokenBatch, capture: &'a HashSet<String>, entry: Option<&'a Boundary>) -> ForwardInput<'a> {
+        ForwardInput { entry, ..batch.forward_input(capture) }
+    }
+
     /// A tensor made on the main device (by the editor) carried to where the edited
     /// weights are: the sub-device under a layer split; unchanged otherwise (the replica
     /// placement moves the edit in [`Engine::edited_logits_on_sub`]).
@@ -245,6 +284,7 @@ impl Engine {
     /// (issue #24: 5 requests in one batch reached 0.47 reliability, each 1.0 alone).
     /// Runs with gradients enabled even when called under `no_grad` (evaluation).
     pub fn capture(&self, batch: &TokenBatch) -> Result<(f64, Vec<Factors>)> {
+        let entry = self.boundary(batch)?;
         crate::error::guard(|| tch::with_grad(|| {
             let overrides: Overrides = self
                 .edit_params
@@ -252,7 +292,7 @@ impl Engine {
                 .map(|p| Ok((p.name.clone(), self.weight(&p.name)?.detach().set_requires_grad(true))))
                 .collect::<Result<_>>()?;
             let view = ParamView::new(&self.lm.params, Some(&overrides));
-            let out = self.lm.model.forward_hidden(&view, &batch.forward_input(&self.capture_set))?;
+            let out = self.lm.model.forward_hidden(&view, &Self::input_from(batch, &self.capture_set, entry.as_ref()))?;
             // The head's part of the backward by hand: ∂NLL/∂logits = (softmax − onehot)/N,
             // then through the head with `lm_head_input_grad` (autograd's product for it is
             // the slowest step of the capture); autograd takes over from the final hidden
@@ -373,7 +413,8 @@ impl Engine {
     pub fn base_logits(&self, batch: &TokenBatch) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
         let none = HashSet::new();
-        Ok(self.lm.model.forward(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none))?.logits)
+        let entry = self.boundary(batch)?;
+        Ok(self.lm.model.forward(&ParamView::frozen(&self.lm.params), &Self::input_from(batch, &none, entry.as_ref()))?.logits)
     }
 
     /// Starts the unedited logits of `batch` where the training losses are computed (the
@@ -386,8 +427,9 @@ impl Engine {
             None if self.layer_split() => {
                 let _g = tch::no_grad_guard();
                 let none = HashSet::new();
+                let entry = self.boundary(batch)?;
                 let view = ParamView::frozen(&self.lm.params);
-                Ok(Pending::Ready(self.lm.model.forward_to_head_side(&view, &batch.forward_input(&none))?.logits))
+                Ok(Pending::Ready(self.lm.model.forward_to_head_side(&view, &Self::input_from(batch, &none, entry.as_ref()))?.logits))
             }
             None => Ok(Pending::Ready(self.base_logits(batch)?)),
         }
@@ -409,7 +451,9 @@ impl Engine {
         match &self.replica {
             // Layer split: the batch enters on main, the logits stay where the head is.
             None if self.layer_split() => {
-                Ok(self.lm.model.forward_to_head_side(&ParamView::new(&self.lm.params, Some(overrides)), &batch.forward_input(&none))?.logits)
+                let entry = self.boundary(batch)?;
+                let input = Self::input_from(batch, &none, entry.as_ref());
+                Ok(self.lm.model.forward_to_head_side(&ParamView::new(&self.lm.params, Some(overrides)), &input)?.logits)
             }
             None => Ok(self.lm.model.forward(&ParamView::new(&self.lm.params, Some(overrides)), &batch.forward_input(&none))?.logits),
             Some(replica) => crate::error::guard(|| {
@@ -463,10 +507,11 @@ impl Engine {
                 moved = self.mover.batch_to_sub(batch);
                 &moved
             };
+            let entry = if split { self.boundary(batch)? } else { None };
             crate::model::recompute::grad_by_blocks(
                 &self.lm.model,
                 &view,
-                &sub_batch.forward_input(&none),
+                &Self::input_from(sub_batch, &none, entry.as_ref()),
                 &wrt,
                 &mut total,
                 |logits| loss(logits),
