@@ -48,6 +48,8 @@ pub struct Engine {
     sub_worker: Option<Worker>,
     /// The image processor of a vision-language model (`preprocessor_config.json`).
     pub image_proc: Option<ImageProcessorConfig>,
+    /// What the planner says would fit, for out-of-memory diagnoses (set by the run).
+    pub fit_advisor: Option<Arc<dyn crate::device::oom::FitAdvisor>>,
 }
 
 /// How [`Engine::edit_low_rank_shaped`] reshapes the editor's edit (the default leaves it
@@ -138,7 +140,7 @@ impl Engine {
             Some(vl) => Some(vl.image_processor(&lm.dir)?),
             None => None,
         };
-        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc })
+        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc, fit_advisor: None })
     }
 
     /// The layer split's boundary, checked: a split plan, within the model, at most the
@@ -264,6 +266,7 @@ impl Engine {
             weights: self.lm.params.kind(),
             layout: self.plan.placement,
             optimizer: self.plan.optimizer,
+            fit: self.fit_advisor.clone(),
         }
     }
 
