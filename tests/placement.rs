@@ -87,6 +87,31 @@ fn layer_split_trains_and_evaluates_as_one_device() {
             serde_json::from_str(&std::fs::read_to_string(&c.dual.report).unwrap()).unwrap();
         assert_eq!(report["devices"]["placement"], "balanced", "{report}");
         assert_eq!(report["devices"]["boundary"], 1);
+        // The timeline: every phase of the first steps, on the device it ran on.
+        let tl = &report["metrics"]["timeline"];
+        let phases: std::collections::BTreeSet<String> = tl["spans"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| format!("{}/{}", s["device"].as_str().unwrap(), s["phase"].as_str().unwrap()))
+            .collect();
+        for p in ["main/prefix", "sub/capture", "main/editor", "sub/unedited forwards", "sub/edited forwards", "sub/backward", "main/optimiser"] {
+            assert!(phases.contains(p), "{p} missing from {phases:?}");
+        }
+        let sum = &tl["summary"];
+        assert_eq!(sum["steps"], 3, "{sum}");
+        let (wall, overlap) = (sum["wall_s"].as_f64().unwrap(), sum["overlap_s"].as_f64().unwrap());
+        for dev in ["main", "sub"] {
+            let busy = sum["busy_s"][dev].as_f64().unwrap();
+            assert!(busy > 0.0 && busy <= wall + 1e-9, "{sum}");
+        }
+        assert!(overlap >= 0.0 && overlap <= wall, "{sum}");
+        assert!(sum["text"].as_str().unwrap().contains("overlap"), "{sum}");
+        // One device: everything on main, nothing overlaps.
+        let single: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&c.single.report).unwrap()).unwrap();
+        let sum = &single["metrics"]["timeline"]["summary"];
+        assert_eq!(sum["busy_s"].as_object().unwrap().keys().collect::<Vec<_>>(), ["main"], "{sum}");
+        assert_eq!(sum["overlap_s"].as_f64().unwrap(), 0.0);
         if model == "gpt2" {
             // Evaluation with the editor trained above, split at block 0 (embedding alone on main).
             let eval = EvalOptions {

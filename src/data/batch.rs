@@ -198,6 +198,21 @@ impl TokenBatch {
         }
     }
 
+    /// New handles to the same tensors (for another thread), without the cached boundary.
+    pub fn shallow_clone(&self) -> Self {
+        let c = |t: &Tensor| t.shallow_clone();
+        Self {
+            input_ids: c(&self.input_ids),
+            attention_mask: c(&self.attention_mask),
+            targets: c(&self.targets),
+            keep: c(&self.keep),
+            padded: self.padded,
+            position_ids: self.position_ids.as_ref().map(c),
+            image_embeds: self.image_embeds.as_ref().map(c),
+            prefix: PrefixCache::default(),
+        }
+    }
+
     /// Bytes the batch occupies (what the mover transfers).
     pub fn nbytes(&self) -> u64 {
         [Some(&self.input_ids), Some(&self.attention_mask), Some(&self.targets), self.position_ids.as_ref(), self.image_embeds.as_ref()]

@@ -18,6 +18,7 @@ pub use editor::{EditedParam, Editor, Factors};
 use crate::data::multimodal::StepImages;
 use crate::data::{Example, PrefixKey, TokenBatch};
 use crate::device::worker::Worker;
+use crate::device::timeline::Timeline;
 use crate::device::{DevicePlan, Mover, Placement};
 use crate::model::qwen2_vl::ImageProcessorConfig;
 use crate::model::{lm_head, lm_head_input_grad, Boundary, ForwardInput, LoadedModel, LowRank, Overrides, ParamStore, ParamView, WeightLayout};
@@ -43,13 +44,17 @@ pub struct Engine {
     pub mover: Arc<Mover>,
     pub edit_params: Vec<EditedParam>,
     capture_set: HashSet<String>,
-    /// Computes the unedited locality logits on the sub-device, from the replica, while the
-    /// main device captures and runs the editor (split only).
+    /// Computes the unedited locality logits on the sub-device while the main device
+    /// captures and runs the editor (split only): from the replica, or under a layer split
+    /// from the boundary activations up. It holds its own handles to the frozen weights,
+    /// so it serves meta-training, which never commits an edit.
     sub_worker: Option<Worker>,
     /// The image processor of a vision-language model (`preprocessor_config.json`).
     pub image_proc: Option<ImageProcessorConfig>,
     /// What the planner says would fit, for out-of-memory diagnoses (set by the run).
     pub fit_advisor: Option<Arc<dyn crate::device::oom::FitAdvisor>>,
+    /// When each phase ran on which device (meta-training turns it on).
+    pub timeline: Arc<Timeline>,
 }
 
 /// How [`Engine::edit_low_rank_shaped`] reshapes the editor's edit (the default leaves it
@@ -132,15 +137,19 @@ impl Engine {
             info!(bytes = r.nbytes(), "sub-device replica of the frozen weights built");
         }
         let capture_set = names.iter().cloned().collect();
+        let timeline = Arc::new(Timeline::new());
+        // The unedited locality logits overlap with the main device's work: from the
+        // replica, or under a layer split from the boundary up (the blocks on the sub-device).
         let sub_worker = match &replica {
-            Some(r) => Some(Worker::spawn(lm.model.clone(), r.shallow_clone(), "sub")?),
+            Some(r) => Some(Worker::spawn(lm.model.clone(), r.shallow_clone(), "sub", timeline.clone())?),
+            None if lm.params.layer_split().is_some() => Some(Worker::spawn(lm.model.clone(), lm.params.shallow_clone(), "sub", timeline.clone())?),
             None => None,
         };
         let image_proc = match lm.model.family().vision_language() {
             Some(vl) => Some(vl.image_processor(&lm.dir)?),
             None => None,
         };
-        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc, fit_advisor: None })
+        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc, fit_advisor: None, timeline })
     }
 
     /// The layer split's boundary, checked: a split plan, within the model, at most the
@@ -179,7 +188,10 @@ impl Engine {
             return Ok(None);
         };
         let none = HashSet::new();
-        batch.prefix.get_or(key, || self.lm.model.prefix(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none))).map(Some)
+        batch
+            .prefix
+            .get_or(key, || self.timeline.span("main", "prefix", || self.lm.model.prefix(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none))))
+            .map(Some)
     }
 
     /// Under a layer split: computes `whole`'s boundary activations (one crossing) and
@@ -425,16 +437,12 @@ impl Engine {
     /// worker, from the replica, so they overlap with the capture and the editor on the
     /// main device; without a split, now.
     pub fn base_logits_async(&self, batch: &TokenBatch) -> Result<Pending> {
+        let at = self.timeline.position();
         match &self.sub_worker {
-            Some(w) => Ok(Pending::Waiting(w.submit(self.mover.batch_to_sub(batch))?)),
-            None if self.layer_split() => {
-                let _g = tch::no_grad_guard();
-                let none = HashSet::new();
-                let entry = self.boundary(batch)?;
-                let view = ParamView::frozen(&self.lm.params);
-                Ok(Pending::Ready(self.lm.model.forward_to_head_side(&view, &Self::input_from(batch, &none, entry.as_ref()))?.logits))
-            }
-            None => Ok(Pending::Ready(self.base_logits(batch)?)),
+            // Layer split: the prefix on main (once per batch), the rest on the worker.
+            Some(w) if self.layer_split() => Ok(Pending::Waiting(w.submit(batch.shallow_clone(), self.boundary(batch)?, at)?)),
+            Some(w) => Ok(Pending::Waiting(w.submit(self.mover.batch_to_sub(batch), None, at)?)),
+            None => Ok(Pending::Ready(self.timeline.span("main", "unedited forwards", || self.base_logits(batch))?)),
         }
     }
 
