@@ -12,8 +12,9 @@
 //!   many prefixes per micro-step as before the boundary cache (one per forward).
 //!
 //! Prints the median seconds per micro-step, the boundary crossings per micro-step and
-//! the timeline's busy / overlap summary. A plain timing loop (not criterion): a few
-//! micro-steps per placement keep it under a minute or two on a small machine.
+//! the timeline's busy / overlap summary. A plain timing loop (not criterion), the
+//! placements interleaved micro-step by micro-step: a few each keep it to a minute or two
+//! on a small machine.
 //!
 //! `./x bench --bench split` (env: `SPLIT_TOKENS` tokens per example, default 17;
 //! `SPLIT_STEPS` micro-steps timed, default 5; `SPLIT_K` boundary, default 7).
@@ -76,31 +77,47 @@ fn main() {
         (format!("balanced k={k}, prefix per batch"), split.balanced(k).expect("plan"), true),
         (format!("balanced k={k}, prefix per view (as before)"), split.balanced(k).expect("plan"), false),
     ];
-    println!("GPT-2-small-shaped, MEND default (rank 1920, MLPs 9-11), {tokens}-token examples, {steps} micro-steps after 1 warm-up");
-    for (name, plan, share) in runs {
-        let lm = load_model(dir.path(), Device::Cpu, Kind::Float).expect("load");
-        let engine = Engine::new(lm, plan, &cfg.edit_params).expect("engine");
-        tch::manual_seed(0);
-        let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).expect("editor");
-        let mut times = Vec::new();
-        let mut crossings = 0;
-        for i in 0..=steps {
+    println!("GPT-2-small-shaped, MEND default (rank 1920, MLPs 9-11), {tokens}-token examples, {steps} micro-steps each after 1 warm-up, placements interleaved");
+    // Interleaved, one micro-step of each placement in turn: on a shared machine the load
+    // then falls on all of them alike.
+    let mut set: Vec<(String, DevicePlan, bool, Engine, Editor, Vec<f64>, u64)> = runs
+        .into_iter()
+        .map(|(name, plan, share)| {
+            let lm = load_model(dir.path(), Device::Cpu, Kind::Float).expect("load");
+            let engine = Engine::new(lm, plan, &cfg.edit_params).expect("engine");
+            tch::manual_seed(0);
+            let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).expect("editor");
+            (name, plan, share, engine, editor, Vec::new(), 0)
+        })
+        .collect();
+    for i in 0..=steps {
+        for (_, plan, share, engine, editor, times, crossings) in set.iter_mut() {
             let before = engine.mover.stats().boundary_crossings;
             engine.timeline.set_on(i > 0);
             engine.timeline.at(i, 0);
             let t = Instant::now();
-            let b = if share { EditBatches::for_config(&engine, &[&ex], &cfg).expect("batches") } else { EditBatches::new(&[&ex], 0, Device::Cpu) };
-            let (loss, _) = meta_loss(&engine, &mut editor, &b, true).expect("meta_loss");
+            let b = if *share { EditBatches::for_config(engine, &[&ex], &cfg).expect("batches") } else { EditBatches::new(&[&ex], 0, Device::Cpu) };
+            let (loss, _) = meta_loss(engine, editor, &b, true).expect("meta_loss");
             engine.timeline.span(if plan.split { "sub" } else { "main" }, "backward", || loss.backward());
             if i > 0 {
                 times.push(t.elapsed().as_secs_f64());
-                crossings = engine.mover.stats().boundary_crossings - before;
+                *crossings = engine.mover.stats().boundary_crossings - before;
             }
         }
+    }
+    for (name, _, _, engine, _, mut times, crossings) in set {
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         let s = engine.timeline.summary();
-        println!("{name:<44} median {:.3} s/micro-step (min {:.3}, max {:.3}); boundary crossings/micro-step {crossings}; {}", median, times[0], times[times.len() - 1], s.text);
+        // Per micro-step (the timeline's wall would span the interleaved placements).
+        let busy: Vec<String> = s.busy_s.iter().map(|(d, b)| format!("{d} busy {:.3}", b / steps as f64)).collect();
+        println!(
+            "{name:<44} median {median:.3} s/micro-step (min {:.3}, max {:.3}); boundary crossings/micro-step {crossings}; {}, overlap {:.3}",
+            times[0],
+            times[times.len() - 1],
+            busy.join(", "),
+            s.overlap_s / steps as f64
+        );
         let phases: Vec<String> = s.phase_s.iter().map(|(p, t)| format!("{p} {:.3}", t / steps as f64)).collect();
         println!("    per micro-step: {}", phases.join(", "));
     }

@@ -9,6 +9,10 @@
 //! capture under a layer split) when the run is split; everything is `main` on one device.
 //! The backward goes through both (the edited forwards' backward on the sub-device, the
 //! editor's on main) and is attributed to the sub-device when split.
+//!
+//! Spans of one thread nest (the prefix of a batch runs inside the capture or the edited
+//! forwards that first need it): the summary gives each instant of a thread to its
+//! innermost span, so a nested prefix on main is main's time, not overlap.
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -28,6 +32,15 @@ pub struct Span {
     pub phase: &'static str,
     pub start_s: f64,
     pub end_s: f64,
+    /// `train` (the training thread) or `worker` (the sub-device's worker).
+    pub thread: &'static str,
+    /// Nesting level within its thread (0: outermost).
+    pub depth: usize,
+}
+
+thread_local! {
+    /// Open spans of this thread (for [`Span::depth`]).
+    static DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Busy time per device, their overlap and the wall time the spans cover.
@@ -41,7 +54,8 @@ pub struct TimelineSummary {
     pub overlap_s: f64,
     /// From the first span's start to the last one's end.
     pub wall_s: f64,
-    /// Per phase and device, total seconds (`"sub/edited forwards"`).
+    /// Per phase and device, seconds (`"sub/edited forwards"`), nested spans' time given to
+    /// the innermost one.
     pub phase_s: BTreeMap<String, f64>,
     /// The above in one line.
     pub text: String,
@@ -87,20 +101,31 @@ impl Timeline {
 
     /// Runs `f` and records it as `phase` on `device`.
     pub fn span<T>(&self, device: &'static str, phase: &'static str, f: impl FnOnce() -> T) -> T {
+        let depth = DEPTH.with(|d| {
+            let v = d.get();
+            d.set(v + 1);
+            v
+        });
         let start = Instant::now();
         let out = f();
-        self.record(self.position(), device, phase, start, Instant::now());
+        let end = Instant::now();
+        DEPTH.with(|d| d.set(depth));
+        self.push(self.position(), device, phase, (start, end), "train", depth);
         out
     }
 
-    /// Records a span measured elsewhere (the worker thread).
-    pub fn record(&self, (step, micro): (usize, usize), device: &'static str, phase: &'static str, start: Instant, end: Instant) {
+    /// Records a span the sub-device's worker thread measured.
+    pub fn record(&self, at: (usize, usize), device: &'static str, phase: &'static str, start: Instant, end: Instant) {
+        self.push(at, device, phase, (start, end), "worker", 0);
+    }
+
+    fn push(&self, (step, micro): (usize, usize), device: &'static str, phase: &'static str, (start, end): (Instant, Instant), thread: &'static str, depth: usize) {
         if !self.on.load(Ordering::Relaxed) {
             return;
         }
         let s = |t: Instant| t.saturating_duration_since(self.origin).as_secs_f64();
         if let Ok(mut v) = self.spans.lock() {
-            v.push(Span { step, micro, device, phase, start_s: s(start), end_s: s(end) });
+            v.push(Span { step, micro, device, phase, start_s: s(start), end_s: s(end), thread, depth });
         }
     }
 
@@ -133,17 +158,39 @@ fn union_len(mut iv: Vec<(f64, f64)>) -> f64 {
     total + cur.map_or(0.0, |(s, e)| e - s)
 }
 
-/// Busy time per device (union of its spans), overlap (the sum of the devices' busy time
-/// minus the union of all spans) and wall time.
+/// Each thread's time cut at every span boundary, each piece given to the innermost span
+/// of that thread covering it: `(start, end, device, phase)`.
+fn exclusive(spans: &[Span]) -> Vec<(f64, f64, &'static str, &'static str)> {
+    let mut out = Vec::new();
+    let threads: std::collections::BTreeSet<&str> = spans.iter().map(|s| s.thread).collect();
+    for th in threads {
+        let mine: Vec<&Span> = spans.iter().filter(|s| s.thread == th).collect();
+        let mut cuts: Vec<f64> = mine.iter().flat_map(|s| [s.start_s, s.end_s]).collect();
+        cuts.sort_by(f64::total_cmp);
+        cuts.dedup();
+        for w in cuts.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            let inner = mine.iter().filter(|s| s.start_s <= a && s.end_s >= b).max_by_key(|s| s.depth);
+            if let Some(s) = inner {
+                out.push((a, b, s.device, s.phase));
+            }
+        }
+    }
+    out
+}
+
+/// Busy time per device (the union of its time, nested spans given to the innermost),
+/// overlap (the sum of the devices' busy time minus the union of all) and wall time.
 pub fn summarise(spans: &[Span]) -> TimelineSummary {
+    let pieces = exclusive(spans);
     let mut by_dev: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     let mut phase_s: BTreeMap<String, f64> = BTreeMap::new();
-    for s in spans {
-        by_dev.entry(s.device.to_string()).or_default().push((s.start_s, s.end_s));
-        *phase_s.entry(format!("{}/{}", s.device, s.phase)).or_default() += s.end_s - s.start_s;
+    for &(a, b, device, phase) in &pieces {
+        by_dev.entry(device.to_string()).or_default().push((a, b));
+        *phase_s.entry(format!("{device}/{phase}")).or_default() += b - a;
     }
     let busy_s: BTreeMap<String, f64> = by_dev.iter().map(|(d, iv)| (d.clone(), union_len(iv.clone()))).collect();
-    let all = union_len(spans.iter().map(|s| (s.start_s, s.end_s)).collect());
+    let all = union_len(pieces.iter().map(|p| (p.0, p.1)).collect());
     let overlap_s = (busy_s.values().sum::<f64>() - all).max(0.0);
     let wall_s = match (spans.iter().map(|s| s.start_s).reduce(f64::min), spans.iter().map(|s| s.end_s).reduce(f64::max)) {
         (Some(a), Some(b)) => b - a,
@@ -160,7 +207,8 @@ mod tests {
     use super::*;
 
     fn span(device: &'static str, a: f64, b: f64) -> Span {
-        Span { step: 0, micro: 0, device, phase: "p", start_s: a, end_s: b }
+        let thread = if device == "sub" { "worker" } else { "train" };
+        Span { step: 0, micro: 0, device, phase: "p", start_s: a, end_s: b, thread, depth: 0 }
     }
 
     #[test]
@@ -171,7 +219,15 @@ mod tests {
         assert!((s.overlap_s - 1.0).abs() < 1e-12, "{s:?}");
         assert!((s.wall_s - 3.0).abs() < 1e-12);
         // Sequential spans: no overlap, and nested spans of one device count once.
-        let s = summarise(&[span("main", 0.0, 1.0), span("main", 0.2, 0.4), span("sub", 1.0, 2.0)]);
+        let nested = Span { depth: 1, ..span("main", 0.2, 0.4) };
+        let s = summarise(&[span("main", 0.0, 1.0), nested, span("sub", 1.0, 2.0)]);
         assert!(s.overlap_s.abs() < 1e-12 && (s.busy_s["main"] - 1.0).abs() < 1e-12, "{s:?}");
+        // A main-device prefix nested in a sub-device phase of the same thread is main's
+        // time, not overlap: sub 0–1 with main 0.2–0.5 inside gives main 0.3, sub 0.7.
+        let outer = Span { thread: "train", ..span("sub", 0.0, 1.0) };
+        let inner = Span { depth: 1, phase: "prefix", ..span("main", 0.2, 0.5) };
+        let s = summarise(&[outer, inner]);
+        assert!((s.busy_s["main"] - 0.3).abs() < 1e-12 && (s.busy_s["sub"] - 0.7).abs() < 1e-12 && s.overlap_s.abs() < 1e-12, "{s:?}");
+        assert!((s.phase_s["main/prefix"] - 0.3).abs() < 1e-12);
     }
 }
