@@ -33,8 +33,9 @@ use crate::{Error, Result};
 ///
 /// [`Placement::Balanced`] (layer split): the embedding and blocks `[0, k)` stay on main,
 /// blocks `[k, L)` with the final norm and head move to the sub-device once, at setup
-/// (`k` ≤ the first edited block). Every forward starts on main without grad and crosses
-/// the mover before block `k` (`[B, T, D]` plus the mask / rotary tables); the capture's
+/// (`k` ≤ the first edited block). The embedding and blocks below `k` run on main without
+/// grad once per batch and cross the mover once (`[B, T, D]` plus the mask / rotary
+/// tables; [`Engine::boundary`]); every forward of the batch starts there. The capture's
 /// gradients, the factors, the edit's terms and the edited forwards are on the sub-device;
 /// the factors cross to the editor on main and its terms come back.
 pub struct Engine {
