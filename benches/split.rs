@@ -57,6 +57,18 @@ fn example(seed: i64, tokens: usize) -> Example {
     Example { ids, answer_start: tokens - 3, image: None }
 }
 
+/// One placement under test, its engine and editor, and its timings so far.
+struct Run {
+    name: String,
+    plan: DevicePlan,
+    /// Whether the scored views' boundaries are cut from the edited batch's.
+    share: bool,
+    engine: Engine,
+    editor: Editor,
+    times: Vec<f64>,
+    crossings: u64,
+}
+
 fn main() {
     let (tokens, steps, k) = (env("SPLIT_TOKENS", 17), env("SPLIT_STEPS", 5), env("SPLIT_K", 7));
     let dir = model_dir();
@@ -80,18 +92,18 @@ fn main() {
     println!("GPT-2-small-shaped, MEND default (rank 1920, MLPs 9-11), {tokens}-token examples, {steps} micro-steps each after 1 warm-up, placements interleaved");
     // Interleaved, one micro-step of each placement in turn: on a shared machine the load
     // then falls on all of them alike.
-    let mut set: Vec<(String, DevicePlan, bool, Engine, Editor, Vec<f64>, u64)> = runs
+    let mut set: Vec<Run> = runs
         .into_iter()
         .map(|(name, plan, share)| {
             let lm = load_model(dir.path(), Device::Cpu, Kind::Float).expect("load");
             let engine = Engine::new(lm, plan, &cfg.edit_params).expect("engine");
             tch::manual_seed(0);
             let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).expect("editor");
-            (name, plan, share, engine, editor, Vec::new(), 0)
+            Run { name, plan, share, engine, editor, times: Vec::new(), crossings: 0 }
         })
         .collect();
     for i in 0..=steps {
-        for (_, plan, share, engine, editor, times, crossings) in set.iter_mut() {
+        for Run { plan, share, engine, editor, times, crossings, .. } in set.iter_mut() {
             let before = engine.mover.stats().boundary_crossings;
             engine.timeline.set_on(i > 0);
             engine.timeline.at(i, 0);
@@ -105,7 +117,7 @@ fn main() {
             }
         }
     }
-    for (name, _, _, engine, _, mut times, crossings) in set {
+    for Run { name, engine, mut times, crossings, .. } in set {
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         let s = engine.timeline.summary();
