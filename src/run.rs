@@ -224,7 +224,12 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     }
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
-    let engine = edit::open_engine(&o.common.model, &o.common.load_options(), &o.config.edit_params)?;
+    let mut engine = edit::open_engine(&o.common.model, &o.common.load_options(), &o.config.edit_params)?;
+    // Out of memory, the diagnosis names the placement the planner says fits the caps.
+    match crate::planner::FitAdvice::for_run(&o.common.model, &o.config, &engine.plan, o.common.dtype, o.config.max_length as i64, &crate::device::memory::applied_caps()) {
+        Ok(a) => engine.fit_advisor = Some(std::sync::Arc::new(a)),
+        Err(e) => tracing::warn!(error = %e, "no placement advice for out-of-memory diagnoses"),
+    }
     tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
     let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length, o.common.over_long, o.common.image_roots.as_ref())?;

@@ -10,6 +10,8 @@ use tracing::{info, warn};
 use crate::config::{MendConfig, SelectBy};
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::memory::MemoryTracker;
+use crate::device::timeline::{Span, TimelineSummary};
+use crate::device::OptimizerDevice;
 use crate::mend::checkpoint::{self, TrainCounters};
 use crate::mend::optim::Adam;
 use crate::mend::{losses, Editor, Engine, LogitsLoss, Pending};
@@ -108,7 +110,19 @@ impl EditBatches {
             .flatten()
             .collect();
         let images = engine.images(&all)?;
-        Self::build(examples, cfg.inner_in_edit_loss, |ex| engine.collate_with(ex, images.as_ref()))
+        let b = Self::build(examples, cfg.inner_in_edit_loss, |ex| engine.collate_with(ex, images.as_ref()))?;
+        // Under a layer split the scored views' boundary activations are computed once,
+        // for the batch of all of them, and each view's are its rows of those.
+        if let Some(all) = &b.edited {
+            let mut row = 0;
+            let mut parts = Vec::new();
+            for v in [Some(&b.outer), b.outer_image.as_ref(), b.loc.as_ref(), b.loc_image.as_ref()].into_iter().flatten() {
+                parts.push((v, row));
+                row += v.batch_size();
+            }
+            engine.share_boundary(all, &parts)?;
+        }
+        Ok(b)
     }
 
     fn build<E>(
@@ -173,19 +187,22 @@ pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training
     // on the sub-device's worker while the main device captures and runs the editor.
     let base_loc = b.loc.as_ref().map(|l| engine.base_logits_async(l)).transpose()?;
     let base_loc_image = b.loc_image.as_ref().map(|l| engine.base_logits_async(l)).transpose()?;
-    let (_, factors) = engine.capture(&b.inner)?;
+    let tl = &engine.timeline;
+    let (capture_on, edits_on) = roles(engine);
+    let (_, factors) = tl.span(capture_on, "capture", || engine.capture(&b.inner))?;
     // Recomputation differentiates w.r.t. whole edited weights (`Engine::edited_grads`);
     // otherwise the edit stays factored, and the backward reaches the editor through the
     // factors without a weight-sized gradient.
-    let overrides = if cfg.recompute { engine.edit(editor, &factors, training)? } else { engine.edit_low_rank(editor, &factors, training)? };
+    let overrides = tl.span("main", "editor", || if cfg.recompute { engine.edit(editor, &factors, training) } else { engine.edit_low_rank(editor, &factors, training) })?;
     // Targets go where the edited logits are: the losses are computed on the sub-device and
     // only the scalar loss comes back (autograd carries its gradient across).
     let targets = engine.mover.to_sub(&b.outer.kept_targets());
     let targets_image = b.outer_image.as_ref().map(|o| engine.mover.to_sub(&o.kept_targets()));
     if cfg.recompute && overrides.dense().values().any(Tensor::requires_grad) {
-        return recomputed_meta_loss(engine, &cfg, b, (&targets, targets_image.as_ref()), &overrides, (base_loc, base_loc_image));
+        // The edited forwards with their (recomputed) backward.
+        return tl.span(edits_on, "edited forwards", || recomputed_meta_loss(engine, &cfg, b, (&targets, targets_image.as_ref()), &overrides, (base_loc, base_loc_image)));
     }
-    let post = b.edited_posts(engine, &overrides)?;
+    let post = tl.span(edits_on, "edited forwards", || b.edited_posts(engine, &overrides))?;
     let l_edit = losses::nll(&post.outer, &targets);
     let image_edit = match (&post.outer_image, &targets_image) {
         (Some(p), Some(t)) => Some((p.shallow_clone(), losses::nll(p, t))),
@@ -201,6 +218,13 @@ pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training
     };
     let (loss, parts) = weigh(&cfg, b, (&targets, targets_image.as_ref()), (&post.outer, &l_edit), image_edit, loc, loc_image);
     Ok((engine.mover.to_main(&loss), parts))
+}
+
+/// The timeline's device of the capture and of the edited forwards: the sub-device where
+/// they run there (the capture only under a layer split), else main.
+fn roles(engine: &Engine) -> (&'static str, &'static str) {
+    let sub = |on: bool| if on { "sub" } else { "main" };
+    (sub(engine.layer_split()), sub(engine.plan.split))
 }
 
 /// The locality KL (differentiable) and the share of locality entries unchanged: each
@@ -379,6 +403,18 @@ pub struct TrainReport {
     /// Bytes the offloaded optimiser carried (gradients out, updates back); 0 when the
     /// optimiser state is beside the editor.
     pub optimizer_bytes_moved: u64,
+    /// When each phase of the first [`TIMELINE_STEPS`] optimiser steps ran on which
+    /// device, and how much the devices' work overlapped.
+    pub timeline: TimelineReport,
+}
+
+/// Optimiser steps of a run whose phases the timeline records (from the first step run).
+pub const TIMELINE_STEPS: usize = 3;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TimelineReport {
+    pub summary: TimelineSummary,
+    pub spans: Vec<Span>,
 }
 
 pub struct TrainSetup<'a> {
@@ -435,6 +471,7 @@ fn accumulate(
     for micro in 0..cfg.accumulate {
         let base = (step * cfg.accumulate + micro) * cfg.batch_size;
         let batch: Vec<&EditExample> = (0..cfg.batch_size).map(|j| &setup.train[example_at(n, seed, base + j)]).collect();
+        engine.timeline.at(step, micro);
         let b = EditBatches::for_config(engine, &batch, &editor.config)?;
         *phase = "capture, editor and edited forwards";
         let (loss, parts) = meta_loss(engine, editor, &b, true)?;
@@ -445,9 +482,11 @@ fn accumulate(
             t.mark("edited_forward")?;
         }
         *phase = "backward";
-        crate::error::guard(|| {
-            (loss / k).f_backward()?;
-            Ok(())
+        engine.timeline.span(roles(engine).1, "backward", || {
+            crate::error::guard(|| {
+                (loss / k).f_backward()?;
+                Ok(())
+            })
         })?;
         if let (Some(t), 0) = (tracker.as_deref_mut(), micro) {
             t.mark("backward")?;
@@ -525,8 +564,10 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     let start = Instant::now();
     let first_step = counters.step;
     let fault = fault_oom_step();
+    engine.timeline.set_on(true);
     while counters.step < cfg.max_steps {
         let step = counters.step;
+        engine.timeline.set_on(step < first_step + TIMELINE_STEPS);
         let mark = step < first_step + 2 || step % cfg.val_every == 0;
         let mut phase = "start";
         let acc = match accumulate(engine, editor, setup, step, counters.seed, mark.then_some(&mut *tracker), &mut phase, fault) {
@@ -547,14 +588,25 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         let decay = cfg.lr_schedule.factor(step, cfg.max_steps);
         adam.groups[0].lr = cfg.lr * decay;
         adam.groups[1].lr = cfg.lr_lr * decay;
-        let grad_norm = crate::error::guard(|| {
-            let grad_norm = adam.clip(cfg.grad_clip);
-            if acc.loss.is_finite() && grad_norm.is_finite() {
-                adam.step();
-            }
-            adam.zero_grad();
-            Ok(grad_norm)
-        })
+        engine.timeline.at(step, cfg.accumulate);
+        let opt_on = match engine.plan.optimizer {
+            OptimizerDevice::Main => "main",
+            OptimizerDevice::Sub if engine.plan.split => "sub",
+            OptimizerDevice::Sub => "main",
+            OptimizerDevice::Cpu => "cpu",
+        };
+        let grad_norm = engine
+            .timeline
+            .span(opt_on, "optimiser", || {
+                crate::error::guard(|| {
+                    let grad_norm = adam.clip(cfg.grad_clip);
+                    if acc.loss.is_finite() && grad_norm.is_finite() {
+                        adam.step();
+                    }
+                    adam.zero_grad();
+                    Ok(grad_norm)
+                })
+            })
         .map_err(|e| crate::device::oom::diagnose(e, step, "optimizer_step", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?;
         if !acc.loss.is_finite() || !grad_norm.is_finite() {
             counters.skipped_steps += 1;
@@ -570,6 +622,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         } else {
             consecutive_bad = 0;
         }
+        engine.timeline.set_on(false);
         counters.step += 1;
         counters.adam_step = adam.step;
         if mark {
@@ -620,6 +673,9 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         }
     }
     bar.finish_and_clear();
+    engine.timeline.set_on(false);
+    let timeline = TimelineReport { summary: engine.timeline.summary(), spans: engine.timeline.spans() };
+    info!(timeline = %timeline.summary.text, "phases per device");
     let steps_run = counters.step - first_step;
     Ok(TrainReport {
         steps: counters.step,
@@ -632,5 +688,6 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         editor_dir: out.to_path_buf(),
         stopped_early,
         optimizer_bytes_moved: adam.moved_bytes(),
+        timeline,
     })
 }

@@ -87,6 +87,31 @@ fn layer_split_trains_and_evaluates_as_one_device() {
             serde_json::from_str(&std::fs::read_to_string(&c.dual.report).unwrap()).unwrap();
         assert_eq!(report["devices"]["placement"], "balanced", "{report}");
         assert_eq!(report["devices"]["boundary"], 1);
+        // The timeline: every phase of the first steps, on the device it ran on.
+        let tl = &report["metrics"]["timeline"];
+        let phases: std::collections::BTreeSet<String> = tl["spans"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| format!("{}/{}", s["device"].as_str().unwrap(), s["phase"].as_str().unwrap()))
+            .collect();
+        for p in ["main/prefix", "sub/capture", "main/editor", "sub/unedited forwards", "sub/edited forwards", "sub/backward", "main/optimiser"] {
+            assert!(phases.contains(p), "{p} missing from {phases:?}");
+        }
+        let sum = &tl["summary"];
+        assert_eq!(sum["steps"], 3, "{sum}");
+        let (wall, overlap) = (sum["wall_s"].as_f64().unwrap(), sum["overlap_s"].as_f64().unwrap());
+        for dev in ["main", "sub"] {
+            let busy = sum["busy_s"][dev].as_f64().unwrap();
+            assert!(busy > 0.0 && busy <= wall + 1e-9, "{sum}");
+        }
+        assert!(overlap >= 0.0 && overlap <= wall, "{sum}");
+        assert!(sum["text"].as_str().unwrap().contains("overlap"), "{sum}");
+        // One device: everything on main, nothing overlaps.
+        let single: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&c.single.report).unwrap()).unwrap();
+        let sum = &single["metrics"]["timeline"]["summary"];
+        assert_eq!(sum["busy_s"].as_object().unwrap().keys().collect::<Vec<_>>(), ["main"], "{sum}");
+        assert_eq!(sum["overlap_s"].as_f64().unwrap(), 0.0);
         if model == "gpt2" {
             // Evaluation with the editor trained above, split at block 0 (embedding alone on main).
             let eval = EvalOptions {
@@ -174,10 +199,14 @@ fn layer_split_moves_weights_once_then_only_activations() {
     let step = engine.mover.stats();
     let to_sub = step.bytes_to_sub - setup.bytes_to_sub;
     let to_main = step.bytes_to_main - setup.bytes_to_main;
-    // The hidden states at the boundary, [B, T, 64] f32, of each forward: capture (6 tokens),
-    // the edited forward over rephrase + locality (2 × 6), the unedited locality (5).
+    // The hidden states at the boundary, [B, T, 64] f32, once per batch: the capture's
+    // (5 input tokens: an example's last token is only a target) and those of the edited
+    // forward over rephrase + locality (2 × 5); the unedited locality forward starts from
+    // its rows of the latter and crosses nothing (before: 3 crossings, (5 + 2 × 5 + 4) × d).
     let d = 64 * 4;
-    let boundary = (6 + 2 * 6 + 5) * d;
+    let boundary = (5 + 2 * 5) * d;
+    assert_eq!(step.boundary_crossings - setup.boundary_crossings, 2, "{step:?}");
+    assert_eq!(step.boundary_bytes - setup.boundary_bytes, boundary as u64, "{step:?}");
     assert!(to_sub >= boundary as u64, "{to_sub} bytes to sub, boundary activations alone are {boundary}");
     // No frozen weight crossed: less than the smallest matrix of a block.
     let smallest = on_sub.iter().filter(|n| n.ends_with(".weight") && !n.contains("ln_")).map(|n| sizes[n]).min().unwrap() as u64 * 4;
@@ -187,6 +216,58 @@ fn layer_split_moves_weights_once_then_only_activations() {
     // The edited weights' gradients exist on the editor: the backward crossed back.
     let (net, _) = editor.trainables();
     assert!(net.iter().any(|t| t.grad().defined()));
+}
+
+/// With recomputation every scored view is a pass of its own (rephrase, locality) and the
+/// locality batch is also forwarded unedited: still one crossing per batch, and the
+/// meta-loss and the editor's gradients equal the single-device run's with the views'
+/// boundaries cut from the edited batch's or computed for each batch.
+#[test]
+fn recomputed_passes_share_one_boundary_per_batch() {
+    let dir = fixture("gpt2");
+    let mut cfg = config("gpt2", true);
+    cfg.edit_params = vec!["transformer.h.1.mlp.c_fc.weight".into(), "transformer.h.2.mlp.c_proj.weight".into()];
+    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
+    let example = EditExample {
+        inner: ex(&[5, 6, 7, 8, 9, 10], 2),
+        outer: ex(&[11, 12, 7, 8, 9, 10, 3], 3),
+        rephrased: true,
+        loc: Some(ex(&[20, 21, 22, 23, 24], 3)),
+        portability: Vec::new(),
+        outer_image: None,
+        loc_image: None,
+    };
+    let run = |plan: DevicePlan, share: bool| {
+        let engine = Engine::new(load_model(&dir, Device::Cpu, Kind::Float).unwrap(), plan, &cfg.edit_params).unwrap();
+        tch::manual_seed(0);
+        let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+        let before = engine.mover.stats();
+        let b = if share {
+            EditBatches::for_config(&engine, &[&example], &cfg).unwrap()
+        } else {
+            EditBatches::new(&[&example], 0, Device::Cpu)
+        };
+        let (loss, parts) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+        loss.backward();
+        let after = engine.mover.stats();
+        let (net, _) = editor.trainables();
+        let grad: f64 = net.iter().filter(|t| t.grad().defined()).map(|t| t.grad().square().sum(Kind::Double).double_value(&[])).sum();
+        (parts.loss, grad, after.boundary_crossings - before.boundary_crossings, after.boundary_bytes - before.boundary_bytes)
+    };
+    let (single_loss, single_grad, n, _) = run(DevicePlan::single(Device::Cpu), true);
+    assert_eq!(n, 0);
+    let (loss, grad, crossings, bytes) = run(balanced(1), true);
+    // Inner (5 input tokens) and rephrase + locality (2 × 6), each once.
+    assert_eq!((crossings, bytes), (2, (5 + 2 * 6) * 64 * 4));
+    // Batches not cut from the edited one (`EditBatches::new`): each crosses once (inner,
+    // rephrase, locality), the locality's unedited forward and its pass sharing one.
+    let (unshared_loss, unshared_grad, crossings, _) = run(balanced(1), false);
+    assert_eq!(crossings, 3);
+    for (what, l, g) in [("shared", loss, grad), ("unshared", unshared_loss, unshared_grad)] {
+        assert!((l - single_loss).abs() <= 1e-5 * (1.0 + single_loss.abs()), "{what}: loss {l} vs single {single_loss}");
+        assert!((g - single_grad).abs() <= 1e-4 * (1.0 + single_grad.abs()), "{what}: |grad|² {g} vs single {single_grad}");
+    }
+    assert!(single_grad > 0.0);
 }
 
 #[test]

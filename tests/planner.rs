@@ -31,7 +31,7 @@ use dualedit::mend::{losses, Editor, Engine};
 use dualedit::model::gpt2::{Gpt2, Gpt2Config};
 use dualedit::model::llama::{Llama, LlamaConfig};
 use dualedit::model::{random_params, LoadedModel, Model, Tokenizer};
-use dualedit::planner::{balanced_boundary, choose, plan_dir, plan_model, Group, MemoryPlan, Phase, PlacementTable, PlanOptions};
+use dualedit::planner::{balanced_boundary, choose, plan_dir, plan_model, FitAdvice, Group, MemoryPlan, Phase, PlacementTable, PlanOptions};
 use dualedit::device::{MaxMemory, OptimizerDevice, Placement};
 use dualedit::train::{meta_loss, EditBatches};
 use tch::{Device, Kind, Tensor};
@@ -449,4 +449,48 @@ fn placements_of_a_7b_model() {
     let v: serde_json::Value = serde_json::from_str(&run(&["--placement", "auto", "--max-memory", "cuda:0=12GiB,cuda:1=12GiB", "--json"])).unwrap();
     assert_eq!(v["shape"]["placement"], "balanced");
     assert!(run(&[]).contains("balanced"));
+}
+
+/// An out-of-memory failure (simulated: the diagnosis is fed the error a CUDA allocator
+/// gives) names the placement the planner says fits the caps, with its per-device peaks,
+/// and a single-device run is told which sub-device to add.
+#[test]
+fn out_of_memory_names_the_placement_that_fits() {
+    use dualedit::device::oom::{diagnose, FitAdvisor, Placement as Placed};
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), LLAMA_7B).unwrap();
+    let cfg = MendConfig::from_file(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/llama-7b.json"))).unwrap();
+    let (model, _) = dualedit::model::loader::read_config(dir.path()).unwrap();
+    let mut o = PlanOptions::new("cuda:0", Some("cuda:1"), Kind::BFloat16, 128, None).unwrap();
+    let simulate = |advice: FitAdvice, split: bool| -> String {
+        let placed = Placed { split, weights: Kind::BFloat16, layout: Placement::Replica, optimizer: OptimizerDevice::Main, fit: Some(std::sync::Arc::new(advice)) };
+        let mut tracker = dualedit::device::memory::MemoryTracker::new(&DevicePlan::single(Device::Cpu).roles());
+        let err = dualedit::Error::OutOfMemory("CUDA out of memory. Tried to allocate 172.00 MiB (simulated)".into());
+        diagnose(err, 2, "backward", &placed, &cfg, &mut tracker, None).to_string()
+    };
+    let replica = (Placement::Replica, OptimizerDevice::Main);
+    // Two 9 GiB cards: replica (17.9 / 13.5 GiB) and balanced with Adam beside the editor
+    // (9.3 / 9.5) do not fit; balanced with Adam in host memory (8.3 / 8.7) does.
+    o.caps = "cuda:0=9GiB,cuda:1=9GiB".parse::<MaxMemory>().unwrap();
+    let chosen = choose(&model, &cfg, &o, Phase::Train).unwrap();
+    assert_eq!((chosen.shape.placement, chosen.shape.optimizer_device.as_str()), (Placement::Balanced, "cpu"));
+    let msg = simulate(FitAdvice::new(model.clone(), cfg.clone(), o.clone(), vec![], replica), true);
+    let peak = |d: &str| dualedit::device::memory::format_bytes(chosen.peak(d, Phase::Train));
+    let expected = format!("would fit (planner): --placement balanced --optimizer-device cpu (main cuda:0 {}, sub cuda:1 {}, cpu {})", peak("cuda:0"), peak("cuda:1"), peak("cpu"));
+    assert!(msg.contains(&expected), "{expected:?} not in:\n{msg}");
+    assert!(msg.contains("at optimiser step 2, in phase: backward") && msg.contains("Tried to allocate"), "{msg}");
+    // One 12 GiB card and no sub-device: the planner adds the second card and divides the model.
+    let mut one = PlanOptions::new("cuda:0", None, Kind::BFloat16, 128, None).unwrap();
+    one.caps = "cuda:0=12GiB,cuda:1=12GiB".parse::<MaxMemory>().unwrap();
+    let advice = FitAdvice::new(model.clone(), cfg.clone(), one.clone(), vec!["cuda:1".into(), "cpu".into()], replica).would_fit().unwrap();
+    assert!(advice.starts_with("--sub-device cuda:1 --placement balanced (main cuda:0 "), "{advice}");
+    // Nothing fits 4 GiB cards: the diagnosis says so, placement by placement.
+    o.caps = "cuda:0=4GiB,cuda:1=4GiB".parse::<MaxMemory>().unwrap();
+    let msg = simulate(FitAdvice::new(model.clone(), cfg.clone(), o.clone(), vec![], replica), true);
+    assert!(msg.contains("placement advice (planner): no placement fits --max-memory"), "{msg}");
+    assert!(msg.contains("balanced (blocks from") && msg.contains("cuda:0 needs"), "{msg}");
+    // The run's own placement fitting (the estimate was low) is said as such.
+    o.caps = "cuda:0=40GiB,cuda:1=40GiB".parse::<MaxMemory>().unwrap();
+    let own = FitAdvice::new(model, cfg.clone(), o, vec![], replica).would_fit().unwrap();
+    assert!(own.starts_with("--placement replica") && own.contains("run's own placement"), "{own}");
 }

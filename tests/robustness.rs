@@ -131,11 +131,17 @@ fn out_of_memory_stops_with_a_diagnosis_after_saving() {
         .env(dualedit::train::FAULT_OOM_STEP, "3")
         .args(["train", "--model", fixture("gpt2").to_str().unwrap(), "--data", opts.data.to_str().unwrap()])
         .args(["--ds", "counterfact", "--config", cfg.to_str().unwrap(), "--out", opts.out.to_str().unwrap()])
+        // Not enforced on the CPU, but what the planner's advice is checked against.
+        .args(["--max-memory", "cpu=1MiB"])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(!err.contains("panicked"), "{err}");
+    // The planner's answer for these caps: nothing on this CPU-only machine fits 1 MiB.
+    for needle in ["placement advice (planner): no placement fits --max-memory cpu=1.0 MiB", "cpu needs", "no other device here"] {
+        assert!(err.contains(needle), "diagnosis lacks {needle:?}: {err}");
+    }
     for needle in ["out of memory", "step 3", "phase", "main", "what would make it fit", "--sub-device", "bf16", "--resume"] {
         assert!(err.contains(needle), "diagnosis lacks {needle:?}: {err}");
     }

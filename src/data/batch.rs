@@ -3,7 +3,7 @@ use std::collections::HashSet;
 
 use tch::{Device, Tensor};
 
-use crate::model::{ForwardInput, Tokenizer};
+use crate::model::{Boundary, ForwardInput, Tokenizer};
 use crate::Result;
 
 /// One prompt + answer, tokenised as one text.
@@ -75,6 +75,48 @@ pub struct TokenBatch {
     /// Image features `[N, D]` for the batch's `<|image_pad|>` tokens, in row-major order:
     /// an input like the ids, computed once per image by the frozen tower.
     pub image_embeds: Option<Tensor>,
+    /// The batch's layer-split boundary activations once computed (see
+    /// [`TokenBatch::prefix`]): a batch lives for one micro-step or one evaluated edit, and
+    /// every forward of it in that time starts from them.
+    pub prefix: PrefixCache,
+}
+
+/// Which layer split a cached [`Boundary`] belongs to: the split's boundary block and the
+/// identity of its crossing (one per engine), so a batch used with two engines never
+/// reads the other's activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixKey {
+    pub at: usize,
+    pub crossing: usize,
+}
+
+/// At most one cached [`Boundary`] per batch, with the key it was computed under.
+#[derive(Debug, Default)]
+pub struct PrefixCache(std::cell::RefCell<Option<(PrefixKey, Boundary)>>);
+
+impl PrefixCache {
+    /// The cached boundary for `key`, or the one `compute` makes (then cached, replacing
+    /// one of another key).
+    pub fn get_or(&self, key: PrefixKey, compute: impl FnOnce() -> Result<Boundary>) -> Result<Boundary> {
+        if let Some((k, b)) = self.0.borrow().as_ref() {
+            if *k == key {
+                return Ok(b.shallow_clone());
+            }
+        }
+        let b = compute()?;
+        *self.0.borrow_mut() = Some((key, b.shallow_clone()));
+        Ok(b)
+    }
+
+    /// Caches `b` for `key` (a boundary cut from a larger batch's, see [`Boundary::narrow`]).
+    pub fn set(&self, key: PrefixKey, b: Boundary) {
+        *self.0.borrow_mut() = Some((key, b));
+    }
+
+    /// The cached boundary, if one is cached under `key`.
+    pub fn get(&self, key: PrefixKey) -> Option<Boundary> {
+        self.0.borrow().as_ref().filter(|(k, _)| *k == key).map(|(_, b)| b.shallow_clone())
+    }
 }
 
 pub const IGNORE: i64 = -100;
@@ -104,7 +146,16 @@ impl TokenBatch {
         let mk = |v: &[i64]| Tensor::from_slice(v).reshape(shape).to_device(device);
         let padded = mask.contains(&0);
         let targets = mk(&targets);
-        Self { input_ids: mk(&ids), attention_mask: mk(&mask), keep: targets.ne(IGNORE), targets, padded, position_ids: None, image_embeds: None }
+        Self {
+            input_ids: mk(&ids),
+            attention_mask: mk(&mask),
+            keep: targets.ne(IGNORE),
+            targets,
+            padded,
+            position_ids: None,
+            image_embeds: None,
+            prefix: PrefixCache::default(),
+        }
     }
 
     /// The forward input for this batch: logits only where a target is scored.
@@ -116,6 +167,7 @@ impl TokenBatch {
             capture,
             position_ids: self.position_ids.as_ref(),
             image_embeds: self.image_embeds.as_ref(),
+            entry: None,
         }
     }
 
@@ -142,6 +194,22 @@ impl TokenBatch {
             padded: self.padded,
             position_ids: self.position_ids.as_ref().map(|t| t.to_device(device)),
             image_embeds: self.image_embeds.as_ref().map(|t| t.to_device(device)),
+            prefix: PrefixCache::default(),
+        }
+    }
+
+    /// New handles to the same tensors (for another thread), without the cached boundary.
+    pub fn shallow_clone(&self) -> Self {
+        let c = |t: &Tensor| t.shallow_clone();
+        Self {
+            input_ids: c(&self.input_ids),
+            attention_mask: c(&self.attention_mask),
+            targets: c(&self.targets),
+            keep: c(&self.keep),
+            padded: self.padded,
+            position_ids: self.position_ids.as_ref().map(c),
+            image_embeds: self.image_embeds.as_ref().map(c),
+            prefix: PrefixCache::default(),
         }
     }
 

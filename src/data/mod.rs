@@ -7,5 +7,5 @@ pub mod multimodal;
 pub mod synthetic;
 pub mod visual_world;
 
-pub use batch::{EditExample, Example, ImageRef, TokenBatch};
+pub use batch::{EditExample, Example, ImageRef, PrefixKey, TokenBatch};
 pub use easyedit::{load_records, DatasetKind, EditRecord};

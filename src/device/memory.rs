@@ -250,8 +250,20 @@ fn set_global_fraction(device: Device, fraction: f64) -> Result<()> {
     }
 }
 
+/// The caps `--max-memory` gave this process ([`apply_caps`]), for the out-of-memory
+/// diagnosis, which asks the planner what fits them.
+static APPLIED_CAPS: std::sync::Mutex<Option<super::MaxMemory>> = std::sync::Mutex::new(None);
+
+/// The caps applied by [`apply_caps`] (empty when none were).
+pub fn applied_caps() -> super::MaxMemory {
+    APPLIED_CAPS.lock().ok().and_then(|c| c.clone()).unwrap_or_default()
+}
+
 /// Applies every cap of `--max-memory` ([`set_memory_cap`]).
 pub fn apply_caps(caps: &super::MaxMemory) -> Result<()> {
+    if let Ok(mut c) = APPLIED_CAPS.lock() {
+        *c = Some(caps.clone());
+    }
     for (dev, bytes) in caps.iter() {
         let d = match dev {
             super::DeviceName::Cpu => Device::Cpu,

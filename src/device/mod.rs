@@ -4,6 +4,7 @@ pub mod memory;
 pub mod mover;
 pub mod oom;
 pub mod placement;
+pub mod timeline;
 pub mod worker;
 
 use tch::Device;

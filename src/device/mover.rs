@@ -16,6 +16,11 @@ pub struct MoverStats {
     pub bytes_to_main: u64,
     pub transfers: u64,
     pub seconds: f64,
+    /// Of `bytes_to_sub`: a layer split's hidden states entering the boundary block
+    /// (`[B, T, D]` each), and how many times they crossed. With the prefix computed once
+    /// per batch ([`crate::model::Model::prefix`]) that is once per distinct batch.
+    pub boundary_bytes: u64,
+    pub boundary_crossings: u64,
 }
 
 #[derive(Debug)]
@@ -29,6 +34,8 @@ pub struct Mover {
     bytes_to_main: AtomicU64,
     transfers: AtomicU64,
     time: Mutex<Duration>,
+    boundary_bytes: AtomicU64,
+    boundary_crossings: AtomicU64,
 }
 
 fn nbytes(t: &Tensor) -> u64 {
@@ -45,6 +52,8 @@ impl Mover {
             bytes_to_main: AtomicU64::new(0),
             transfers: AtomicU64::new(0),
             time: Mutex::new(Duration::ZERO),
+            boundary_bytes: AtomicU64::new(0),
+            boundary_crossings: AtomicU64::new(0),
         }
     }
 
@@ -91,6 +100,7 @@ impl Mover {
             padded: b.padded,
             position_ids: b.position_ids.as_ref().map(|t| self.to_sub(t)),
             image_embeds: b.image_embeds.as_ref().map(|t| self.to_sub(t)),
+            prefix: Default::default(),
         }
     }
 
@@ -100,6 +110,8 @@ impl Mover {
             bytes_to_main: self.bytes_to_main.load(Ordering::Relaxed),
             transfers: self.transfers.load(Ordering::Relaxed),
             seconds: self.time.lock().map(|d| d.as_secs_f64()).unwrap_or(0.0),
+            boundary_bytes: self.boundary_bytes.load(Ordering::Relaxed),
+            boundary_crossings: self.boundary_crossings.load(Ordering::Relaxed),
         }
     }
 }
@@ -113,5 +125,13 @@ impl crate::model::Crossing for Mover {
 
     fn to_main(&self, t: &Tensor) -> Tensor {
         Mover::to_main(self, t)
+    }
+
+    fn boundary_to_sub(&self, t: &Tensor) -> Tensor {
+        if self.split {
+            self.boundary_bytes.fetch_add(nbytes(t), Ordering::Relaxed);
+            self.boundary_crossings.fetch_add(1, Ordering::Relaxed);
+        }
+        Mover::to_sub(self, t)
     }
 }

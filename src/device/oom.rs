@@ -1,6 +1,7 @@
 //! Turning an allocation failure into a diagnosis: which device held how much, in which
 //! phase it failed, and the concrete change that would make the run fit.
 use std::path::Path;
+use std::sync::Arc;
 
 use tch::Kind;
 
@@ -8,8 +9,18 @@ use super::memory::{format_bytes, MemoryTracker};
 use crate::config::MendConfig;
 use crate::Error;
 
+/// The planner's answer to "which placement fits the capacities": the planner is above
+/// the device layer, so the run hands the diagnosis one of these (`planner::FitAdvice`).
+pub trait FitAdvisor: Send + Sync + std::fmt::Debug {
+    /// The flags of the first placement (in `planner::choose`'s order) whose every device
+    /// fits its capacity, with its per-device peaks, e.g. `--placement balanced
+    /// --optimizer-device cpu (main cuda:0 9.3 GiB, sub cuda:1 9.5 GiB, cpu 2.4 GiB)`;
+    /// `Err` says why none does (each placement's peaks against the caps).
+    fn would_fit(&self) -> std::result::Result<String, String>;
+}
+
 /// What the advice depends on besides the config: how the run is placed.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Placement {
     /// Whether the edited forwards already run on a sub-device.
     pub split: bool,
@@ -19,6 +30,8 @@ pub struct Placement {
     pub layout: super::Placement,
     /// Where the optimiser state is (`--optimizer-device`).
     pub optimizer: super::OptimizerDevice,
+    /// The planner's choice against the run's capacities, when the run set one up.
+    pub fit: Option<Arc<dyn FitAdvisor>>,
 }
 
 /// Builds the error a run stops with after `err` at optimiser step `step` (the message says
@@ -46,6 +59,11 @@ pub fn diagnose(
             format_bytes(m.peak_reserved_bytes),
             if m.process_wide { " (process-wide)" } else { "" }
         ));
+    }
+    match placement.fit.as_ref().map(|f| f.would_fit()) {
+        Some(Ok(flags)) => msg.push_str(&format!("  would fit (planner): {flags}\n")),
+        Some(Err(why)) => msg.push_str(&format!("  placement advice (planner): {}\n", why.replace('\n', "\n    "))),
+        None => {}
     }
     msg.push_str("  what would make it fit:\n");
     for a in advice(placement, cfg) {

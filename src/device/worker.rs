@@ -5,16 +5,25 @@
 //! The worker owns shallow clones of the frozen weights (same storage, no copy): tch
 //! tensors are `Send` but not `Sync`, so each thread holds its own handles. Grad mode is
 //! per thread in libtorch; the worker runs everything under `no_grad`.
+//!
+//! Under a layer split the worker runs the blocks from the boundary up (on the
+//! sub-device) from boundary activations the main device computed, and leaves the logits
+//! on the sub-device, where the losses are.
+use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crossbeam::channel::{bounded, Receiver, Sender};
 use tch::Tensor;
 
+use super::timeline::Timeline;
 use crate::data::TokenBatch;
-use crate::model::{Model, ParamStore, ParamView};
+use crate::model::{Boundary, ForwardInput, Model, ParamStore, ParamView};
 use crate::{Error, Result};
 
-type Job = (TokenBatch, Sender<Result<Tensor>>);
+/// A batch, its boundary activations under a layer split, the micro-step it belongs to
+/// (for the timeline) and where to answer.
+type Job = (TokenBatch, Option<Boundary>, (usize, usize), Sender<Result<Tensor>>);
 
 pub struct Worker {
     jobs: Option<Sender<Job>>,
@@ -22,16 +31,25 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Starts a worker computing unedited logits of `model` with `params`.
-    pub fn spawn(model: Model, params: ParamStore, name: &str) -> Result<Self> {
+    /// Starts a worker computing unedited logits of `model` with `params` (a replica on
+    /// the sub-device, or a layer-split store), recording each job on `timeline` as the
+    /// sub-device's "unedited forwards".
+    pub fn spawn(model: Model, params: ParamStore, name: &str, timeline: Arc<Timeline>) -> Result<Self> {
         let (tx, rx) = bounded::<Job>(4);
         let handle = std::thread::Builder::new()
             .name(format!("dualedit-{name}"))
             .spawn(move || {
                 let _g = tch::no_grad_guard();
                 let none = Default::default();
-                for (batch, reply) in rx {
-                    let out = model.forward(&ParamView::frozen(&params), &batch.forward_input(&none)).map(|o| o.logits);
+                for (batch, entry, at, reply) in rx {
+                    let start = Instant::now();
+                    let view = ParamView::frozen(&params);
+                    let out = match &entry {
+                        Some(e) => model.forward_to_head_side(&view, &ForwardInput { entry: Some(e), ..batch.forward_input(&none) }),
+                        None => model.forward(&view, &batch.forward_input(&none)),
+                    }
+                    .map(|o| o.logits);
+                    timeline.record(at, "sub", "unedited forwards", start, Instant::now());
                     let _ = reply.send(out);
                 }
             })
@@ -39,13 +57,14 @@ impl Worker {
         Ok(Self { jobs: Some(tx), handle: Some(handle) })
     }
 
-    /// Queues a batch; the answer arrives on the returned channel.
-    pub fn submit(&self, batch: TokenBatch) -> Result<Receiver<Result<Tensor>>> {
+    /// Queues a batch (with its boundary activations under a layer split) of micro-step
+    /// `at`; the answer arrives on the returned channel.
+    pub fn submit(&self, batch: TokenBatch, entry: Option<Boundary>, at: (usize, usize)) -> Result<Receiver<Result<Tensor>>> {
         let (tx, rx) = bounded(1);
         self.jobs
             .as_ref()
             .ok_or_else(|| Error::Torch("worker stopped".into()))?
-            .send((batch, tx))
+            .send((batch, entry, at, tx))
             .map_err(|_| Error::Torch("worker thread has stopped".into()))?;
         Ok(rx)
     }

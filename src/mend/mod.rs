@@ -16,11 +16,12 @@ use tracing::info;
 pub use editor::{EditedParam, Editor, Factors};
 
 use crate::data::multimodal::StepImages;
-use crate::data::{Example, TokenBatch};
+use crate::data::{Example, PrefixKey, TokenBatch};
 use crate::device::worker::Worker;
+use crate::device::timeline::Timeline;
 use crate::device::{DevicePlan, Mover, Placement};
 use crate::model::qwen2_vl::ImageProcessorConfig;
-use crate::model::{lm_head, lm_head_input_grad, LoadedModel, LowRank, Overrides, ParamStore, ParamView, WeightLayout};
+use crate::model::{lm_head, lm_head_input_grad, Boundary, ForwardInput, LoadedModel, LowRank, Overrides, ParamStore, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 /// A loaded model placed according to a device plan, with the weights MEND edits.
@@ -32,8 +33,9 @@ use crate::{Error, Result};
 ///
 /// [`Placement::Balanced`] (layer split): the embedding and blocks `[0, k)` stay on main,
 /// blocks `[k, L)` with the final norm and head move to the sub-device once, at setup
-/// (`k` ≤ the first edited block). Every forward starts on main without grad and crosses
-/// the mover before block `k` (`[B, T, D]` plus the mask / rotary tables); the capture's
+/// (`k` ≤ the first edited block). The embedding and blocks below `k` run on main without
+/// grad once per batch and cross the mover once (`[B, T, D]` plus the mask / rotary
+/// tables; [`Engine::boundary`]); every forward of the batch starts there. The capture's
 /// gradients, the factors, the edit's terms and the edited forwards are on the sub-device;
 /// the factors cross to the editor on main and its terms come back.
 pub struct Engine {
@@ -43,11 +45,17 @@ pub struct Engine {
     pub mover: Arc<Mover>,
     pub edit_params: Vec<EditedParam>,
     capture_set: HashSet<String>,
-    /// Computes the unedited locality logits on the sub-device, from the replica, while the
-    /// main device captures and runs the editor (split only).
+    /// Computes the unedited locality logits on the sub-device while the main device
+    /// captures and runs the editor (split only): from the replica, or under a layer split
+    /// from the boundary activations up. It holds its own handles to the frozen weights,
+    /// so it serves meta-training, which never commits an edit.
     sub_worker: Option<Worker>,
     /// The image processor of a vision-language model (`preprocessor_config.json`).
     pub image_proc: Option<ImageProcessorConfig>,
+    /// What the planner says would fit, for out-of-memory diagnoses (set by the run).
+    pub fit_advisor: Option<Arc<dyn crate::device::oom::FitAdvisor>>,
+    /// When each phase ran on which device (meta-training turns it on).
+    pub timeline: Arc<Timeline>,
 }
 
 /// How [`Engine::edit_low_rank_shaped`] reshapes the editor's edit (the default leaves it
@@ -130,15 +138,19 @@ impl Engine {
             info!(bytes = r.nbytes(), "sub-device replica of the frozen weights built");
         }
         let capture_set = names.iter().cloned().collect();
+        let timeline = Arc::new(Timeline::new());
+        // The unedited locality logits overlap with the main device's work: from the
+        // replica, or under a layer split from the boundary up (the blocks on the sub-device).
         let sub_worker = match &replica {
-            Some(r) => Some(Worker::spawn(lm.model.clone(), r.shallow_clone(), "sub")?),
+            Some(r) => Some(Worker::spawn(lm.model.clone(), r.shallow_clone(), "sub", timeline.clone())?),
+            None if lm.params.layer_split().is_some() => Some(Worker::spawn(lm.model.clone(), lm.params.shallow_clone(), "sub", timeline.clone())?),
             None => None,
         };
         let image_proc = match lm.model.family().vision_language() {
             Some(vl) => Some(vl.image_processor(&lm.dir)?),
             None => None,
         };
-        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc })
+        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc, fit_advisor: None, timeline })
     }
 
     /// The layer split's boundary, checked: a split plan, within the model, at most the
@@ -161,6 +173,48 @@ impl Engine {
     /// Whether the frozen blocks are divided between the devices (`--placement balanced`).
     pub fn layer_split(&self) -> bool {
         self.lm.params.layer_split().is_some()
+    }
+
+    /// The key under which a batch caches this engine's boundary activations.
+    fn prefix_key(&self) -> Option<PrefixKey> {
+        self.lm.params.layer_split().map(|s| PrefixKey { at: s.at, crossing: Arc::as_ptr(&s.cross) as *const () as usize })
+    }
+
+    /// Under a layer split, `batch`'s boundary activations: the embedding and the blocks
+    /// below the boundary run once per batch (no grad) and their output crosses the mover
+    /// once; every later forward of the batch (the unedited one, the capture, the edited
+    /// ones) starts from it. `None` without a layer split.
+    pub fn boundary(&self, batch: &TokenBatch) -> Result<Option<Boundary>> {
+        let Some(key) = self.prefix_key() else {
+            return Ok(None);
+        };
+        let none = HashSet::new();
+        batch
+            .prefix
+            .get_or(key, || self.timeline.span("main", "prefix", || self.lm.model.prefix(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none))))
+            .map(Some)
+    }
+
+    /// Under a layer split: computes `whole`'s boundary activations (one crossing) and
+    /// gives each of `parts` (a batch of rows `[row, row + B)` of `whole`'s examples, in
+    /// the same order, right-padded to its own length) its slice, so that their forwards
+    /// cross nothing more. Meta-training's edited forward runs over all the scored views
+    /// at once (`whole`), its unedited locality forward and recomputed passes over each.
+    /// Does nothing without a layer split.
+    pub fn share_boundary(&self, whole: &TokenBatch, parts: &[(&TokenBatch, i64)]) -> Result<()> {
+        let (Some(key), Some(b)) = (self.prefix_key(), self.boundary(whole)?) else {
+            return Ok(());
+        };
+        for (part, row) in parts {
+            let (n, t) = (part.batch_size(), part.input_ids.size()[1]);
+            part.prefix.set(key, crate::error::guard(|| b.narrow(*row, n, t))?);
+        }
+        Ok(())
+    }
+
+    /// The forward input of `batch` with its boundary activations (`entry`, under a layer split).
+    fn input_from<'a>(batch: &'a TokenBatch, capture: &'a HashSet<String>, entry: Option<&'a Boundary>) -> ForwardInput<'a> {
+        ForwardInput { entry, ..batch.forward_input(capture) }
     }
 
     /// A tensor made on the main device (by the editor) carried to where the edited
@@ -225,6 +279,7 @@ impl Engine {
             weights: self.lm.params.kind(),
             layout: self.plan.placement,
             optimizer: self.plan.optimizer,
+            fit: self.fit_advisor.clone(),
         }
     }
 
@@ -245,6 +300,7 @@ impl Engine {
     /// (issue #24: 5 requests in one batch reached 0.47 reliability, each 1.0 alone).
     /// Runs with gradients enabled even when called under `no_grad` (evaluation).
     pub fn capture(&self, batch: &TokenBatch) -> Result<(f64, Vec<Factors>)> {
+        let entry = self.boundary(batch)?;
         crate::error::guard(|| tch::with_grad(|| {
             let overrides: Overrides = self
                 .edit_params
@@ -252,7 +308,7 @@ impl Engine {
                 .map(|p| Ok((p.name.clone(), self.weight(&p.name)?.detach().set_requires_grad(true))))
                 .collect::<Result<_>>()?;
             let view = ParamView::new(&self.lm.params, Some(&overrides));
-            let out = self.lm.model.forward_hidden(&view, &batch.forward_input(&self.capture_set))?;
+            let out = self.lm.model.forward_hidden(&view, &Self::input_from(batch, &self.capture_set, entry.as_ref()))?;
             // The head's part of the backward by hand: ∂NLL/∂logits = (softmax − onehot)/N,
             // then through the head with `lm_head_input_grad` (autograd's product for it is
             // the slowest step of the capture); autograd takes over from the final hidden
@@ -373,7 +429,8 @@ impl Engine {
     pub fn base_logits(&self, batch: &TokenBatch) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
         let none = HashSet::new();
-        Ok(self.lm.model.forward(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none))?.logits)
+        let entry = self.boundary(batch)?;
+        Ok(self.lm.model.forward(&ParamView::frozen(&self.lm.params), &Self::input_from(batch, &none, entry.as_ref()))?.logits)
     }
 
     /// Starts the unedited logits of `batch` where the training losses are computed (the
@@ -381,15 +438,12 @@ impl Engine {
     /// worker, from the replica, so they overlap with the capture and the editor on the
     /// main device; without a split, now.
     pub fn base_logits_async(&self, batch: &TokenBatch) -> Result<Pending> {
+        let at = self.timeline.position();
         match &self.sub_worker {
-            Some(w) => Ok(Pending::Waiting(w.submit(self.mover.batch_to_sub(batch))?)),
-            None if self.layer_split() => {
-                let _g = tch::no_grad_guard();
-                let none = HashSet::new();
-                let view = ParamView::frozen(&self.lm.params);
-                Ok(Pending::Ready(self.lm.model.forward_to_head_side(&view, &batch.forward_input(&none))?.logits))
-            }
-            None => Ok(Pending::Ready(self.base_logits(batch)?)),
+            // Layer split: the prefix on main (once per batch), the rest on the worker.
+            Some(w) if self.layer_split() => Ok(Pending::Waiting(w.submit(batch.shallow_clone(), self.boundary(batch)?, at)?)),
+            Some(w) => Ok(Pending::Waiting(w.submit(self.mover.batch_to_sub(batch), None, at)?)),
+            None => Ok(Pending::Ready(self.timeline.span("main", "unedited forwards", || self.base_logits(batch))?)),
         }
     }
 
@@ -409,7 +463,9 @@ impl Engine {
         match &self.replica {
             // Layer split: the batch enters on main, the logits stay where the head is.
             None if self.layer_split() => {
-                Ok(self.lm.model.forward_to_head_side(&ParamView::new(&self.lm.params, Some(overrides)), &batch.forward_input(&none))?.logits)
+                let entry = self.boundary(batch)?;
+                let input = Self::input_from(batch, &none, entry.as_ref());
+                Ok(self.lm.model.forward_to_head_side(&ParamView::new(&self.lm.params, Some(overrides)), &input)?.logits)
             }
             None => Ok(self.lm.model.forward(&ParamView::new(&self.lm.params, Some(overrides)), &batch.forward_input(&none))?.logits),
             Some(replica) => crate::error::guard(|| {
@@ -463,10 +519,11 @@ impl Engine {
                 moved = self.mover.batch_to_sub(batch);
                 &moved
             };
+            let entry = if split { self.boundary(batch)? } else { None };
             crate::model::recompute::grad_by_blocks(
                 &self.lm.model,
                 &view,
-                &sub_batch.forward_input(&none),
+                &Self::input_from(sub_batch, &none, entry.as_ref()),
                 &wrt,
                 &mut total,
                 |logits| loss(logits),

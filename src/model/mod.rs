@@ -116,11 +116,16 @@ pub struct ForwardInput<'a> {
     /// Image features `[N, D]` placed, in order, at the N `<|image_pad|>` tokens of
     /// `input_ids` (vision-language models; see [`qwen2_vl::Qwen2Vl::image_features`]).
     pub image_embeds: Option<&'a Tensor>,
+    /// Under a layer split: this input's boundary activations, computed beforehand by
+    /// [`Model::prefix`]; the forward then starts at the boundary block instead of running
+    /// the embedding and the blocks below it again (their output does not depend on any
+    /// edited weight). `None`: from the embedding.
+    pub entry: Option<&'a Boundary>,
 }
 
 impl<'a> ForwardInput<'a> {
     pub fn new(input_ids: &'a Tensor, capture: &'a HashSet<String>) -> Self {
-        Self { input_ids, attention_mask: None, keep: None, capture, position_ids: None, image_embeds: None }
+        Self { input_ids, attention_mask: None, keep: None, capture, position_ids: None, image_embeds: None, entry: None }
     }
 
     /// `(B, T)`, after checking the shapes a caller handed in: `input_ids` is `[B, T]`
@@ -238,6 +243,70 @@ impl BlockContext {
         };
         BlockContext { batch: self.batch, tokens: self.tokens, mask, rope: self.rope.as_ref().map(|(a, b)| (c.to_sub(a), c.to_sub(b))) }
     }
+
+    /// New handles to the same tensors.
+    fn shallow_clone(&self) -> BlockContext {
+        BlockContext { batch: self.batch, tokens: self.tokens, mask: self.mask.shallow_clone(), rope: self.rope.as_ref().map(|(a, b)| (a.shallow_clone(), b.shallow_clone())) }
+    }
+
+    /// The context of rows `[row, row + n)` and their first `t` tokens (a batch whose
+    /// examples are some of this one's rows, right-padded to `t` ≤ `self.tokens`).
+    fn narrow(&self, row: i64, n: i64, t: i64) -> BlockContext {
+        let mask = match &self.mask {
+            AttnMask::Keys(m) if m.dim() == 4 => AttnMask::Keys(m.narrow(0, row, n).narrow(2, 0, t).narrow(3, 0, t)),
+            AttnMask::Keys(m) => AttnMask::Keys(m.narrow(0, 0, t).narrow(1, 0, t)),
+            other => other.shallow_clone(),
+        };
+        let rows = |x: &Tensor| x.narrow(0, row, n).narrow(2, 0, t);
+        BlockContext { batch: n, tokens: t, mask, rope: self.rope.as_ref().map(|(a, b)| (rows(a), rows(b))) }
+    }
+}
+
+/// A layer split's boundary activations of one batch: the output of the embedding and the
+/// blocks below the boundary (no grad, on the sub-device after one crossing), with what
+/// the blocks above share. The prefix depends on no edited weight (every edited block is
+/// at or above the boundary), so one `Boundary` serves the unedited forward, the capture
+/// and every edited forward of the same batch ([`ForwardInput::entry`]).
+pub struct Boundary {
+    /// The first block on the sub-device.
+    pub at: usize,
+    /// Hidden states entering block `at`, `[B, T, D]`, on the sub-device.
+    pub x: Tensor,
+    ctx: BlockContext,
+}
+
+impl std::fmt::Debug for Boundary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Boundary").field("at", &self.at).field("x", &self.x.size()).finish()
+    }
+}
+
+impl Boundary {
+    /// What the blocks above the boundary share (new handles).
+    pub(crate) fn context(&self) -> BlockContext {
+        self.ctx.shallow_clone()
+    }
+
+    /// Bytes of the hidden states `[B, T, D]` (what [`Model::prefix`] carried across).
+    pub fn nbytes(&self) -> u64 {
+        (self.x.numel() * self.x.kind().elt_size_in_bytes()) as u64
+    }
+
+    /// New handles to the same tensors.
+    pub fn shallow_clone(&self) -> Boundary {
+        Boundary { at: self.at, x: self.x.shallow_clone(), ctx: self.ctx.shallow_clone() }
+    }
+
+    /// The boundary of rows `[row, row + n)` of this batch, cut to their first `t` tokens:
+    /// that of a batch of those examples alone, right-padded to `t` (attention is causal,
+    /// so the first `t` positions never read the later ones). No copy, nothing crosses.
+    pub fn narrow(&self, row: i64, n: i64, t: i64) -> Result<Boundary> {
+        let size = self.x.size();
+        if row < 0 || n < 1 || row + n > size[0] || t < 1 || t > size[1] {
+            return Err(crate::Error::Torch(format!("boundary rows {row}..{} and {t} tokens of a {size:?} batch", row + n)));
+        }
+        Ok(Boundary { at: self.at, x: self.x.narrow(0, row, n).narrow(1, 0, t), ctx: self.ctx.narrow(row, n, t) })
+    }
 }
 
 pub struct ForwardOutput {
@@ -319,15 +388,62 @@ impl Model {
         input.dims()?;
         let mut captures = BTreeMap::new();
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let (mut x, mut ctx) = self.embed(p, input, past)?;
-        for i in 0..self.n_blocks() {
-            if let Some(c) = p.crossing_at(i) {
-                x = c.to_sub(&x);
+        let (start, mut x, mut ctx) = match input.entry {
+            Some(e) => {
+                if cache.is_some() {
+                    return Err(crate::Error::Torch("a forward from boundary activations cannot extend a KV cache".into()));
+                }
+                self.check_entry(p, input, e)?;
+                (e.at, e.x.shallow_clone(), e.ctx.shallow_clone())
+            }
+            None => {
+                let (x, ctx) = self.embed(p, input, past)?;
+                (0, x, ctx)
+            }
+        };
+        for i in start..self.n_blocks() {
+            if let Some(c) = p.crossing_at(i).filter(|_| i > start || input.entry.is_none()) {
+                x = c.boundary_to_sub(&x);
                 ctx = ctx.crossed(c);
             }
             x = self.block(p, i, &x, &ctx, input.capture, &mut captures, cache.as_deref_mut())?;
         }
         Ok((x, captures))
+    }
+
+    /// That `e` is the boundary of this view's layer split for an input of this shape.
+    pub(crate) fn check_entry(&self, p: &ParamView, input: &ForwardInput, e: &Boundary) -> Result<()> {
+        let (b, t) = input.dims()?;
+        match p.layer_split() {
+            Some(s) if s.at == e.at && e.x.size()[..2] == [b, t] => Ok(()),
+            Some(s) => Err(crate::Error::Torch(format!(
+                "boundary activations {:?} at block {} for a [{b}, {t}] input split at block {}",
+                e.x.size(),
+                e.at,
+                s.at
+            ))),
+            None => Err(crate::Error::Torch("boundary activations given to a forward without a layer split".into())),
+        }
+    }
+
+    /// The boundary activations of `input` under `p`'s layer split: the embedding and
+    /// blocks `[0, k)` on the main device without grad, then one crossing of `[B, T, D]`
+    /// (and the mask / rotary tables) to the sub-device. `p` must not override a weight
+    /// below the boundary (the engine checks that no edited weight is there).
+    pub fn prefix(&self, p: &ParamView, input: &ForwardInput) -> Result<Boundary> {
+        let split = p.layer_split().ok_or_else(|| crate::Error::Torch("boundary activations need a layer split".into()))?;
+        crate::error::guard(|| {
+            tch::no_grad(|| {
+                let none = HashSet::new();
+                let mut scratch = BTreeMap::new();
+                let (mut x, ctx) = self.embed(p, input, 0)?;
+                for i in 0..split.at {
+                    x = self.block(p, i, &x, &ctx, &none, &mut scratch, None)?;
+                }
+                let c = split.cross.as_ref();
+                Ok(Boundary { at: split.at, x: c.boundary_to_sub(&x), ctx: ctx.crossed(c) })
+            })
+        })
     }
 
     /// A forward of new tokens after those already in `cache`, which it extends: positions
@@ -479,6 +595,14 @@ pub(crate) enum AttnMask {
 }
 
 impl AttnMask {
+    fn shallow_clone(&self) -> AttnMask {
+        match self {
+            AttnMask::Causal => AttnMask::Causal,
+            AttnMask::All => AttnMask::All,
+            AttnMask::Keys(m) => AttnMask::Keys(m.shallow_clone()),
+        }
+    }
+
     /// The mask for `t` new tokens after `past` cached ones. With a cache, SDPA's
     /// `is_causal` would align the causal triangle to the top-left (query `i` sees keys
     /// `0..=i`), hiding most of the prefix; the new queries must see every past key.

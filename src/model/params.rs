@@ -107,6 +107,11 @@ pub trait Crossing: Send + Sync + std::fmt::Debug {
     fn to_sub(&self, t: &Tensor) -> Tensor;
     /// Sub-device -> main device.
     fn to_main(&self, t: &Tensor) -> Tensor;
+    /// Main device -> sub-device for a forward's hidden states entering the boundary
+    /// block, `[B, T, D]` (the mover counts these apart, see `MoverStats::boundary_bytes`).
+    fn boundary_to_sub(&self, t: &Tensor) -> Tensor {
+        self.to_sub(t)
+    }
 }
 
 /// The layer split of a [`ParamStore`] (`--placement balanced`): the embedding and blocks

@@ -71,11 +71,21 @@ pub fn grad_by_blocks(
     crate::error::guard(|| {
         // 1. Forward without grad, keeping the inputs of blocks `first..n`.
         let (mut inputs, last, ctx) = tch::no_grad(|| -> Result<_> {
-            let (mut x, mut ctx) = model.embed(p, input, 0)?;
+            // From the boundary activations when given: the blocks below it ran once per batch.
+            let (start, mut x, mut ctx) = match input.entry {
+                Some(e) => {
+                    model.check_entry(p, input, e)?;
+                    (e.at, e.x.shallow_clone(), e.context())
+                }
+                None => {
+                    let (x, ctx) = model.embed(p, input, 0)?;
+                    (0, x, ctx)
+                }
+            };
             let mut inputs = Vec::with_capacity(n - first);
-            for i in 0..n {
-                if let Some(c) = p.crossing_at(i) {
-                    x = c.to_sub(&x);
+            for i in start..n {
+                if let Some(c) = p.crossing_at(i).filter(|_| input.entry.is_none()) {
+                    x = c.boundary_to_sub(&x);
                     ctx = ctx.crossed(c);
                 }
                 let y = model.block(p, i, &x, &ctx, &none, &mut scratch, None)?;
