@@ -483,6 +483,13 @@ struct EditArgs {
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    guard: GuardArgs,
+}
+
+/// The commit guard and stepwise flags of `edit` and of `eval --edits-per-batch / --sequential`.
+#[derive(Args)]
+struct GuardArgs {
     /// Commit every edit as the editor makes it: no guard on the locality prompts.
     #[arg(long)]
     no_guard: bool,
@@ -507,6 +514,23 @@ struct EditArgs {
     stepwise: bool,
 }
 
+impl GuardArgs {
+    fn config(&self) -> Option<dualedit::mend::guard::GuardConfig> {
+        (!self.no_guard).then(|| dualedit::mend::guard::GuardConfig {
+            min_agreement: self.guard_min_agreement,
+            max_drop: self.guard_max_drop,
+            max_kl: self.guard_max_kl,
+            scale_back: !self.guard_refuse,
+            shrink: self.guard_shrink,
+            ..Default::default()
+        })
+    }
+
+    fn stepwise(&self) -> Option<dualedit::mend::stepwise::Stepwise> {
+        self.stepwise.then(dualedit::mend::stepwise::Stepwise::default)
+    }
+}
+
 #[derive(Args)]
 struct EvalArgs {
     #[command(flatten)]
@@ -525,6 +549,20 @@ struct EvalArgs {
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
+    /// Capacity: edit the records in groups of N, each group in one batch edit from the
+    /// unedited model, and measure all N after it.
+    #[arg(long, value_name = "N", conflicts_with = "sequential", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    edits_per_batch: Option<usize>,
+    /// Capacity: edit the records in groups of N, one after another (each committed, the
+    /// guard as configured), and measure all N after the group's last edit.
+    #[arg(long, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    sequential: Option<usize>,
+    /// Capacity: a text file whose lines are the unrelated texts whose NLL drift is
+    /// reported (lines naming an edited subject are skipped; default: the locality prompts).
+    #[arg(long, value_name = "FILE")]
+    drift_text: Option<PathBuf>,
+    #[command(flatten)]
+    guard: GuardArgs,
 }
 
 fn score(args: ScoreArgs) -> anyhow::Result<()> {
@@ -631,15 +669,8 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
         sequential: a.sequential,
         save: a.save,
         max_length: a.method.max_length,
-        guard: (!a.no_guard).then(|| dualedit::mend::guard::GuardConfig {
-            min_agreement: a.guard_min_agreement,
-            max_drop: a.guard_max_drop,
-            max_kl: a.guard_max_kl,
-            scale_back: !a.guard_refuse,
-            shrink: a.guard_shrink,
-            ..Default::default()
-        }),
-        stepwise: a.stepwise.then(dualedit::mend::stepwise::Stepwise::default),
+        guard: a.guard.config(),
+        stepwise: a.guard.stepwise(),
     };
     let (out, path) = run::run_edit(&opts)?;
     if a.json {
@@ -681,7 +712,23 @@ fn eval_options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
         ds: dataset(&a.ds)?,
         limit: a.limit,
         max_length: a.method.max_length,
+        capacity: capacity_options(a)?,
     })
+}
+
+fn capacity_options(a: &EvalArgs) -> anyhow::Result<Option<run::CapacityOptions>> {
+    use dualedit::capacity::Grouping;
+    let grouping = match (a.edits_per_batch, a.sequential) {
+        (Some(n), _) => Grouping::Batch(n),
+        (None, Some(n)) => Grouping::Sequential(n),
+        (None, None) => {
+            if a.drift_text.is_some() || a.guard.stepwise || a.guard.no_guard {
+                anyhow::bail!("--drift-text, --stepwise and the guard flags of eval need --edits-per-batch N or --sequential N");
+            }
+            return Ok(None);
+        }
+    };
+    Ok(Some(run::CapacityOptions { grouping, guard: a.guard.config(), stepwise: a.guard.stepwise(), drift_text: a.drift_text.clone() }))
 }
 
 fn compare(c: CompareCmd) -> anyhow::Result<()> {
@@ -737,6 +784,19 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
         println!("{v}");
     } else {
         println!("method {}", out.method);
+        if let Some(c) = &out.capacity {
+            let (mode, n) = match c.grouping {
+                dualedit::capacity::Grouping::Batch(n) => ("in one batch", n),
+                dualedit::capacity::Grouping::Sequential(n) => ("one after another", n),
+            };
+            println!("{} group(s) of up to {n} edits {mode}, measured after each group's last edit; {:.4} s per edit", c.groups, c.seconds_per_edit);
+            if let Some(d) = &c.drift {
+                println!("unrelated-text NLL ({} texts): {:.4} -> {:.4} ({:+.4})", d.texts, d.nll_before, d.nll_after, d.nll_after - d.nll_before);
+            }
+            if c.guard_accepted + c.guard_scaled + c.guard_refused > 0 {
+                println!("guard: {} accepted, {} scaled back, {} refused", c.guard_accepted, c.guard_scaled, c.guard_refused);
+            }
+        }
         print_summary(&out.summary);
         println!("report: {}", path.display());
     }

@@ -181,6 +181,11 @@ impl Session {
         self.editor_dir.as_deref()
     }
 
+    /// The edit method's name (`mend`, `ft`, ...; `none` without an editor).
+    pub fn method_name(&self) -> &'static str {
+        self.method.as_ref().map_or("none", Method::name)
+    }
+
     pub fn has_editor(&self) -> bool {
         self.method.is_some()
     }
