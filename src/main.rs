@@ -413,6 +413,8 @@ struct TrainArgs {
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum MethodArg {
     Mend,
+    /// MEND's per-edit updates combined by least squares over their keys (MALMEN-style).
+    MendLs,
     Ft,
     Unedited,
 }
@@ -424,6 +426,10 @@ struct MethodArgs {
     editor: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "mend")]
     method: MethodArg,
+    /// --method mend-ls: ridge weight of the least-squares solve, relative to the mean
+    /// squared norm of the edits' keys.
+    #[arg(long, default_value_t = dualedit::mend::ls::LsConfig::default().lambda)]
+    ls_lambda: f64,
     /// Step size of the fine-tuning baseline (--method ft).
     #[arg(long, default_value_t = 1e-3)]
     ft_lr: f64,
@@ -436,7 +442,7 @@ impl MethodArgs {
     /// The MEND config the placement is planned with: the trained editor's (from its
     /// editor.json), MEND's defaults for the baselines.
     fn planning_config(&self) -> anyhow::Result<MendConfig> {
-        let Some(dir) = self.editor.as_ref().filter(|_| self.method == MethodArg::Mend) else {
+        let Some(dir) = self.editor.as_ref().filter(|_| matches!(self.method, MethodArg::Mend | MethodArg::MendLs)) else {
             return Ok(MendConfig::default());
         };
         let path = dir.join(dualedit::mend::checkpoint::EDITOR_JSON);
@@ -449,8 +455,11 @@ impl MethodArgs {
     }
 
     fn resolve(&self) -> anyhow::Result<MethodSpec> {
-        if self.editor.is_some() && self.method != MethodArg::Mend {
-            anyhow::bail!("--editor is only used with --method mend");
+        if self.editor.is_some() && !matches!(self.method, MethodArg::Mend | MethodArg::MendLs) {
+            anyhow::bail!("--editor is only used with --method mend or mend-ls");
+        }
+        if !(self.ls_lambda.is_finite() && self.ls_lambda > 0.0) {
+            anyhow::bail!("--ls-lambda must be a positive number, got {}", self.ls_lambda);
         }
         if !(self.ft_lr.is_finite() && self.ft_lr > 0.0) {
             anyhow::bail!("--ft-lr must be a positive number, got {}", self.ft_lr);
@@ -458,6 +467,10 @@ impl MethodArgs {
         Ok(match self.method {
             MethodArg::Mend => MethodSpec::Mend {
                 editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend needs --editor DIR"))?,
+            },
+            MethodArg::MendLs => MethodSpec::MendLs {
+                editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend-ls needs --editor DIR"))?,
+                ls: dualedit::mend::ls::LsConfig { lambda: self.ls_lambda },
             },
             MethodArg::Ft => MethodSpec::FineTune { lr: self.ft_lr },
             MethodArg::Unedited => MethodSpec::Unedited,
@@ -949,7 +962,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     let dtype = parse_dtype(&a.dtype)?;
-    let method = MethodArgs { editor: a.editor.clone(), method: MethodArg::Mend, ft_lr: 1e-3, max_length: 512 };
+    let method = MethodArgs { editor: a.editor.clone(), method: MethodArg::Mend, ls_lambda: dualedit::mend::ls::LsConfig::default().lambda, ft_lr: 1e-3, max_length: 512 };
     let config = if a.editor.is_some() { method.planning_config()? } else { MendConfig::default() };
     let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
     let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype, seed: 0 };

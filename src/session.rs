@@ -147,9 +147,7 @@ impl Session {
     pub fn open_method(model: &Path, spec: &MethodSpec, opts: &SessionOptions) -> Result<Self> {
         let (engine, method) = edit::open(model, opts, spec)?;
         let mut s = Self::with_method(engine, Some(method));
-        if let MethodSpec::Mend { editor } = spec {
-            s.editor_dir = Some(editor.clone());
-        }
+        s.editor_dir = spec.editor_dir().map(Path::to_path_buf);
         Ok(s)
     }
 
@@ -305,6 +303,8 @@ impl Session {
         if self.guard.is_some() && probes.is_none() {
             tracing::warn!("no request has a locality prompt: the commit guard has nothing to measure and is off");
         }
+        // Whether `checked` measures (and reports) each edit.
+        let guarded = probes.is_some();
         let mut reports = Vec::new();
         let checked = |engine: &Engine, ov: Overrides, inner: &TokenBatch, reports: &mut Vec<GuardReport>| -> Result<Option<Overrides>> {
             let (Some(cfg), Some(p)) = (&self.guard, &probes) else { return Ok(Some(ov)) };
@@ -334,6 +334,7 @@ impl Session {
                     };
                     if let Some(ov) = checked(&self.engine, overrides, &inner, &mut reports)? {
                         commit(&mut self.engine, &mut self.originals, &ov)?;
+                        method.committed(if guarded { reports.last().map_or(1.0, |r| r.scale) } else { 1.0 });
                     }
                     if self.stepwise.is_none() || guard::makes_edit(&self.engine, &Overrides::new(), &inner)? {
                         break;
@@ -347,7 +348,13 @@ impl Session {
             let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
             let batch = self.engine.collate(&inner)?;
             let overrides = edit::make_edit(&self.engine, method, &batch)?;
-            let overrides = checked(&self.engine, overrides, &batch, &mut reports)?.unwrap_or_default();
+            let kept = checked(&self.engine, overrides, &batch, &mut reports)?;
+            method.committed(match (&kept, guarded) {
+                (None, _) => 0.0,
+                (Some(_), true) => reports.last().map_or(1.0, |r| r.scale),
+                (Some(_), false) => 1.0,
+            });
+            let overrides = kept.unwrap_or_default();
             let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
             let m = {
                 let images = self.engine.images(&eval::all_views(&refs))?;
@@ -414,6 +421,9 @@ impl Session {
         self.engine.commit(&originals)?;
         self.originals.clear();
         self.edits_total = 0;
+        if let Some(m) = self.method.as_mut() {
+            m.reset();
+        }
         Ok(n)
     }
 
