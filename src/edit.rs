@@ -75,7 +75,12 @@ pub enum MethodSpec {
     /// MEND with the editor trained into this directory.
     Mend { editor: PathBuf },
     /// `mend-ls`: that editor's updates combined by least squares ([`crate::mend::ls`]).
-    MendLs { editor: PathBuf, ls: LsConfig },
+    MendLs {
+        editor: PathBuf,
+        ls: LsConfig,
+        /// Lines of unrelated text whose keys the solve keeps (none: λ only).
+        unrelated: Option<PathBuf>,
+    },
 }
 
 impl MethodSpec {
@@ -155,10 +160,21 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
             info!(dir = %editor.display(), step = meta.step, "editor loaded");
             Method::Mend(ed)
         }
-        MethodSpec::MendLs { editor, ls } => {
+        MethodSpec::MendLs { editor, ls, unrelated } => {
             let (ed, meta) = checkpoint::load_editor(editor, &engine)?;
             info!(dir = %editor.display(), step = meta.step, lambda = ls.lambda, "editor loaded (least-squares aggregation)");
-            Method::MendLs(Box::new(LsEditor { editor: ed, config: *ls, memory: KeyMemory::default() }))
+            let unrelated = match unrelated {
+                Some(path) => {
+                    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+                    let lines: Vec<String> = text.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
+                    if lines.is_empty() {
+                        return Err(Error::file(path, "the unrelated-keys text has no non-empty line"));
+                    }
+                    crate::mend::ls::unrelated_grams(&engine, &lines)?
+                }
+                None => Vec::new(),
+            };
+            Method::MendLs(Box::new(LsEditor { editor: ed, config: *ls, memory: KeyMemory::default(), unrelated }))
         }
     };
     Ok((engine, method))

@@ -430,6 +430,13 @@ struct MethodArgs {
     /// squared norm of the edits' keys.
     #[arg(long, default_value_t = dualedit::mend::ls::LsConfig::default().lambda)]
     ls_lambda: f64,
+    /// --method mend-ls: a text file whose lines' keys (layer inputs) the solve keeps,
+    /// MEMIT-style (the edit should not change what the edited layers do there).
+    #[arg(long, value_name = "FILE")]
+    ls_keep_text: Option<PathBuf>,
+    /// --method mend-ls: the weight of each kept key against each edit key.
+    #[arg(long, default_value_t = dualedit::mend::ls::LsConfig::default().cov_weight)]
+    ls_keep_weight: f64,
     /// Step size of the fine-tuning baseline (--method ft).
     #[arg(long, default_value_t = 1e-3)]
     ft_lr: f64,
@@ -458,6 +465,12 @@ impl MethodArgs {
         if self.editor.is_some() && !matches!(self.method, MethodArg::Mend | MethodArg::MendLs) {
             anyhow::bail!("--editor is only used with --method mend or mend-ls");
         }
+        if self.ls_keep_text.is_some() && self.method != MethodArg::MendLs {
+            anyhow::bail!("--ls-keep-text is only used with --method mend-ls");
+        }
+        if !(self.ls_keep_weight.is_finite() && self.ls_keep_weight >= 0.0) {
+            anyhow::bail!("--ls-keep-weight must be a number >= 0, got {}", self.ls_keep_weight);
+        }
         if !(self.ls_lambda.is_finite() && self.ls_lambda > 0.0) {
             anyhow::bail!("--ls-lambda must be a positive number, got {}", self.ls_lambda);
         }
@@ -470,7 +483,8 @@ impl MethodArgs {
             },
             MethodArg::MendLs => MethodSpec::MendLs {
                 editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend-ls needs --editor DIR"))?,
-                ls: dualedit::mend::ls::LsConfig { lambda: self.ls_lambda },
+                ls: dualedit::mend::ls::LsConfig { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight },
+                unrelated: self.ls_keep_text.clone(),
             },
             MethodArg::Ft => MethodSpec::FineTune { lr: self.ft_lr },
             MethodArg::Unedited => MethodSpec::Unedited,
@@ -962,7 +976,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     let dtype = parse_dtype(&a.dtype)?;
-    let method = MethodArgs { editor: a.editor.clone(), method: MethodArg::Mend, ls_lambda: dualedit::mend::ls::LsConfig::default().lambda, ft_lr: 1e-3, max_length: 512 };
+    let method = MethodArgs { editor: a.editor.clone(), method: MethodArg::Mend, ls_lambda: dualedit::mend::ls::LsConfig::default().lambda, ls_keep_text: None, ls_keep_weight: dualedit::mend::ls::LsConfig::default().cov_weight, ft_lr: 1e-3, max_length: 512 };
     let config = if a.editor.is_some() { method.planning_config()? } else { MendConfig::default() };
     let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
     let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype, seed: 0 };

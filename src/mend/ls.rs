@@ -15,6 +15,9 @@
 //!
 //! over all edits' rows `K` (`[R, d_in]`), `V` (`[R, d_out]`), for each edited weight
 //! separately (MALMEN's normal equation, in the primal form: a `d_in × d_in` solve).
+//! Optionally `+ μ·Σ_j ‖c_j·S‖²` over keys `c_j` of unrelated text (`CᵀC` added to the
+//! normal matrix), which asks `S` to leave the layer's outputs there alone, as MEMIT's
+//! key covariance does.
 //!
 //! Edits one after another re-solve over every edit so far from the weights the first
 //! one started from, `W0` ([`KeyMemory`]): a new edit is captured at `W0` (the current
@@ -40,12 +43,48 @@ pub struct LsConfig {
     /// `λ` of `λ·‖S‖²`, relative to the mean squared norm of the edit's keys (so it means
     /// the same whatever the layer's scale): `λ_abs = lambda · mean_t ‖k_t‖²`.
     pub lambda: f64,
+    /// `μ`: the weight of each unrelated key `c_j` in `μ·Σ_j ‖c_j·S‖²` (keep what the
+    /// weight does at unrelated text, as MEMIT keeps its key covariance), when unrelated
+    /// keys are given ([`unrelated_grams`]).
+    pub cov_weight: f64,
 }
 
 impl Default for LsConfig {
     fn default() -> Self {
-        Self { lambda: 1e-2 }
+        Self { lambda: 1e-2, cov_weight: 1e-2 }
     }
+}
+
+/// `CᵀC` `[d_in, d_in]` of every edited weight's inputs at every token of `texts` (the
+/// unrelated keys), under the engine's current weights, in batches of 64.
+pub fn unrelated_grams(engine: &Engine, texts: &[String]) -> Result<Vec<Tensor>> {
+    let max = (engine.lm.model.info().max_positions.max(2)) as usize;
+    let mut examples = Vec::with_capacity(texts.len());
+    for t in texts {
+        let mut ids = engine.lm.tokenizer.encode(t)?;
+        // The last token is a target, not an input, in a batch: add one so all are inputs.
+        ids.truncate(max - 1);
+        ids.push(ids.last().copied().unwrap_or(0));
+        if ids.len() >= 2 {
+            examples.push(crate::data::Example { ids, answer_start: 1, image: None });
+        }
+    }
+    if examples.is_empty() {
+        return Err(Error::input("no unrelated text to take keys from"));
+    }
+    let mut grams: Option<Vec<Tensor>> = None;
+    for chunk in examples.chunks(64) {
+        let refs: Vec<&crate::data::Example> = chunk.iter().collect();
+        let xs = engine.layer_inputs(&engine.collate(&refs)?)?;
+        grams = Some(crate::error::guard(|| {
+            let g: Vec<Tensor> = xs.iter().map(|x| x.tr().matmul(x)).collect();
+            Ok(match grams.take() {
+                Some(acc) => acc.into_iter().zip(g).map(|(a, b)| a + b).collect(),
+                None => g,
+            })
+        })?);
+    }
+    grams.ok_or_else(|| Error::input("no unrelated text to take keys from"))
 }
 
 /// Per edited weight: every committed edit's keys `K` `[R, d_in]`, targets `T` `[R, d_out]`
@@ -118,6 +157,8 @@ pub struct LsEditor {
     pub editor: Editor,
     pub config: LsConfig,
     pub memory: KeyMemory,
+    /// [`unrelated_grams`] of the unedited model, per edited weight (empty: none).
+    pub unrelated: Vec<Tensor>,
 }
 
 /// The edit of `inner` (one or many examples) on the engine's current weights: for each
@@ -166,7 +207,10 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch) -> Result<Ov
             };
             let d_in = kk.size()[1];
             let lambda = ls.config.lambda * kk.square().sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float).double_value(&[]).max(1e-12);
-            let gram = kk.tr().matmul(&kk) + Tensor::eye(d_in, (Kind::Float, kk.device())) * lambda;
+            let mut gram = kk.tr().matmul(&kk) + Tensor::eye(d_in, (Kind::Float, kk.device())) * lambda;
+            if let Some(c) = ls.unrelated.get(i) {
+                gram += c.to_device(kk.device()) * ls.config.cov_weight;
+            }
             let s = Tensor::linalg_solve(&gram, &kk.tr().matmul(&tt), true);
             let change = match s_prev {
                 Some(sp) => &s - sp,

@@ -321,6 +321,25 @@ impl Engine {
         }))
     }
 
+    /// The inputs of every edited weight's layer at the batch's real (unpadded) tokens,
+    /// `[R, d_in]` f32 per edited weight, under the current weights, on the main device.
+    pub fn layer_inputs(&self, batch: &TokenBatch) -> Result<Vec<Tensor>> {
+        let _g = tch::no_grad_guard();
+        let out = self.lm.model.forward_hidden(&ParamView::frozen(&self.lm.params), &batch.forward_input(&self.capture_set))?;
+        crate::error::guard(|| {
+            let real = batch.attention_mask.reshape([-1]).ne(0).nonzero().squeeze_dim(1);
+            self.edit_params
+                .iter()
+                .map(|p| {
+                    let (d_in, _) = p.in_out();
+                    let x = out.captures.get(&p.name).ok_or_else(|| Error::Torch("an edited layer was not captured".into()))?;
+                    let x = self.from_weight_side(&x.x.reshape([-1, d_in]).to_kind(Kind::Float));
+                    Ok(x.index_select(0, &real.to_device(x.device())))
+                })
+                .collect()
+        })
+    }
+
     /// The frozen weight `name` on the main device.
     pub fn weight(&self, name: &str) -> Result<&Tensor> {
         self.lm.params.get(name).ok_or_else(|| Error::input(format!("unknown parameter {name:?}")))
