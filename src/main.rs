@@ -806,6 +806,9 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
     if a.json {
         let mut v = serde_json::to_value(&out.summary)?;
         v["method"] = serde_json::Value::from(out.method.clone());
+        if let Some(c) = &out.capacity {
+            v["capacity"] = serde_json::to_value(c)?;
+        }
         v["data"] = serde_json::to_value(&out.data)?;
         v["report"] = serde_json::Value::from(path.display().to_string());
         println!("{v}");
