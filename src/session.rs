@@ -293,6 +293,10 @@ impl Session {
         if examples.is_empty() {
             return Err(Error::input("no edit requests"));
         }
+        if self.stepwise.is_some() && matches!(method, Method::MendLs(_)) {
+            // Each step would remember the same edit again: mend-ls composes by re-solving.
+            return Err(Error::input("stepwise edits are for --method mend; mend-ls re-solves over all edits instead"));
+        }
         let refs: Vec<&EditExample> = examples.iter().collect();
         // The guard's probes: the requests' locality prompts, against the weights now.
         let loc: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
