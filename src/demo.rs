@@ -89,6 +89,7 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
             ds: DatasetKind::Counterfact,
             limit: None,
             max_length: spec.pretrain.n_positions as usize,
+            capacity: None,
         },
         |_, _| {},
     )?;

@@ -14,6 +14,7 @@ use tracing::info;
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::DevicePlan;
 use crate::eval::{self, RecordMetrics};
+use crate::mend::ls::{KeyMemory, LsConfig, LsEditor};
 use crate::mend::{checkpoint, Editor, Engine};
 use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
 use crate::model::qwen2_vl::{Grid, Qwen2Vl};
@@ -27,6 +28,9 @@ pub enum Method {
     FineTune { lr: f64 },
     /// MEND with a trained editor.
     Mend(Editor),
+    /// MEND's per-edit updates combined by least squares over their keys (MALMEN's
+    /// aggregation, [`crate::mend::ls`]).
+    MendLs(Box<LsEditor>),
 }
 
 impl Method {
@@ -35,6 +39,31 @@ impl Method {
             Method::Unedited => "unedited",
             Method::FineTune { .. } => "ft",
             Method::Mend(_) => "mend",
+            Method::MendLs(_) => "mend-ls",
+        }
+    }
+
+    /// Records that the last edit [`make_edit`] proposed was committed at `scale` (0:
+    /// refused); only `mend-ls` remembers edits.
+    pub fn committed(&mut self, scale: f64) {
+        if let Method::MendLs(ls) = self {
+            ls.memory.commit(scale);
+        }
+    }
+
+    /// Forgets remembered edits (the weights were reset to the loaded ones).
+    pub fn reset(&mut self) {
+        if let Method::MendLs(ls) = self {
+            ls.memory.clear();
+        }
+    }
+
+    /// The MEND editor, for both MEND methods.
+    pub fn editor_mut(&mut self) -> Option<&mut Editor> {
+        match self {
+            Method::Mend(e) => Some(e),
+            Method::MendLs(ls) => Some(&mut ls.editor),
+            _ => None,
         }
     }
 }
@@ -46,6 +75,23 @@ pub enum MethodSpec {
     FineTune { lr: f64 },
     /// MEND with the editor trained into this directory.
     Mend { editor: PathBuf },
+    /// `mend-ls`: that editor's updates combined by least squares ([`crate::mend::ls`]).
+    MendLs {
+        editor: PathBuf,
+        ls: LsConfig,
+        /// Lines of unrelated text whose keys the solve keeps (none: λ only).
+        unrelated: Option<PathBuf>,
+    },
+}
+
+impl MethodSpec {
+    /// The trained editor's directory, for both MEND methods.
+    pub fn editor_dir(&self) -> Option<&Path> {
+        match self {
+            MethodSpec::Mend { editor } | MethodSpec::MendLs { editor, .. } => Some(editor),
+            _ => None,
+        }
+    }
 }
 
 /// Where a model runs and how it is loaded.
@@ -96,12 +142,12 @@ pub fn open_engine(model: &Path, opts: &LoadOptions, edit_names: &[String]) -> R
 /// Opens the engine and the method: with an editor, on the weights it was trained to edit
 /// (a model without them is another model than the editor's, and the error says so).
 pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engine, Method)> {
-    let names = match spec {
-        MethodSpec::Mend { editor } => editor_params(editor)?,
-        _ => Vec::new(),
+    let names = match spec.editor_dir() {
+        Some(editor) => editor_params(editor)?,
+        None => Vec::new(),
     };
     let engine = open_engine(model, opts, &names).map_err(|e| match (spec, e) {
-        (MethodSpec::Mend { editor }, Error::Input(msg)) => Error::file(
+        (MethodSpec::Mend { editor } | MethodSpec::MendLs { editor, .. }, Error::Input(msg)) => Error::file(
             editor.join(checkpoint::EDITOR_JSON),
             format!("editor was trained for another model than {}: {msg}", model.display()),
         ),
@@ -114,6 +160,22 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
             let (ed, meta) = checkpoint::load_editor(editor, &engine)?;
             info!(dir = %editor.display(), step = meta.step, "editor loaded");
             Method::Mend(ed)
+        }
+        MethodSpec::MendLs { editor, ls, unrelated } => {
+            let (ed, meta) = checkpoint::load_editor(editor, &engine)?;
+            info!(dir = %editor.display(), step = meta.step, lambda = ls.lambda, "editor loaded (least-squares aggregation)");
+            let unrelated = match unrelated {
+                Some(path) => {
+                    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+                    let lines: Vec<String> = text.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
+                    if lines.is_empty() {
+                        return Err(Error::file(path, "the unrelated-keys text has no non-empty line"));
+                    }
+                    crate::mend::ls::unrelated_grams(&engine, &lines)?
+                }
+                None => Vec::new(),
+            };
+            Method::MendLs(Box::new(LsEditor { editor: ed, config: *ls, memory: KeyMemory::default(), unrelated }))
         }
     };
     Ok((engine, method))
@@ -142,6 +204,7 @@ pub fn make_edit(engine: &Engine, method: &mut Method, inner: &TokenBatch) -> Re
             let (_, factors) = engine.capture(inner)?;
             engine.edit_low_rank(editor, &factors, false)
         }
+        Method::MendLs(ls) => crate::mend::ls::edit(engine, ls, inner),
     }
 }
 

@@ -1,5 +1,6 @@
 //! dualedit: MEND-style knowledge editing of causal language models on tch (libtorch),
 //! with the edited model's forward passes on a sub-device.
+pub mod capacity;
 pub mod chart;
 pub mod compare;
 pub mod config;

@@ -423,6 +423,8 @@ struct TrainArgs {
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum MethodArg {
     Mend,
+    /// MEND's per-edit updates combined by least squares over their keys (MALMEN-style).
+    MendLs,
     Ft,
     Unedited,
 }
@@ -434,6 +436,17 @@ struct MethodArgs {
     editor: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "mend")]
     method: MethodArg,
+    /// --method mend-ls: ridge weight of the least-squares solve, relative to the mean
+    /// squared norm of the edits' keys.
+    #[arg(long, default_value_t = dualedit::mend::ls::LsConfig::default().lambda)]
+    ls_lambda: f64,
+    /// --method mend-ls: a text file whose lines' keys (layer inputs) the solve keeps,
+    /// MEMIT-style (the edit should not change what the edited layers do there).
+    #[arg(long, value_name = "FILE")]
+    ls_keep_text: Option<PathBuf>,
+    /// --method mend-ls: the weight of each kept key against each edit key.
+    #[arg(long, default_value_t = dualedit::mend::ls::LsConfig::default().cov_weight)]
+    ls_keep_weight: f64,
     /// Step size of the fine-tuning baseline (--method ft).
     #[arg(long, default_value_t = 1e-3)]
     ft_lr: f64,
@@ -446,7 +459,7 @@ impl MethodArgs {
     /// The MEND config the placement is planned with: the trained editor's (from its
     /// editor.json), MEND's defaults for the baselines.
     fn planning_config(&self) -> anyhow::Result<MendConfig> {
-        let Some(dir) = self.editor.as_ref().filter(|_| self.method == MethodArg::Mend) else {
+        let Some(dir) = self.editor.as_ref().filter(|_| matches!(self.method, MethodArg::Mend | MethodArg::MendLs)) else {
             return Ok(MendConfig::default());
         };
         let path = dir.join(dualedit::mend::checkpoint::EDITOR_JSON);
@@ -459,8 +472,17 @@ impl MethodArgs {
     }
 
     fn resolve(&self) -> anyhow::Result<MethodSpec> {
-        if self.editor.is_some() && self.method != MethodArg::Mend {
-            anyhow::bail!("--editor is only used with --method mend");
+        if self.editor.is_some() && !matches!(self.method, MethodArg::Mend | MethodArg::MendLs) {
+            anyhow::bail!("--editor is only used with --method mend or mend-ls");
+        }
+        if self.ls_keep_text.is_some() && self.method != MethodArg::MendLs {
+            anyhow::bail!("--ls-keep-text is only used with --method mend-ls");
+        }
+        if !(self.ls_keep_weight.is_finite() && self.ls_keep_weight >= 0.0) {
+            anyhow::bail!("--ls-keep-weight must be a number >= 0, got {}", self.ls_keep_weight);
+        }
+        if !(self.ls_lambda.is_finite() && self.ls_lambda > 0.0) {
+            anyhow::bail!("--ls-lambda must be a positive number, got {}", self.ls_lambda);
         }
         if !(self.ft_lr.is_finite() && self.ft_lr > 0.0) {
             anyhow::bail!("--ft-lr must be a positive number, got {}", self.ft_lr);
@@ -468,6 +490,11 @@ impl MethodArgs {
         Ok(match self.method {
             MethodArg::Mend => MethodSpec::Mend {
                 editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend needs --editor DIR"))?,
+            },
+            MethodArg::MendLs => MethodSpec::MendLs {
+                editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend-ls needs --editor DIR"))?,
+                ls: dualedit::mend::ls::LsConfig { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight },
+                unrelated: self.ls_keep_text.clone(),
             },
             MethodArg::Ft => MethodSpec::FineTune { lr: self.ft_lr },
             MethodArg::Unedited => MethodSpec::Unedited,
@@ -493,6 +520,13 @@ struct EditArgs {
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    guard: GuardArgs,
+}
+
+/// The commit guard and stepwise flags of `edit` and of `eval --edits-per-batch / --sequential`.
+#[derive(Args)]
+struct GuardArgs {
     /// Commit every edit as the editor makes it: no guard on the locality prompts.
     #[arg(long)]
     no_guard: bool,
@@ -517,6 +551,23 @@ struct EditArgs {
     stepwise: bool,
 }
 
+impl GuardArgs {
+    fn config(&self) -> Option<dualedit::mend::guard::GuardConfig> {
+        (!self.no_guard).then(|| dualedit::mend::guard::GuardConfig {
+            min_agreement: self.guard_min_agreement,
+            max_drop: self.guard_max_drop,
+            max_kl: self.guard_max_kl,
+            scale_back: !self.guard_refuse,
+            shrink: self.guard_shrink,
+            ..Default::default()
+        })
+    }
+
+    fn stepwise(&self) -> Option<dualedit::mend::stepwise::Stepwise> {
+        self.stepwise.then(dualedit::mend::stepwise::Stepwise::default)
+    }
+}
+
 #[derive(Args)]
 struct EvalArgs {
     #[command(flatten)]
@@ -535,6 +586,20 @@ struct EvalArgs {
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
+    /// Capacity: edit the records in groups of N, each group in one batch edit from the
+    /// unedited model, and measure all N after it.
+    #[arg(long, value_name = "N", conflicts_with = "sequential", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    edits_per_batch: Option<usize>,
+    /// Capacity: edit the records in groups of N, one after another (each committed, the
+    /// guard as configured), and measure all N after the group's last edit.
+    #[arg(long, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    sequential: Option<usize>,
+    /// Capacity: a text file whose lines are the unrelated texts whose NLL drift is
+    /// reported (lines naming an edited subject are skipped; default: the locality prompts).
+    #[arg(long, value_name = "FILE")]
+    drift_text: Option<PathBuf>,
+    #[command(flatten)]
+    guard: GuardArgs,
 }
 
 fn score(args: ScoreArgs) -> anyhow::Result<()> {
@@ -641,15 +706,8 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
         sequential: a.sequential,
         save: a.save,
         max_length: a.method.max_length,
-        guard: (!a.no_guard).then(|| dualedit::mend::guard::GuardConfig {
-            min_agreement: a.guard_min_agreement,
-            max_drop: a.guard_max_drop,
-            max_kl: a.guard_max_kl,
-            scale_back: !a.guard_refuse,
-            shrink: a.guard_shrink,
-            ..Default::default()
-        }),
-        stepwise: a.stepwise.then(dualedit::mend::stepwise::Stepwise::default),
+        guard: a.guard.config(),
+        stepwise: a.guard.stepwise(),
     };
     let (out, path) = run::run_edit(&opts)?;
     if a.json {
@@ -691,7 +749,23 @@ fn eval_options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
         ds: dataset(&a.ds)?,
         limit: a.limit,
         max_length: a.method.max_length,
+        capacity: capacity_options(a)?,
     })
+}
+
+fn capacity_options(a: &EvalArgs) -> anyhow::Result<Option<run::CapacityOptions>> {
+    use dualedit::capacity::Grouping;
+    let grouping = match (a.edits_per_batch, a.sequential) {
+        (Some(n), _) => Grouping::Batch(n),
+        (None, Some(n)) => Grouping::Sequential(n),
+        (None, None) => {
+            if a.drift_text.is_some() || a.guard.stepwise || a.guard.no_guard {
+                anyhow::bail!("--drift-text, --stepwise and the guard flags of eval need --edits-per-batch N or --sequential N");
+            }
+            return Ok(None);
+        }
+    };
+    Ok(Some(run::CapacityOptions { grouping, guard: a.guard.config(), stepwise: a.guard.stepwise(), drift_text: a.drift_text.clone() }))
 }
 
 fn compare(c: CompareCmd) -> anyhow::Result<()> {
@@ -742,11 +816,27 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
     if a.json {
         let mut v = serde_json::to_value(&out.summary)?;
         v["method"] = serde_json::Value::from(out.method.clone());
+        if let Some(c) = &out.capacity {
+            v["capacity"] = serde_json::to_value(c)?;
+        }
         v["data"] = serde_json::to_value(&out.data)?;
         v["report"] = serde_json::Value::from(path.display().to_string());
         println!("{v}");
     } else {
         println!("method {}", out.method);
+        if let Some(c) = &out.capacity {
+            let (mode, n) = match c.grouping {
+                dualedit::capacity::Grouping::Batch(n) => ("in one batch", n),
+                dualedit::capacity::Grouping::Sequential(n) => ("one after another", n),
+            };
+            println!("{} group(s) of up to {n} edits {mode}, measured after each group's last edit; {:.4} s per edit", c.groups, c.seconds_per_edit);
+            if let Some(d) = &c.drift {
+                println!("unrelated-text NLL ({} texts): {:.4} -> {:.4} ({:+.4})", d.texts, d.nll_before, d.nll_after, d.nll_after - d.nll_before);
+            }
+            if c.guard_accepted + c.guard_scaled + c.guard_refused > 0 {
+                println!("guard: {} accepted, {} scaled back, {} refused", c.guard_accepted, c.guard_scaled, c.guard_refused);
+            }
+        }
         print_summary(&out.summary);
         println!("report: {}", path.display());
     }
@@ -913,7 +1003,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     let dtype = parse_dtype(&a.dtype)?;
-    let method = MethodArgs { editor: a.editor.clone(), method: MethodArg::Mend, ft_lr: 1e-3, max_length: 512 };
+    let method = MethodArgs { editor: a.editor.clone(), method: MethodArg::Mend, ls_lambda: dualedit::mend::ls::LsConfig::default().lambda, ls_keep_text: None, ls_keep_weight: dualedit::mend::ls::LsConfig::default().cov_weight, ft_lr: 1e-3, max_length: 512 };
     let config = if a.editor.is_some() { method.planning_config()? } else { MendConfig::default() };
     let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
     let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype, seed: 0 };

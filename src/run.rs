@@ -8,6 +8,7 @@ use serde::Serialize;
 use tch::Kind;
 use tracing::info;
 
+use crate::capacity::{self, CapacityReport, Grouping};
 use crate::config::MendConfig;
 use crate::data::easyedit::{load_records, DatasetKind, EditRecord};
 use crate::data::multimodal::{load_mm, prepare_mm, ImageRoots, VlPrompt};
@@ -290,11 +291,30 @@ pub struct EvalOptions {
     pub ds: DatasetKind,
     pub limit: Option<usize>,
     pub max_length: usize,
+    /// Capacity measurement ([`crate::capacity`]) instead of each record alone.
+    pub capacity: Option<CapacityOptions>,
+}
+
+/// `dualedit eval --edits-per-batch N | --sequential N`: groups of N records edited
+/// together or one after another, measured after each group's last edit.
+#[derive(Debug, Clone)]
+pub struct CapacityOptions {
+    pub grouping: Grouping,
+    /// The commit guard on the groups' locality prompts.
+    pub guard: Option<crate::mend::guard::GuardConfig>,
+    /// Sequential only: stepwise edits ([`crate::mend::stepwise`]).
+    pub stepwise: Option<crate::mend::stepwise::Stepwise>,
+    /// A text file whose lines are the unrelated texts of the NLL drift (default: the
+    /// groups' locality prompts with their answers).
+    pub drift_text: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalOutput {
     pub method: String,
+    /// The capacity measurement's grouping, time per edit, drift and guard counts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<CapacityReport>,
     #[serde(flatten)]
     pub summary: Summary,
     pub records: Vec<RecordMetrics>,
@@ -307,6 +327,9 @@ pub struct EvalOutput {
 /// Edits each record from the unedited model and measures it (EasyEdit's protocol).
 pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
     check_report_path(o.common.report.as_deref(), &[&o.data])?;
+    if let Some(c) = &o.capacity {
+        return run_capacity(o, c, on_record);
+    }
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
     let (engine, mut method) = edit::open(&o.common.model, &o.common.load_options(), &o.method)?;
@@ -316,10 +339,48 @@ pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics
     let t1 = Instant::now();
     let records = crate::edit::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, m))?;
     tracker.mark("eval")?;
-    let out = EvalOutput { method: method.name().into(), summary: Summary::of(&records), records, data };
+    let out = EvalOutput { method: method.name().into(), capacity: None, summary: Summary::of(&records), records, data };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("eval"));
     let path = report("eval", &o.common, &engine, out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
+    Ok((out, path))
+}
+
+/// [`run_eval`] with groups ([`crate::capacity::measure`]) through a [`Session`].
+fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
+    let unrelated: Vec<String> = match &c.drift_text {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
+            let lines: Vec<String> = text.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
+            if lines.is_empty() {
+                return Err(Error::file(p, "--drift-text has no non-empty line"));
+            }
+            lines
+        }
+        None => Vec::new(),
+    };
+    let t0 = Instant::now();
+    let mut tracker = MemoryTracker::new(&o.common.plan.roles());
+    let mut session = Session::open_method(&o.common.model, &o.method, &o.common.load_options())?;
+    tracker.mark("load")?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let (records, examples, data) =
+        load_examples(session.engine(), &o.data, o.ds, o.limit, o.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
+    session.guard = c.guard.clone();
+    session.stepwise = c.stepwise.clone();
+    let t1 = Instant::now();
+    let mut done = 0;
+    let (records, cap) = capacity::measure(&mut session, &records, &examples, c.grouping, &unrelated, |_, ms| {
+        for m in ms {
+            on_record(done, m);
+            done += 1;
+        }
+    })?;
+    tracker.mark("eval")?;
+    let out = EvalOutput { method: session.method_name().into(), capacity: Some(cap), summary: Summary::of(&records), records, data };
+    let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
+    let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("eval"));
+    let path = report("eval", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
     Ok((out, path))
 }
 

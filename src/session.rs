@@ -150,9 +150,7 @@ impl Session {
     pub fn open_method(model: &Path, spec: &MethodSpec, opts: &SessionOptions) -> Result<Self> {
         let (engine, method) = edit::open(model, opts, spec)?;
         let mut s = Self::with_method(engine, Some(method));
-        if let MethodSpec::Mend { editor } = spec {
-            s.editor_dir = Some(editor.clone());
-        }
+        s.editor_dir = spec.editor_dir().map(Path::to_path_buf);
         Ok(s)
     }
 
@@ -199,6 +197,11 @@ impl Session {
 
     pub fn editor_dir(&self) -> Option<&Path> {
         self.editor_dir.as_deref()
+    }
+
+    /// The edit method's name (`mend`, `ft`, ...; `none` without an editor).
+    pub fn method_name(&self) -> &'static str {
+        self.method.as_ref().map_or("none", Method::name)
     }
 
     pub fn has_editor(&self) -> bool {
@@ -360,6 +363,10 @@ impl Session {
         if examples.is_empty() {
             return Err(Error::input("no edit requests"));
         }
+        if self.stepwise.is_some() && matches!(method, Method::MendLs(_)) {
+            // Each step would remember the same edit again: mend-ls composes by re-solving.
+            return Err(Error::input("stepwise edits are for --method mend; mend-ls re-solves over all edits instead"));
+        }
         let refs: Vec<&EditExample> = examples.iter().collect();
         // The guard's probes: the requests' locality prompts, against the weights now.
         let loc: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
@@ -370,6 +377,8 @@ impl Session {
         if self.guard.is_some() && probes.is_none() {
             tracing::warn!("no request has a locality prompt: the commit guard has nothing to measure and is off");
         }
+        // Whether `checked` measures (and reports) each edit.
+        let guarded = probes.is_some();
         let mut reports = Vec::new();
         let checked = |engine: &Engine, ov: Overrides, inner: &TokenBatch, reports: &mut Vec<GuardReport>| -> Result<Option<Overrides>> {
             let (Some(cfg), Some(p)) = (&self.guard, &probes) else { return Ok(Some(ov)) };
@@ -399,6 +408,7 @@ impl Session {
                     };
                     if let Some(ov) = checked(&self.engine, overrides, &inner, &mut reports)? {
                         commit(&mut self.engine, &mut self.originals, &ov)?;
+                        method.committed(if guarded { reports.last().map_or(1.0, |r| r.scale) } else { 1.0 });
                     }
                     if self.stepwise.is_none() || guard::makes_edit(&self.engine, &Overrides::new(), &inner)? {
                         break;
@@ -412,7 +422,13 @@ impl Session {
             let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
             let batch = self.engine.collate(&inner)?;
             let overrides = edit::make_edit(&self.engine, method, &batch)?;
-            let overrides = checked(&self.engine, overrides, &batch, &mut reports)?.unwrap_or_default();
+            let kept = checked(&self.engine, overrides, &batch, &mut reports)?;
+            method.committed(match (&kept, guarded) {
+                (None, _) => 0.0,
+                (Some(_), true) => reports.last().map_or(1.0, |r| r.scale),
+                (Some(_), false) => 1.0,
+            });
+            let overrides = kept.unwrap_or_default();
             let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
             let m = {
                 let images = self.engine.images(&eval::all_views(&refs))?;
@@ -503,6 +519,9 @@ impl Session {
         self.engine.commit(&originals)?;
         self.originals.clear();
         self.edits_total = 0;
+        if let Some(m) = self.method.as_mut() {
+            m.reset();
+        }
         Ok(n)
     }
 

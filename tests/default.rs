@@ -76,6 +76,7 @@ fn shipped_default_meets_its_targets() {
         ds: dualedit::data::DatasetKind::Counterfact,
         limit: None,
         max_length: 64,
+        capacity: None,
     };
     let (out, _) = run_eval(&opts, |_, _| {}).unwrap();
     let s = &out.summary;

@@ -63,6 +63,7 @@ fn split_training_and_evaluation_match_single_device() {
         ds: DatasetKind::Counterfact,
         limit: None,
         max_length: 64,
+        capacity: None,
     };
     let c = compare_eval(&eval, split, dir.path()).unwrap();
     assert!(c.metrics_agree, "eval: max relative difference {}", c.max_relative_difference);

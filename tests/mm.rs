@@ -198,6 +198,7 @@ fn image_training_and_evaluation_match_between_single_and_dual_on_cpu() {
         ds: DatasetKind::Vqa,
         limit: Some(2),
         max_length: 200,
+        capacity: None,
     };
     let c = compare_eval(&eval, split, dir.path()).unwrap();
     for k in ["reliability", "generalization", "locality", "image_generalization", "image_locality"] {

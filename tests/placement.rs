@@ -121,6 +121,7 @@ fn layer_split_trains_and_evaluates_as_one_device() {
                 ds: DatasetKind::Counterfact,
                 limit: None,
                 max_length: 64,
+                capacity: None,
             };
             let c = compare_eval(&eval, balanced(0), dir.path()).unwrap();
             assert_agree(&c, "gpt2 eval, layer split at block 0");

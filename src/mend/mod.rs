@@ -3,6 +3,7 @@
 pub mod checkpoint;
 pub mod editor;
 pub mod guard;
+pub mod ls;
 pub mod stepwise;
 pub mod losses;
 pub mod optim;
@@ -300,12 +301,29 @@ impl Engine {
     /// (issue #24: 5 requests in one batch reached 0.47 reliability, each 1.0 alone).
     /// Runs with gradients enabled even when called under `no_grad` (evaluation).
     pub fn capture(&self, batch: &TokenBatch) -> Result<(f64, Vec<Factors>)> {
+        let (nll, factors, _) = self.capture_by_example(batch, &HashMap::new())?;
+        Ok((nll, factors))
+    }
+
+    /// [`Engine::capture`] with, per edited weight, the batch example each factor row came
+    /// from (`[R]` int64, on the factors' device): what [`crate::mend::ls`] needs to tell
+    /// one edit's rows from another's. `at`: edited weights to capture at instead of the
+    /// current ones (by name; the others as they are), e.g. the weights before a run of
+    /// edits.
+    pub fn capture_by_example(&self, batch: &TokenBatch, at: &HashMap<String, Tensor>) -> Result<(f64, Vec<Factors>, Vec<Tensor>)> {
+        let b = batch.batch_size().max(1);
         let entry = self.boundary(batch)?;
         crate::error::guard(|| tch::with_grad(|| {
             let overrides: Overrides = self
                 .edit_params
                 .iter()
-                .map(|p| Ok((p.name.clone(), self.weight(&p.name)?.detach().set_requires_grad(true))))
+                .map(|p| {
+                    let w = match at.get(&p.name) {
+                        Some(w) => w,
+                        None => self.weight(&p.name)?,
+                    };
+                    Ok((p.name.clone(), w.detach().set_requires_grad(true)))
+                })
                 .collect::<Result<_>>()?;
             let view = ParamView::new(&self.lm.params, Some(&overrides));
             let out = self.lm.model.forward_hidden(&view, &Self::input_from(batch, &self.capture_set, entry.as_ref()))?;
@@ -332,6 +350,7 @@ impl Engine {
                 .collect::<Option<_>>()
                 .ok_or_else(|| Error::Torch("an edited layer was not captured".into()))?;
             let deltas = Tensor::f_run_backward(&[&loss], &hs, false, false)?;
+            let mut examples = Vec::with_capacity(self.edit_params.len());
             let factors = self
                 .edit_params
                 .iter()
@@ -339,10 +358,13 @@ impl Engine {
                 .map(|(p, delta)| {
                     let (d_in, d_out) = p.in_out();
                     let x = out.captures[&p.name].x.detach().reshape([-1, d_in]).to_kind(Kind::Float);
+                    // Rows are the batch's examples one after another, each `rows_per` long.
+                    let rows_per = (x.size()[0] / b).max(1);
                     let delta = delta.reshape([-1, d_out]).to_kind(Kind::Float);
                     // Padding rows and rows after the last scored token carry no gradient.
                     let rows = x.ne(0.0).any_dim(1, false).logical_and(&delta.ne(0.0).any_dim(1, false));
                     let idx = rows.nonzero().squeeze_dim(1);
+                    examples.push(self.from_weight_side(&idx.divide_scalar_mode(rows_per, "floor")));
                     // The editor is on the main device: under a layer split the factors
                     // (rows with signal only) cross to it.
                     Factors {
@@ -351,8 +373,27 @@ impl Engine {
                     }
                 })
                 .collect();
-            Ok((nll, factors))
+            Ok((nll, factors, examples))
         }))
+    }
+
+    /// The inputs of every edited weight's layer at the batch's real (unpadded) tokens,
+    /// `[R, d_in]` f32 per edited weight, under the current weights, on the main device.
+    pub fn layer_inputs(&self, batch: &TokenBatch) -> Result<Vec<Tensor>> {
+        let _g = tch::no_grad_guard();
+        let out = self.lm.model.forward_hidden(&ParamView::frozen(&self.lm.params), &batch.forward_input(&self.capture_set))?;
+        crate::error::guard(|| {
+            let real = batch.attention_mask.reshape([-1]).ne(0).nonzero().squeeze_dim(1);
+            self.edit_params
+                .iter()
+                .map(|p| {
+                    let (d_in, _) = p.in_out();
+                    let x = out.captures.get(&p.name).ok_or_else(|| Error::Torch("an edited layer was not captured".into()))?;
+                    let x = self.from_weight_side(&x.x.reshape([-1, d_in]).to_kind(Kind::Float));
+                    Ok(x.index_select(0, &real.to_device(x.device())))
+                })
+                .collect()
+        })
     }
 
     /// The frozen weight `name` on the main device.

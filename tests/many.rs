@@ -1,0 +1,158 @@
+//! Many edits on the embedded default (issue #24): `mend-ls` keeps five sequential edits
+//! and the unrelated prompts' answers, sequential `mend-ls` is the batch by construction,
+//! the guard refuses a destructive edit, and `eval --edits-per-batch / --sequential`
+//! reaches the targets at the size a CI run affords (10 edits).
+//!
+//! The requests are `tests/fixtures/many/distinct-10.json`, written by
+//! `scripts/seq_requests.py tests/fixtures/many 10` from the embedded world: one record per
+//! fact, locality prompts that no request edits.
+mod common;
+use std::path::{Path, PathBuf};
+
+use dualedit::capacity::Grouping;
+use dualedit::data::easyedit::{load_records, DatasetKind, EditRecord};
+use dualedit::data::examples::prepare;
+use dualedit::device::DevicePlan;
+use dualedit::edit::{LoadOptions, MethodSpec};
+use dualedit::mend::guard::{Decision, GuardConfig};
+use dualedit::mend::ls::LsConfig;
+use dualedit::run::{run_eval, CapacityOptions, Common, EvalOptions};
+use dualedit::session::Session;
+use tch::{Device, Kind};
+
+fn root() -> PathBuf {
+    common::init();
+    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
+}
+
+fn requests() -> PathBuf {
+    root().join("tests/fixtures/many/distinct-10.json")
+}
+
+/// The world's corpus without the lines that state a fact the requests edit: the unrelated
+/// text whose keys `mend-ls` keeps (as MEMIT keeps generic text's key covariance).
+fn keep_text(records: &[EditRecord], dir: &Path) -> PathBuf {
+    let corpus = std::fs::read_to_string(root().join("data/world/corpus.txt")).unwrap();
+    let states = |l: &str| {
+        records.iter().any(|r| r.subject.as_deref().is_some_and(|s| l.contains(s)) && r.ground_truth.as_deref().is_some_and(|g| l.contains(g)))
+    };
+    let kept: Vec<&str> = corpus.lines().filter(|l| !states(l)).collect();
+    assert!(kept.len() > 500, "most of the corpus is unrelated to 10 edits");
+    let path = dir.join("keep.txt");
+    std::fs::write(&path, kept.join("\n")).unwrap();
+    path
+}
+
+fn ls_spec(keep: PathBuf) -> MethodSpec {
+    MethodSpec::MendLs { editor: root().join("data/editor"), ls: LsConfig::default(), unrelated: Some(keep) }
+}
+
+fn session(spec: &MethodSpec) -> Session {
+    Session::open_method(&root().join("data/model"), spec, &LoadOptions::default()).unwrap()
+}
+
+#[test]
+fn five_sequential_ls_edits_keep_their_answers_and_the_unrelated_prompts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (records, _) = load_records(&requests(), DatasetKind::Requests).unwrap();
+    let records = &records[..5];
+    let mut s = session(&ls_spec(keep_text(records, dir.path())));
+    let examples = prepare(&s.engine().lm.tokenizer, records, 32, &requests()).unwrap();
+    let out = s.edit_examples(records, &examples, true).unwrap();
+    assert_eq!(out.edits_total, 5);
+    // After the fifth edit, every request answers its new target, and the locality
+    // prompts (facts no request edits) answer as the unedited model did.
+    for r in &out.requests {
+        assert!(r.metrics.edit_success, "{:?} -> {:?} now answers {:?}", r.prompt, r.target_new, r.answer_after);
+        assert_eq!(r.answer_after.trim(), r.target_new.trim());
+    }
+    let loc = out.summary.locality.unwrap();
+    assert!(loc >= 0.9, "locality of the unrelated prompts after 5 sequential edits: {loc}");
+    // The same five edits summed as MEND makes them break the model (the issue's defect),
+    // so the test above is one that summed edits fail.
+    let mut plain = session(&MethodSpec::Mend { editor: root().join("data/editor") });
+    let summed = plain.edit_examples(records, &examples, true).unwrap().summary;
+    assert!(summed.reliability < 0.8 || summed.locality.unwrap() < 0.9, "summed MEND: {summed:?}");
+}
+
+#[test]
+fn sequential_ls_edits_are_the_batch_of_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (records, _) = load_records(&requests(), DatasetKind::Requests).unwrap();
+    let records = &records[..4];
+    let spec = ls_spec(keep_text(records, dir.path()));
+    let (mut seq, mut batch) = (session(&spec), session(&spec));
+    let examples = prepare(&seq.engine().lm.tokenizer, records, 32, &requests()).unwrap();
+    seq.edit_examples(records, &examples, true).unwrap();
+    batch.edit_examples(records, &examples, false).unwrap();
+    for p in &seq.engine().edit_params {
+        let (a, b) = (seq.engine().weight(&p.name).unwrap(), batch.engine().weight(&p.name).unwrap());
+        let rel = (a - b).norm().double_value(&[]) / b.norm().double_value(&[]);
+        assert!(rel < 1e-4, "{}: sequential and batch weights differ by {rel}", p.name);
+    }
+    // And a reset forgets the remembered edits: the next edit starts from nothing.
+    seq.reset().unwrap();
+    let one = seq.edit_examples(&records[..1], &examples[..1], true).unwrap();
+    let mut fresh = session(&spec);
+    let alone = fresh.edit_examples(&records[..1], &examples[..1], true).unwrap();
+    assert_eq!(one.requests[0].answer_after, alone.requests[0].answer_after);
+}
+
+#[test]
+fn guard_refuses_a_destructive_sequential_edit_on_the_embedded_default() {
+    let (records, _) = load_records(&requests(), DatasetKind::Requests).unwrap();
+    let records = &records[..5];
+    let mut s = session(&MethodSpec::Mend { editor: root().join("data/editor") });
+    s.guard = Some(GuardConfig { scale_back: false, ..GuardConfig::default() });
+    let examples = prepare(&s.engine().lm.tokenizer, records, 32, &requests()).unwrap();
+    let out = s.edit_examples(records, &examples, true).unwrap();
+    assert_eq!(out.guard.len(), 5);
+    let refused: Vec<_> = out.guard.iter().filter(|g| g.decision == Decision::Refused).collect();
+    assert!(!refused.is_empty(), "summed MEND edits one after another break the probes; the guard refuses some");
+    for g in &refused {
+        assert!(g.full.agreement < 0.9 || g.full.kl > 1.0, "refused only what breaks the probes: {}", g.message);
+        assert_eq!(g.after, g.before, "a refused edit commits nothing");
+    }
+    assert!(out.summary.locality.unwrap() >= 0.9, "the model the guard leaves keeps the unrelated answers");
+}
+
+fn capacity(grouping: Grouping, keep: PathBuf, report: PathBuf) -> dualedit::run::EvalOutput {
+    let opts = EvalOptions {
+        common: Common {
+            model: root().join("data/model"),
+            plan: DevicePlan::single(Device::Cpu),
+            dtype: Kind::Float,
+            seed: 0,
+            report: Some(report),
+            over_long: Default::default(),
+            image_roots: None,
+        },
+        method: ls_spec(keep),
+        data: requests(),
+        ds: DatasetKind::Counterfact,
+        limit: None,
+        max_length: 32,
+        capacity: Some(CapacityOptions { grouping, guard: None, stepwise: None, drift_text: Some(root().join("data/world/corpus.txt")) }),
+    };
+    run_eval(&opts, |_, _| {}).unwrap().0
+}
+
+#[test]
+fn ten_edits_in_one_batch_and_one_after_another_reach_the_targets() {
+    let dir = tempfile::tempdir().unwrap();
+    let (records, _) = load_records(&requests(), DatasetKind::Requests).unwrap();
+    let keep = keep_text(&records, dir.path());
+    for g in [Grouping::Batch(10), Grouping::Sequential(10)] {
+        let out = capacity(g, keep.clone(), dir.path().join("report.json"));
+        let _ = std::fs::remove_file(dir.path().join("report.json"));
+        let c = out.capacity.as_ref().unwrap();
+        assert_eq!((out.summary.n, c.groups), (10, 1));
+        let (rel, loc) = (out.summary.reliability, out.summary.locality.unwrap());
+        let want = if matches!(g, Grouping::Batch(_)) { 0.9 } else { 0.8 };
+        assert!(rel >= want && loc >= 0.9, "{g:?}: reliability {rel}, locality {loc}");
+        let d = c.drift.as_ref().unwrap();
+        assert!(d.texts > 700, "corpus lines naming an edited subject are left out of the drift: {}", d.texts);
+        assert!(d.nll_after - d.nll_before < 0.1, "{g:?}: unrelated-text NLL {} -> {}", d.nll_before, d.nll_after);
+        assert!(c.seconds_per_edit > 0.0);
+    }
+}
