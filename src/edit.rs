@@ -51,6 +51,21 @@ impl Method {
         }
     }
 
+    /// The remembered edits (only `mend-ls` has any), for [`Method::restore`].
+    pub fn snapshot(&self) -> Option<KeyMemory> {
+        match self {
+            Method::MendLs(ls) => Some(ls.memory.snapshot()),
+            _ => None,
+        }
+    }
+
+    /// Puts back the remembered edits of a [`Method::snapshot`] (a failed edit call).
+    pub fn restore(&mut self, snapshot: Option<KeyMemory>) {
+        if let (Method::MendLs(ls), Some(m)) = (self, snapshot) {
+            ls.memory = m;
+        }
+    }
+
     /// Forgets remembered edits (the weights were reset to the loaded ones).
     pub fn reset(&mut self) {
         if let Method::MendLs(ls) = self {

@@ -310,15 +310,19 @@ impl Session {
     /// All or nothing: when anything fails after a commit (a later request of a
     /// sequential call, the measurement, an answer), every weight this call changed is put
     /// back as it was before the call (the exact tensors, on both devices), and
-    /// [`Session::edits_total`] and what [`Session::reset`] restores are as before; the
-    /// error is returned.
+    /// [`Session::edits_total`], what [`Session::reset`] restores and the edits `mend-ls`
+    /// remembers are as before; the error is returned.
     pub fn edit_examples(&mut self, records: &[EditRecord], examples: &[EditExample], sequential: bool) -> Result<EditOutcome> {
         // The tensors of every weight this call replaces, taken before its first change.
         let mut before_call: HashMap<String, Tensor> = HashMap::new();
         let had_original: std::collections::HashSet<String> = self.originals.keys().cloned().collect();
         let total = self.edits_total;
+        let remembered = self.method.as_ref().and_then(Method::snapshot);
         let result = self.apply_examples(records, examples, sequential, &mut before_call);
         let Err(e) = result else { return result };
+        if let Some(m) = self.method.as_mut() {
+            m.restore(remembered);
+        }
         if before_call.is_empty() {
             return Err(e);
         }

@@ -99,6 +99,29 @@ fn sequential_ls_edits_are_the_batch_of_them() {
 }
 
 #[test]
+fn a_failed_ls_edit_call_forgets_what_it_remembered() {
+    let dir = tempfile::tempdir().unwrap();
+    let (records, _) = load_records(&requests(), DatasetKind::Requests).unwrap();
+    let records = &records[..4];
+    let spec = ls_spec(keep_text(records, dir.path()));
+    let (mut s, mut batch) = (session(&spec), session(&spec));
+    let examples = prepare(&s.engine().lm.tokenizer, records, 32, &requests()).unwrap();
+    s.edit_examples(&records[..2], &examples[..2], true).unwrap();
+    // The call fails after its first commit: weights and the remembered edits go back.
+    s.inject_fault_after_commits(Some(1));
+    assert!(s.edit_examples(&records[2..], &examples[2..], true).is_err());
+    s.inject_fault_after_commits(None);
+    s.edit_examples(&records[2..], &examples[2..], true).unwrap();
+    // Had the failed call's edit stayed remembered, the re-solve would count it twice.
+    batch.edit_examples(records, &examples, false).unwrap();
+    for p in &s.engine().edit_params {
+        let (a, b) = (s.engine().weight(&p.name).unwrap(), batch.engine().weight(&p.name).unwrap());
+        let rel = (a - b).norm().double_value(&[]) / b.norm().double_value(&[]);
+        assert!(rel < 1e-4, "{}: after a failed call the edits differ from the batch by {rel}", p.name);
+    }
+}
+
+#[test]
 fn guard_refuses_a_destructive_sequential_edit_on_the_embedded_default() {
     let (records, _) = load_records(&requests(), DatasetKind::Requests).unwrap();
     let records = &records[..5];

@@ -105,7 +105,19 @@ pub struct KeyMemory {
     pending: Option<Vec<Layer>>,
 }
 
+impl Layer {
+    fn shallow(&self) -> Layer {
+        Layer { k: self.k.as_ref().map(Tensor::shallow_clone), t: self.t.as_ref().map(Tensor::shallow_clone), s: self.s.as_ref().map(Tensor::shallow_clone) }
+    }
+}
+
 impl KeyMemory {
+    /// The committed edits, sharing their tensors (a commit replaces them, never changes
+    /// them in place): what a failed edit call puts back ([`crate::session::Session::edit_examples`]).
+    pub fn snapshot(&self) -> KeyMemory {
+        KeyMemory { layers: self.layers.iter().map(Layer::shallow).collect(), pending: None }
+    }
+
     /// Forgets every edit (the session was reset to its loaded weights).
     pub fn clear(&mut self) {
         *self = Self::default();
