@@ -256,6 +256,9 @@ struct PretrainArgs {
     /// The visual world folder (with --vl).
     #[arg(long, requires = "vl")]
     world: Option<PathBuf>,
+    /// With --vl: the vision tower's learning rate as a share of --lr (default 0.02).
+    #[arg(long, requires = "vl")]
+    vision_lr_scale: Option<f64>,
     /// Output model directory.
     #[arg(long)]
     out: PathBuf,
@@ -272,7 +275,7 @@ struct PretrainArgs {
     n_head: Option<i64>,
     #[arg(long, default_value_t = 64)]
     n_positions: i64,
-    /// Default 4000 (text) or the multimodal default's 3000 (--vl).
+    /// Default 4000 (text) or the multimodal default's 2000 (--vl).
     #[arg(long)]
     steps: Option<usize>,
     #[arg(long, default_value_t = 32)]
@@ -830,6 +833,7 @@ fn pretrain_vl(a: PretrainArgs) -> anyhow::Result<()> {
         steps: a.steps.unwrap_or(d.steps),
         batch_size: a.batch,
         lr: a.lr.unwrap_or(d.lr),
+        vision_lr_scale: a.vision_lr_scale.unwrap_or(d.vision_lr_scale),
         hidden: a.n_embd.unwrap_or(d.hidden),
         layers: a.n_layer.unwrap_or(d.layers),
         heads: a.n_head.unwrap_or(d.heads),

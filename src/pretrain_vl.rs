@@ -47,6 +47,12 @@ pub struct VlPretrainConfig {
     pub steps: usize,
     pub batch_size: usize,
     pub lr: f64,
+    /// The vision tower's learning rate as a share of `lr`. At the full rate the tower and
+    /// merger learn within 50 steps to emit one large constant vector for every image
+    /// (the spread of features across images falls from 35 % to 9 % of their norm), and
+    /// the decoder never learns to read the pictures; a slower tower keeps its features
+    /// image-specific while the decoder learns to use them (BENCHMARKS.md, #22).
+    pub vision_lr_scale: f64,
     pub seed: u64,
     /// Stop once the probe accuracy (original renders, rephrase renders and text facts,
     /// each) reaches this; `None` runs every step.
@@ -64,9 +70,10 @@ impl Default for VlPretrainConfig {
             heads: 4,
             vision_width: 48,
             vision_depth: 2,
-            steps: 3000,
+            steps: 2000,
             batch_size: 32,
             lr: 3e-3,
+            vision_lr_scale: 0.02,
             seed: 7,
             target_accuracy: Some(0.99),
             probe_every: 250,
@@ -272,8 +279,9 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     let data = build_data(&corpus, world, &tok, VlPrompt { vl: &vl, proc: &proc }, 400)?;
     tch::manual_seed(cfg.seed as i64);
     let store = random_params(&model, device, Kind::Float);
-    let trainable: Vec<Tensor> = store.iter().map(|(_, t)| t.set_requires_grad(true)).collect();
-    let mut adam = Adam::new(vec![(cfg.lr, trainable)]);
+    let (vision, text): (Vec<_>, Vec<_>) = store.iter().partition(|(n, _)| n.starts_with("visual."));
+    let grad = |v: Vec<(&String, &Tensor)>| -> Vec<Tensor> { v.into_iter().map(|(_, t)| t.set_requires_grad(true)).collect() };
+    let mut adam = Adam::new(vec![(cfg.lr, grad(text)), (cfg.lr * cfg.vision_lr_scale, grad(vision))]);
     let pad = tok.pad_id();
     let mut rng = SplitMix64::new(cfg.seed, 78);
     let mut order: Vec<usize> = (0..data.train.len()).collect();
@@ -291,7 +299,9 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
         Ok(())
     };
     while steps < cfg.steps {
-        adam.groups[0].lr = cfg.lr * crate::config::LrSchedule::Cosine.factor(steps, cfg.steps);
+        let factor = crate::config::LrSchedule::Cosine.factor(steps, cfg.steps);
+        adam.groups[0].lr = cfg.lr * factor;
+        adam.groups[1].lr = cfg.lr * cfg.vision_lr_scale * factor;
         let mut batch = Vec::with_capacity(cfg.batch_size);
         while batch.len() < cfg.batch_size {
             if cursor == order.len() {

@@ -30,6 +30,7 @@ fn tiny_config() -> VlPretrainConfig {
         steps: 120,
         batch_size: 8,
         lr: 3e-3,
+        vision_lr_scale: 0.1,
         seed: 11,
         target_accuracy: None,
         probe_every: 60,
