@@ -67,6 +67,14 @@ pub fn build_default_vl(root: &Path, spec: &VlBuildSpec, device: Device) -> Resu
         over_long: Default::default(),
         image_roots: Some(ImageRoots::new(world_dir(root), None)),
     };
+    // A rebuild replaces the editor an earlier build wrote here (`run_train` refuses an
+    // existing editor, which protects a user's `--out`; this folder is the build's own).
+    for f in [crate::mend::checkpoint::EDITOR_FILE, crate::mend::checkpoint::STATE_FILE, crate::mend::checkpoint::EDITOR_JSON] {
+        let path = editor_dir(root).join(f);
+        if path.exists() {
+            std::fs::remove_file(&path).map_err(|e| crate::Error::io(&path, e))?;
+        }
+    }
     let (train, _) = run_train(&TrainOptions {
         common: common.clone(),
         data: world_dir(root).join("vqa-train.json"),
