@@ -196,6 +196,14 @@ struct DemoArgs {
     /// How many edits to show in words.
     #[arg(long, default_value_t = 3)]
     show: usize,
+    /// The multimodal default (data/vl: a tiny Qwen2-VL on the visual world): one held-out
+    /// image edit before and after, on the rephrase image and an unrelated image, and the
+    /// five held-out metrics.
+    #[arg(long)]
+    multimodal: bool,
+    /// With --multimodal: one JSON object instead of text.
+    #[arg(long, requires = "multimodal")]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -245,31 +253,46 @@ struct ServeArgs {
 #[derive(Args)]
 struct PretrainArgs {
     /// EasyEdit files whose facts make the corpus (repeat the flag for several).
-    #[arg(long, required = true)]
+    #[arg(long, required_unless_present = "vl")]
     data: Vec<PathBuf>,
     /// zsre, counterfact, vqa or caption (E-VQA / E-IC, with --image-root).
-    #[arg(long)]
-    ds: String,
+    #[arg(long, required_unless_present = "vl")]
+    ds: Option<String>,
+    /// Pretrain a tiny Qwen2-VL-shaped model (vision tower included) on a visual world's
+    /// pretrain.json (`dualedit world --vl`) instead of a GPT-2 on text; its shape is the
+    /// multimodal default's, and of the sizes below only --steps, --batch and --lr apply.
+    #[arg(long, requires = "world", conflicts_with_all = ["data", "ds", "with_new_targets"])]
+    vl: bool,
+    /// The visual world folder (with --vl).
+    #[arg(long, requires = "vl")]
+    world: Option<PathBuf>,
+    /// With --vl: the vision tower's learning rate as a share of --lr (default 0.02).
+    #[arg(long, requires = "vl")]
+    vision_lr_scale: Option<f64>,
     /// Output model directory.
     #[arg(long)]
     out: PathBuf,
     /// BPE vocabulary size (at least 257: the 256 byte-level symbols and end-of-text).
     #[arg(long, default_value_t = 4096)]
     vocab: usize,
-    #[arg(long, default_value_t = 256)]
-    n_embd: i64,
-    #[arg(long, default_value_t = 4)]
-    n_layer: i64,
-    #[arg(long, default_value_t = 4)]
-    n_head: i64,
+    /// Width, layers and heads (default 256, 4, 4; with --vl the multimodal default's
+    /// text decoder: 96, 2, 4).
+    #[arg(long)]
+    n_embd: Option<i64>,
+    #[arg(long)]
+    n_layer: Option<i64>,
+    #[arg(long)]
+    n_head: Option<i64>,
     #[arg(long, default_value_t = 64)]
     n_positions: i64,
-    #[arg(long, default_value_t = 4000)]
-    steps: usize,
+    /// Default 4000 (text) or the multimodal default's 2000 (--vl).
+    #[arg(long)]
+    steps: Option<usize>,
     #[arg(long, default_value_t = 32)]
     batch: usize,
-    #[arg(long, default_value_t = 2e-3)]
-    lr: f64,
+    /// Default 2e-3 (text) or 3e-3 (--vl).
+    #[arg(long)]
+    lr: Option<f64>,
     /// Where to train: cpu or cuda:N (the result is the same HF directory either way).
     #[command(flatten)]
     devices: DeviceArgs,
@@ -290,6 +313,12 @@ struct BuildDefaultArgs {
     /// Pretraining steps (upper bound; training stops once the model knows its facts).
     #[arg(long)]
     pretrain_steps: Option<usize>,
+    /// MEND hyper-parameters for the multimodal default's editor (written to OUT/vl).
+    #[arg(long, default_value = "configs/vl-world.json")]
+    vl_config: PathBuf,
+    /// Build only the text default (`text`) or only the multimodal one (`vl`).
+    #[arg(long, value_parser = ["text", "vl"])]
+    only: Option<String>,
 }
 
 #[derive(Args)]
@@ -846,15 +875,26 @@ fn eval(a: EvalArgs) -> anyhow::Result<()> {
 fn demo(a: DemoArgs) -> anyhow::Result<()> {
     let plan = a.devices.plan()?;
     let root = a.root.unwrap_or_else(dualedit::demo::shipped_root);
+    if a.multimodal {
+        let s = dualedit::demo_vl::run_demo_vl(&dualedit::demo_vl::vl_root(&root), plan, a.json, &mut std::io::stdout())?;
+        if !a.json {
+            println!("\ndone in {:.1} s", s.seconds);
+        }
+        return Ok(());
+    }
     let s = dualedit::demo::run_demo(&root, plan, a.show, &mut std::io::stdout())?;
     println!("\ndone in {:.1} s", s.seconds);
     Ok(())
 }
 
 fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
-    let ds = dataset(&a.ds)?;
-    if !(a.lr.is_finite() && a.lr > 0.0) || a.batch == 0 || a.steps == 0 {
-        anyhow::bail!("--lr must be a positive number and --batch, --steps at least 1 (got {}, {}, {})", a.lr, a.batch, a.steps);
+    if a.vl {
+        return pretrain_vl(a);
+    }
+    let ds = dataset(a.ds.as_deref().unwrap_or_default())?;
+    let (steps, lr) = (a.steps.unwrap_or(4000), a.lr.unwrap_or(2e-3));
+    if !(lr.is_finite() && lr > 0.0) || a.batch == 0 || steps == 0 {
+        anyhow::bail!("--lr must be a positive number and --batch, --steps at least 1 (got {lr}, {}, {steps})", a.batch);
     }
     if a.vocab < 257 {
         // The byte-level BPE trainer always keeps its 256 byte symbols plus end-of-text, and
@@ -870,13 +910,13 @@ fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
     let probe: Vec<_> = probe.into_iter().take(1000).collect();
     let cfg = dualedit::pretrain::PretrainConfig {
         vocab_size: a.vocab,
-        n_embd: a.n_embd,
-        n_layer: a.n_layer,
-        n_head: a.n_head,
+        n_embd: a.n_embd.unwrap_or(256),
+        n_layer: a.n_layer.unwrap_or(4),
+        n_head: a.n_head.unwrap_or(4),
         n_positions: a.n_positions,
-        steps: a.steps,
+        steps,
         batch_size: a.batch,
-        lr: a.lr,
+        lr,
         target_accuracy: None,
         ..Default::default()
     };
@@ -886,13 +926,45 @@ fn pretrain(a: PretrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn build_default(a: BuildDefaultArgs) -> anyhow::Result<()> {
-    let mut spec = dualedit::demo::BuildSpec::shipped(MendConfig::from_file(&a.config)?);
-    if let Some(n) = a.pretrain_steps {
-        spec.pretrain.steps = n;
-    }
-    let rep = dualedit::demo::build_default(&a.out, &spec, tch::Device::Cpu)?;
+fn pretrain_vl(a: PretrainArgs) -> anyhow::Result<()> {
+    let world = a.world.as_deref().ok_or_else(|| anyhow::anyhow!("--vl needs --world DIR"))?;
+    let d = dualedit::pretrain_vl::VlPretrainConfig::default();
+    let cfg = dualedit::pretrain_vl::VlPretrainConfig {
+        steps: a.steps.unwrap_or(d.steps),
+        batch_size: a.batch,
+        lr: a.lr.unwrap_or(d.lr),
+        vision_lr_scale: a.vision_lr_scale.unwrap_or(d.vision_lr_scale),
+        hidden: a.n_embd.unwrap_or(d.hidden),
+        layers: a.n_layer.unwrap_or(d.layers),
+        heads: a.n_head.unwrap_or(d.heads),
+        target_accuracy: None,
+        ..d
+    };
+    dualedit::edit::check_new_model_dir(&a.out)?;
+    let device = a.devices.single("pretrain")?;
+    tch::set_num_threads(1);
+    let rep = dualedit::pretrain_vl::pretrain_vl(world, &cfg, &a.out, device, true)?;
     println!("{}", serde_json::to_string_pretty(&rep)?);
+    Ok(())
+}
+
+fn build_default(a: BuildDefaultArgs) -> anyhow::Result<()> {
+    if a.only.as_deref() != Some("vl") {
+        let mut spec = dualedit::demo::BuildSpec::shipped(MendConfig::from_file(&a.config)?);
+        if let Some(n) = a.pretrain_steps {
+            spec.pretrain.steps = n;
+        }
+        let rep = dualedit::demo::build_default(&a.out, &spec, tch::Device::Cpu)?;
+        println!("{}", serde_json::to_string_pretty(&rep)?);
+    }
+    if a.only.as_deref() != Some("text") {
+        let mut spec = dualedit::demo_vl::VlBuildSpec::shipped(MendConfig::from_file(&a.vl_config)?);
+        if let Some(n) = a.pretrain_steps {
+            spec.pretrain.steps = n;
+        }
+        let rep = dualedit::demo_vl::build_default_vl(&dualedit::demo_vl::vl_root(&a.out), &spec, tch::Device::Cpu)?;
+        println!("{}", serde_json::to_string_pretty(&rep)?);
+    }
     Ok(())
 }
 

@@ -58,13 +58,20 @@ impl Default for PretrainConfig {
 
 /// Trains a GPT-2-style byte-level BPE on `corpus` and writes `tokenizer.json` into `dir`.
 pub fn train_tokenizer(corpus: &[String], vocab_size: usize, dir: &Path) -> Result<Tokenizer> {
+    train_tokenizer_with(corpus, vocab_size, &[EOS], dir)
+}
+
+/// [`train_tokenizer`] with more special tokens (the vision-language model's chat and
+/// image markers), ids 0.. in the order given; `specials[0]` should be [`EOS`], which is
+/// also the padding token.
+pub fn train_tokenizer_with(corpus: &[String], vocab_size: usize, specials: &[&str], dir: &Path) -> Result<Tokenizer> {
     let path = dir.join("tokenizer.json");
     let fail = |e: Box<dyn std::error::Error + Send + Sync>| Error::file(&path, format!("tokenizer training failed: {e}"));
     let mut trainer = BpeTrainerBuilder::new()
         .show_progress(false)
         .vocab_size(vocab_size)
         .min_frequency(0)
-        .special_tokens(vec![AddedToken::from(EOS, true)])
+        .special_tokens(specials.iter().map(|t| AddedToken::from(*t, true)).collect())
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .build();
     let mut tok = TokenizerBuilder::new()

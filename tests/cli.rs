@@ -83,6 +83,7 @@ fn every_json_command_prints_one_json_object() {
     let eval = ["--model", &model, "--editor", &editor, "--data", &holdout, "--ds", "counterfact", "--limit", "2", "--json"];
     let runs: Vec<(&str, Vec<&str>, &str)> = vec![
         ("score", vec!["score", "--model", &model, "--text", "Vacorp was founded by", "--json"], "mean_nll"),
+        ("demo", vec!["demo", "--multimodal", "--json"], "easyedit"),
         ("plan", vec!["plan", "--model", &model, "--config", "configs/world.json", "--json"], "totals"),
         ("edit", vec!["edit", "--model", &model, "--editor", &editor, "--requests", &requests, "--json", "--report", &edit_report], "requests"),
         ("eval", [&["eval"][..], &eval, &["--report", &eval_report]].concat(), "reliability"),

@@ -365,6 +365,16 @@ impl<'a> StepImages<'a> {
     /// Features `[n_i, D]` of each distinct image of `examples`, from one tower forward;
     /// `None` when no example has an image.
     pub fn compute(vl: &'a Qwen2Vl, params: &ParamView, proc: &ImageProcessorConfig, examples: &[&Example]) -> Result<Option<Self>> {
+        Self::compute_with(vl, params, proc, examples, false)
+    }
+
+    /// [`StepImages::compute`] with the vision tower in the autograd graph, for
+    /// pretraining, which trains the tower through the features.
+    pub fn compute_trainable(vl: &'a Qwen2Vl, params: &ParamView, proc: &ImageProcessorConfig, examples: &[&Example]) -> Result<Option<Self>> {
+        Self::compute_with(vl, params, proc, examples, true)
+    }
+
+    fn compute_with(vl: &'a Qwen2Vl, params: &ParamView, proc: &ImageProcessorConfig, examples: &[&Example], trainable: bool) -> Result<Option<Self>> {
         let mut order: Vec<&ImageRef> = Vec::new();
         for r in examples.iter().filter_map(|e| e.image.as_ref()) {
             if !order.iter().any(|o| o.path == r.path) {
@@ -385,7 +395,8 @@ impl<'a> StepImages<'a> {
             grids.push(p.grid);
         }
         let feats = crate::error::guard(|| {
-            let all = vl.image_features(params, &Tensor::cat(&pixels, 0).to_device(params.device()), &grids)?;
+            let pixels = Tensor::cat(&pixels, 0).to_device(params.device());
+            let all = if trainable { vl.image_features_trainable(params, &pixels, &grids)? } else { vl.image_features(params, &pixels, &grids)? };
             let merge = vl.config.vision.merge_unit();
             let sizes: Vec<i64> = grids.iter().map(|g| g.iter().product::<i64>() / merge).collect();
             Ok(all.split_with_sizes(sizes.as_slice(), 0))

@@ -69,6 +69,11 @@ impl Tokenizer {
             .unwrap_or(0)
     }
 
+    /// The id of a whole token (a special token such as `<|image_pad|>`), if it has one.
+    pub fn special_id(&self, token: &str) -> Option<i64> {
+        self.inner.token_to_id(token).map(i64::from)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

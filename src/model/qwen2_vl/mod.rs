@@ -82,6 +82,13 @@ impl Qwen2Vl {
     /// compute once per image and pass as [`ForwardInput::image_embeds`].
     pub fn image_features(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
+        self.image_features_trainable(p, pixels, grids)
+    }
+
+    /// [`Qwen2Vl::image_features`] under the caller's autograd mode: pretraining
+    /// (`dualedit pretrain --vl`) trains the vision tower, so its features must keep the
+    /// graph back to the `visual.*` weights. Editing never calls this.
+    pub fn image_features_trainable(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor> {
         crate::error::guard(|| vision::VisionTower { config: &self.config.vision }.forward(p, pixels, grids))
     }
 

@@ -1,0 +1,122 @@
+//! The multimodal default (issue #22): `pretrain --vl` on a tiny visual world (deterministic,
+//! learns, writes a directory the loader and image scoring accept), and the shipped
+//! `data/vl` default through `dualedit demo --multimodal`.
+use std::path::Path;
+use std::process::Command;
+
+use dualedit::data::visual_world::{write_visual_world, VisualWorld, VisualWorldConfig};
+use dualedit::pretrain_vl::{pretrain_vl, VlPretrainConfig};
+use tch::Device;
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn tiny_world(dir: &Path) {
+    let cfg = VisualWorldConfig { seed: 5, width: 56, height: 56, n_train_scenes: 4, n_holdout_scenes: 2, min_objects: 1, max_objects: 2 };
+    write_visual_world(dir, &VisualWorld::generate(&cfg).unwrap()).unwrap();
+}
+
+fn tiny_config() -> VlPretrainConfig {
+    VlPretrainConfig {
+        vocab_size: 320,
+        hidden: 32,
+        layers: 1,
+        heads: 2,
+        vision_width: 16,
+        vision_depth: 1,
+        steps: 300,
+        batch_size: 8,
+        lr: 3e-3,
+        vision_lr_scale: 0.1,
+        seed: 11,
+        target_accuracy: None,
+        probe_every: 100,
+    }
+}
+
+#[test]
+fn pretrain_vl_is_deterministic_learns_and_loads() {
+    let _serial = serial();
+    tch::set_num_threads(1);
+    let tmp = tempfile::tempdir().unwrap();
+    let world = tmp.path().join("world");
+    tiny_world(&world);
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let ra = pretrain_vl(&world, &tiny_config(), &a, Device::Cpu, false).unwrap();
+    let rb = pretrain_vl(&world, &tiny_config(), &b, Device::Cpu, false).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"] {
+        assert_eq!(std::fs::read(a.join(f)).unwrap(), std::fs::read(b.join(f)).unwrap(), "{f} differs between two runs with one seed");
+    }
+    assert_eq!(ra.final_loss, rb.final_loss);
+    // Learned something: the loss fell well below a uniform guess over the vocabulary
+    // (ln 320 = 5.8), and far below a two-step run's, which answers almost nothing right.
+    assert!(ra.final_loss < 2.0, "final loss {}", ra.final_loss);
+    let c = tmp.path().join("c");
+    let rc = pretrain_vl(&world, &VlPretrainConfig { seed: 12, steps: 2, ..tiny_config() }, &c, Device::Cpu, false).unwrap();
+    assert!(ra.final_loss < rc.final_loss - 1.0, "{} vs {}", ra.final_loss, rc.final_loss);
+    assert!(ra.accuracy.original >= rc.accuracy.original + 0.2, "{:?} vs {:?}", ra.accuracy, rc.accuracy);
+    // A Hugging Face directory the loader reads as Qwen2-VL, and image scoring accepts.
+    let lm = dualedit::model::load_model(&a, Device::Cpu, tch::Kind::Float).unwrap();
+    assert_eq!(lm.model.info().architecture, "Qwen2VLForConditionalGeneration");
+    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        .args(["score", "--model"])
+        .arg(&a)
+        .args(["--image"])
+        .arg(world.join("images/scene-0000.png"))
+        .args(["--text", "What colour is the circle?"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "score --image failed: {}", String::from_utf8_lossy(&out.stderr));
+    // A different seed gives different weights (the seed is used).
+    assert_ne!(std::fs::read(a.join("model.safetensors")).unwrap(), std::fs::read(c.join("model.safetensors")).unwrap());
+}
+
+#[test]
+fn pretrain_vl_names_a_missing_world() {
+    let tmp = tempfile::tempdir().unwrap();
+    let err = pretrain_vl(&tmp.path().join("nowhere"), &tiny_config(), &tmp.path().join("m"), Device::Cpu, false).unwrap_err().to_string();
+    assert!(err.contains("pretrain.json"), "{err}");
+}
+
+#[test]
+fn multimodal_demo_shows_an_image_edit_and_five_metrics_quickly() {
+    let _serial = serial();
+    let start = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_dualedit")).args(["demo", "--multimodal", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let elapsed = start.elapsed();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    println!("multimodal demo ({elapsed:?}): {}", serde_json::to_string_pretty(&v).unwrap());
+    assert_eq!(v["model"], "Qwen2VLForConditionalGeneration");
+    for k in ["before", "after", "rephrase_image_after", "unrelated_before", "unrelated_after"] {
+        assert!(v["edit"][k].is_string(), "edit.{k} missing: {v}");
+    }
+    let e = &v["easyedit"];
+    let metric = |k: &str| e[k].as_f64().unwrap_or_else(|| panic!("easyedit.{k} missing: {v}"));
+    let names = ["rewrite_acc", "rephrase_acc", "rephrase_image_acc", "locality_acc", "multimodal_locality_acc"];
+    for k in names {
+        assert!((0.0..=1.0).contains(&metric(k)), "{k} = {}", metric(k));
+    }
+    // The shipped editor edits: most held-out rewrites take and unrelated answers stay.
+    // (BENCHMARKS.md has the figures reached against the issue's targets.)
+    // Shipped: 1.000 on the first four, 0.645 image locality.
+    for k in ["rewrite_acc", "rephrase_acc", "rephrase_image_acc", "locality_acc"] {
+        assert!(metric(k) >= 0.95, "{k}: {e}");
+    }
+    assert!(metric("multimodal_locality_acc") >= 0.6, "{e}");
+    assert!(v["holdout"]["n"].as_u64().unwrap_or(0) >= 50, "{v}");
+    // The text output names the five metrics by both names.
+    let text = Command::new(env!("CARGO_BIN_EXE_dualedit")).args(["demo", "--multimodal"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&text.stdout);
+    assert!(text.status.success(), "{}", String::from_utf8_lossy(&text.stderr));
+    for needle in ["before:", "after:", "rephrase image:", "unrelated image:", "reliability", "image generality", "image locality"] {
+        assert!(stdout.contains(needle), "demo output lacks {needle:?}:\n{stdout}");
+    }
+    for k in names {
+        assert!(stdout.contains(k), "demo output lacks {k:?}:\n{stdout}");
+    }
+    assert!(elapsed.as_secs() < 60, "demo --multimodal --json took {elapsed:?}");
+}
