@@ -93,6 +93,7 @@ pub fn build_default_vl(root: &Path, spec: &VlBuildSpec, device: Device) -> Resu
             ds: DatasetKind::Vqa,
             limit: None,
             max_length: spec.mend.max_length,
+            capacity: None,
         },
         |_, _| {},
     )?;
