@@ -67,15 +67,30 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
         plan: DevicePlan::single(device),
         dtype: tch::Kind::Float,
         seed: 0,
-        report: Some(root.join("runs").join("train.json")),
+        report: None,
         over_long: Default::default(),
         image_roots: None,
     };
+    let (steps, holdout) = train_and_evaluate(root, common, ("edits-train.json", "edits-holdout.json"), DatasetKind::Counterfact, &spec.mend, spec.pretrain.n_positions as usize)?;
+    Ok(BuildReport { pretrain: pre, train_steps: steps, holdout, seconds: start.elapsed().as_secs_f64() })
+}
+
+/// The second half of a default's build: meta-trains the editor into `root/editor` on the
+/// world's `files.0` and evaluates it on `files.1` (each record edited from the unedited
+/// model), with reports in `root/runs`. Returns the training steps and held-out summary.
+pub(crate) fn train_and_evaluate(
+    root: &Path,
+    common: Common,
+    files: (&str, &str),
+    ds: DatasetKind,
+    mend: &MendConfig,
+    max_length: usize,
+) -> Result<(usize, Summary)> {
     let (train, _) = run_train(&TrainOptions {
-        common: common.clone(),
-        data: world_dir(root).join("edits-train.json"),
-        ds: DatasetKind::Counterfact,
-        config: spec.mend.clone(),
+        common: Common { report: Some(root.join("runs").join("train.json")), ..common.clone() },
+        data: world_dir(root).join(files.0),
+        ds,
+        config: mend.clone(),
         out: editor_dir(root),
         limit: None,
         resume: false,
@@ -85,15 +100,15 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
         &EvalOptions {
             common: Common { report: Some(root.join("runs").join("holdout.json")), ..common },
             method: MethodSpec::Mend { editor: editor_dir(root) },
-            data: world_dir(root).join("edits-holdout.json"),
-            ds: DatasetKind::Counterfact,
+            data: world_dir(root).join(files.1),
+            ds,
             limit: None,
-            max_length: spec.pretrain.n_positions as usize,
+            max_length,
             capacity: None,
         },
         |_, _| {},
     )?;
-    Ok(BuildReport { pretrain: pre, train_steps: train.steps, holdout: eval.summary, seconds: start.elapsed().as_secs_f64() })
+    Ok((train.steps, eval.summary))
 }
 
 /// The shipped default: `data/` of the source tree the binary was built from (so the demo

@@ -16,7 +16,7 @@ use crate::device::DevicePlan;
 use crate::edit::MethodSpec;
 use crate::eval::{EasyEditNames, Summary};
 use crate::pretrain_vl::{pretrain_vl, VlPretrainConfig, VlPretrainReport};
-use crate::run::{run_eval, run_train, Common, EvalOptions, TrainOptions};
+use crate::run::Common;
 use crate::Result;
 
 /// The folder of the multimodal default inside the default's root (`data/vl`).
@@ -63,7 +63,7 @@ pub fn build_default_vl(root: &Path, spec: &VlBuildSpec, device: Device) -> Resu
         plan: DevicePlan::single(device),
         dtype: tch::Kind::Float,
         seed: 0,
-        report: Some(root.join("runs").join("train.json")),
+        report: None,
         over_long: Default::default(),
         image_roots: Some(ImageRoots::new(world_dir(root), None)),
     };
@@ -75,29 +75,9 @@ pub fn build_default_vl(root: &Path, spec: &VlBuildSpec, device: Device) -> Resu
             std::fs::remove_file(&path).map_err(|e| crate::Error::io(&path, e))?;
         }
     }
-    let (train, _) = run_train(&TrainOptions {
-        common: common.clone(),
-        data: world_dir(root).join("vqa-train.json"),
-        ds: DatasetKind::Vqa,
-        config: spec.mend.clone(),
-        out: editor_dir(root),
-        limit: None,
-        resume: false,
-        progress: false,
-    })?;
-    let (eval, _) = run_eval(
-        &EvalOptions {
-            common: Common { report: Some(root.join("runs").join("holdout.json")), ..common },
-            method: MethodSpec::Mend { editor: editor_dir(root) },
-            data: world_dir(root).join("vqa-holdout.json"),
-            ds: DatasetKind::Vqa,
-            limit: None,
-            max_length: spec.mend.max_length,
-            capacity: None,
-        },
-        |_, _| {},
-    )?;
-    Ok(VlBuildReport { pretrain: pre, train_steps: train.steps, holdout: eval.summary, seconds: start.elapsed().as_secs_f64() })
+    let (train_steps, holdout) =
+        crate::demo::train_and_evaluate(root, common, ("vqa-train.json", "vqa-holdout.json"), DatasetKind::Vqa, &spec.mend, spec.mend.max_length)?;
+    Ok(VlBuildReport { pretrain: pre, train_steps, holdout, seconds: start.elapsed().as_secs_f64() })
 }
 
 /// One shown edit: the question, the answers before and after, and on the other images.

@@ -356,13 +356,7 @@ pub fn greedy_with_images(
             let input_ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
             let keep = Tensor::arange(n, (Kind::Int64, device)).eq(n - 1).unsqueeze(0);
             let input = ForwardInput { keep: Some(&keep), position_ids: Some(&pos), image_embeds: Some(feats), ..ForwardInput::new(&input_ids, &none) };
-            let logits = lm.model.forward(params, &input)?.logits;
-            let vocab = logits.size().last().copied().unwrap_or(1);
-            let last = logits.reshape([-1, vocab]).get(-1).to_kind(Kind::Float);
-            for &v in vision.iter().filter(|&&v| (0..vocab).contains(&v)) {
-                let _ = last.get(v).fill_(f64::NEG_INFINITY);
-            }
-            Ok(last.argmax(-1, false).int64_value(&[]))
+            next_token(&lm.model.forward(params, &input)?.logits, &vision)
         })?;
         ids.push(next);
         out.push(next);
@@ -371,6 +365,16 @@ pub fn greedy_with_images(
         }
     }
     Ok((out, Finish::Length))
+}
+
+/// The argmax of the last scored position's logits (`[.., V]`), never one of `vision`.
+fn next_token(logits: &Tensor, vision: &[i64]) -> Result<i64> {
+    let vocab = logits.size().last().copied().unwrap_or(1);
+    let last = logits.f_reshape([-1, vocab])?.f_get(-1)?.f_to_kind(Kind::Float)?;
+    for &v in vision.iter().filter(|&&v| (0..vocab).contains(&v)) {
+        let _ = last.f_get(v)?.f_fill_(f64::NEG_INFINITY)?;
+    }
+    Ok(last.f_argmax(-1, false)?.f_int64_value(&[])?)
 }
 
 /// The greedy answer to an example's prompt under the engine's current weights, as many
@@ -399,14 +403,7 @@ pub fn answer(engine: &Engine, e: &Example) -> Result<String> {
         // the token after `ids` (causal attention: the placeholder changes nothing before it).
         let probe = Example { ids: [ids.as_slice(), &[0]].concat(), answer_start: ids.len(), image: e.image.clone() };
         let logits = engine.base_logits(&engine.collate_with(&[&probe], images.as_ref())?)?;
-        let next = crate::error::guard(|| {
-            let vocab = logits.size().last().copied().unwrap_or(1);
-            let last = logits.reshape([-1, vocab]).get(-1).to_kind(Kind::Float);
-            for &v in vision.iter().filter(|&&v| (0..vocab).contains(&v)) {
-                let _ = last.get(v).fill_(f64::NEG_INFINITY);
-            }
-            Ok(last.argmax(-1, false).int64_value(&[]))
-        })?;
+        let next = crate::error::guard(|| next_token(&logits, &vision))?;
         ids.push(next);
         out.push(next);
     }
