@@ -8,7 +8,9 @@
 //! * the CUDA allocator cap (`csrc/memcap.cpp`, `--max-memory`), compiled with
 //!   `DUALEDIT_CUDA_ALLOCATOR` only when libtorch has CUDA and the CUDA runtime headers are
 //!   found (`$CUDA_HOME/include`, `/usr/local/cuda/include`, or the `nvidia/cu*/include` of
-//!   the PyPI wheel beside torch); otherwise it reports "not available".
+//!   the PyPI wheel beside torch, which `./x` completes with the header-only
+//!   `nvidia-cuda-crt`); otherwise it reports "not available" and `--max-memory` falls back
+//!   to one fraction for every device.
 use std::path::PathBuf;
 
 fn main() {
@@ -46,6 +48,8 @@ fn main() {
 
     let mut cap = torch_cpp("csrc/memcap.cpp");
     let cuda_libs = lib_dir.join("libtorch_cuda.so").exists() && lib_dir.join("libc10_cuda.so").exists();
+    // Tests check that a CUDA libtorch gets the per-device cap (`memory::per_device_caps`).
+    println!("cargo:rustc-env=DUALEDIT_LIBTORCH_CUDA={}", u8::from(cuda_libs));
     if let Some(cuda_include) = cuda_libs.then(|| cuda_headers(root)).flatten() {
         cap.include(cuda_include).define("DUALEDIT_CUDA_ALLOCATOR", None);
         println!("cargo:rustc-link-search=native={}", lib_dir.display());
@@ -65,12 +69,16 @@ fn cuda_headers(torch_root: &std::path::Path) -> Option<PathBuf> {
     // site-packages/nvidia/<cu13 | cuda_runtime>/include.
     if let Some(site) = torch_root.parent() {
         if let Ok(entries) = std::fs::read_dir(site.join("nvidia")) {
-            let mut dirs: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path().join("include"))).collect();
+            let mut dirs: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path().join("include"))).filter(|d| d.is_dir()).collect();
             dirs.sort();
+            // `./x` adds crt/ to these later on machines set up before it did: rebuild then.
+            for d in &dirs {
+                println!("cargo:rerun-if-changed={}", d.display());
+            }
             candidates.extend(dirs);
         }
     }
-    // The wheel's include folder lacks crt/ (cuda_runtime.h includes crt/host_config.h):
-    // only a complete toolkit's headers compile.
+    // The runtime wheel's include folder lacks crt/ (cuda_runtime.h includes
+    // crt/host_config.h): only complete headers compile.
     candidates.into_iter().find(|d| d.join("cuda_runtime_api.h").exists() && d.join("crt/host_config.h").exists())
 }

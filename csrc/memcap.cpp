@@ -13,6 +13,15 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+// 1 when this build caps each CUDA device on its own, 0 when it falls back to one fraction.
+extern "C" int dualedit_cuda_cap_is_per_device() {
+#ifdef DUALEDIT_CUDA_ALLOCATOR
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 extern "C" int dualedit_cuda_set_memory_fraction(int device_index, double fraction, char* err, size_t err_len) {
 #ifdef DUALEDIT_CUDA_ALLOCATOR
   try {

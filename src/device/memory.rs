@@ -39,6 +39,7 @@ mod ffi {
         pub fn dualedit_accelerator_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
         pub fn dualedit_accelerator_total_bytes(device_index: c_int, out: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
         // csrc/memcap.cpp (0: built without the CUDA allocator headers, or no CUDA).
+        pub fn dualedit_cuda_cap_is_per_device() -> c_int;
         pub fn dualedit_cuda_set_memory_fraction(device_index: c_int, fraction: f64, err: *mut c_char, err_len: usize) -> c_int;
         pub fn dualedit_accelerator_set_global_fraction(fraction: f64, err: *mut c_char, err_len: usize) -> c_int;
     }
@@ -219,6 +220,13 @@ pub fn set_memory_cap(device: Device, bytes: u64) -> Result<()> {
         Ok(false) => set_global_fraction(device, fraction),
         Err(msg) => Err(device_error(device, msg)),
     }
+}
+
+/// Whether this build caps each CUDA device on its own (built with complete CUDA runtime
+/// headers) rather than every device with one fraction.
+pub fn per_device_caps() -> bool {
+    // SAFETY: takes no arguments and only returns a constant.
+    unsafe { ffi::dualedit_cuda_cap_is_per_device() == 1 }
 }
 
 /// The fraction set through the allocator's settings (one for every device), if any.
@@ -455,6 +463,17 @@ mod tests {
     }
 
     const MIB: u64 = 1024 * 1024;
+
+    /// `./x` completes the wheel's CUDA headers (nvidia-cuda-crt), so a CUDA libtorch must
+    /// get the per-device cap, not the one-fraction fallback.
+    #[test]
+    fn cuda_libtorch_caps_each_device() {
+        if env!("DUALEDIT_LIBTORCH_CUDA") == "1" {
+            assert!(per_device_caps(), "built against a CUDA libtorch without complete CUDA runtime headers: `--max-memory` falls back to one fraction for every device (run ./x build, which installs nvidia-cuda-crt)");
+        } else {
+            assert!(!per_device_caps());
+        }
+    }
 
     #[test]
     fn no_accelerator_is_reported_cleanly() {
