@@ -9,7 +9,7 @@ use common::{fixture, RECORDS};
 use dualedit::config::{EditorMode, MendConfig};
 use dualedit::data::easyedit::{parse_records, DatasetKind};
 use dualedit::data::examples::prepare;
-use dualedit::data::TokenBatch;
+use dualedit::data::{Example, TokenBatch};
 use dualedit::device::DevicePlan;
 use dualedit::mend::{checkpoint, Editor, Engine};
 use dualedit::model::{load_model, ForwardInput, Overrides, ParamView};
@@ -487,6 +487,22 @@ fn collate_drops_only_the_unread_last_token() {
     let scored = full.narrow(1, e.answer_start as i64 - 1, (e.ids.len() - e.answer_start) as i64).squeeze_dim(0);
     assert_eq!(short.size(), scored.size());
     assert!((&short - &scored).abs().max().double_value(&[]) < 1e-4);
+}
+
+/// A batch gives back the examples it was collated from (what `mend-ls` remembers of each
+/// request): padding and the dropped last token are undone.
+#[test]
+fn a_batch_gives_back_its_examples() {
+    let engine = engine("gpt2");
+    let ex = examples(&engine);
+    let inner: Vec<&Example> = ex.iter().map(|e| &e.inner).collect();
+    assert!(inner.iter().any(|e| e.ids.len() != inner[0].ids.len()), "examples of different lengths pad the batch");
+    let b = TokenBatch::collate(&inner, engine.lm.tokenizer.pad_id(), Device::Cpu);
+    let back = b.examples().unwrap();
+    assert_eq!(back.len(), inner.len());
+    for (a, e) in back.iter().zip(&inner) {
+        assert_eq!((&a.ids, a.answer_start), (&e.ids, e.answer_start));
+    }
 }
 
 /// `inner_in_edit_loss` adds the edit prompts to what the edit loss scores.

@@ -185,6 +185,29 @@ impl TokenBatch {
         self.input_ids.size()[0]
     }
 
+    /// The text examples this batch was collated from ([`TokenBatch::collate`] drops each
+    /// example's last token from the input, which is the target at its last position), so
+    /// that what a batch asked for can be remembered and collated again with others.
+    /// `None` when the batch shows images (their features are not kept per example).
+    pub fn examples(&self) -> Option<Vec<Example>> {
+        if self.image_embeds.is_some() || self.position_ids.is_some() {
+            return None;
+        }
+        let cpu = |t: &Tensor| Vec::<Vec<i64>>::try_from(t.to_kind(tch::Kind::Int64).to_device(Device::Cpu)).ok();
+        let (ids, mask, targets) = (cpu(&self.input_ids)?, cpu(&self.attention_mask)?, cpu(&self.targets)?);
+        ids.iter()
+            .zip(&mask)
+            .zip(&targets)
+            .map(|((ids, mask), targets)| {
+                let n = mask.iter().filter(|&&m| m != 0).count();
+                let first = targets.iter().position(|&t| t != IGNORE)?;
+                let mut full = ids[..n].to_vec();
+                full.push(*targets.get(n.checked_sub(1)?)?);
+                Some(Example { ids: full, answer_start: first + 1, image: None })
+            })
+            .collect()
+    }
+
     pub fn to_device(&self, device: Device) -> Self {
         Self {
             input_ids: self.input_ids.to_device(device),
