@@ -16,7 +16,11 @@ locality prompts are facts that no request of the file edits:
                      unedited fact of the same relation (same true object if possible),
                      as CounterFact's neighbourhood prompts
 
-Usage: scripts/seq_requests.py OUT_DIR [N ...]   (default N: 5 20 100)
+    distinct-N-from-K.json  (with --skip K) N distinct facts after the first K: a second,
+                     disjoint set of requests (to choose settings on one set and report
+                     on the other); locality as above, among the facts it does not edit
+
+Usage: scripts/seq_requests.py OUT_DIR [--skip K] [N ...]   (default N: 5 20 100)
 """
 import json
 import sys
@@ -41,7 +45,11 @@ TEMPLATES = {
 
 def main():
     out = Path(sys.argv[1])
-    ns = [int(a) for a in sys.argv[2:]] or [5, 20, 100]
+    args = sys.argv[2:]
+    skip = 0
+    if args[:1] == ["--skip"]:
+        skip, args = int(args[1]), args[2:]
+    ns = [int(a) for a in args] or [5, 20, 100]
     out.mkdir(parents=True, exist_ok=True)
     facts = json.loads((WORLD / "facts.json").read_text())
     by_prompt = {TEMPLATES[f["relation"]][0].replace("{s}", f["subject"]): f for f in facts}
@@ -55,9 +63,11 @@ def main():
             seen.add(r["prompt"])
             distinct.append(r)
     for n in ns:
-        if n <= len(holdout):
+        if n <= len(holdout) and skip == 0:
             (out / f"holdout-{n}.json").write_text(json.dumps(holdout[:n], indent=1))
-        recs = [dict(r) for r in distinct[:n]]
+        if skip + n > len(distinct):
+            sys.exit(f"the world has {len(distinct)} facts: cannot take {n} after the first {skip}")
+        recs = [dict(r) for r in distinct[skip:skip + n]]
         edited = {(by_prompt[r["prompt"]]["subject"], by_prompt[r["prompt"]]["relation"]) for r in recs}
         free = [f for f in facts if (f["subject"], f["relation"]) not in edited]
         for i, r in enumerate(recs):
@@ -72,8 +82,9 @@ def main():
             tpl = TEMPLATES[loc["relation"]]
             r["locality_prompt"] = tpl[i % len(tpl)].replace("{s}", loc["subject"])
             r["locality_ground_truth"] = loc["object"]
-        (out / f"distinct-{n}.json").write_text(json.dumps(recs, indent=1))
-        print(f"distinct-{n}.json: {len(recs)} records, {len({r['prompt'] for r in recs})} facts")
+        name = f"distinct-{n}.json" if skip == 0 else f"distinct-{n}-from-{skip}.json"
+        (out / name).write_text(json.dumps(recs, indent=1))
+        print(f"{name}: {len(recs)} records, {len({r['prompt'] for r in recs})} facts")
 
 
 if __name__ == "__main__":

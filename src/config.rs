@@ -62,6 +62,58 @@ pub enum SelectBy {
     Accuracy,
 }
 
+/// How `--method mend-ls` combines an editor's edits ([`crate::mend::ls`]): the settings
+/// chosen by measurement for that editor, kept in its `editor.json` (`MendConfig::ls`) and
+/// used unless the `--ls-*` flags say otherwise. The defaults are those measured with the
+/// shipped `data/editor` (BENCHMARKS.md, "Many edits, part 2").
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LsConfig {
+    /// `λ` of `λ·‖S‖²`, relative to the mean squared norm of the edits' keys (so it means
+    /// the same whatever the layer's scale): `λ_abs = lambda · mean_t ‖k_t‖²`.
+    pub lambda: f64,
+    /// `μ`: the weight of each unrelated key `c_j` in `μ·Σ_j ‖c_j·S‖²` (keep what the
+    /// weight does at unrelated text, as MEMIT keeps its key covariance), when unrelated
+    /// text is given (`--ls-keep-text`).
+    #[serde(rename = "keep_weight")]
+    pub cov_weight: f64,
+    /// Re-solve rounds: after a solve, the edits (remembered ones included) whose prompt
+    /// does not yet answer its target are captured again at the solved weights, the
+    /// editor's new shifts are added to their targets and the solve is repeated; a round
+    /// that does not make more edits answer is dropped and ends the search. 0: one solve.
+    pub rounds: usize,
+}
+
+impl Default for LsConfig {
+    fn default() -> Self {
+        Self { lambda: 1e-2, cov_weight: 1e-2, rounds: 0 }
+    }
+}
+
+impl LsConfig {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Rejects settings the solve cannot use.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.lambda.is_finite() && self.lambda > 0.0) {
+            return Err(Error::input(format!("mend-ls lambda must be a positive number, got {}", self.lambda)));
+        }
+        if !(self.cov_weight.is_finite() && self.cov_weight >= 0.0) {
+            return Err(Error::input(format!("mend-ls keep weight must be a non-negative number, got {}", self.cov_weight)));
+        }
+        if self.rounds > MAX_LS_ROUNDS {
+            return Err(Error::input(format!("mend-ls rounds must be at most {MAX_LS_ROUNDS}, got {}", self.rounds)));
+        }
+        Ok(())
+    }
+}
+
+/// More re-solve rounds than this only cost time: each must make more edits answer, and
+/// on the embedded default the gain stops after 3 (BENCHMARKS.md).
+pub const MAX_LS_ROUNDS: usize = 20;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MendConfig {
@@ -117,6 +169,11 @@ pub struct MendConfig {
     /// recompute the blocks one at a time in the backward: activation memory of one block
     /// instead of all edited ones, for one more forward of those blocks.
     pub recompute: bool,
+    /// How `--method mend-ls` combines this editor's edits unless flags say otherwise
+    /// (written to `editor.json` only when it differs from the default, so editors saved
+    /// before it existed keep their bytes).
+    #[serde(skip_serializing_if = "LsConfig::is_default")]
+    pub ls: LsConfig,
 }
 
 impl Default for MendConfig {
@@ -148,6 +205,7 @@ impl Default for MendConfig {
             max_bad_steps: 20,
             max_length: 128,
             recompute: false,
+            ls: LsConfig::default(),
         }
     }
 }
@@ -189,7 +247,7 @@ impl MendConfig {
         if self.val_every == 0 || self.max_bad_steps == 0 || self.max_length < 2 {
             return fail("val_every and max_bad_steps must be at least 1, max_length at least 2");
         }
-        Ok(())
+        self.ls.validate()
     }
 }
 
@@ -206,6 +264,18 @@ mod tests {
         assert_eq!(LrSchedule::Constant.factor(70, 100), 1.0);
         let cfg: MendConfig = serde_json::from_str(r#"{"lr_schedule": "cosine", "select_by": "accuracy"}"#).unwrap();
         assert_eq!((cfg.lr_schedule, cfg.select_by), (LrSchedule::Cosine, SelectBy::Accuracy));
+    }
+
+    #[test]
+    fn ls_settings_are_read_and_written_only_when_set() {
+        let cfg: MendConfig = serde_json::from_str(r#"{"ls": {"lambda": 1e-6, "rounds": 3}}"#).unwrap();
+        assert_eq!(cfg.ls, LsConfig { lambda: 1e-6, cov_weight: LsConfig::default().cov_weight, rounds: 3 });
+        assert!(serde_json::to_string(&cfg).unwrap().contains(r#""ls":{"lambda":1e-6,"keep_weight":0.01,"rounds":3}"#));
+        // An editor saved without them is written back without them (its bytes stay).
+        assert!(!serde_json::to_string(&MendConfig::default()).unwrap().contains("\"ls\""));
+        let bad: MendConfig = serde_json::from_str(r#"{"ls": {"lambda": 0}}"#).unwrap();
+        assert!(bad.validate().unwrap_err().to_string().contains("lambda"));
+        assert!(serde_json::from_str::<MendConfig>(r#"{"ls": {"lamda": 1}}"#).is_err());
     }
 
     /// Every preset users are pointed to parses and validates.

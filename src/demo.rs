@@ -22,12 +22,16 @@ pub struct BuildSpec {
     pub world: WorldConfig,
     pub pretrain: PretrainConfig,
     pub mend: MendConfig,
+    /// The editor for many edits at once or one after another (`root/editor-many`,
+    /// `configs/world-many.json`), trained after the first on the same model and edits;
+    /// `None`: not built.
+    pub many: Option<MendConfig>,
 }
 
 impl BuildSpec {
     /// What ships in `data/`.
-    pub fn shipped(mend: MendConfig) -> Self {
-        Self { world: WorldConfig { n_edit_train: 1000, ..WorldConfig::default() }, pretrain: PretrainConfig::default(), mend }
+    pub fn shipped(mend: MendConfig, many: Option<MendConfig>) -> Self {
+        Self { world: WorldConfig { n_edit_train: 1000, ..WorldConfig::default() }, pretrain: PretrainConfig::default(), mend, many }
     }
 }
 
@@ -36,6 +40,8 @@ pub struct BuildReport {
     pub pretrain: PretrainReport,
     pub train_steps: usize,
     pub holdout: Summary,
+    /// Optimiser steps of the editor for many edits (when built).
+    pub many_train_steps: Option<usize>,
     pub seconds: f64,
 }
 
@@ -47,6 +53,10 @@ pub fn editor_dir(root: &Path) -> PathBuf {
 }
 pub fn world_dir(root: &Path) -> PathBuf {
     root.join("world")
+}
+/// The editor for many edits (`--method mend-ls`; see [`train_many_editor`]).
+pub fn many_editor_dir(root: &Path) -> PathBuf {
+    root.join("editor-many")
 }
 
 /// World -> tokenizer + pretrained model -> meta-trained editor -> held-out evaluation.
@@ -71,8 +81,44 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
         over_long: Default::default(),
         image_roots: None,
     };
-    let (steps, holdout) = train_and_evaluate(root, common, ("edits-train.json", "edits-holdout.json"), DatasetKind::Counterfact, &spec.mend, spec.pretrain.n_positions as usize)?;
-    Ok(BuildReport { pretrain: pre, train_steps: steps, holdout, seconds: start.elapsed().as_secs_f64() })
+    let (steps, holdout) = train_and_evaluate(root, common.clone(), ("edits-train.json", "edits-holdout.json"), DatasetKind::Counterfact, &spec.mend, spec.pretrain.n_positions as usize)?;
+    let many_train_steps = match &spec.many {
+        Some(cfg) => Some(train_many_editor(root, common, cfg)?),
+        None => None,
+    };
+    Ok(BuildReport { pretrain: pre, train_steps: steps, holdout, many_train_steps, seconds: start.elapsed().as_secs_f64() })
+}
+
+/// Meta-trains the editor for many edits into `root/editor-many` on the world's training
+/// edits (report in `root/runs/train-many.json`); returns its optimiser steps.
+///
+/// Why a second editor: the first edits the MLPs' input and output projections of blocks
+/// 1–3 and is the best one edit at a time, but its edits do not compose, and the input
+/// projections' keys (the residual stream, 128 wide) cannot hold a hundred edits' values
+/// apart in a least-squares solve. This one edits only the output projections (keys 512
+/// wide), is meta-trained on batches of edits summed into one update (MEND's batched
+/// setting; `batch_size` in `configs/world-many.json`), and its `editor.json` carries the
+/// `mend-ls` settings chosen for it (BENCHMARKS.md, "Many edits, part 3").
+pub fn train_many_editor(root: &Path, common: Common, mend: &MendConfig) -> Result<usize> {
+    // One thread: the build is reproducible byte for byte only when libtorch's reductions
+    // run in the same order.
+    tch::set_num_threads(1);
+    let (train, _) = run_train(&TrainOptions {
+        common: Common { report: Some(root.join("runs").join("train-many.json")), ..common },
+        data: world_dir(root).join("edits-train.json"),
+        ds: DatasetKind::Counterfact,
+        config: mend.clone(),
+        out: many_editor_dir(root),
+        limit: None,
+        resume: false,
+        progress: false,
+    })?;
+    // The optimiser state is for resuming, not part of what ships.
+    let state = many_editor_dir(root).join(crate::mend::checkpoint::STATE_FILE);
+    if state.exists() {
+        std::fs::remove_file(&state).map_err(|e| crate::Error::io(&state, e))?;
+    }
+    Ok(train.steps)
 }
 
 /// The second half of a default's build: meta-trains the editor into `root/editor` on the

@@ -14,7 +14,7 @@ use tracing::info;
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::DevicePlan;
 use crate::eval::{self, RecordMetrics};
-use crate::mend::ls::{KeyMemory, LsConfig, LsEditor};
+use crate::mend::ls::{KeyMemory, LsChoice, LsEditor};
 use crate::mend::{checkpoint, Editor, Engine};
 use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
 use crate::model::qwen2_vl::{Grid, Qwen2Vl};
@@ -73,6 +73,14 @@ impl Method {
         }
     }
 
+    /// The `mend-ls` settings in use (the editor's, unless flags changed them).
+    pub fn ls_config(&self) -> Option<crate::mend::ls::LsConfig> {
+        match self {
+            Method::MendLs(ls) => Some(ls.config),
+            _ => None,
+        }
+    }
+
     /// The MEND editor, for both MEND methods.
     pub fn editor_mut(&mut self) -> Option<&mut Editor> {
         match self {
@@ -93,7 +101,8 @@ pub enum MethodSpec {
     /// `mend-ls`: that editor's updates combined by least squares ([`crate::mend::ls`]).
     MendLs {
         editor: PathBuf,
-        ls: LsConfig,
+        /// The `--ls-*` settings given; the rest are the editor's (`MendConfig::ls`).
+        ls: LsChoice,
         /// Lines of unrelated text whose keys the solve keeps (none: λ only).
         unrelated: Option<PathBuf>,
     },
@@ -178,7 +187,9 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
         }
         MethodSpec::MendLs { editor, ls, unrelated } => {
             let (ed, meta) = checkpoint::load_editor(editor, &engine)?;
-            info!(dir = %editor.display(), step = meta.step, lambda = ls.lambda, "editor loaded (least-squares aggregation)");
+            let ls = ls.resolve(&ed.config.ls);
+            ls.validate()?;
+            info!(dir = %editor.display(), step = meta.step, lambda = ls.lambda, keep_weight = ls.cov_weight, rounds = ls.rounds, "editor loaded (least-squares aggregation)");
             let unrelated = match unrelated {
                 Some(path) => {
                     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
@@ -190,7 +201,7 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
                 }
                 None => Vec::new(),
             };
-            Method::MendLs(Box::new(LsEditor { editor: ed, config: *ls, memory: KeyMemory::default(), unrelated }))
+            Method::MendLs(Box::new(LsEditor { editor: ed, config: ls, memory: KeyMemory::default(), unrelated }))
         }
     };
     Ok((engine, method))

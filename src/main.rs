@@ -310,14 +310,20 @@ struct BuildDefaultArgs {
     /// MEND hyper-parameters for the editor.
     #[arg(long, default_value = "configs/world.json")]
     config: PathBuf,
+    /// MEND hyper-parameters (and `mend-ls` settings) of the editor for many edits
+    /// (written to OUT/editor-many).
+    #[arg(long, default_value = "configs/world-many.json")]
+    many_config: PathBuf,
     /// Pretraining steps (upper bound; training stops once the model knows its facts).
     #[arg(long)]
     pretrain_steps: Option<usize>,
     /// MEND hyper-parameters for the multimodal default's editor (written to OUT/vl).
     #[arg(long, default_value = "configs/vl-world.json")]
     vl_config: PathBuf,
-    /// Build only the text default (`text`) or only the multimodal one (`vl`).
-    #[arg(long, value_parser = ["text", "vl"])]
+    /// Build only the text default (`text`), only the multimodal one (`vl`), or only the
+    /// text default's editor for many edits (`many`: OUT/editor-many, from the model and
+    /// world already in OUT).
+    #[arg(long, value_parser = ["text", "vl", "many"])]
     only: Option<String>,
 }
 
@@ -466,16 +472,22 @@ struct MethodArgs {
     #[arg(long, value_enum, default_value = "mend")]
     method: MethodArg,
     /// --method mend-ls: ridge weight of the least-squares solve, relative to the mean
-    /// squared norm of the edits' keys.
-    #[arg(long, default_value_t = dualedit::mend::ls::LsConfig::default().lambda)]
-    ls_lambda: f64,
+    /// squared norm of the edits' keys (default: the editor's `ls` settings in its
+    /// editor.json, else 0.01).
+    #[arg(long)]
+    ls_lambda: Option<f64>,
     /// --method mend-ls: a text file whose lines' keys (layer inputs) the solve keeps,
     /// MEMIT-style (the edit should not change what the edited layers do there).
     #[arg(long, value_name = "FILE")]
     ls_keep_text: Option<PathBuf>,
-    /// --method mend-ls: the weight of each kept key against each edit key.
-    #[arg(long, default_value_t = dualedit::mend::ls::LsConfig::default().cov_weight)]
-    ls_keep_weight: f64,
+    /// --method mend-ls: the weight of each kept key against each edit key (default: the
+    /// editor's, else 0.01).
+    #[arg(long)]
+    ls_keep_weight: Option<f64>,
+    /// --method mend-ls: re-solve rounds that push the edits whose prompts do not yet
+    /// answer their targets (default: the editor's, else 0; data/editor-many: 3).
+    #[arg(long)]
+    ls_rounds: Option<usize>,
     /// Step size of the fine-tuning baseline (--method ft).
     #[arg(long, default_value_t = 1e-3)]
     ft_lr: f64,
@@ -507,11 +519,18 @@ impl MethodArgs {
         if self.ls_keep_text.is_some() && self.method != MethodArg::MendLs {
             anyhow::bail!("--ls-keep-text is only used with --method mend-ls");
         }
-        if !(self.ls_keep_weight.is_finite() && self.ls_keep_weight >= 0.0) {
-            anyhow::bail!("--ls-keep-weight must be a number >= 0, got {}", self.ls_keep_weight);
+        let ls_given = self.ls_lambda.is_some() || self.ls_keep_weight.is_some() || self.ls_rounds.is_some();
+        if ls_given && self.method != MethodArg::MendLs {
+            anyhow::bail!("--ls-lambda, --ls-keep-weight and --ls-rounds are only used with --method mend-ls");
         }
-        if !(self.ls_lambda.is_finite() && self.ls_lambda > 0.0) {
-            anyhow::bail!("--ls-lambda must be a positive number, got {}", self.ls_lambda);
+        if let Some(w) = self.ls_keep_weight.filter(|w| !(w.is_finite() && *w >= 0.0)) {
+            anyhow::bail!("--ls-keep-weight must be a number >= 0, got {w}");
+        }
+        if let Some(l) = self.ls_lambda.filter(|l| !(l.is_finite() && *l > 0.0)) {
+            anyhow::bail!("--ls-lambda must be a positive number, got {l}");
+        }
+        if let Some(r) = self.ls_rounds.filter(|r| *r > dualedit::config::MAX_LS_ROUNDS) {
+            anyhow::bail!("--ls-rounds must be at most {}, got {r}", dualedit::config::MAX_LS_ROUNDS);
         }
         if !(self.ft_lr.is_finite() && self.ft_lr > 0.0) {
             anyhow::bail!("--ft-lr must be a positive number, got {}", self.ft_lr);
@@ -522,7 +541,7 @@ impl MethodArgs {
             },
             MethodArg::MendLs => MethodSpec::MendLs {
                 editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend-ls needs --editor DIR"))?,
-                ls: dualedit::mend::ls::LsConfig { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight },
+                ls: dualedit::mend::ls::LsChoice { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight, rounds: self.ls_rounds },
                 unrelated: self.ls_keep_text.clone(),
             },
             MethodArg::Ft => MethodSpec::FineTune { lr: self.ft_lr },
@@ -949,8 +968,22 @@ fn pretrain_vl(a: PretrainArgs) -> anyhow::Result<()> {
 }
 
 fn build_default(a: BuildDefaultArgs) -> anyhow::Result<()> {
+    if a.only.as_deref() == Some("many") {
+        let common = dualedit::run::Common {
+            model: dualedit::demo::model_dir(&a.out),
+            plan: dualedit::device::DevicePlan::single(tch::Device::Cpu),
+            dtype: tch::Kind::Float,
+            seed: 0,
+            report: None,
+            over_long: Default::default(),
+            image_roots: None,
+        };
+        let steps = dualedit::demo::train_many_editor(&a.out, common, &MendConfig::from_file(&a.many_config)?)?;
+        println!("{}", serde_json::json!({"editor": dualedit::demo::many_editor_dir(&a.out), "train_steps": steps}));
+        return Ok(());
+    }
     if a.only.as_deref() != Some("vl") {
-        let mut spec = dualedit::demo::BuildSpec::shipped(MendConfig::from_file(&a.config)?);
+        let mut spec = dualedit::demo::BuildSpec::shipped(MendConfig::from_file(&a.config)?, Some(MendConfig::from_file(&a.many_config)?));
         if let Some(n) = a.pretrain_steps {
             spec.pretrain.steps = n;
         }
@@ -972,7 +1005,7 @@ fn world(a: WorldArgs) -> anyhow::Result<()> {
     use dualedit::data::{synthetic, visual_world};
     if !a.vl {
         // The text world exactly as build-default writes it (its MEND config plays no part).
-        let mut cfg = dualedit::demo::BuildSpec::shipped(MendConfig::default()).world;
+        let mut cfg = dualedit::demo::BuildSpec::shipped(MendConfig::default(), None).world;
         cfg.seed = a.seed.unwrap_or(cfg.seed);
         let world = synthetic::World::generate(&cfg);
         synthetic::write_world(&a.out, &world)?;
@@ -1075,7 +1108,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     let dtype = parse_dtype(&a.dtype)?;
-    let method = MethodArgs { editor: a.editor.clone(), method: MethodArg::Mend, ls_lambda: dualedit::mend::ls::LsConfig::default().lambda, ls_keep_text: None, ls_keep_weight: dualedit::mend::ls::LsConfig::default().cov_weight, ft_lr: 1e-3, max_length: 512 };
+    let method = MethodArgs { editor: a.editor.clone(), method: MethodArg::Mend, ls_lambda: None, ls_keep_text: None, ls_keep_weight: None, ls_rounds: None, ft_lr: 1e-3, max_length: 512 };
     let config = if a.editor.is_some() { method.planning_config()? } else { MendConfig::default() };
     let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
     let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype, seed: 0 };

@@ -312,6 +312,9 @@ pub struct CapacityOptions {
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalOutput {
     pub method: String,
+    /// `--method mend-ls`: the settings used (the editor's `ls`, unless flags changed them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ls: Option<crate::config::LsConfig>,
     /// The capacity measurement's grouping, time per edit, drift and guard counts.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capacity: Option<CapacityReport>,
@@ -339,7 +342,7 @@ pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics
     let t1 = Instant::now();
     let records = crate::edit::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, m))?;
     tracker.mark("eval")?;
-    let out = EvalOutput { method: method.name().into(), capacity: None, summary: Summary::of(&records), records, data };
+    let out = EvalOutput { method: method.name().into(), ls: method.ls_config(), capacity: None, summary: Summary::of(&records), records, data };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("eval"));
     let path = report("eval", &o.common, &engine, out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
@@ -377,7 +380,7 @@ fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(
         }
     })?;
     tracker.mark("eval")?;
-    let out = EvalOutput { method: session.method_name().into(), capacity: Some(cap), summary: Summary::of(&records), records, data };
+    let out = EvalOutput { method: session.method_name().into(), ls: session.ls_config(), capacity: Some(cap), summary: Summary::of(&records), records, data };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("eval"));
     let path = report("eval", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;

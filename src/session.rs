@@ -204,6 +204,11 @@ impl Session {
         self.method.as_ref().map_or("none", Method::name)
     }
 
+    /// The `mend-ls` settings in use, when the method is `mend-ls`.
+    pub fn ls_config(&self) -> Option<crate::mend::ls::LsConfig> {
+        self.method.as_ref().and_then(Method::ls_config)
+    }
+
     pub fn has_editor(&self) -> bool {
         self.method.is_some()
     }

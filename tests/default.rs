@@ -40,13 +40,35 @@ fn pipeline_runs_end_to_end_at_small_scale() {
             max_length: 32,
             ..MendConfig::default()
         },
+        // The editor for many edits: the output projection of the last block, batches of 4.
+        many: Some(MendConfig {
+            edit_params: vec!["transformer.h.1.mlp.c_proj.weight".into()],
+            rank: 16,
+            lr: 1e-3,
+            edit_lr: 1e-3,
+            lr_lr: 1e-3,
+            c_edit: 1.0,
+            batch_size: 4,
+            accumulate: 1,
+            max_steps: 10,
+            val_every: 10,
+            val_records: 10,
+            max_length: 32,
+            ls: dualedit::config::LsConfig { lambda: 1e-6, cov_weight: 0.1, rounds: 3 },
+            ..MendConfig::default()
+        }),
     };
     let rep = build_default(dir.path(), &spec, Device::Cpu).unwrap();
     // The tiny model learned most of its small world.
     assert!(rep.pretrain.fact_accuracy > 0.5, "fact accuracy {}", rep.pretrain.fact_accuracy);
-    for f in ["model/config.json", "model/model.safetensors", "model/tokenizer.json", "editor/editor.safetensors", "world/edits-holdout.json"] {
+    for f in ["model/config.json", "model/model.safetensors", "model/tokenizer.json", "editor/editor.safetensors", "world/edits-holdout.json", "editor-many/editor.safetensors"] {
         assert!(dir.path().join(f).exists(), "{f} missing");
     }
+    // The editor for many edits ships without its optimiser state, with its mend-ls settings.
+    assert_eq!(rep.many_train_steps, Some(10));
+    assert!(!dir.path().join("editor-many/train_state.safetensors").exists());
+    let meta = std::fs::read_to_string(dir.path().join("editor-many/editor.json")).unwrap();
+    assert!(meta.contains(r#""rounds": 3"#), "{meta}");
     assert_eq!(rep.holdout.n, 10);
     // Forty steps of meta-training at this scale make no promise about quality (the shipped
     // default's test does); the evaluation must still produce sane numbers.

@@ -1,5 +1,5 @@
-//! `mend-ls`: MEND's per-edit updates combined by least squares over their keys, as
-//! MALMEN (Tan et al., 2024) aggregates many edits, instead of summed (issue #24).
+//! `mend-ls`: MEND's per-edit updates combined by least squares over their keys, as MALMEN
+//! (Tan et al., 2024) aggregates many edits, instead of summed (issue #24).
 //!
 //! Why: summed, N MEND edits add N rank-r updates whose effects on each other's keys (and
 //! on unrelated ones) pile up; on the embedded default 10 edits in one batch or one after
@@ -19,39 +19,59 @@
 //! normal matrix), which asks `S` to leave the layer's outputs there alone, as MEMIT's
 //! key covariance does.
 //!
+//! **Re-solve rounds** ([`LsConfig::rounds`]). One solve leaves some edits short of their
+//! target: the solve balances them against each other and the unrelated keys. A round
+//! checks which edits' prompts do not yet answer their targets at the solved weights,
+//! captures those again there, and adds the editor's new value shifts (at the edits' keys
+//! of the first capture) to their targets before solving again, so the push goes where an
+//! edit still fails rather than to all (scaling every target instead moves all edits and
+//! the unrelated text together; BENCHMARKS.md). A round that does not make more edits
+//! answer is dropped and ends the search, so rounds never end worse than one solve on the
+//! edits' own prompts. They need an editor whose inputs stay in its training range at
+//! edited weights: the shipped `data/editor-many` edits only the MLP output projections.
+//!
 //! Edits one after another re-solve over every edit so far from the weights the first
 //! one started from, `W0` ([`KeyMemory`]): a new edit is captured at `W0` (the current
 //! weights minus the remembered change), its rows target their own shift `v`, earlier rows
-//! keep their targets, so a later edit cannot overwrite an earlier one's values and N
-//! sequential edits are the batch of N by construction. Capturing on the edited weights
-//! instead (targets `k·S_prev + v`) was measured first: the editor's inputs leave its
-//! training distribution after a few commits and 10 sequential edits broke the model
-//! (0.00 reliability; BENCHMARKS.md).
+//! keep their targets, so a later edit cannot overwrite an earlier one's values and,
+//! without rounds, N sequential edits are the batch of N by construction. With rounds,
+//! every call checks the remembered edits too (a later edit can break an earlier one) and
+//! may push any of them. Capturing on the edited weights instead (targets `k·S_prev + v`)
+//! was measured first: the editor's inputs leave its training distribution after a few
+//! commits and 10 sequential edits broke the model (0.00 reliability; BENCHMARKS.md).
 use std::collections::HashMap;
 
-use serde::Serialize;
 use tch::{Kind, Tensor};
+use tracing::debug;
 
-use crate::data::TokenBatch;
-use crate::mend::{Editor, Engine};
+pub use crate::config::LsConfig;
+use crate::data::{Example, TokenBatch};
+use crate::mend::{losses, Editor, Engine};
 use crate::model::{LowRank, Overrides};
 use crate::{Error, Result};
 
-/// The least-squares aggregation's settings.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct LsConfig {
-    /// `λ` of `λ·‖S‖²`, relative to the mean squared norm of the edit's keys (so it means
-    /// the same whatever the layer's scale): `λ_abs = lambda · mean_t ‖k_t‖²`.
-    pub lambda: f64,
-    /// `μ`: the weight of each unrelated key `c_j` in `μ·Σ_j ‖c_j·S‖²` (keep what the
-    /// weight does at unrelated text, as MEMIT keeps its key covariance), when unrelated
-    /// keys are given ([`unrelated_grams`]).
-    pub cov_weight: f64,
+/// What a user sets of [`LsConfig`] (the `--ls-*` flags); the rest comes from the editor
+/// (`MendConfig::ls` in its `editor.json`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LsChoice {
+    pub lambda: Option<f64>,
+    pub cov_weight: Option<f64>,
+    pub rounds: Option<usize>,
 }
 
-impl Default for LsConfig {
-    fn default() -> Self {
-        Self { lambda: 1e-2, cov_weight: 1e-2 }
+impl LsChoice {
+    /// Everything from `flags`, nothing from an editor.
+    pub fn all(c: LsConfig) -> Self {
+        Self { lambda: Some(c.lambda), cov_weight: Some(c.cov_weight), rounds: Some(c.rounds) }
+    }
+
+    /// The settings: what was chosen here, the rest from `editor`'s.
+    pub fn resolve(&self, editor: &LsConfig) -> LsConfig {
+        LsConfig {
+            lambda: self.lambda.unwrap_or(editor.lambda),
+            cov_weight: self.cov_weight.unwrap_or(editor.cov_weight),
+            rounds: self.rounds.unwrap_or(editor.rounds),
+        }
     }
 }
 
@@ -66,7 +86,7 @@ pub fn unrelated_grams(engine: &Engine, texts: &[String]) -> Result<Vec<Tensor>>
         ids.truncate(max - 1);
         ids.push(ids.last().copied().unwrap_or(0));
         if ids.len() >= 2 {
-            examples.push(crate::data::Example { ids, answer_start: 1, image: None });
+            examples.push(Example { ids, answer_start: 1, image: None });
         }
     }
     if examples.is_empty() {
@@ -74,7 +94,7 @@ pub fn unrelated_grams(engine: &Engine, texts: &[String]) -> Result<Vec<Tensor>>
     }
     let mut grams: Option<Vec<Tensor>> = None;
     for chunk in examples.chunks(64) {
-        let refs: Vec<&crate::data::Example> = chunk.iter().collect();
+        let refs: Vec<&Example> = chunk.iter().collect();
         let xs = engine.layer_inputs(&engine.collate(&refs)?)?;
         grams = Some(crate::error::guard(|| {
             let g: Vec<Tensor> = xs.iter().map(|x| x.tr().matmul(x)).collect();
@@ -88,34 +108,63 @@ pub fn unrelated_grams(engine: &Engine, texts: &[String]) -> Result<Vec<Tensor>>
 }
 
 /// Per edited weight: every committed edit's keys `K` `[R, d_in]`, targets `T` `[R, d_out]`
-/// (relative to the weights the memory started from) and the change `S` `[d_in, d_out]`
-/// committed so far.
+/// (relative to the weights the memory started from), the edit each row belongs to `[R]`
+/// (int64, numbered in commit order) and the change `S` `[d_in, d_out]` committed so far.
 #[derive(Default)]
 struct Layer {
     k: Option<Tensor>,
     t: Option<Tensor>,
+    edit: Option<Tensor>,
     s: Option<Tensor>,
+}
+
+impl Layer {
+    fn shallow(&self) -> Layer {
+        let c = |t: &Option<Tensor>| t.as_ref().map(Tensor::shallow_clone);
+        Layer { k: c(&self.k), t: c(&self.t), edit: c(&self.edit), s: c(&self.s) }
+    }
+}
+
+/// The last [`edit`]'s proposal, which [`KeyMemory::commit`] makes the memory.
+struct Proposal {
+    /// All rows (the remembered ones first) with their proposed targets and `S`.
+    layers: Vec<Layer>,
+    /// The remembered rows' targets before this edit (re-solve rounds may change them).
+    old_t: Vec<Option<Tensor>>,
+    /// How many edits the proposal adds.
+    edits: i64,
+    /// The new edits' requests (kept only when rounds may check them again).
+    examples: Vec<Example>,
+    /// Times each edit (remembered, then new) has been pushed by a round, this call included.
+    pushes: Vec<usize>,
 }
 
 /// The edits a session has committed with `mend-ls`, for re-solving over all of them.
 #[derive(Default)]
 pub struct KeyMemory {
     layers: Vec<Layer>,
-    /// The last [`edit`]'s layers, committed by [`KeyMemory::commit`].
-    pending: Option<Vec<Layer>>,
-}
-
-impl Layer {
-    fn shallow(&self) -> Layer {
-        Layer { k: self.k.as_ref().map(Tensor::shallow_clone), t: self.t.as_ref().map(Tensor::shallow_clone), s: self.s.as_ref().map(Tensor::shallow_clone) }
-    }
+    /// Edits committed (rows are numbered by these).
+    edits: i64,
+    /// Each committed edit's request, in commit order, when re-solve rounds are on (they
+    /// check whether every remembered edit still answers).
+    examples: Vec<Example>,
+    /// How many rounds have pushed each of them: at most `rounds` over an edit's life, so
+    /// that edits one after another are pushed no more than the same edits in one batch.
+    pushes: Vec<usize>,
+    pending: Option<Proposal>,
 }
 
 impl KeyMemory {
     /// The committed edits, sharing their tensors (a commit replaces them, never changes
     /// them in place): what a failed edit call puts back ([`crate::session::Session::edit_examples`]).
     pub fn snapshot(&self) -> KeyMemory {
-        KeyMemory { layers: self.layers.iter().map(Layer::shallow).collect(), pending: None }
+        KeyMemory {
+            layers: self.layers.iter().map(Layer::shallow).collect(),
+            edits: self.edits,
+            examples: self.examples.clone(),
+            pushes: self.pushes.clone(),
+            pending: None,
+        }
     }
 
     /// Forgets every edit (the session was reset to its loaded weights).
@@ -124,43 +173,47 @@ impl KeyMemory {
     }
 
     /// Records the last proposed edit as committed at `scale` (1: as proposed; the guard
-    /// may scale it back, `W + s·ΔW`). At a scale below 1 the stored targets of the new
-    /// rows are `k·S_prev + s·v` and `S = S_prev + s·(S_new − S_prev)`: exact for `S`,
-    /// approximate for the old rows, whose targets are kept.
+    /// may scale it back, `W + s·ΔW`). At a scale below 1 every row's stored target moves
+    /// the same fraction from where it was (for the new rows, `k·S_prev`) towards the
+    /// proposed one and `S = S_prev + s·(S_new − S_prev)`: exact for `S`, approximate for
+    /// the targets.
     pub fn commit(&mut self, scale: f64) {
-        let Some(pending) = self.pending.take() else { return };
+        let Some(p) = self.pending.take() else { return };
         if scale <= 0.0 {
             return;
         }
         let _g = tch::no_grad_guard();
-        let mut layers = std::mem::take(&mut self.layers);
-        layers.resize_with(pending.len(), Layer::default);
-        for (old, new) in layers.iter_mut().zip(pending) {
-            let (Some(k), Some(t), Some(s)) = (new.k, new.t, new.s) else { continue };
-            let s_prev = old.s.as_ref().map_or_else(|| s.zeros_like(), |p| p.shallow_clone());
-            // `new.t` holds the new rows' targets `k·S_prev + v`.
+        let mut layers = Vec::with_capacity(p.layers.len());
+        for (i, (new, old_t)) in p.layers.into_iter().zip(p.old_t).enumerate() {
+            let (Some(k), Some(t), Some(edit), Some(s)) = (new.k, new.t, new.edit, new.s) else {
+                layers.push(Layer::default());
+                continue;
+            };
+            let s_prev = self.layers.get(i).and_then(|l| l.s.as_ref()).map_or_else(|| s.zeros_like(), Tensor::shallow_clone);
             let (t, s) = if scale < 1.0 {
-                let t = &k.matmul(&s_prev) + (&t - k.matmul(&s_prev)) * scale;
-                (t, &s_prev + (&s - &s_prev) * scale)
+                // Where each row's target was: stored for the remembered rows, `k·S_prev`
+                // (what the weights did there) for the new ones.
+                let n_old = old_t.as_ref().map_or(0, |o| o.size()[0]);
+                let fresh = k.narrow(0, n_old, k.size()[0] - n_old).matmul(&s_prev);
+                let base = match old_t {
+                    Some(o) => Tensor::cat(&[o, fresh], 0),
+                    None => fresh,
+                };
+                (&base + (&t - &base) * scale, &s_prev + (&s - &s_prev) * scale)
             } else {
                 (t, s)
             };
-            old.k = Some(match old.k.take() {
-                Some(k0) => Tensor::cat(&[k0, k], 0),
-                None => k,
-            });
-            old.t = Some(match old.t.take() {
-                Some(t0) => Tensor::cat(&[t0, t], 0),
-                None => t,
-            });
-            old.s = Some(s);
+            layers.push(Layer { k: Some(k), t: Some(t), edit: Some(edit), s: Some(s) });
         }
+        self.edits += p.edits;
+        self.examples.extend(p.examples);
+        self.pushes = p.pushes;
         self.layers = layers;
     }
 
-    /// Edits remembered (rows of the first layer, for logs).
-    pub fn rows(&self) -> i64 {
-        self.layers.first().and_then(|l| l.k.as_ref()).map_or(0, |k| k.size()[0])
+    /// Edits remembered.
+    pub fn edits(&self) -> i64 {
+        self.edits
     }
 }
 
@@ -173,71 +226,185 @@ pub struct LsEditor {
     pub unrelated: Vec<Tensor>,
 }
 
+/// One edited weight's rows for a solve: keys, targets, the edit of each row.
+struct Rows {
+    k: Tensor,
+    t: Tensor,
+    edit: Tensor,
+}
+
+/// Each row's value shift under its own edit's update: `v_t = Σ_{s in t's edit} (k_t·a_s) b_s`,
+/// for rows `k` `[R, d_in]` of edits `edit_k` `[R]` and the editor's terms `a` `[Q, d_in]`,
+/// `b` `[Q, d_out]` of edits `edit_ab` `[Q]`. `[R, d_out]`; 0 for a row whose edit has no term.
+fn shifts(k: &Tensor, edit_k: &Tensor, a: &Tensor, b: &Tensor, edit_ab: &Tensor) -> Tensor {
+    let same = edit_k.unsqueeze(1).eq_tensor(&edit_ab.unsqueeze(0)).to_kind(Kind::Float);
+    (k.matmul(&a.tr()) * same).matmul(b)
+}
+
+/// `S` `[d_in, d_out]` of one weight: `(KᵀK + λ·I + μ·CᵀC)⁻¹ KᵀT`.
+fn solve(rows: &Rows, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
+    let k = &rows.k;
+    let d_in = k.size()[1];
+    let lambda = config.lambda * k.square().sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float).double_value(&[]).max(1e-12);
+    let mut gram = k.tr().matmul(k) + Tensor::eye(d_in, (Kind::Float, k.device())) * lambda;
+    if let Some(c) = unrelated {
+        gram += c.to_device(k.device()) * config.cov_weight;
+    }
+    Tensor::linalg_solve(&gram, &k.tr().matmul(&rows.t), true)
+}
+
 /// The edit of `inner` (one or many examples) on the engine's current weights: for each
 /// edited weight the change from the current weights to `W0 + S`, with `S` re-solved over
-/// the remembered edits and these; as a low-rank override `(I, S − S_prev)` (rank `d_in`).
+/// the remembered edits and these (with rounds, pushed until no more of them answer); as a
+/// low-rank override `(I, S − S_prev)` (rank `d_in`).
 /// Not committed: [`KeyMemory::commit`] records it once the caller has committed it.
 pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch) -> Result<Overrides> {
     let _g = tch::no_grad_guard();
-    if !(ls.config.lambda.is_finite() && ls.config.lambda > 0.0) {
-        return Err(Error::input(format!("mend-ls lambda must be a positive number, got {}", ls.config.lambda)));
-    }
+    ls.config.validate()?;
+    let first = ls.memory.edits;
+    // The requests the rounds check: the remembered ones, then these.
+    let new_requests = match ls.config.rounds {
+        0 => Vec::new(),
+        _ => inner.examples().ok_or_else(|| Error::input("mend-ls re-solve rounds check each request's answer and need text requests: use --ls-rounds 0 with images"))?,
+    };
     // Captured at the weights the remembered edits started from, `W0 = W − S_prev`: each
     // edit's keys and shifts are those it would have in one batch with all the others.
-    let start = crate::error::guard(|| {
-        let mut at = HashMap::new();
-        for (p, l) in engine.edit_params.iter().zip(&ls.memory.layers) {
-            if let Some(s) = &l.s {
-                let w = engine.weight(&p.name)?;
-                let undo = LowRank { a: Tensor::eye(s.size()[0], (Kind::Float, w.device())), b: -s.to_device(w.device()) };
-                at.insert(p.name.clone(), undo.added_to(w, p.layout));
-            }
-        }
-        Ok(at)
-    })?;
-    let (_, factors, examples) = engine.capture_by_example(inner, &start)?;
+    let undo: Vec<Option<Tensor>> = ls.memory.layers.iter().map(|l| l.s.as_ref().map(|s| -s)).collect();
+    let (_, factors, positions) = engine.capture_by_example(inner, &weights_plus(engine, &undo)?)?;
+    let t_len = inner.input_ids.size()[1];
     let terms = ls.editor.edit_terms(&factors, false);
-    crate::error::guard(|| {
-        let mut out = Overrides::new();
-        let mut pending = Vec::with_capacity(engine.edit_params.len());
+    let mut rows: Vec<Rows> = crate::error::guard(|| {
+        let mut rows = Vec::with_capacity(engine.edit_params.len());
         for (i, (p, (a, b))) in engine.edit_params.iter().zip(terms).enumerate() {
             let k = &factors[i].x;
-            let ex = &examples[i];
             if a.size()[0] != k.size()[0] {
                 return Err(Error::Torch(format!("{}: the editor gave {} rows for {} keys", p.name, a.size()[0], k.size()[0])));
             }
-            // v_t = Σ_{s in t's edit} (k_t·a_s) b_s: each row's shift under its own edit's update.
-            let same = ex.unsqueeze(1).eq_tensor(&ex.unsqueeze(0)).to_kind(Kind::Float);
-            let v = (k.matmul(&a.tr()) * same).matmul(&b);
+            let edit = positions[i].divide_scalar_mode(t_len, "floor") + first;
+            // Targets relative to W0, where the keys were captured; remembered rows first.
+            let v = shifts(k, &edit, &a, &b, &edit);
             let prev = ls.memory.layers.get(i);
-            let s_prev = prev.and_then(|l| l.s.as_ref());
-            // Targets relative to W0, where the keys were captured.
-            let t_new = v;
-            let (kk, tt) = match prev.and_then(|l| l.k.as_ref().zip(l.t.as_ref())) {
-                Some((k0, t0)) => (Tensor::cat(&[k0, k], 0), Tensor::cat(&[t0, &t_new], 0)),
-                None => (k.shallow_clone(), t_new.shallow_clone()),
-            };
-            let d_in = kk.size()[1];
-            let lambda = ls.config.lambda * kk.square().sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float).double_value(&[]).max(1e-12);
-            let mut gram = kk.tr().matmul(&kk) + Tensor::eye(d_in, (Kind::Float, kk.device())) * lambda;
-            if let Some(c) = ls.unrelated.get(i) {
-                gram += c.to_device(kk.device()) * ls.config.cov_weight;
+            rows.push(match prev.and_then(|l| Some((l.k.as_ref()?, l.t.as_ref()?, l.edit.as_ref()?))) {
+                Some((k0, t0, e0)) => Rows { k: Tensor::cat(&[k0, k], 0), t: Tensor::cat(&[t0, &v], 0), edit: Tensor::cat(&[e0, &edit], 0) },
+                None => Rows { k: k.shallow_clone(), t: v, edit },
+            });
+        }
+        Ok(rows)
+    })?;
+    let mut s = solve_all(ls, &rows)?;
+    let mut out = overrides(engine, &ls.memory, &s)?;
+    let mut pushes = ls.memory.pushes.clone();
+    if ls.config.rounds > 0 {
+        let requests: Vec<&Example> = ls.memory.examples.iter().chain(&new_requests).collect();
+        let all = engine.collate(&requests)?;
+        let mut answers = answering(engine, &out, &all)?;
+        pushes.resize(requests.len(), 0);
+        for round in 1..=ls.config.rounds {
+            let answered = answers.iter().filter(|a| **a).count();
+            let failing: Vec<i64> = (0..answers.len()).filter(|&e| !answers[e] && pushes[e] < ls.config.rounds).map(|e| e as i64).collect();
+            debug!(round, answered, of = answers.len(), pushed = failing.len(), "mend-ls re-solve");
+            if failing.is_empty() {
+                break;
             }
-            let s = Tensor::linalg_solve(&gram, &kk.tr().matmul(&tt), true);
-            let change = match s_prev {
-                Some(sp) => &s - sp,
-                None => s.shallow_clone(),
-            };
+            // The failing edits captured at the solved weights `W0 + S`; the editor's new
+            // update of each, taken at its first capture's keys, is added to its targets.
+            let fails = engine.collate(&failing.iter().map(|&e| requests[e as usize]).collect::<Vec<_>>())?;
+            let (_, f2, pos2) = engine.capture_by_example(&fails, &weights_plus(engine, &changes(&ls.memory, &s).into_iter().map(Some).collect::<Vec<_>>())?)?;
+            let terms2 = ls.editor.edit_terms(&f2, false);
+            let t2 = fails.input_ids.size()[1];
+            let pushed: Vec<Rows> = crate::error::guard(|| {
+                let ids = Tensor::from_slice(&failing);
+                Ok(rows
+                    .iter()
+                    .zip(terms2)
+                    .zip(&pos2)
+                    .map(|((r, (a, b)), pos)| {
+                        let edit2 = ids.to_device(pos.device()).index_select(0, &pos.divide_scalar_mode(t2, "floor"));
+                        Rows { k: r.k.shallow_clone(), t: &r.t + shifts(&r.k, &r.edit, &a, &b, &edit2), edit: r.edit.shallow_clone() }
+                    })
+                    .collect())
+            })?;
+            let s2 = solve_all(ls, &pushed)?;
+            let out2 = overrides(engine, &ls.memory, &s2)?;
+            let answers2 = answering(engine, &out2, &all)?;
+            let answered2 = answers2.iter().filter(|a| **a).count();
+            if answered2 <= answered {
+                debug!(round, answered, answered2, "a re-solve round that makes no more edits answer is dropped");
+                break;
+            }
+            (rows, s, out, answers) = (pushed, s2, out2, answers2);
+            for &e in &failing {
+                pushes[e as usize] += 1;
+            }
+        }
+    }
+    let old_t = (0..rows.len()).map(|i| ls.memory.layers.get(i).and_then(|l| l.t.as_ref().map(Tensor::shallow_clone))).collect();
+    ls.memory.pending = Some(Proposal {
+        layers: rows.into_iter().zip(s).map(|(r, s)| Layer { k: Some(r.k), t: Some(r.t), edit: Some(r.edit), s: Some(s) }).collect(),
+        old_t,
+        edits: inner.batch_size(),
+        examples: new_requests,
+        pushes,
+    });
+    Ok(out)
+}
+
+/// [`solve`] for every edited weight.
+fn solve_all(ls: &LsEditor, rows: &[Rows]) -> Result<Vec<Tensor>> {
+    crate::error::guard(|| Ok(rows.iter().enumerate().map(|(i, r)| solve(r, &ls.config, ls.unrelated.get(i))).collect()))
+}
+
+/// Per edited weight, the change from the current weights to `W0 + s`: `s − S_prev`.
+fn changes(memory: &KeyMemory, s: &[Tensor]) -> Vec<Tensor> {
+    s.iter()
+        .enumerate()
+        .map(|(i, s)| match memory.layers.get(i).and_then(|l| l.s.as_ref()) {
+            Some(p) => s - p,
+            None => s.shallow_clone(),
+        })
+        .collect()
+}
+
+/// The override taking the current weights to `W0 + s`: `(I, s − S_prev)` per weight, as
+/// a low-rank override for f32 weights (applied as `x·W + x·ΔS`), else `W'` itself.
+fn overrides(engine: &Engine, memory: &KeyMemory, s: &[Tensor]) -> Result<Overrides> {
+    crate::error::guard(|| {
+        let mut out = Overrides::new();
+        for (p, change) in engine.edit_params.iter().zip(changes(memory, s)) {
             let w = engine.weight(&p.name)?;
-            let edit = LowRank { a: Tensor::eye(d_in, (Kind::Float, w.device())), b: change.to_device(w.device()) };
+            let edit = LowRank { a: Tensor::eye(change.size()[0], (Kind::Float, w.device())), b: change.to_device(w.device()) };
             if w.kind() == Kind::Float {
                 out.insert_low_rank(p.name.clone(), edit);
             } else {
                 out.insert(p.name.clone(), edit.added_to(w, p.layout));
             }
-            pending.push(Layer { k: Some(k.shallow_clone()), t: Some(t_new), s: Some(s) });
         }
-        ls.memory.pending = Some(pending);
         Ok(out)
+    })
+}
+
+/// The current edited weights plus `change[i]` (`[d_in, d_out]`; `None` or missing:
+/// unchanged), by name: the weights [`Engine::capture_by_example`] captures at.
+fn weights_plus(engine: &Engine, change: &[Option<Tensor>]) -> Result<HashMap<String, Tensor>> {
+    crate::error::guard(|| {
+        let mut at = HashMap::new();
+        for (p, c) in engine.edit_params.iter().zip(change) {
+            if let Some(c) = c {
+                let w = engine.weight(&p.name)?;
+                let lr = LowRank { a: Tensor::eye(c.size()[0], (Kind::Float, w.device())), b: c.to_device(w.device()) };
+                at.insert(p.name.clone(), lr.added_to(w, p.layout));
+            }
+        }
+        Ok(at)
+    })
+}
+
+/// Per example of `batch`: whether every answer token is the top-1 prediction under the
+/// current weights plus `ov` (the edit made, as `guard::makes_edit` asks of a whole batch).
+fn answering(engine: &Engine, ov: &Overrides, batch: &TokenBatch) -> Result<Vec<bool>> {
+    let logits = engine.edited_logits(ov, batch)?;
+    crate::error::guard(|| {
+        let dev = logits.device();
+        Ok(losses::token_accuracy(&logits, &batch.kept_targets().to_device(dev), &batch.kept_rows().to_device(dev), batch.batch_size()).1)
     })
 }

@@ -305,13 +305,14 @@ impl Engine {
         Ok((nll, factors))
     }
 
-    /// [`Engine::capture`] with, per edited weight, the batch example each factor row came
-    /// from (`[R]` int64, on the factors' device): what [`crate::mend::ls`] needs to tell
-    /// one edit's rows from another's. `at`: edited weights to capture at instead of the
+    /// [`Engine::capture`] with, per edited weight, where each factor row came from: its
+    /// flat position `b·T + t` in the batch's `[B, T]` tokens (`[R]` int64, on the factors'
+    /// device), so the example is `pos / T` and the token `pos % T`: what
+    /// [`crate::mend::ls`] needs to tell one edit's rows from another's and to see which
+    /// tokens a row stands for. `at`: edited weights to capture at instead of the
     /// current ones (by name; the others as they are), e.g. the weights before a run of
     /// edits.
     pub fn capture_by_example(&self, batch: &TokenBatch, at: &HashMap<String, Tensor>) -> Result<(f64, Vec<Factors>, Vec<Tensor>)> {
-        let b = batch.batch_size().max(1);
         let entry = self.boundary(batch)?;
         crate::error::guard(|| tch::with_grad(|| {
             let overrides: Overrides = self
@@ -358,13 +359,11 @@ impl Engine {
                 .map(|(p, delta)| {
                     let (d_in, d_out) = p.in_out();
                     let x = out.captures[&p.name].x.detach().reshape([-1, d_in]).to_kind(Kind::Float);
-                    // Rows are the batch's examples one after another, each `rows_per` long.
-                    let rows_per = (x.size()[0] / b).max(1);
                     let delta = delta.reshape([-1, d_out]).to_kind(Kind::Float);
                     // Padding rows and rows after the last scored token carry no gradient.
                     let rows = x.ne(0.0).any_dim(1, false).logical_and(&delta.ne(0.0).any_dim(1, false));
                     let idx = rows.nonzero().squeeze_dim(1);
-                    examples.push(self.from_weight_side(&idx.divide_scalar_mode(rows_per, "floor")));
+                    examples.push(self.from_weight_side(&idx));
                     // The editor is on the main device: under a layer split the factors
                     // (rows with signal only) cross to it.
                     Factors {
