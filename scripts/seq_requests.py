@@ -20,7 +20,13 @@ locality prompts are facts that no request of the file edits:
                      disjoint set of requests (to choose settings on one set and report
                      on the other); locality as above, among the facts it does not edit
 
-Usage: scripts/seq_requests.py OUT_DIR [--skip K] [N ...]   (default N: 5 20 100)
+    --fresh-targets  every record's target_new is replaced by an object of its relation
+                     that no record of edits-train.json or edits-holdout.json gives that
+                     fact (nor its true object): requests no editor was meta-trained on
+                     (files named fresh-N.json / fresh-N-from-K.json; facts without such
+                     an object, e.g. continents, are left out)
+
+Usage: scripts/seq_requests.py OUT_DIR [--skip K] [--fresh-targets] [N ...]   (default N: 5 20 100)
 """
 import json
 import sys
@@ -49,6 +55,9 @@ def main():
     skip = 0
     if args[:1] == ["--skip"]:
         skip, args = int(args[1]), args[2:]
+    fresh = args[:1] == ["--fresh-targets"]
+    if fresh:
+        args = args[1:]
     ns = [int(a) for a in args] or [5, 20, 100]
     out.mkdir(parents=True, exist_ok=True)
     facts = json.loads((WORLD / "facts.json").read_text())
@@ -62,6 +71,14 @@ def main():
         if r["prompt"] not in seen:
             seen.add(r["prompt"])
             distinct.append(r)
+    def fresh_objects(r):
+        fact = by_prompt[r["prompt"]]
+        used = {fact["object"]} | {t["target_new"] for t in holdout + train if t["prompt"] == r["prompt"]}
+        return sorted({f["object"] for f in facts if f["relation"] == fact["relation"]} - used)
+
+    if fresh:
+        # Facts whose relation has no object left that no record gives them are left out.
+        distinct = [r for r in distinct if fresh_objects(r)]
     for n in ns:
         if n <= len(holdout) and skip == 0:
             (out / f"holdout-{n}.json").write_text(json.dumps(holdout[:n], indent=1))
@@ -82,7 +99,10 @@ def main():
             tpl = TEMPLATES[loc["relation"]]
             r["locality_prompt"] = tpl[i % len(tpl)].replace("{s}", loc["subject"])
             r["locality_ground_truth"] = loc["object"]
-        name = f"distinct-{n}.json" if skip == 0 else f"distinct-{n}-from-{skip}.json"
+            if fresh:
+                r["target_new"] = fresh_objects(r)[i % len(fresh_objects(r))]
+        stem = "fresh" if fresh else "distinct"
+        name = f"{stem}-{n}.json" if skip == 0 else f"{stem}-{n}-from-{skip}.json"
         (out / name).write_text(json.dumps(recs, indent=1))
         print(f"{name}: {len(recs)} records, {len({r['prompt'] for r in recs})} facts")
 
