@@ -154,6 +154,15 @@ pub fn pretrain(
     let model = Model::new(Gpt2::new(serde_json::from_value::<Gpt2Config>(config.clone()).map_err(|e| Error::Torch(e.to_string()))?)?);
     tch::manual_seed(cfg.seed as i64);
     let store = random_params(&model, device, Kind::Float);
+    // The shipped text default (`data/model`) was pretrained from LayerNorm biases at 1, an
+    // init defect `random_params` no longer has; kept here (it draws no random numbers) so
+    // that `build-default` still reproduces that model byte for byte.
+    tch::no_grad(|| {
+        for (name, t) in store.iter().filter(|(n, _)| n.contains("ln_") && n.ends_with(".bias")) {
+            let _ = t.shallow_clone().fill_(1.0);
+            tracing::trace!(name, "LayerNorm bias at 1 (the shipped default's init)");
+        }
+    });
     let params: Vec<Tensor> = store.iter().map(|(_, t)| t.set_requires_grad(true)).collect();
     let mut adam = Adam::new(vec![(cfg.lr, params)]);
     let mut examples = Vec::with_capacity(corpus.len());

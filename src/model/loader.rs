@@ -224,8 +224,9 @@ pub fn load_model_split(dir: &Path, device: Device, kind: Kind, sub_side: Option
     Ok(LoadedModel { dir: dir.to_path_buf(), model, params, tokenizer, config_json })
 }
 
-/// Random weights for `model` (N(0, 0.02²) matrices, unit norms, zero biases), as a
-/// freshly initialised checkpoint would have: for benchmarks and planning without files.
+/// Random weights for `model` (N(0, 0.02²) matrices, unit norm weights, zero biases, the
+/// norms' biases included, as transformers initialises them), as a freshly initialised
+/// checkpoint would have: for benchmarks, planning and pretraining from scratch.
 pub fn random_params(model: &Model, device: Device, kind: Kind) -> ParamStore {
     let _g = tch::no_grad_guard();
     let tensors = model
@@ -234,7 +235,7 @@ pub fn random_params(model: &Model, device: Device, kind: Kind) -> ParamStore {
         .map(|(name, shape)| {
             let t = if shape.len() >= 2 {
                 Tensor::randn(shape.as_slice(), (Kind::Float, device)) * 0.02
-            } else if name.contains("norm") || name.contains("ln_") {
+            } else if (name.contains("norm") || name.contains("ln_")) && name.ends_with(".weight") {
                 Tensor::ones(shape.as_slice(), (Kind::Float, device))
             } else {
                 Tensor::zeros(shape.as_slice(), (Kind::Float, device))
