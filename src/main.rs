@@ -266,7 +266,7 @@ struct PretrainArgs {
     /// The visual world folder (with --vl).
     #[arg(long, requires = "vl")]
     world: Option<PathBuf>,
-    /// With --vl: the vision tower's learning rate as a share of --lr (default 0.02).
+    /// With --vl: the vision tower's learning rate as a share of --lr (default 1).
     #[arg(long, requires = "vl")]
     vision_lr_scale: Option<f64>,
     /// Output model directory.
@@ -285,12 +285,12 @@ struct PretrainArgs {
     n_head: Option<i64>,
     #[arg(long, default_value_t = 64)]
     n_positions: i64,
-    /// Default 4000 (text) or the multimodal default's 2000 (--vl).
+    /// Default 4000 (text) or the multimodal default's 10000 (--vl).
     #[arg(long)]
     steps: Option<usize>,
     #[arg(long, default_value_t = 32)]
     batch: usize,
-    /// Default 2e-3 (text) or 3e-3 (--vl).
+    /// Default 2e-3 (text) or 3e-4 (--vl).
     #[arg(long)]
     lr: Option<f64>,
     /// Where to train: cpu or cuda:N (the result is the same HF directory either way).

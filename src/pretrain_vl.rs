@@ -47,11 +47,9 @@ pub struct VlPretrainConfig {
     pub steps: usize,
     pub batch_size: usize,
     pub lr: f64,
-    /// The vision tower's learning rate as a share of `lr`. At the full rate the tower and
-    /// merger learn within 50 steps to emit one large constant vector for every image
-    /// (the spread of features across images falls from 35 % to 9 % of their norm), and
-    /// the decoder never learns to read the pictures; a slower tower keeps its features
-    /// image-specific while the decoder learns to use them (BENCHMARKS.md, #22).
+    /// The vision tower's learning rate as a share of `lr` (1: the same rate). An earlier
+    /// world and recipe needed the tower slowed (at 3e-3 its features collapsed to one
+    /// vector for every image); at 3e-4 on the cell-grid world the full rate learns.
     pub vision_lr_scale: f64,
     pub seed: u64,
     /// Stop once the probe accuracy (original renders, rephrase renders and text facts,
@@ -70,10 +68,10 @@ impl Default for VlPretrainConfig {
             heads: 4,
             vision_width: 48,
             vision_depth: 2,
-            steps: 2000,
+            steps: 10000,
             batch_size: 32,
-            lr: 3e-3,
-            vision_lr_scale: 0.02,
+            lr: 3e-4,
+            vision_lr_scale: 1.0,
             seed: 7,
             target_accuracy: Some(0.99),
             probe_every: 250,
@@ -90,6 +88,10 @@ pub struct VlAccuracy {
     pub rephrase_image: f64,
     /// The NQ-style text facts.
     pub text: f64,
+    /// The canonical questions of `original`, each shown another scene's picture: what the
+    /// model gets right without reading the image it is shown (the answer prior, and
+    /// answers the two scenes share). Far below `original` when the model reads pictures.
+    pub other_image: f64,
 }
 
 impl VlAccuracy {
@@ -107,6 +109,14 @@ pub struct VlPretrainReport {
     pub examples: usize,
     pub seconds: f64,
 }
+
+/// M-RoPE's base. Qwen2-VL gives the height and width streams the lowest frequencies
+/// (`mrope_section` splits them in order: temporal, height, width); with a head width of
+/// 24 and the usual 10 000 the width stream turns by under 0.01 rad across the whole image,
+/// so no image token's place can be told from another's and questions about a place are
+/// never learned (measured with transformers and here: BENCHMARKS.md). At 10 the slowest
+/// frequency still turns by 0.12 rad per cell.
+const ROPE_THETA: f64 = 10.0;
 
 /// The `config.json` of the model (transformers 5's nested Qwen2-VL layout).
 fn hf_config(c: &VlPretrainConfig, vocab: usize, ids: &[i64; 7]) -> serde_json::Value {
@@ -137,7 +147,7 @@ fn hf_config(c: &VlPretrainConfig, vocab: usize, ids: &[i64; 7]) -> serde_json::
             "bos_token_id": ids[0],
             "eos_token_id": ids[0],
             "use_sliding_window": false,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+            "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": section},
         },
         "vision_config": {
             "model_type": "qwen2_vl_vision",
@@ -190,6 +200,8 @@ struct Data {
     probe_original: Vec<Example>,
     probe_rephrase: Vec<Example>,
     probe_text: Vec<Example>,
+    /// `probe_original` with each image swapped for the next distinct one of the probe.
+    probe_other: Vec<Example>,
 }
 
 fn build_data(corpus: &PretrainCorpus, world: &Path, tok: &Tokenizer, vp: VlPrompt, probe_cap: usize) -> Result<Data> {
@@ -198,7 +210,7 @@ fn build_data(corpus: &PretrainCorpus, world: &Path, tok: &Tokenizer, vp: VlProm
     let (mut probe_original, mut probe_rephrase) = (Vec::new(), Vec::new());
     use crate::data::visual_world::QuestionKind;
     // Each canonical phrasing's words around `{x}`.
-    let canonical: Vec<(&str, &str)> = [QuestionKind::Colour, QuestionKind::Shape, QuestionKind::Count, QuestionKind::Position]
+    let canonical: Vec<(&str, &str)> = QuestionKind::ALL
         .iter()
         .filter_map(|k| k.templates().first().and_then(|t| t.split_once("{x}")))
         .collect();
@@ -229,7 +241,32 @@ fn build_data(corpus: &PretrainCorpus, world: &Path, tok: &Tokenizer, vp: VlProm
         let step = v.len().div_ceil(probe_cap).max(1);
         v.into_iter().step_by(step).collect()
     };
-    Ok(Data { train, probe_original: thin(probe_original), probe_rephrase: thin(probe_rephrase), probe_text: text })
+    let probe_original = thin(probe_original);
+    let probe_other = with_other_images(&probe_original);
+    Ok(Data { train, probe_original, probe_rephrase: thin(probe_rephrase), probe_text: text, probe_other })
+}
+
+/// `examples` with each image replaced by the next distinct image among them (all images
+/// of a world have one size, so the token layout stays valid).
+fn with_other_images(examples: &[Example]) -> Vec<Example> {
+    let mut paths: Vec<&Path> = Vec::new();
+    for p in examples.iter().filter_map(|e| e.image.as_ref().map(|i| i.path.as_path())) {
+        if !paths.contains(&p) {
+            paths.push(p);
+        }
+    }
+    examples
+        .iter()
+        .map(|e| {
+            let mut e = e.clone();
+            if let Some(img) = e.image.as_mut() {
+                if let Some(i) = paths.iter().position(|p| *p == img.path) {
+                    img.path = paths[(i + 1) % paths.len()].to_path_buf();
+                }
+            }
+            e
+        })
+        .collect()
 }
 
 /// Share of `examples` whose whole answer is the top-1 continuation.
@@ -295,6 +332,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
             original: vl_accuracy(&model, &vl, &p, &proc, pad, &data.probe_original)?,
             rephrase_image: vl_accuracy(&model, &vl, &p, &proc, pad, &data.probe_rephrase)?,
             text: vl_accuracy(&model, &vl, &p, &proc, pad, &data.probe_text)?,
+            other_image: vl_accuracy(&model, &vl, &p, &proc, pad, &data.probe_other)?,
         };
         Ok(())
     };
@@ -335,8 +373,11 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
         bar.set_position(steps as u64);
         if steps % cfg.probe_every.max(1) == 0 || steps == cfg.steps {
             probe(&mut acc)?;
-            info!(steps, loss = loss_v, original = acc.original, rephrase_image = acc.rephrase_image, text = acc.text, "pretraining (VL)");
-            bar.set_message(format!("loss {loss_v:.3}  accuracy {:.3}/{:.3}/{:.3}", acc.original, acc.rephrase_image, acc.text));
+            info!(steps, loss = loss_v, original = acc.original, rephrase_image = acc.rephrase_image, text = acc.text, other_image = acc.other_image, "pretraining (VL)");
+            bar.set_message(format!(
+                "loss {loss_v:.3}  accuracy {:.3}/{:.3}/{:.3} (another scene's image: {:.3})",
+                acc.original, acc.rephrase_image, acc.text, acc.other_image
+            ));
             if cfg.target_accuracy.is_some_and(|t| acc.min() >= t) {
                 break;
             }

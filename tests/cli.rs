@@ -231,7 +231,7 @@ fn world_writes_the_visual_world() {
     let dir = tempfile::tempdir().unwrap();
     let out = |name: &str| dir.path().join(name).display().to_string();
     let args = |o: &str| -> Vec<String> {
-        ["world", "--vl", "--out", o, "--seed", "3", "--train-scenes", "4", "--holdout-scenes", "2", "--image-size", "84x56"].map(String::from).to_vec()
+        ["world", "--vl", "--out", o, "--seed", "3", "--train-scenes", "4", "--holdout-scenes", "2", "--image-size", "140x84"].map(String::from).to_vec()
     };
     let run = |o: &str| {
         let a = args(o);
@@ -240,7 +240,7 @@ fn world_writes_the_visual_world() {
     let (a, b) = (out("a"), out("b"));
     let v = one_object("world --vl", &run(&a));
     assert_eq!(v["scenes"], 6, "{v}");
-    assert_eq!(v["image_size"], serde_json::json!([84, 56]), "{v}");
+    assert_eq!(v["image_size"], serde_json::json!([140, 84]), "{v}");
     one_object("world --vl again", &run(&b));
     for name in ["scenes.json", "pretrain.json", "vqa-train.json", "vqa-holdout.json", "images/scene-0000.png", "images_rephrase/scene-0005.png"] {
         let (x, y) = (std::fs::read(dir.path().join("a").join(name)).unwrap(), std::fs::read(dir.path().join("b").join(name)).unwrap());

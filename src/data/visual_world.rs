@@ -4,14 +4,23 @@
 //!
 //! Why synthetic: a tiny vision-language model pretrained on a CPU can only be asked to
 //! know what it can learn in minutes. Flat shapes in a handful of pure colours, at one of
-//! five places, are learnable by a small vision tower, and every answer is a pure
-//! function of the scene description, so tests can re-derive it.
+//! five places, and every answer a pure function of the scene description, so tests can
+//! re-derive it.
+//!
+//! Why this layout (measured, BENCHMARKS.md "The multimodal default"): every object sits
+//! centred in its own cell of Qwen2-VL's merged-token grid (28 × 28 pixels: one image
+//! token), the five places are the cells of a cross on an odd grid (3 × 3 by default), and
+//! every question names what it is about by a shape, a colour or a place and asks for a
+//! colour or a shape. An earlier world (objects at jittered positions straddling token
+//! borders; questions asking *where* a shape is and *how many* there are) was not learned
+//! by a 366 k-parameter Qwen2-VL in 6 000 steps, in dualedit or in transformers: its
+//! answers stayed image-blind. Where and how many need an object's place or a count in the
+//! content of image tokens, which a tower without absolute positions does not put there.
 //!
 //! A scene is drawn twice: the *original* image, and the *rephrase* image EasyEdit asks
-//! for (the same objects shifted, rescaled about the centre and on another background),
-//! which tests whether an edit generalises to another picture of the same scene. Both
-//! keep every object inside the canvas, apart from the others, and on its side of the
-//! picture, so every fact stays readable.
+//! for (the same objects in the same cells, rescaled about their centres, on another
+//! background), which tests whether an edit generalises to another picture of the same
+//! scene.
 //!
 //! Files written by [`write_visual_world`] into one folder, which is both EasyEdit's image
 //! root and its rephrase-image root:
@@ -26,7 +35,7 @@
 //! - `scenes.json`: the configuration and scene descriptions (it also marks the folder
 //!   as a visual world, which a later build may overwrite).
 //!
-//! Answers are single words (`red`, `circle`, `two`, `left`), as a model prompted with
+//! Answers are single words (`red`, `square`), as a model prompted with
 //! EasyEdit's `Question: {q} Short answer:` would give them. Everything is a pure function
 //! of [`VisualWorldConfig`] through [`SplitMix64`] streams, so a seed gives byte-identical
 //! files on every machine.
@@ -44,11 +53,12 @@ use crate::{Error, Result};
 // Configuration
 // ---------------------------------------------------------------------------------------
 
-/// Qwen2-VL's resize grid (patch 14 × merge 2): image sides that are multiples of it reach
-/// the vision tower unresized, so the pixels a test checks are the pixels the model sees.
+/// Qwen2-VL's resize grid (patch 14 × merge 2), the side of one image token's cell: image
+/// sides that are multiples of it reach the vision tower unresized, so the pixels a test
+/// checks are the pixels the model sees, and an object centred in a cell is one token.
 pub const GRID: u32 = 28;
-/// Largest side accepted: a tiny model's world has no use for more image tokens.
-pub const MAX_SIDE: u32 = 448;
+/// Largest side accepted (15 cells): a tiny model's world has no use for more image tokens.
+pub const MAX_SIDE: u32 = 420;
 /// Five places an object can be: at most five objects per scene.
 pub const MAX_OBJECTS: usize = 5;
 
@@ -56,7 +66,8 @@ pub const MAX_OBJECTS: usize = 5;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VisualWorldConfig {
     pub seed: u64,
-    /// Image width and height in pixels: multiples of [`GRID`], from 56 to [`MAX_SIDE`].
+    /// Image width and height in pixels: odd multiples of [`GRID`] (3, 5, … cells, so the
+    /// grid has a middle row and column), from 84 to [`MAX_SIDE`].
     pub width: u32,
     pub height: u32,
     /// Scenes whose records train the editor, and scenes whose records are held out.
@@ -70,11 +81,11 @@ pub struct VisualWorldConfig {
 }
 
 impl Default for VisualWorldConfig {
-    /// 112 × 112 pixels are 8 × 8 patches, 16 image tokens after the 2 × 2 merge. 250
-    /// scenes of 2–4 objects give about 1 600 train and 400 held-out records (8 per
-    /// scene) and 12 000 pretraining triples; it builds in a few seconds.
+    /// 84 × 84 pixels are 6 × 6 patches, 3 × 3 image tokens after the 2 × 2 merge. 250
+    /// scenes of 2–4 objects give about 2 000 train and 500 held-out records (about 10 per
+    /// scene) and 15 000 pretraining triples; it builds in a second.
     fn default() -> Self {
-        Self { seed: 7, width: 112, height: 112, n_train_scenes: 200, n_holdout_scenes: 50, min_objects: 2, max_objects: 4 }
+        Self { seed: 7, width: 84, height: 84, n_train_scenes: 200, n_holdout_scenes: 50, min_objects: 2, max_objects: 4 }
     }
 }
 
@@ -83,10 +94,10 @@ impl VisualWorldConfig {
     /// honour, naming the value.
     pub fn validate(&self) -> Result<()> {
         for (name, side) in [("width", self.width), ("height", self.height)] {
-            if side % GRID != 0 || !(2 * GRID..=MAX_SIDE).contains(&side) {
+            if side % GRID != 0 || (side / GRID) % 2 == 0 || !(3 * GRID..=MAX_SIDE).contains(&side) {
                 return Err(Error::input(format!(
-                    "visual world {name} {side}: must be a multiple of {GRID} (Qwen2-VL's patch grid) from {} to {MAX_SIDE}",
-                    2 * GRID
+                    "visual world {name} {side}: must be an odd multiple of {GRID} (Qwen2-VL's merged-token cell; odd, so the grid has a middle) from {} to {MAX_SIDE}",
+                    3 * GRID
                 )));
             }
         }
@@ -114,51 +125,46 @@ impl VisualWorldConfig {
 // Vocabulary
 // ---------------------------------------------------------------------------------------
 
+/// Object shapes. They differ in *where* in their cell the colour lies (all of it, a small
+/// middle, a horizontal or vertical band, both bands), which a 14-pixel patch's linear
+/// embedding separates from the start; shapes that differ only along their outlines
+/// (circle, diamond, triangle) were not told apart by the tiny tower in 3 000 steps
+/// (BENCHMARKS.md, "The multimodal default").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Shape {
-    Circle,
+    Dot,
     Square,
-    Triangle,
-    Diamond,
+    Bar,
+    Pillar,
     Cross,
 }
 
 impl Shape {
-    pub const ALL: [Shape; 5] = [Shape::Circle, Shape::Square, Shape::Triangle, Shape::Diamond, Shape::Cross];
+    pub const ALL: [Shape; 5] = [Shape::Dot, Shape::Square, Shape::Bar, Shape::Pillar, Shape::Cross];
 
     pub fn name(self) -> &'static str {
         match self {
-            Shape::Circle => "circle",
+            Shape::Dot => "dot",
             Shape::Square => "square",
-            Shape::Triangle => "triangle",
-            Shape::Diamond => "diamond",
+            Shape::Bar => "bar",
+            Shape::Pillar => "pillar",
             Shape::Cross => "cross",
         }
     }
 
-    pub fn plural(self) -> &'static str {
-        match self {
-            Shape::Circle => "circles",
-            Shape::Square => "squares",
-            Shape::Triangle => "triangles",
-            Shape::Diamond => "diamonds",
-            Shape::Cross => "crosses",
-        }
-    }
-
     /// Whether the offset `(dx, dy)` from the centre lies in the shape of radius `r`. Every
-    /// shape holds its centre and a disc of radius `r / 3` around it, so the centre pixel
-    /// carries the object's colour, and none reaches beyond `r` on either axis.
+    /// shape holds its centre (the centre pixel carries the object's colour) and none
+    /// reaches beyond `r` on either axis.
     fn contains(self, dx: f64, dy: f64, r: f64) -> bool {
         let (ax, ay) = (dx.abs(), dy.abs());
+        let (bar, pillar) = (ax <= r && ay <= r / 3.0, ay <= r && ax <= r / 3.0);
         match self {
-            Shape::Circle => dx * dx + dy * dy <= r * r,
-            Shape::Square => ax.max(ay) <= 0.8 * r,
-            // Apex up at -r, base at +0.7r with half-width r.
-            Shape::Triangle => (-r..=0.7 * r).contains(&dy) && ax <= (dy + r) / 1.7,
-            Shape::Diamond => ax + ay <= r,
-            Shape::Cross => (ax <= r / 3.0 && ay <= r) || (ay <= r / 3.0 && ax <= r),
+            Shape::Dot => dx * dx + dy * dy <= 0.2 * r * r,
+            Shape::Square => ax.max(ay) <= r,
+            Shape::Bar => bar,
+            Shape::Pillar => pillar,
+            Shape::Cross => bar || pillar,
         }
     }
 }
@@ -226,7 +232,8 @@ impl Background {
     }
 }
 
-/// Where an object sits: one of five slots, at most one object each.
+/// Where an object sits: one of five cells (the middle of each edge of the grid, and its
+/// centre), at most one object each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Position {
@@ -250,25 +257,34 @@ impl Position {
         }
     }
 
-    /// Direction of the slot from the canvas centre (y grows downwards).
-    pub fn direction(self) -> (f64, f64) {
+    /// How a question names the place: "What colour is the object on the left?".
+    pub fn phrase(self) -> &'static str {
         match self {
-            Position::Left => (-1.0, 0.0),
-            Position::Right => (1.0, 0.0),
-            Position::Top => (0.0, -1.0),
-            Position::Bottom => (0.0, 1.0),
-            Position::Centre => (0.0, 0.0),
+            Position::Left => "on the left",
+            Position::Right => "on the right",
+            Position::Top => "at the top",
+            Position::Bottom => "at the bottom",
+            Position::Centre => "in the centre",
+        }
+    }
+
+    /// The place's cell `(column, row)` on a grid of `cols × rows` cells (both odd).
+    pub fn cell(self, cols: u32, rows: u32) -> (u32, u32) {
+        let (mc, mr) = (cols / 2, rows / 2);
+        match self {
+            Position::Left => (0, mr),
+            Position::Right => (cols - 1, mr),
+            Position::Top => (mc, 0),
+            Position::Bottom => (mc, rows - 1),
+            Position::Centre => (mc, mr),
         }
     }
 }
 
-/// Count answers; index = count.
-pub const NUMBER_WORDS: [&str; MAX_OBJECTS + 1] = ["zero", "one", "two", "three", "four", "five"];
-
 /// NQ-style text questions with fixed answers: the records' text locality (`loc`,
 /// `loc_ans`), prefixed as E-VQA's are. They are in the pretraining corpus, so a model
 /// knows them and an edit that changes them has leaked. Some answers are words the
-/// images' answers use too (colours, numbers, a shape), which makes locality a real test.
+/// images' answers use too (colours, a shape), which makes locality a real test.
 pub const NQ_FACTS: &[(&str, &str)] = &[
     ("nq question: who wrote romeo and juliet", "william shakespeare"),
     ("nq question: what is the capital of france", "paris"),
@@ -306,25 +322,21 @@ pub const NQ_FACTS: &[(&str, &str)] = &[
 // Scenes
 // ---------------------------------------------------------------------------------------
 
-/// One object. Geometry is in fractions of the canvas, so a scene draws at any size:
-/// `jitter` moves it off its slot's centre (fractions of width and height), `size` is its
-/// radius (a fraction of the shorter side). Values are multiples of 1/200, exact in JSON.
+/// One object, centred in its place's cell. `size` is its radius as a fraction of the
+/// cell's side.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Object {
     pub shape: Shape,
     pub colour: Colour,
     pub position: Position,
-    pub jitter: [f64; 2],
     pub size: f64,
 }
 
-/// How a scene is drawn: background, scale about the canvas centre, shift (fractions of
-/// width and height).
+/// How a scene is drawn: background, and the objects' scale about their cells' centres.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct View {
     pub background: Background,
     pub scale: f64,
-    pub shift: [f64; 2],
 }
 
 /// Which of a scene's two images.
@@ -352,30 +364,24 @@ pub struct Scene {
     pub rephrase: View,
 }
 
-// Geometry, in fractions of the canvas. Worst case (largest radius, jitter towards each
-// other), neighbouring slots keep 0.31 - 2·0.02 - 2·0.12 = 0.03 of the side between
-// objects, and the outermost reach 0.5 + 0.06 + 0.9·(0.31 + 0.02 + 0.12) < 1.
-/// Distance of the four outer slots from the centre.
-const SLOT: f64 = 0.31;
-/// Jitter off the slot centre: up to this many 1/200ths either way.
-const JITTER_STEPS: usize = 4;
-/// Radius range in 1/200ths of the shorter side.
-const SIZE_STEPS: (usize, usize) = (20, 24);
-/// Rephrase scale range in 1/100ths, and shift up to this many 1/200ths either way.
-const SCALE_STEPS: (usize, usize) = (75, 90);
-const SHIFT_STEPS: usize = 12;
+// Geometry, in fractions of a cell's side. One size for every object and one scale for
+// every rephrase render: with sizes drawn from 0.36–0.44 and scales from 0.70–0.80 the
+// tiny model had learned about 60 % of the answers after 6 000 steps, with these two
+// sizes all of them (BENCHMARKS.md). The radius keeps every shape inside its cell with
+// two pixels to spare, so no object touches another cell.
+/// An object's radius: 0.43 of the cell's side (12 pixels in a 28-pixel cell).
+const SIZE: f64 = 0.43;
+/// The rephrase render's objects are drawn at this share of their size (9 pixels).
+const REPHRASE_SCALE: f64 = 0.75;
 
 impl Scene {
     /// Centre (x, y) and radius in pixels of object `i` in `render`, on a `width` ×
     /// `height` canvas.
     pub fn placement(&self, i: usize, render: Render, width: u32, height: u32) -> (f64, f64, f64) {
         let o = &self.objects[i];
-        let v = self.view(render);
-        let (dx, dy) = o.position.direction();
-        let (w, h) = (width as f64, height as f64);
-        let cx = w * (0.5 + v.shift[0] + v.scale * (dx * SLOT + o.jitter[0]));
-        let cy = h * (0.5 + v.shift[1] + v.scale * (dy * SLOT + o.jitter[1]));
-        (cx, cy, v.scale * o.size * w.min(h))
+        let (col, row) = o.position.cell(width / GRID, height / GRID);
+        let cell = GRID as f64;
+        ((col as f64 + 0.5) * cell, (row as f64 + 0.5) * cell, self.view(render).scale * o.size * cell)
     }
 
     pub fn view(&self, render: Render) -> &View {
@@ -406,19 +412,18 @@ impl Scene {
         img
     }
 
-    /// The questions this scene answers unambiguously, in a fixed order: per shape present,
-    /// its count, and (when it is there once) its colour and place; per colour worn by one
-    /// object, that object's shape.
+    /// The questions this scene answers unambiguously, in a fixed order: per object (in
+    /// scene order) its colour and shape by its place; per shape worn by one object, that
+    /// object's colour; per colour worn by one object, that object's shape.
     pub fn questions(&self) -> Vec<Question> {
         let mut out = Vec::new();
+        for o in &self.objects {
+            out.push(Question::ask(QuestionKind::PlaceColour, o.position.phrase(), o.colour.name()));
+            out.push(Question::ask(QuestionKind::PlaceShape, o.position.phrase(), o.shape.name()));
+        }
         for shape in Shape::ALL {
-            let of: Vec<&Object> = self.objects.iter().filter(|o| o.shape == shape).collect();
-            if let [o] = of[..] {
+            if let [o] = self.objects.iter().filter(|o| o.shape == shape).collect::<Vec<_>>()[..] {
                 out.push(Question::ask(QuestionKind::Colour, shape.name(), o.colour.name()));
-                out.push(Question::ask(QuestionKind::Position, shape.name(), o.position.name()));
-            }
-            if !of.is_empty() {
-                out.push(Question::ask(QuestionKind::Count, shape.plural(), NUMBER_WORDS[of.len()]));
             }
         }
         for colour in Colour::ALL {
@@ -433,35 +438,48 @@ impl Scene {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum QuestionKind {
-    /// "What colour is the circle?" -> a colour.
+    /// "What colour is the bar?" (a shape worn once) -> a colour.
     Colour,
-    /// "Which shape is red?" -> a shape.
+    /// "Which shape is red?" (a colour worn once) -> a shape.
     Shape,
-    /// "How many squares are there?" -> a number word.
-    Count,
-    /// "Where is the triangle?" -> a position.
-    Position,
+    /// "What colour is the object on the left?" -> a colour.
+    PlaceColour,
+    /// "Which shape is at the top?" -> a shape.
+    PlaceShape,
 }
 
 impl QuestionKind {
-    /// Phrasings with `{x}` for the shape (plural for counts) or colour asked about. The
-    /// first is canonical (a record's `src`); the others are its rephrasings.
+    pub const ALL: [QuestionKind; 4] = [QuestionKind::Colour, QuestionKind::Shape, QuestionKind::PlaceColour, QuestionKind::PlaceShape];
+
+    /// Phrasings with `{x}` for the shape, colour or place asked about: the canonical one
+    /// (a record's `src`) and its rephrasing. No phrasing of one kind reads as another
+    /// kind's with a word of its subject vocabulary. Two phrasings that name the subject
+    /// where the canonical one does: with a third that names it last ("The object on the
+    /// left has which shape?") the tiny model had learned half as much after 2 500 steps
+    /// (BENCHMARKS.md).
     pub fn templates(self) -> &'static [&'static str] {
         match self {
-            QuestionKind::Colour => &["What colour is the {x}?", "Which colour does the {x} have?", "What is the colour of the {x}?"],
-            QuestionKind::Shape => &["Which shape is {x}?", "What shape is the {x} object?", "The {x} object has which shape?"],
-            QuestionKind::Count => &["How many {x} are there?", "What is the number of {x} in the picture?", "How many {x} does the image show?"],
-            QuestionKind::Position => &["Where is the {x}?", "In which part of the image is the {x}?", "Where in the picture is the {x}?"],
+            QuestionKind::Colour => &["What colour is the {x}?", "Which colour does the {x} have?"],
+            QuestionKind::Shape => &["Which shape is {x}?", "What shape is the {x} object?"],
+            QuestionKind::PlaceColour => &["What colour is the object {x}?", "Which colour does the object {x} have?"],
+            QuestionKind::PlaceShape => &["Which shape is {x}?", "What shape is the object {x}?"],
         }
     }
 
     /// Every answer a question of this kind can have, so a counterfactual is of its type.
     pub fn vocabulary(self) -> Vec<&'static str> {
         match self {
-            QuestionKind::Colour => Colour::ALL.iter().map(|c| c.name()).collect(),
-            QuestionKind::Shape => Shape::ALL.iter().map(|s| s.name()).collect(),
-            QuestionKind::Count => NUMBER_WORDS[1..].to_vec(),
-            QuestionKind::Position => Position::ALL.iter().map(|p| p.name()).collect(),
+            QuestionKind::Colour | QuestionKind::PlaceColour => Colour::ALL.iter().map(|c| c.name()).collect(),
+            QuestionKind::Shape | QuestionKind::PlaceShape => Shape::ALL.iter().map(|s| s.name()).collect(),
+        }
+    }
+
+    /// Every word or phrase a question of this kind can be about (`{x}`).
+    pub fn subjects(self) -> Vec<&'static str> {
+        match self {
+            QuestionKind::Colour => Shape::ALL.iter().map(|s| s.name()).collect(),
+            QuestionKind::Shape => Colour::ALL.iter().map(|c| c.name()).collect(),
+            QuestionKind::PlaceColour | QuestionKind::PlaceShape => Position::ALL.iter().map(|p| p.phrase()).collect(),
         }
     }
 }
@@ -469,7 +487,7 @@ impl QuestionKind {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Question {
     pub kind: QuestionKind,
-    /// The word asked about (a shape's plural for counts, else a shape or a colour).
+    /// What the question is about: a shape, a colour or a place's phrase.
     pub about: String,
     pub answer: String,
     /// Every phrasing, canonical first.
@@ -498,15 +516,6 @@ pub fn image_path(id: usize, render: Render) -> String {
 
 const STREAM_SCENES: u64 = 1;
 const STREAM_RECORDS: u64 = 2;
-
-/// `k` / `den` for `k` uniform in `-steps..=steps`: exact multiples, short in JSON.
-fn steps(rng: &mut SplitMix64, steps: usize, den: f64) -> f64 {
-    (rng.below(2 * steps + 1) as f64 - steps as f64) / den
-}
-
-fn range(rng: &mut SplitMix64, (lo, hi): (usize, usize), den: f64) -> f64 {
-    (lo + rng.below(hi - lo + 1)) as f64 / den
-}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VisualWorld {
@@ -558,18 +567,13 @@ impl VisualWorld {
                         shape: *rng.pick(&Shape::ALL),
                         colour: *rng.pick(&Colour::ALL),
                         position,
-                        jitter: [steps(&mut rng, JITTER_STEPS, 200.0), steps(&mut rng, JITTER_STEPS, 200.0)],
-                        size: range(&mut rng, SIZE_STEPS, 200.0),
+                        size: SIZE,
                     })
                     .collect();
                 let background = *rng.pick(&Background::ALL);
                 let others: Vec<Background> = Background::ALL.into_iter().filter(|b| *b != background).collect();
-                let rephrase = View {
-                    background: *rng.pick(&others),
-                    scale: range(&mut rng, SCALE_STEPS, 100.0),
-                    shift: [steps(&mut rng, SHIFT_STEPS, 200.0), steps(&mut rng, SHIFT_STEPS, 200.0)],
-                };
-                Scene { id, objects, original: View { background, scale: 1.0, shift: [0.0, 0.0] }, rephrase }
+                let rephrase = View { background: *rng.pick(&others), scale: REPHRASE_SCALE };
+                Scene { id, objects, original: View { background, scale: 1.0 }, rephrase }
             })
             .collect();
         Ok(VisualWorld { config: cfg.clone(), scenes })
@@ -677,7 +681,9 @@ fn split_records(rng: &mut SplitMix64, scenes: &[Scene], pools: &BTreeMap<Questi
 // ---------------------------------------------------------------------------------------
 
 pub const SCENES_FILE: &str = "scenes.json";
-const FORMAT: &str = "dualedit-visual-world/1";
+/// Version 2: objects one per merged-token cell, place questions (no counts, no "where").
+const FORMAT: &str = "dualedit-visual-world/2";
+const FORMAT_PREFIX: &str = "dualedit-visual-world/";
 
 #[derive(Serialize, Deserialize)]
 struct SceneFile {
@@ -712,7 +718,20 @@ fn check_target(dir: &Path) -> Result<()> {
     if !dir.join(SCENES_FILE).is_file() {
         return Err(Error::file(dir, format!("is not empty and holds no visual world ({SCENES_FILE}): refusing to write into it; name a new or empty folder")));
     }
-    VisualWorld::read(dir).map(|_| ()).map_err(|e| Error::file(dir, format!("is not empty and not a visual world ({e}); refusing to write into it")))
+    // Any version of this format is ours to rewrite (a rebuild replaces an older world).
+    #[derive(Deserialize)]
+    struct Format {
+        format: String,
+    }
+    let path = dir.join(SCENES_FILE);
+    let ours = crate::io::read_text(&path)
+        .ok()
+        .and_then(|t| serde_json::from_str::<Format>(&t).ok())
+        .is_some_and(|f| f.format.starts_with(FORMAT_PREFIX));
+    if ours {
+        return Ok(());
+    }
+    Err(Error::file(dir, format!("is not empty and not a visual world ({} is not a {FORMAT_PREFIX}* file); refusing to write into it", path.display())))
 }
 
 fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
@@ -801,29 +820,35 @@ mod tests {
 
     /// The answer to a question, read off the scene description independently of
     /// `Scene::questions`: the question's kind and subject are parsed back from its text.
+    /// Exactly one (kind, template) must read the question with a subject of its kind.
     fn derive<'a>(scene: &'a Scene, question: &str) -> (QuestionKind, String) {
-        for kind in [QuestionKind::Colour, QuestionKind::Shape, QuestionKind::Count, QuestionKind::Position] {
+        let mut found = Vec::new();
+        for kind in QuestionKind::ALL {
             for t in kind.templates() {
                 let (pre, post) = t.split_once("{x}").expect("template has {x}");
                 let Some(x) = question.strip_prefix(pre).and_then(|q| q.strip_suffix(post)) else { continue };
-                let one = |hits: Vec<&'a Object>| -> &'a Object {
-                    assert_eq!(hits.len(), 1, "{question:?} is ambiguous in scene {}", scene.id);
-                    hits[0]
-                };
+                if !kind.subjects().contains(&x) {
+                    continue;
+                }
+                let hits: Vec<&'a Object> = scene
+                    .objects
+                    .iter()
+                    .filter(|o| match kind {
+                        QuestionKind::Colour => o.shape.name() == x,
+                        QuestionKind::Shape => o.colour.name() == x,
+                        QuestionKind::PlaceColour | QuestionKind::PlaceShape => o.position.phrase() == x,
+                    })
+                    .collect();
+                assert_eq!(hits.len(), 1, "{question:?} is ambiguous or unanswerable in scene {}", scene.id);
                 let answer = match kind {
-                    QuestionKind::Colour => one(scene.objects.iter().filter(|o| o.shape.name() == x).collect()).colour.name().to_string(),
-                    QuestionKind::Position => one(scene.objects.iter().filter(|o| o.shape.name() == x).collect()).position.name().to_string(),
-                    QuestionKind::Shape => one(scene.objects.iter().filter(|o| o.colour.name() == x).collect()).shape.name().to_string(),
-                    QuestionKind::Count => {
-                        let n = scene.objects.iter().filter(|o| o.shape.plural() == x).count();
-                        assert!(n > 0, "{question:?} about a shape not in scene {}", scene.id);
-                        NUMBER_WORDS[n].to_string()
-                    }
+                    QuestionKind::Colour | QuestionKind::PlaceColour => hits[0].colour.name(),
+                    QuestionKind::Shape | QuestionKind::PlaceShape => hits[0].shape.name(),
                 };
-                return (kind, answer);
+                found.push((kind, answer.to_string()));
             }
         }
-        panic!("{question:?} matches no template")
+        assert_eq!(found.len(), 1, "{question:?} reads as {found:?}");
+        found.remove(0)
     }
 
     #[test]
@@ -873,18 +898,21 @@ mod tests {
         assert_eq!((t.len(), h.len()), PINNED_COUNTS);
     }
     const PINNED_SCENE_0: &[(&str, &str)] = &[
-        ("What colour is the circle?", "purple"),
-        ("Where is the circle?", "bottom"),
-        ("How many circles are there?", "one"),
-        ("What colour is the square?", "blue"),
-        ("Where is the square?", "left"),
-        ("How many squares are there?", "one"),
-        ("How many triangles are there?", "two"),
-        ("Which shape is blue?", "square"),
-        ("Which shape is purple?", "circle"),
+        ("What colour is the object at the bottom?", "purple"),
+        ("Which shape is at the bottom?", "dot"),
+        ("What colour is the object at the top?", "green"),
+        ("Which shape is at the top?", "square"),
+        ("What colour is the object in the centre?", "blue"),
+        ("Which shape is in the centre?", "dot"),
+        ("What colour is the object on the left?", "blue"),
+        ("Which shape is on the left?", "bar"),
+        ("What colour is the square?", "green"),
+        ("What colour is the bar?", "blue"),
+        ("Which shape is green?", "square"),
+        ("Which shape is purple?", "dot"),
     ];
-    const PINNED_TRAIN_0: (&str, &str, &str) = ("How many triangles are there?", "two", "one");
-    const PINNED_COUNTS: (usize, usize) = (1614, 390);
+    const PINNED_TRAIN_0: (&str, &str, &str) = ("Which shape is in the centre?", "pillar", "cross");
+    const PINNED_COUNTS: (usize, usize) = (2011, 505);
 
     fn check_records(cfg: &VisualWorldConfig) {
         let w = VisualWorld::generate(cfg).unwrap();
@@ -947,9 +975,9 @@ mod tests {
             let qs = scene.questions();
             assert!(!qs.is_empty());
             let texts: HashSet<&str> = qs.iter().flat_map(|q| q.phrasings.iter().map(String::as_str)).collect();
-            assert_eq!(texts.len(), 3 * qs.len(), "a phrasing repeats in scene {}", scene.id);
+            assert_eq!(texts.len(), 2 * qs.len(), "a phrasing repeats in scene {}", scene.id);
             for q in &qs {
-                assert_eq!(q.phrasings.len(), 3);
+                assert_eq!(q.phrasings.len(), 2);
                 for p in &q.phrasings {
                     assert_eq!(derive(scene, p), (q.kind, q.answer.clone()));
                 }
@@ -960,15 +988,13 @@ mod tests {
         assert_eq!(kinds.len(), 4);
         let pools = w.answer_pools();
         for (kind, pool) in &pools {
-            assert!(pool.len() >= 2, "{kind:?}: {pool:?}");
+            assert_eq!(pool.len(), kind.vocabulary().len(), "{kind:?}: every answer occurs: {pool:?}");
         }
-        // Counts above one occur, so count questions are not always "one".
-        assert!(pools[&QuestionKind::Count].len() >= 3, "{:?}", pools[&QuestionKind::Count]);
     }
 
     #[test]
     fn rephrase_images_differ_but_show_the_same_objects() {
-        for cfg in [VisualWorldConfig::default(), VisualWorldConfig { width: 56, height: 84, ..small() }] {
+        for cfg in [VisualWorldConfig::default(), VisualWorldConfig { width: 140, height: 84, ..small() }] {
             let w = VisualWorld::generate(&cfg).unwrap();
             let (width, height) = (cfg.width, cfg.height);
             for scene in &w.scenes {
@@ -978,33 +1004,26 @@ mod tests {
                 let mut areas = [Vec::new(), Vec::new()];
                 for (k, (render, img)) in imgs.iter().enumerate() {
                     assert_eq!(img.dimensions(), (width, height));
-                    // The corner is never covered: the background shows there.
+                    // The corner cell is never a place: the background shows there.
                     assert_eq!(img.get_pixel(0, 0).0, scene.view(*render).background.rgb());
                     for (i, o) in scene.objects.iter().enumerate() {
+                        let (col, row) = o.position.cell(width / GRID, height / GRID);
+                        let (x0, y0) = (col * GRID, row * GRID);
                         let (cx, cy, r) = scene.placement(i, *render, width, height);
-                        // Inside the canvas and apart from every other object.
-                        assert!(cx - r >= 0.0 && cx + r <= width as f64 && cy - r >= 0.0 && cy + r <= height as f64, "scene {} object {i}", scene.id);
-                        for j in 0..i {
-                            let (ox, oy, or) = scene.placement(j, *render, width, height);
-                            assert!((cx - ox).abs() > r + or || (cy - oy).abs() > r + or, "scene {} objects {j} and {i} touch", scene.id);
+                        assert_eq!((cx, cy), ((x0 + GRID / 2) as f64, (y0 + GRID / 2) as f64), "centred in its cell");
+                        // Every pixel of its colour in its cell; the cell's border is background.
+                        let in_cell = |x: u32, y: u32| (x0..x0 + GRID).contains(&x) && (y0..y0 + GRID).contains(&y);
+                        for x in x0..x0 + GRID {
+                            for y in [y0, y0 + GRID - 1] {
+                                assert_eq!(img.get_pixel(x, y).0, scene.view(*render).background.rgb(), "scene {} object {i} touches its cell's edge", scene.id);
+                            }
                         }
                         assert_eq!(img.get_pixel(cx as u32, cy as u32).0, o.colour.rgb(), "scene {} {render:?} object {i}", scene.id);
-                        // Still on its side of the picture.
-                        let (fx, fy) = (cx / width as f64 - 0.5, cy / height as f64 - 0.5);
-                        let side = match o.position {
-                            Position::Left => fx < -0.15 && fy.abs() < 0.15,
-                            Position::Right => fx > 0.15 && fy.abs() < 0.15,
-                            Position::Top => fy < -0.15 && fx.abs() < 0.15,
-                            Position::Bottom => fy > 0.15 && fx.abs() < 0.15,
-                            Position::Centre => fx.abs() < 0.15 && fy.abs() < 0.15,
-                        };
-                        assert!(side, "scene {} {render:?}: {:?} object at ({fx:.2}, {fy:.2})", scene.id, o.position);
-                        // Its pixels within its box: the shape drawn at the render's scale.
                         let area = (0..height)
                             .flat_map(|y| (0..width).map(move |x| (x, y)))
-                            .filter(|&(x, y)| (x as f64 + 0.5 - cx).abs() <= r + 1.0 && (y as f64 + 0.5 - cy).abs() <= r + 1.0)
-                            .filter(|&(x, y)| img.get_pixel(x, y).0 == o.colour.rgb())
+                            .filter(|&(x, y)| in_cell(x, y) && img.get_pixel(x, y).0 == o.colour.rgb())
                             .count();
+                        assert!(area as f64 > 0.5 * r * r, "scene {} object {i}: {area} pixels for radius {r}", scene.id);
                         areas[k].push(area as f64);
                     }
                     // No pixel of a colour that no object wears, nor of a third one.
@@ -1015,7 +1034,9 @@ mod tests {
                 for (a, b) in areas[0].iter().zip(&areas[1]) {
                     let ratio = b / a;
                     let s2 = scene.rephrase.scale * scene.rephrase.scale;
-                    assert!((ratio - s2).abs() < 0.25, "scene {}: area {a} -> {b}, scale² {s2}", scene.id);
+                    // Smaller, but not vanishing (a thin band's width is rounded to pixels,
+                    // so its area shrinks by less than scale²).
+                    assert!(ratio < 1.0 && ratio > s2 - 0.25, "scene {}: area {a} -> {b}, scale² {s2}", scene.id);
                 }
             }
         }
@@ -1023,7 +1044,7 @@ mod tests {
 
     #[test]
     fn sizes_on_the_28_grid() {
-        for (w, h) in [(56, 84), (112, 112), (224, 56)] {
+        for (w, h) in [(84, 140), (140, 140), (420, 84)] {
             let cfg = VisualWorldConfig { width: w, height: h, ..small() };
             let world = VisualWorld::generate(&cfg).unwrap();
             assert_eq!(world.scenes[0].render(Render::Rephrase, w, h).dimensions(), (w, h));
@@ -1032,9 +1053,10 @@ mod tests {
             let e = VisualWorld::generate(&cfg).unwrap_err().to_string();
             assert!(e.contains(needle), "{e}");
         };
-        refused(VisualWorldConfig { width: 100, ..small() }, "width 100: must be a multiple of 28");
+        refused(VisualWorldConfig { width: 100, ..small() }, "width 100: must be an odd multiple of 28");
+        refused(VisualWorldConfig { width: 112, ..small() }, "width 112: must be an odd multiple of 28");
         refused(VisualWorldConfig { height: 28, ..small() }, "height 28");
-        refused(VisualWorldConfig { height: 476, ..small() }, "height 476");
+        refused(VisualWorldConfig { height: 448, ..small() }, "height 448");
         refused(VisualWorldConfig { width: 0, ..small() }, "width 0");
         refused(VisualWorldConfig { min_objects: 0, ..small() }, "objects per scene");
         refused(VisualWorldConfig { min_objects: 3, max_objects: 2, ..small() }, "objects per scene");
@@ -1047,7 +1069,7 @@ mod tests {
     fn files_decode_and_match_the_world() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("world");
-        let cfg = VisualWorldConfig { width: 84, height: 56, ..small() };
+        let cfg = VisualWorldConfig { width: 140, height: 84, ..small() };
         let w = VisualWorld::generate(&cfg).unwrap();
         let written = write_visual_world(&out, &w).unwrap();
         assert_eq!(VisualWorld::read(&out).unwrap(), w);
@@ -1056,8 +1078,8 @@ mod tests {
                 let path = out.join(image_path(scene.id, render));
                 let bytes = std::fs::read(&path).unwrap();
                 let img = image::load_from_memory_with_format(&bytes, image::ImageFormat::Png).unwrap().to_rgb8();
-                assert_eq!(img.dimensions(), (84, 56));
-                assert_eq!(img, scene.render(render, 84, 56), "{}", path.display());
+                assert_eq!(img.dimensions(), (140, 84));
+                assert_eq!(img, scene.render(render, 140, 84), "{}", path.display());
             }
         }
         let read = |name: &str| -> Value { serde_json::from_str(&std::fs::read_to_string(out.join(name)).unwrap()).unwrap() };
