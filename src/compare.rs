@@ -123,7 +123,7 @@ pub fn compare_eval(o: &EvalOptions, dual_plan: DevicePlan, out: &Path) -> Resul
         if let Some(l) = s.locality {
             metrics.insert("locality".to_string(), l);
         }
-        for (name, v) in [("image_generalization", s.image_generalization), ("image_locality", s.image_locality)] {
+        for (name, v) in [("image_generalization", s.image_generalization), ("image_locality", s.image_locality), ("image_locality_top1", s.image_locality_top1)] {
             if let Some(v) = v {
                 metrics.insert(name.to_string(), v);
             }

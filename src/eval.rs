@@ -29,6 +29,11 @@ pub struct RecordMetrics {
     /// (EasyEdit's `multimodal_locality_acc`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_locality: Option<f64>,
+    /// Multimodal: share of the `loc_image` answer tokens whose top-1 prediction the edit
+    /// leaves unchanged, as `locality` measures text: whether the unrelated image's answer
+    /// stays, where EasyEdit's top-10 lists also count reorderings among unlikely tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_locality_top1: Option<f64>,
 }
 
 /// The summary's figures under the names EasyEdit's multimodal evaluation prints them
@@ -63,6 +68,9 @@ pub struct Summary {
     /// Mean over records with a locality image; absent without images.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_locality: Option<f64>,
+    /// [`RecordMetrics::image_locality_top1`]'s mean; absent without images.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_locality_top1: Option<f64>,
     /// The same figures with EasyEdit's names (image edits only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub easyedit: Option<EasyEditNames>,
@@ -92,6 +100,7 @@ impl Summary {
             locality,
             image_generalization,
             image_locality,
+            image_locality_top1: mean(&|r| r.image_locality_top1),
             easyedit,
             portability: mean(&|r| r.portability),
             edit_success: mean(&|r| Some(if r.edit_success { 1.0 } else { 0.0 })).unwrap_or(0.0),
@@ -190,9 +199,12 @@ pub fn measure_after(
             Some(o) => Some(score(engine, overrides, &[o], images)?.acc[0]),
             None => None,
         };
-        let image_locality = match (&e.loc_image, &before.loc_image[i]) {
-            (Some(l), Some(pre)) => Some(losses::topk_agreement(&score(engine, overrides, &[l], images)?.logits, pre, 10)),
-            _ => None,
+        let (image_locality, image_locality_top1) = match (&e.loc_image, &before.loc_image[i]) {
+            (Some(l), Some(pre)) => {
+                let post = score(engine, overrides, &[l], images)?.logits;
+                (Some(losses::topk_agreement(&post, pre, 10)), Some(losses::topk_agreement(&post, pre, 1)))
+            }
+            _ => (None, None),
         };
         out.push(RecordMetrics {
             reliability: rel.acc[i],
@@ -205,6 +217,7 @@ pub fn measure_after(
             edit_seconds,
             image_generalization,
             image_locality,
+            image_locality_top1,
         });
     }
     Ok(out)
