@@ -70,7 +70,7 @@ fn example(seed: usize, image: Option<&Path>, json: &serde_json::Value) -> Examp
     let mut ids = Vec::new();
     if image.is_some() {
         ids.push(tok("vision_start_token_id"));
-        ids.extend(std::iter::repeat(tok("image_token_id")).take(IMAGE_TOKENS));
+        ids.extend(std::iter::repeat_n(tok("image_token_id"), IMAGE_TOKENS));
         ids.push(tok("vision_end_token_id"));
     }
     ids.extend((0..QUESTION + ANSWER).map(|i| ((seed * 131 + i * 17) % 4000 + 10) as i64));

@@ -568,7 +568,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     while counters.step < cfg.max_steps {
         let step = counters.step;
         engine.timeline.set_on(step < first_step + TIMELINE_STEPS);
-        let mark = step < first_step + 2 || step % cfg.val_every == 0;
+        let mark = step < first_step + 2 || step.is_multiple_of(cfg.val_every);
         let mut phase = "start";
         let acc = match accumulate(engine, editor, setup, step, counters.seed, mark.then_some(&mut *tracker), &mut phase, fault) {
             Ok(acc) => acc,
@@ -646,7 +646,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             acc.loss, acc.edit_acc, acc.loc_kl, acc.loc_acc
         ));
         let last = counters.step == cfg.max_steps;
-        if counters.step % cfg.val_every == 0 || last {
+        if counters.step.is_multiple_of(cfg.val_every) || last {
             let mut v = if setup.val.is_empty() {
                 ValLog::at(0, &acc)
             } else {

@@ -390,7 +390,7 @@ fn library_inputs_of_the_wrong_shape_are_errors() {
     let lm = load_model(&fixture("qwen2_vl"), Device::Cpu, Kind::Float).unwrap();
     let vl = lm.model.family().vision_language().unwrap();
     let p = ParamView::frozen(&lm.params);
-    let err = |r: Result<Tensor, dualedit::Error>| r.err().expect("an error").to_string();
+    let err = |r: Result<Tensor, dualedit::Error>| r.expect_err("an error").to_string();
     let px = Tensor::zeros([16, 1176], (Kind::Float, Device::Cpu));
     assert!(err(vl.image_features(&p, &px.narrow(1, 0, 100), &[[1, 4, 4]])).contains("1176"));
     assert!(err(vl.image_features(&p, &px, &[[1, 4, 6]])).contains("24 patches"));

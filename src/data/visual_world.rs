@@ -94,7 +94,7 @@ impl VisualWorldConfig {
     /// honour, naming the value.
     pub fn validate(&self) -> Result<()> {
         for (name, side) in [("width", self.width), ("height", self.height)] {
-            if side % GRID != 0 || (side / GRID) % 2 == 0 || !(3 * GRID..=MAX_SIDE).contains(&side) {
+            if !side.is_multiple_of(GRID) || (side / GRID).is_multiple_of(2) || !(3 * GRID..=MAX_SIDE).contains(&side) {
                 return Err(Error::input(format!(
                     "visual world {name} {side}: must be an odd multiple of {GRID} (Qwen2-VL's merged-token cell; odd, so the grid has a middle) from {} to {MAX_SIDE}",
                     3 * GRID

@@ -450,6 +450,48 @@ impl MemoryTracker {
     }
 }
 
+/// Tunes the host allocator for large tensors; call once at start-up, before the first
+/// tensor is made.
+///
+/// * **Freed memory goes back to the OS.** glibc's dynamic mmap threshold grows to the
+///   largest block freed (up to 32 MiB); after that, the editor's and the edited weights'
+///   9–30 MiB buffers come from the heap and stay resident when freed, hundreds of MiB on
+///   a GPT-2-small run, so the host's resident set would follow glibc's high-water mark
+///   instead of the live tensors. A fixed threshold of 2 MiB serves every tensor of that
+///   size or more from mmap; smaller blocks are reused from the heap without faulting.
+/// * **Large tensors get transparent huge pages.** A block served from mmap is faulted in
+///   page by page on first touch. With 4 KiB pages that was about a fifth of an edit
+///   (six new 9 MiB edited weights each time); `THP_MEM_ALLOC_ENABLE=1`, which libtorch's
+///   CPU allocator reads once, makes it `madvise(MADV_HUGEPAGE)` blocks of 2 MiB or more.
+///   An edit of GPT-2 small went from 185 to 155 ms with both (BENCHMARKS.md). A value the
+///   user already set is left alone; the kernel decides whether huge pages are used.
+///
+/// Set `DUALEDIT_GLIBC_MALLOC=1` to keep glibc's default threshold.
+pub fn tune_host_allocator() {
+    #[cfg(target_os = "linux")]
+    if std::env::var_os("THP_MEM_ALLOC_ENABLE").is_none() {
+        // Only this thread runs yet (start-up), so nothing reads the environment meanwhile.
+        std::env::set_var("THP_MEM_ALLOC_ENABLE", "1");
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        if std::env::var_os("DUALEDIT_GLIBC_MALLOC").is_some() {
+            return;
+        }
+        // SAFETY: mallopt only changes allocator parameters; called once at start-up
+        // before other threads allocate.
+        let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) };
+        if ok != 1 {
+            tracing::debug!("mallopt(M_MMAP_THRESHOLD) refused");
+        }
+    }
+}
+
+/// Blocks of this size or more are served from (and freed back to) mmap; see
+/// [`tune_host_allocator`]. It is also libtorch's huge-page threshold.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const MMAP_THRESHOLD: i32 = 2 * 1024 * 1024;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -634,45 +676,3 @@ mod tests {
         assert_eq!(format_bytes(1024 * MIB), "1.00 GiB");
     }
 }
-
-/// Tunes the host allocator for large tensors; call once at start-up, before the first
-/// tensor is made.
-///
-/// * **Freed memory goes back to the OS.** glibc's dynamic mmap threshold grows to the
-///   largest block freed (up to 32 MiB); after that, the editor's and the edited weights'
-///   9–30 MiB buffers come from the heap and stay resident when freed, hundreds of MiB on
-///   a GPT-2-small run, so the host's resident set would follow glibc's high-water mark
-///   instead of the live tensors. A fixed threshold of 2 MiB serves every tensor of that
-///   size or more from mmap; smaller blocks are reused from the heap without faulting.
-/// * **Large tensors get transparent huge pages.** A block served from mmap is faulted in
-///   page by page on first touch. With 4 KiB pages that was about a fifth of an edit
-///   (six new 9 MiB edited weights each time); `THP_MEM_ALLOC_ENABLE=1`, which libtorch's
-///   CPU allocator reads once, makes it `madvise(MADV_HUGEPAGE)` blocks of 2 MiB or more.
-///   An edit of GPT-2 small went from 185 to 155 ms with both (BENCHMARKS.md). A value the
-///   user already set is left alone; the kernel decides whether huge pages are used.
-///
-/// Set `DUALEDIT_GLIBC_MALLOC=1` to keep glibc's default threshold.
-pub fn tune_host_allocator() {
-    #[cfg(target_os = "linux")]
-    if std::env::var_os("THP_MEM_ALLOC_ENABLE").is_none() {
-        // Only this thread runs yet (start-up), so nothing reads the environment meanwhile.
-        std::env::set_var("THP_MEM_ALLOC_ENABLE", "1");
-    }
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        if std::env::var_os("DUALEDIT_GLIBC_MALLOC").is_some() {
-            return;
-        }
-        // SAFETY: mallopt only changes allocator parameters; called once at start-up
-        // before other threads allocate.
-        let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) };
-        if ok != 1 {
-            tracing::debug!("mallopt(M_MMAP_THRESHOLD) refused");
-        }
-    }
-}
-
-/// Blocks of this size or more are served from (and freed back to) mmap; see
-/// [`tune_host_allocator`]. It is also libtorch's huge-page threshold.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-const MMAP_THRESHOLD: i32 = 2 * 1024 * 1024;

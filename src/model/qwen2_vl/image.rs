@@ -143,7 +143,7 @@ impl ImageProcessorConfig {
         if [c.patch_size, c.temporal_patch_size, c.merge_size].iter().any(|&v| !(1..=1024).contains(&v)) {
             return Err(Error::file(path, "patch_size, temporal_patch_size and merge_size must be 1 to 1024"));
         }
-        if c.image_std.iter().any(|&s| s == 0.0) {
+        if c.image_std.contains(&0.0) {
             return Err(Error::file(path, "image_std has a zero entry"));
         }
         Ok(c)
