@@ -68,6 +68,8 @@ fn cuda_headers(torch_root: &std::path::Path) -> Option<PathBuf> {
     // The PyPI wheel: site-packages/torch is torch_root, its CUDA runtime is in
     // site-packages/nvidia/<cu13 | cuda_runtime>/include.
     if let Some(site) = torch_root.parent() {
+        // A package installed later adds a folder here (and its include/ inside it).
+        println!("cargo:rerun-if-changed={}", site.join("nvidia").display());
         if let Ok(entries) = std::fs::read_dir(site.join("nvidia")) {
             let mut dirs: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path().join("include"))).filter(|d| d.is_dir()).collect();
             dirs.sort();

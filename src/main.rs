@@ -346,7 +346,8 @@ struct WorldArgs {
     /// Visual world: scenes whose records are held out.
     #[arg(long, requires = "vl")]
     holdout_scenes: Option<usize>,
-    /// Visual world: image size WIDTHxHEIGHT, multiples of 28 (Qwen2-VL's patch grid).
+    /// Visual world: image size WIDTHxHEIGHT, each side an odd multiple of 28 (Qwen2-VL's
+    /// merged-token cell) from 84 to 420 (default 84x84).
     #[arg(long, requires = "vl", value_parser = parse_image_size)]
     image_size: Option<(i64, i64)>,
 }

@@ -303,6 +303,9 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     if cfg.steps == 0 || cfg.batch_size == 0 || !(cfg.lr.is_finite() && cfg.lr > 0.0) {
         return Err(Error::input("pretraining needs steps >= 1, batch >= 1 and a positive learning rate"));
     }
+    if !(cfg.vision_lr_scale.is_finite() && cfg.vision_lr_scale >= 0.0) {
+        return Err(Error::input(format!("--vision-lr-scale {}: must be a finite number >= 0 (0 freezes the vision tower)", cfg.vision_lr_scale)));
+    }
     let tok = crate::pretrain::train_tokenizer_with(&tokenizer_corpus(&corpus), cfg.vocab_size, &SPECIALS, out)?;
     let mut ids = [0i64; 7];
     for (slot, name) in ids.iter_mut().zip(SPECIALS) {

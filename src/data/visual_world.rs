@@ -3,9 +3,9 @@
 //! counterfactual answers, for a tiny Qwen2-VL-shaped model and its MEND editor (issue #22).
 //!
 //! Why synthetic: a tiny vision-language model pretrained on a CPU can only be asked to
-//! know what it can learn in minutes. Flat shapes in a handful of pure colours, at one of
-//! five places, and every answer a pure function of the scene description, so tests can
-//! re-derive it.
+//! know what it can learn in minutes. Flat shapes in a handful of pure colours, each at one
+//! of five places, are learnable by a small vision tower, and every answer is a pure
+//! function of the scene description, so tests can re-derive it.
 //!
 //! Why this layout (measured, BENCHMARKS.md "The multimodal default"): every object sits
 //! centred in its own cell of Qwen2-VL's merged-token grid (28 × 28 pixels: one image
@@ -83,7 +83,8 @@ pub struct VisualWorldConfig {
 impl Default for VisualWorldConfig {
     /// 84 × 84 pixels are 6 × 6 patches, 3 × 3 image tokens after the 2 × 2 merge. 250
     /// scenes of 2–4 objects give about 2 000 train and 500 held-out records (about 10 per
-    /// scene) and 15 000 pretraining triples; it builds in a second.
+    /// scene) and about 10 000 pretraining triples (each question in its two phrasings, on
+    /// both renders); it builds in a second.
     fn default() -> Self {
         Self { seed: 7, width: 84, height: 84, n_train_scenes: 200, n_holdout_scenes: 50, min_objects: 2, max_objects: 4 }
     }
@@ -247,16 +248,6 @@ pub enum Position {
 impl Position {
     pub const ALL: [Position; 5] = [Position::Left, Position::Right, Position::Top, Position::Bottom, Position::Centre];
 
-    pub fn name(self) -> &'static str {
-        match self {
-            Position::Left => "left",
-            Position::Right => "right",
-            Position::Top => "top",
-            Position::Bottom => "bottom",
-            Position::Centre => "centre",
-        }
-    }
-
     /// How a question names the place: "What colour is the object on the left?".
     pub fn phrase(self) -> &'static str {
         match self {
@@ -284,7 +275,7 @@ impl Position {
 /// NQ-style text questions with fixed answers: the records' text locality (`loc`,
 /// `loc_ans`), prefixed as E-VQA's are. They are in the pretraining corpus, so a model
 /// knows them and an edit that changes them has leaked. Some answers are words the
-/// images' answers use too (colours, a shape), which makes locality a real test.
+/// images' answers use too (colours), which makes locality a real test.
 pub const NQ_FACTS: &[(&str, &str)] = &[
     ("nq question: who wrote romeo and juliet", "william shakespeare"),
     ("nq question: what is the capital of france", "paris"),
@@ -559,7 +550,7 @@ impl VisualWorld {
                 let k = cfg.min_objects + rng.below(cfg.max_objects - cfg.min_objects + 1);
                 let mut slots = Position::ALL.to_vec();
                 rng.shuffle(&mut slots);
-                // Shapes and colours repeat freely (counts above one, colours shared);
+                // A shape or a colour may repeat within a scene;
                 // questions are only asked where the scene answers them unambiguously.
                 let objects = slots[..k]
                     .iter()
@@ -631,11 +622,15 @@ impl VisualWorld {
     /// The world described by `dir/scenes.json`, as [`write_visual_world`] wrote it.
     pub fn read(dir: &Path) -> Result<VisualWorld> {
         let path = dir.join(SCENES_FILE);
-        let file: SceneFile =
-            serde_json::from_str(&crate::io::read_text(&path)?).map_err(|e| Error::file(&path, format!("not a visual world's scene file: {e}")))?;
-        if file.format != FORMAT {
-            return Err(Error::file(&path, format!("format {:?}, expected {FORMAT:?}", file.format)));
+        let text = crate::io::read_text(&path)?;
+        // The format first: an older world's scenes would otherwise fail on a shape or a
+        // field this version no longer has, which says nothing about rebuilding.
+        match scene_file_format(&text) {
+            Some(f) if f == FORMAT => {}
+            Some(f) => return Err(Error::file(&path, format!("format {f:?}, expected {FORMAT:?}: rebuild it with `dualedit world --vl`"))),
+            None => return Err(Error::file(&path, "not a visual world's scene file (no `format` field)")),
         }
+        let file: SceneFile = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not a visual world's scene file: {e}")))?;
         file.config.validate().map_err(|e| Error::file(&path, e.to_string()))?;
         Ok(VisualWorld { config: file.config, scenes: file.scenes })
     }
@@ -653,7 +648,7 @@ fn split_records(rng: &mut SplitMix64, scenes: &[Scene], pools: &BTreeMap<Questi
             let rephrase = &q.phrasings[1 + rng.below(q.phrasings.len() - 1)];
             let (loc, loc_ans) = *rng.pick(NQ_FACTS);
             // Validation keeps a non-empty split at two scenes or more, and every scene
-            // has a question (the count of any shape in it).
+            // has a question (the colour of the object in any of its cells).
             let other = &scenes[(i + 1 + rng.below(scenes.len() - 1)) % scenes.len()];
             let other_questions = other.questions();
             let m = rng.pick(&other_questions);
@@ -719,19 +714,21 @@ fn check_target(dir: &Path) -> Result<()> {
         return Err(Error::file(dir, format!("is not empty and holds no visual world ({SCENES_FILE}): refusing to write into it; name a new or empty folder")));
     }
     // Any version of this format is ours to rewrite (a rebuild replaces an older world).
-    #[derive(Deserialize)]
-    struct Format {
-        format: String,
-    }
     let path = dir.join(SCENES_FILE);
-    let ours = crate::io::read_text(&path)
-        .ok()
-        .and_then(|t| serde_json::from_str::<Format>(&t).ok())
-        .is_some_and(|f| f.format.starts_with(FORMAT_PREFIX));
+    let ours = scene_file_format(&crate::io::read_text(&path)?).is_some_and(|f| f.starts_with(FORMAT_PREFIX));
     if ours {
         return Ok(());
     }
     Err(Error::file(dir, format!("is not empty and not a visual world ({} is not a {FORMAT_PREFIX}* file); refusing to write into it", path.display())))
+}
+
+/// The `format` field of a scene file's text, if it is a JSON object with one.
+fn scene_file_format(text: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Format {
+        format: String,
+    }
+    serde_json::from_str::<Format>(text).ok().map(|f| f.format)
 }
 
 fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
@@ -895,7 +892,7 @@ mod tests {
         let q: Vec<(String, String)> = w.scenes[0].questions().into_iter().map(|q| (q.phrasings[0].clone(), q.answer)).collect();
         assert_eq!(q, PINNED_SCENE_0.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect::<Vec<_>>());
         assert_eq!((s(&t[0], "src"), s(&t[0], "pred"), s(&t[0], "alt")), PINNED_TRAIN_0);
-        assert_eq!((t.len(), h.len()), PINNED_COUNTS);
+        assert_eq!((t.len(), h.len(), w.pretrain_corpus().vqa.len()), PINNED_COUNTS);
     }
     const PINNED_SCENE_0: &[(&str, &str)] = &[
         ("What colour is the object at the bottom?", "purple"),
@@ -912,7 +909,7 @@ mod tests {
         ("Which shape is purple?", "dot"),
     ];
     const PINNED_TRAIN_0: (&str, &str, &str) = ("Which shape is in the centre?", "pillar", "cross");
-    const PINNED_COUNTS: (usize, usize) = (2011, 505);
+    const PINNED_COUNTS: (usize, usize, usize) = (2011, 505, 10064);
 
     fn check_records(cfg: &VisualWorldConfig) {
         let w = VisualWorld::generate(cfg).unwrap();
@@ -1013,10 +1010,9 @@ mod tests {
                         assert_eq!((cx, cy), ((x0 + GRID / 2) as f64, (y0 + GRID / 2) as f64), "centred in its cell");
                         // Every pixel of its colour in its cell; the cell's border is background.
                         let in_cell = |x: u32, y: u32| (x0..x0 + GRID).contains(&x) && (y0..y0 + GRID).contains(&y);
-                        for x in x0..x0 + GRID {
-                            for y in [y0, y0 + GRID - 1] {
-                                assert_eq!(img.get_pixel(x, y).0, scene.view(*render).background.rgb(), "scene {} object {i} touches its cell's edge", scene.id);
-                            }
+                        let edge = (0..GRID).flat_map(|t| [(x0 + t, y0), (x0 + t, y0 + GRID - 1), (x0, y0 + t), (x0 + GRID - 1, y0 + t)]);
+                        for (x, y) in edge {
+                            assert_eq!(img.get_pixel(x, y).0, scene.view(*render).background.rgb(), "scene {} object {i} touches its cell's edge", scene.id);
                         }
                         assert_eq!(img.get_pixel(cx as u32, cy as u32).0, o.colour.rgb(), "scene {} {render:?} object {i}", scene.id);
                         let area = (0..height)
@@ -1146,6 +1142,14 @@ mod tests {
             expected.sort();
             assert_eq!(names, expected);
         }
+        // An older version's world is named as such, with how to rebuild it; a rebuild
+        // writes over it.
+        let scenes = out.join(SCENES_FILE);
+        std::fs::write(&scenes, r#"{"format": "dualedit-visual-world/1", "config": {}, "scenes": [{"shape": "circle"}]}"#).unwrap();
+        let e = VisualWorld::read(&out).unwrap_err().to_string();
+        assert!(e.contains("dualedit-visual-world/1") && e.contains("dualedit world --vl") && e.contains(SCENES_FILE), "{e}");
+        write_visual_world(&out, &w).unwrap();
+        assert_eq!(VisualWorld::read(&out).unwrap(), w);
     }
 
     #[test]

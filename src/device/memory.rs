@@ -511,7 +511,11 @@ mod tests {
     #[test]
     fn cuda_libtorch_caps_each_device() {
         if env!("DUALEDIT_LIBTORCH_CUDA") == "1" {
-            assert!(per_device_caps(), "built against a CUDA libtorch without complete CUDA runtime headers: `--max-memory` falls back to one fraction for every device (run ./x build, which installs nvidia-cuda-crt)");
+            assert!(
+                per_device_caps(),
+                "built against a CUDA libtorch without complete CUDA runtime headers, so `--max-memory` falls back to one fraction for every device: \
+                 ./x installs them (nvidia-cuda-crt) for a PyPI torch whose `cuda-toolkit` it can read; otherwise set CUDA_HOME to a CUDA toolkit of torch's version and rebuild"
+            );
         } else {
             assert!(!per_device_caps());
         }
