@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Request files and texts for the zsRE capacity measurement of issue #24 (BENCHMARKS.md,
-"Many edits, part 4: zsRE").
+"Many edits, part 4 (issue #24): zsRE").
 
 From the shared zsRE file (1,000 records as prepared for MEND) it writes into OUT_DIR:
 
@@ -17,7 +17,11 @@ From the shared zsRE file (1,000 records as prepared for MEND) it writes into OU
                       lines) of records 0-799 only, so none of the held-out records' lines
                       and none of their locality probes are in it
     keep-dev.txt      the keep text for zdev.json: the corpus lines of records 0-699
-    keep-heldout-loc.txt  the same plus the loc + loc_ans lines of records 800-999 (the
+    keep-heldout-nofacts.txt  the keep text of the reported `mend-ls` setting (chosen on
+                      zdev.json with keep-dev-nofacts.txt): the loc + loc_ans lines and the
+                      new-target lines of records 0-799, none of the fact / rephrase lines
+    keep-dev-nofacts.txt  the same for records 0-699
+    keep-heldout-loc.txt  keep-heldout.txt plus the loc + loc_ans lines of records 800-999 (the
                       scored locality probes' facts, as parts 2 and 3 kept the locality
                       prompts' facts); a check, not the reported setting
     keep-all.txt      for zall.json: the corpus minus every line that states an edited
@@ -80,10 +84,12 @@ def main():
     write_lines(out / "keep-dev.txt", [l for r in recs[:700] for l in lines_of(r)])
     keep = [l for r in train for l in lines_of(r)]
     write_lines(out / "keep-heldout.txt", keep)
+    write_lines(out / "keep-heldout-nofacts.txt", [l for r in train for l in lines_of(r, facts=False)])
+    write_lines(out / "keep-dev-nofacts.txt", [l for r in recs[:700] for l in lines_of(r, facts=False)])
     write_lines(out / "keep-heldout-loc.txt", keep + [l for r in held for l in lines_of(r, facts=False, new_target=False)])
     write_lines(out / "keep-all.txt", [l for r in recs for l in lines_of(r, facts=False)])
     write_lines(out / "drift.txt", [l for r in recs[:100] for l in lines_of(r, new_target=False)])
-    for name in ["ztrain.json", "zeval.json", "zall.json", "zdev.json", "keep-dev.txt", "keep-heldout.txt", "keep-heldout-loc.txt", "keep-all.txt", "drift.txt"]:
+    for name in ["ztrain.json", "zeval.json", "zall.json", "zdev.json", "keep-dev.txt", "keep-heldout.txt", "keep-heldout-nofacts.txt", "keep-dev-nofacts.txt", "keep-heldout-loc.txt", "keep-all.txt", "drift.txt"]:
         p = out / name
         n = len(json.loads(p.read_text())) if name.endswith(".json") else len(p.read_text().splitlines())
         print(f"{p}: {n}")
