@@ -129,7 +129,7 @@ impl VisualWorldConfig {
 /// Object shapes. They differ in *where* in their cell the colour lies (all of it, a small
 /// middle, a horizontal or vertical band, both bands), which a 14-pixel patch's linear
 /// embedding separates from the start; shapes that differ only along their outlines
-/// (circle, diamond, triangle) were not told apart by the tiny tower in 3 000 steps
+/// (circle, diamond, triangle) were not told apart by the tiny tower in the runs tried
 /// (BENCHMARKS.md, "The multimodal default").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
