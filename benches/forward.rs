@@ -27,10 +27,9 @@ fn gpt2_small() -> Model {
 
 fn bench_forward(c: &mut Criterion) {
     let device = Device::Cpu;
-    tch::manual_seed(0);
     let model = gpt2_small();
     let vocab = model.info().vocab_size;
-    let store = random_params(&model, device, Kind::Float);
+    let store = random_params(&model, device, Kind::Float, 0);
     let ids = Tensor::randint(vocab, [1, SEQ], (Kind::Int64, device));
     let no_capture = HashSet::new();
 

@@ -44,8 +44,7 @@ fn model_dir() -> tempfile::TempDir {
     let json: serde_json::Value = serde_json::from_str(&text).expect("JSON");
     std::fs::write(dir.path().join("config.json"), &text).expect("config");
     let model = Model::new(Qwen2Vl::from_json(&json, "Qwen2VLForConditionalGeneration").expect("VL config"));
-    tch::manual_seed(0);
-    let store = random_params(&model, Device::Cpu, Kind::Float);
+    let store = random_params(&model, Device::Cpu, Kind::Float, 0);
     let tensors: Vec<(String, Tensor)> = store.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
     dualedit::io::write_safetensors(&dir.path().join("model.safetensors"), &tensors, Default::default()).expect("weights");
     std::fs::copy(root.join("tests/fixtures/qwen2_vl/tokenizer.json"), dir.path().join("tokenizer.json")).expect("tokenizer");
@@ -105,8 +104,7 @@ fn main() {
     let edit_params: Vec<String> = (1..4).flat_map(|l| ["up_proj", "down_proj"].map(|m| format!("model.layers.{l}.mlp.{m}.weight"))).collect();
     let engine = Engine::new(lm, DevicePlan::single(Device::Cpu), &edit_params).expect("engine");
     let cfg = MendConfig { edit_params, ..MendConfig::default() };
-    tch::manual_seed(0);
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).expect("editor");
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).expect("editor");
     let img = |n: &str| dir.path().join(n);
     let (edit, rephrase, loc) = (img("edit.png"), img("rephrase.png"), img("loc.png"));
     let ex = EditExample {

@@ -71,8 +71,7 @@ fn gpt2_small() -> Model {
 fn engine(edit_params: &[String]) -> Engine {
     let tokenizer = Tokenizer::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2/tokenizer.json")).expect("tokenizer");
     let model = gpt2_small();
-    tch::manual_seed(0);
-    let params = random_params(&model, Device::Cpu, Kind::Float);
+    let params = random_params(&model, Device::Cpu, Kind::Float, 0);
     let lm = LoadedModel { dir: "random-gpt2-small".into(), model, params, tokenizer, config_json: serde_json::json!({}) };
     Engine::new(lm, DevicePlan::single(Device::Cpu), edit_params).expect("engine")
 }
@@ -104,7 +103,7 @@ fn measure(layers: &[i64], recompute: bool) -> BTreeMap<String, f64> {
     let (start, _) = rss();
     let cfg = config(layers, recompute);
     let engine = engine(&cfg.edit_params);
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).expect("editor");
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).expect("editor");
     let b = batches(&engine);
     let (net, lrs) = editor.trainables();
     let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
@@ -227,8 +226,7 @@ fn main() {
         let mut editors: Vec<Editor> = [false, true]
             .iter()
             .map(|&r| {
-                tch::manual_seed(0);
-                Editor::new(&config(layers, r), engine.edit_params.clone(), Device::Cpu).expect("editor")
+                Editor::new(&config(layers, r), engine.edit_params.clone(), Device::Cpu, 0).expect("editor")
             })
             .collect();
         let step = |editor: &mut Editor| -> (f64, f64) {

@@ -42,8 +42,7 @@ fn model_dir() -> tempfile::TempDir {
     });
     std::fs::write(dir.path().join("config.json"), config.to_string()).expect("config");
     let model = Model::new(Gpt2::new(serde_json::from_value::<Gpt2Config>(config).expect("cfg")).expect("model"));
-    tch::manual_seed(0);
-    let store = random_params(&model, Device::Cpu, Kind::Float);
+    let store = random_params(&model, Device::Cpu, Kind::Float, 0);
     let tensors: Vec<(String, Tensor)> = store.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
     dualedit::io::write_safetensors(&dir.path().join("model.safetensors"), &tensors, Default::default()).expect("weights");
     let tok = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2/tokenizer.json");
@@ -97,8 +96,7 @@ fn main() {
         .map(|(name, plan, share)| {
             let lm = load_model(dir.path(), Device::Cpu, Kind::Float).expect("load");
             let engine = Engine::new(lm, plan, &cfg.edit_params).expect("engine");
-            tch::manual_seed(0);
-            let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).expect("editor");
+            let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).expect("editor");
             Run { name, plan, share, engine, editor, times: Vec::new(), crossings: 0 }
         })
         .collect();

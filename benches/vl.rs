@@ -31,8 +31,7 @@ fn bench_family(c: &mut Criterion, file: &str) {
     let arch = json["architectures"][0].as_str().expect("architecture");
     let model = Model::new(Qwen2Vl::from_json(&json, arch).expect("VL config"));
     let vl = model.family().vision_language().expect("VL model");
-    tch::manual_seed(0);
-    let store = random_params(&model, Device::Cpu, Kind::Float);
+    let store = random_params(&model, Device::Cpu, Kind::Float, 0);
     let params = ParamView::frozen(&store);
     let path = root().join("tests/fixtures/vl_images/big.png");
     let proc = processor();

@@ -20,7 +20,8 @@ use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrid
 use crate::model::qwen2_vl::{Grid, Qwen2Vl};
 use crate::{Error, Result};
 
-/// How an edit is made.
+/// How an edit is made. One per session, so the editor is kept inline rather than boxed.
+#[allow(clippy::large_enum_variant)]
 pub enum Method {
     /// No edit: the unedited model's scores.
     Unedited,
@@ -125,14 +126,12 @@ pub struct LoadOptions {
     pub plan: DevicePlan,
     /// Dtype of the model weights (editor maths is always f32).
     pub dtype: Kind,
-    /// Seed of tch's RNG, set before loading (nothing in an edit is random after that).
-    pub seed: i64,
 }
 
 impl Default for LoadOptions {
-    /// CPU, f32, seed 0.
+    /// CPU, f32.
     fn default() -> Self {
-        Self { plan: DevicePlan::single(tch::Device::Cpu), dtype: Kind::Float, seed: 0 }
+        Self { plan: DevicePlan::single(tch::Device::Cpu), dtype: Kind::Float }
     }
 }
 
@@ -152,7 +151,6 @@ pub fn editor_params(dir: &Path) -> Result<Vec<String>> {
 /// Loads `model` on the main device (the replica on the sub-device when split) with the
 /// weights `edit_names` marked for editing (empty: the family's default).
 pub fn open_engine(model: &Path, opts: &LoadOptions, edit_names: &[String]) -> Result<Engine> {
-    tch::manual_seed(opts.seed);
     // A layer split reads its sub-side blocks straight onto the sub-device.
     let plan = &opts.plan;
     let sub_side = match (plan.split, plan.placement, plan.boundary) {

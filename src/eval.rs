@@ -86,7 +86,7 @@ impl Summary {
         let reliability = mean(&|r| Some(r.reliability)).unwrap_or(0.0);
         let (generalization, locality) = (mean(&|r| r.generalization), mean(&|r| r.locality));
         let (image_generalization, image_locality) = (mean(&|r| r.image_generalization), mean(&|r| r.image_locality));
-        let easyedit = (image_generalization.is_some() || image_locality.is_some()).then(|| EasyEditNames {
+        let easyedit = (image_generalization.is_some() || image_locality.is_some()).then_some(EasyEditNames {
             rewrite_acc: reliability,
             rephrase_acc: generalization,
             rephrase_image_acc: image_generalization,

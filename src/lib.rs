@@ -1,5 +1,8 @@
 //! dualedit: MEND-style knowledge editing of causal language models on tch (libtorch),
 //! with the edited model's forward passes on a sub-device.
+// `t += x` on a tch `Tensor` is the in-place `add_`, which autograd cannot take where `t`
+// is saved for backward: the crate writes `t = t + x` on purpose.
+#![allow(clippy::assign_op_pattern)]
 pub mod capacity;
 pub mod chart;
 pub mod compare;

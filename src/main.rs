@@ -1112,7 +1112,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let method = MethodArgs { editor: a.editor.clone(), method: MethodArg::Mend, ls_lambda: None, ls_keep_text: None, ls_keep_weight: None, ls_rounds: None, ft_lr: 1e-3, max_length: 512 };
     let config = if a.editor.is_some() { method.planning_config()? } else { MendConfig::default() };
     let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
-    let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype, seed: 0 };
+    let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype };
     let server = dualedit::serve::Server::bind(&a.listen, opts)?;
     let session = dualedit::session::Session::open(&a.model, a.editor.as_deref(), &session_opts)?;
     let stop = Arc::new(AtomicBool::new(false));

@@ -1149,7 +1149,7 @@ fn edited_forwards(z: &Sizes, it: &mut Items, phase: Phase) {
         // One forward at a time (outer, then locality): its block inputs, then one
         // block recomputed with grad, the hidden-state gradients in and out of it.
         let kept_blocks = dm.n_layers - first_layer + 1;
-        let (block_max, block_at) = recompute_block_max(family, s, &located);
+        let (block_max, block_at) = recompute_block_max(family, s, located);
         it.add(
             phase,
             fwd_role,

@@ -152,8 +152,7 @@ pub fn pretrain(
     let vocab = tok.vocab_size();
     let config = hf_config(cfg, vocab, eos);
     let model = Model::new(Gpt2::new(serde_json::from_value::<Gpt2Config>(config.clone()).map_err(|e| Error::Torch(e.to_string()))?)?);
-    tch::manual_seed(cfg.seed as i64);
-    let store = random_params(&model, device, Kind::Float);
+    let store = random_params(&model, device, Kind::Float, cfg.seed as i64);
     // The shipped text default (`data/model`) was pretrained from LayerNorm biases at 1, an
     // init defect `random_params` no longer has; kept here (it draws no random numbers) so
     // that `build-default` still reproduces that model byte for byte.

@@ -317,8 +317,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     let proc = vl.image_processor(out)?;
     let model = Model::new(vl.clone());
     let data = build_data(&corpus, world, &tok, VlPrompt { vl: &vl, proc: &proc }, 400)?;
-    tch::manual_seed(cfg.seed as i64);
-    let store = random_params(&model, device, Kind::Float);
+    let store = random_params(&model, device, Kind::Float, cfg.seed as i64);
     let (vision, text): (Vec<_>, Vec<_>) = store.iter().partition(|(n, _)| n.starts_with("visual."));
     let grad = |v: Vec<(&String, &Tensor)>| -> Vec<Tensor> { v.into_iter().map(|(_, t)| t.set_requires_grad(true)).collect() };
     let mut adam = Adam::new(vec![(cfg.lr, grad(text)), (cfg.lr * cfg.vision_lr_scale, grad(vision))]);

@@ -43,3 +43,17 @@ impl SplitMix64 {
     }
 }
 
+
+/// Runs `draw` right after seeding libtorch's generator, holding a process-wide lock.
+///
+/// libtorch has one global CPU generator per process. A `manual_seed` followed by draws is
+/// only reproducible if no other thread seeds or draws in between: parallel tests, or a
+/// server's requests, would otherwise change an editor's initialisation from run to run
+/// (seen in CI as a single-device run whose losses left its twin's after the first
+/// optimiser step). Every libtorch draw in the crate goes through here.
+pub fn torch_seeded<T>(seed: i64, draw: impl FnOnce() -> T) -> T {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _held = LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    tch::manual_seed(seed);
+    draw()
+}

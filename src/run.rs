@@ -50,7 +50,7 @@ fn dtype_name(k: Kind) -> &'static str {
 
 impl Common {
     pub fn load_options(&self) -> LoadOptions {
-        LoadOptions { plan: self.plan, dtype: self.dtype, seed: self.seed }
+        LoadOptions { plan: self.plan, dtype: self.dtype }
     }
 }
 
@@ -243,8 +243,7 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     if val_set.is_empty() {
         tracing::warn!("no validation split (val_records is 0 or there are fewer than 5 records): the editor is selected by its training-batch loss");
     }
-    tch::manual_seed(o.common.seed);
-    let mut editor = crate::error::guard(|| Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main))
+    let mut editor = crate::error::guard(|| Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main, o.common.seed))
         .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine.placement(), &o.config, &mut tracker, checkpoint::saved_state(&o.out)))?;
     tracker.mark("editor")?;
     std::fs::create_dir_all(&o.out).map_err(|e| Error::io(&o.out, e))?;

@@ -239,7 +239,7 @@ impl Session {
     /// let lm = dualedit::model::load_model(model, tch::Device::Cpu, tch::Kind::Float)?;
     /// let engine = Engine::new(lm, dualedit::device::DevicePlan::single(tch::Device::Cpu), &[])?;
     /// let cfg = MendConfig { rank: 8, ..MendConfig::default() };
-    /// let editor = Editor::new(&cfg, engine.edit_params.clone(), tch::Device::Cpu)?;
+    /// let editor = Editor::new(&cfg, engine.edit_params.clone(), tch::Device::Cpu, 0)?;
     /// let mut session = Session::from_parts(engine, Some(editor));
     ///
     /// let request = EditRecord {

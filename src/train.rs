@@ -454,6 +454,7 @@ fn fault_oom_step() -> Option<usize> {
 }
 
 /// The micro-batches of one optimiser step: forwards, backwards, accumulated gradients.
+#[allow(clippy::too_many_arguments)] // one step's state, passed apart so each is borrowed as it must be
 fn accumulate(
     engine: &Engine,
     editor: &mut Editor,

@@ -23,8 +23,7 @@ fn setup() -> (Engine, Editor, Vec<dualedit::data::EditExample>) {
     let ex = prepare(&engine.lm.tokenizer, &recs, 64, Path::new("inline.json")).unwrap();
     // An untrained editor is the identity: a plain gradient step of size edit_lr.
     let cfg = MendConfig { rank: 8, norm: false, edit_lr: 1e-4, ..MendConfig::default() };
-    tch::manual_seed(0);
-    let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     (engine, editor, ex)
 }
 

@@ -31,10 +31,23 @@ fn examples(engine: &Engine) -> Vec<dualedit::data::EditExample> {
     prepare(&engine.lm.tokenizer, &recs, 64, Path::new("inline.json")).unwrap()
 }
 
-/// A fresh editor for `engine`'s edited weights, its random init drawn after seeding.
+/// Moves a fresh editor off the identity: random `U`, scales and shifts (seeded; every
+/// libtorch draw goes through the lock, so parallel tests do not change each other's).
+fn perturb(editor: &Editor) {
+    dualedit::rng::torch_seeded(2, || {
+        tch::no_grad(|| {
+            for (n, mut t) in editor.named_tensors() {
+                if n.ends_with(".u") || n.ends_with(".scale") || n.ends_with(".shift") {
+                    let _ = t.f_add_(&(Tensor::randn_like(&t) * 0.1)).unwrap();
+                }
+            }
+        })
+    });
+}
+
+/// A fresh editor for `engine`'s edited weights, its random init drawn from `seed`.
 fn seeded_editor(engine: &Engine, cfg: &MendConfig, seed: i64) -> Editor {
-    tch::manual_seed(seed);
-    Editor::new(cfg, engine.edit_params.clone(), Device::Cpu).unwrap()
+    Editor::new(cfg, engine.edit_params.clone(), Device::Cpu, seed).unwrap()
 }
 
 fn identity_config(mode: EditorMode) -> MendConfig {
@@ -51,7 +64,7 @@ fn identity_equals_autograd_on(engine: Engine, name: &str, mode: EditorMode) {
     let ex = examples(&engine);
     let batch = TokenBatch::collate(&[&ex[0].inner, &ex[1].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
     let (_, factors) = engine.capture(&batch).unwrap();
-    let mut editor = Editor::new(&identity_config(mode), engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut editor = Editor::new(&identity_config(mode), engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     // Autograd reference: the same loss with the edited weights as leaves.
     let leaves: Overrides = engine
         .edit_params
@@ -124,13 +137,7 @@ fn batch_edit_is_the_sum_of_single_edits() {
         let (_, f) = engine.capture(&TokenBatch::collate(&[&e.inner], pad, Device::Cpu)).unwrap();
         let _ = editor.pseudo_grads(&f, true);
     }
-    tch::no_grad(|| {
-        for (n, mut t) in editor.named_tensors() {
-            if n.ends_with(".u") || n.ends_with(".scale") || n.ends_with(".shift") {
-                let _ = t.f_add_(&(Tensor::randn_like(&t) * 0.1)).unwrap();
-            }
-        }
-    });
+    perturb(&editor);
     let _g = tch::no_grad_guard();
     assert_ne!(ex[0].inner.ids.len(), ex[2].inner.ids.len(), "the batch is padded");
     let mut delta_w = |batch: &[&dualedit::data::Example]| -> Vec<Tensor> {
@@ -169,7 +176,7 @@ fn running_stats_match_two_pass_statistics() {
     let engine = engine("gpt2");
     let ex = examples(&engine);
     let cfg = MendConfig { rank: 8, ..MendConfig::default() };
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     let mut xs = Vec::new();
     for e in &ex {
         let b = TokenBatch::collate(&[&e.inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
@@ -293,11 +300,13 @@ fn low_rank_edit_equals_dense(name: &str) {
     // Random U so the editor is not the identity; norm on, as trained editors are.
     let mut editor = seeded_editor(&engine, &MendConfig { rank: 16, ..MendConfig::default() }, 0);
     let _g = tch::no_grad_guard();
-    for (n, t) in editor.named_tensors() {
-        if n.ends_with(".u") {
-            let _ = t.detach().copy_(&(Tensor::randn_like(&t) * 0.05));
+    dualedit::rng::torch_seeded(1, || {
+        for (n, t) in editor.named_tensors() {
+            if n.ends_with(".u") {
+                t.detach().copy_(&(Tensor::randn_like(&t) * 0.05));
+            }
         }
-    }
+    });
     let _ = editor.edit_lrs.detach().fill_(0.3);
     let b = TokenBatch::collate(&[&ex[0].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
     let (_, f) = engine.capture(&b).unwrap();
@@ -443,13 +452,7 @@ fn grouped_editor_pass_equals_one_pass_per_weight() {
             let (_, f) = engine.capture(&b).unwrap();
             let _ = editor.pseudo_grads(&f, true);
         }
-        tch::no_grad(|| {
-            for (n, mut t) in editor.named_tensors() {
-                if n.ends_with(".u") || n.ends_with(".scale") || n.ends_with(".shift") {
-                    let _ = t.f_add_(&(Tensor::randn_like(&t) * 0.1)).unwrap();
-                }
-            }
-        });
+        perturb(&editor);
         let b = TokenBatch::collate(&[&ex[0].inner, &ex[1].inner], engine.lm.tokenizer.pad_id(), Device::Cpu);
         let (_, factors) = engine.capture(&b).unwrap();
         let grouped = editor.pseudo_grads(&factors, false);
@@ -512,7 +515,7 @@ fn inner_in_edit_loss_scores_the_edit_prompt_too() {
     let ex = examples(&engine);
     let pad = engine.lm.tokenizer.pad_id();
     let cfg = MendConfig { rank: 16, inner_in_edit_loss: true, ..MendConfig::default() };
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     let with = EditBatches::for_config(&engine, &[&ex[0]], &cfg).unwrap();
     let without = EditBatches::new(&[&ex[0]], pad, Device::Cpu);
     assert_eq!(with.outer.batch_size(), 2);
@@ -540,4 +543,31 @@ fn validation_locality_accuracy_is_the_eval_metric() {
     let mean = loc.iter().sum::<f64>() / loc.len() as f64;
     assert!((val.loc_acc - mean).abs() < 1e-9, "validation {} vs eval {mean} ({loc:?})", val.loc_acc);
     assert!(mean < 1.0, "the edits should change some locality predictions: {loc:?}");
+}
+
+/// The same seed gives the same editor while other threads build theirs: libtorch has one
+/// generator per process, and CI once saw an editor whose init another test's draws had
+/// changed (its run left its single-device twin after the first optimiser step).
+#[test]
+fn editor_init_depends_on_its_seed_alone() {
+    let params = engine("gpt2").edit_params.clone();
+    let cfg = MendConfig { rank: 16, ..MendConfig::default() };
+    // Tensors cannot cross threads: compare the values.
+    let init = |seed: i64| -> Vec<f32> {
+        let (net, _) = Editor::new(&cfg, params.clone(), Device::Cpu, seed).unwrap().trainables();
+        net.iter().flat_map(|t| Vec::<f32>::try_from(t.detach().flatten(0, -1)).unwrap()).collect()
+    };
+    let want: Vec<Vec<f32>> = (0..4).map(init).collect();
+    assert_ne!(want[0], want[1], "seeds 0 and 1 gave the same editor");
+    std::thread::scope(|s| {
+        for seed in 0..4i64 {
+            let (init, want) = (&init, &want);
+            s.spawn(move || {
+                for round in 0..25 {
+                    let got = init(seed);
+                    assert!(got == want[seed as usize], "seed {seed}, round {round}: another init");
+                }
+            });
+        }
+    });
 }

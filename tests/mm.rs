@@ -234,7 +234,7 @@ fn qwen2vl_7b_preset_names_resolve_in_both_layouts() {
 pub fn vl_session() -> dualedit::session::Session {
     let engine = engine(DevicePlan::single(Device::Cpu));
     let cfg = MendConfig { rank: 8, edit_lr: 1e-2, ..MendConfig::default() };
-    let editor = dualedit::mend::Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let editor = dualedit::mend::Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     dualedit::session::Session::from_parts(engine, Some(editor))
 }
 
@@ -284,7 +284,7 @@ fn session_edits_with_images_and_reset_restores_the_image_score() {
     // A text-only model refuses image requests, saying why.
     let cfg = MendConfig { rank: 8, ..MendConfig::default() };
     let text_engine = open_engine(&fixture("gpt2"), &LoadOptions::default(), &[]).unwrap();
-    let editor = dualedit::mend::Editor::new(&cfg, text_engine.edit_params.clone(), Device::Cpu).unwrap();
+    let editor = dualedit::mend::Editor::new(&cfg, text_engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     let mut t = Session::from_parts(text_engine, Some(editor));
     let err = t.edit_images(&records).unwrap_err();
     assert!(matches!(err, dualedit::Error::Input(_)) && err.to_string().contains("text-only"), "{err}");

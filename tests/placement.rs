@@ -183,7 +183,7 @@ fn layer_split_moves_weights_once_then_only_activations() {
     assert_eq!(setup.bytes_to_sub, expected as u64 * 4);
     assert_eq!(setup.bytes_to_main, 0);
 
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
     let example = EditExample {
         inner: ex(&[5, 6, 7, 8, 9, 10], 2),
@@ -240,8 +240,7 @@ fn recomputed_passes_share_one_boundary_per_batch() {
     };
     let run = |plan: DevicePlan, share: bool| {
         let engine = Engine::new(load_model(&dir, Device::Cpu, Kind::Float).unwrap(), plan, &cfg.edit_params).unwrap();
-        tch::manual_seed(0);
-        let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+        let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
         let before = engine.mover.stats();
         let b = if share {
             EditBatches::for_config(&engine, &[&example], &cfg).unwrap()

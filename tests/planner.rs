@@ -141,8 +141,7 @@ fn example(len: usize, kept: usize, vocab: i64) -> Example {
 /// Runs one case in this (fresh) process and prints its figures as one JSON line.
 fn measure(case: &Case) -> BTreeMap<String, f64> {
     // libtorch initialisation and thread pools: a warm-up forward + backward on a tiny model.
-    tch::manual_seed(0);
-    {
+    dualedit::rng::torch_seeded(0, || {
         let x = Tensor::randn([64, 256], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let y = x.matmul(&x.tr()).gelu("tanh").log_softmax(-1, Kind::Float).sum(Kind::Float);
         y.backward();
@@ -156,7 +155,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
             None,
             false,
         );
-    }
+    });
     let tokenizer = Tokenizer::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2/tokenizer.json")).unwrap();
     reset_peak(Device::Cpu).unwrap();
     let (base, _) = rss();
@@ -166,11 +165,11 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
     let cfg = config_of(case);
     let model = model_of(case);
     let vocab = model.info().vocab_size;
-    let params = random_params(&model, Device::Cpu, Kind::Float);
+    let params = random_params(&model, Device::Cpu, Kind::Float, 0);
     let lm = LoadedModel { dir: "random-gpt2-small".into(), model, params, tokenizer, config_json: serde_json::json!({}) };
     let plan = if case.split { DevicePlan::split_on(Device::Cpu, Device::Cpu) } else { DevicePlan::single(Device::Cpu) };
     let engine = Engine::new(lm, plan, &cfg.edit_params).unwrap();
-    let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     out.insert("loaded".into(), rss().0.saturating_sub(base) as f64);
 
     let examples: Vec<EditExample> = (0..case.batch)

@@ -116,7 +116,7 @@ fn killed_while_checkpointing_leaves_a_loadable_checkpoint() {
         let lm = dualedit::model::load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
         let engine = dualedit::mend::Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
         dualedit::mend::checkpoint::load_editor(&out, &engine).expect("checkpoint loads after a kill");
-        let mut editor = dualedit::mend::Editor::new(&MendConfig { rank: 64, ..MendConfig::default() }, engine.edit_params.clone(), Device::Cpu).unwrap();
+        let mut editor = dualedit::mend::Editor::new(&MendConfig { rank: 64, ..MendConfig::default() }, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
         dualedit::mend::checkpoint::load_state(&out, &mut editor).expect("training state loads after a kill");
     }
 }

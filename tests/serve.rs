@@ -570,7 +570,7 @@ fn vl_session() -> Session {
     let opts = dualedit::edit::LoadOptions { plan: DevicePlan::single(tch::Device::Cpu), ..Default::default() };
     let engine = dualedit::edit::open_engine(&fixture("qwen2_vl"), &opts, &[]).unwrap();
     let cfg = dualedit::config::MendConfig { rank: 8, edit_lr: 1e-2, ..Default::default() };
-    let editor = dualedit::mend::Editor::new(&cfg, engine.edit_params.clone(), tch::Device::Cpu).unwrap();
+    let editor = dualedit::mend::Editor::new(&cfg, engine.edit_params.clone(), tch::Device::Cpu, 0).unwrap();
     Session::from_parts(engine, Some(editor))
 }
 

@@ -277,7 +277,7 @@ fn a_failed_edit_call_leaves_the_weights_as_before_it() {
     let lm = load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
     let engine = Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
     let cfg = MendConfig { rank: 8, edit_lr: 1e-2, ..MendConfig::default() };
-    let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     let mut s = Session::from_parts(engine, Some(editor));
     let recs = records();
     let ex = dualedit::data::examples::prepare(&s.engine().lm.tokenizer, &recs[..2], 64, Path::new("inline.json")).unwrap();

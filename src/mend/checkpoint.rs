@@ -143,7 +143,8 @@ pub fn load_editor(dir: &Path, engine: &Engine) -> Result<(Editor, EditorMeta)> 
             tracing::warn!(param = %name, trained = sum, now, "edited weight differs from the one the editor was trained on (an edited or different checkpoint?)");
         }
     }
-    let mut editor = Editor::new(&meta.config, meta.params.clone(), engine.plan.main)?;
+    // Seed 0: the random init is overwritten by the saved tensors below.
+    let mut editor = Editor::new(&meta.config, meta.params.clone(), engine.plan.main, 0)?;
     editor.load_tensors(&tensors, &meta.stats_counts).map_err(|e| Error::file(&path, e.to_string()))?;
     Ok((editor, meta))
 }

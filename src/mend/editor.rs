@@ -242,8 +242,10 @@ pub struct Editor {
 }
 
 impl Editor {
-    /// A fresh, identity-initialised editor (seed tch's RNG first for reproducibility).
-    pub fn new(config: &MendConfig, params: Vec<EditedParam>, device: Device) -> Result<Self> {
+    /// A fresh, identity-initialised editor; its random `V` matrices are drawn from
+    /// libtorch's generator seeded with `seed` (under [`crate::rng::torch_seeded`]'s lock,
+    /// so the same seed gives the same editor whatever other threads draw).
+    pub fn new(config: &MendConfig, params: Vec<EditedParam>, device: Device, seed: i64) -> Result<Self> {
         config.validate()?;
         if params.is_empty() {
             return Err(Error::input("no weights to edit"));
@@ -260,10 +262,9 @@ impl Editor {
             assignment.push((key, entry.2));
             entry.2 += 1;
         }
-        let transforms = groups
-            .into_iter()
-            .map(|(k, (d_in, d_out, n))| (k, GradientTransform::new(d_in, d_out, config, n, device)))
-            .collect();
+        let transforms = crate::rng::torch_seeded(seed, || {
+            groups.into_iter().map(|(k, (d_in, d_out, n))| (k, GradientTransform::new(d_in, d_out, config, n, device))).collect()
+        });
         let edit_lrs = Tensor::full([params.len() as i64], config.edit_lr, (Kind::Float, device)).set_requires_grad(true);
         Ok(Self { config: config.clone(), params, assignment, transforms, edit_lrs, input_clip: None, device })
     }

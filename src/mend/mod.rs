@@ -230,7 +230,7 @@ impl Engine {
     }
 
     /// A tensor on the edited weights' side carried back to the main device (layer split).
-    fn from_weight_side(&self, t: &Tensor) -> Tensor {
+    fn weight_side_to_main(&self, t: &Tensor) -> Tensor {
         if self.layer_split() {
             self.mover.to_main(t)
         } else {
@@ -363,12 +363,12 @@ impl Engine {
                     // Padding rows and rows after the last scored token carry no gradient.
                     let rows = x.ne(0.0).any_dim(1, false).logical_and(&delta.ne(0.0).any_dim(1, false));
                     let idx = rows.nonzero().squeeze_dim(1);
-                    examples.push(self.from_weight_side(&idx));
+                    examples.push(self.weight_side_to_main(&idx));
                     // The editor is on the main device: under a layer split the factors
                     // (rows with signal only) cross to it.
                     Factors {
-                        x: self.from_weight_side(&x.index_select(0, &idx)),
-                        delta: self.from_weight_side(&delta.index_select(0, &idx)),
+                        x: self.weight_side_to_main(&x.index_select(0, &idx)),
+                        delta: self.weight_side_to_main(&delta.index_select(0, &idx)),
                     }
                 })
                 .collect();
@@ -388,7 +388,7 @@ impl Engine {
                 .map(|p| {
                     let (d_in, _) = p.in_out();
                     let x = out.captures.get(&p.name).ok_or_else(|| Error::Torch("an edited layer was not captured".into()))?;
-                    let x = self.from_weight_side(&x.x.reshape([-1, d_in]).to_kind(Kind::Float));
+                    let x = self.weight_side_to_main(&x.x.reshape([-1, d_in]).to_kind(Kind::Float));
                     Ok(x.index_select(0, &real.to_device(x.device())))
                 })
                 .collect()
@@ -579,7 +579,7 @@ impl Engine {
     /// A scalar computed beside the edited weights (the recomputed loss's surrogate)
     /// carried to the main device: through the mover under a layer split.
     pub fn scalar_to_main(&self, t: &Tensor) -> Tensor {
-        self.from_weight_side(t)
+        self.weight_side_to_main(t)
     }
 
     /// Makes an edit permanent (sequential editing): writes `W'` into the frozen weights on

@@ -226,10 +226,11 @@ pub fn load_model_split(dir: &Path, device: Device, kind: Kind, sub_side: Option
 
 /// Random weights for `model` (N(0, 0.02²) matrices, unit norm weights, zero biases, the
 /// norms' biases included, as transformers initialises them), as a freshly initialised
-/// checkpoint would have: for benchmarks, planning and pretraining from scratch.
-pub fn random_params(model: &Model, device: Device, kind: Kind) -> ParamStore {
+/// checkpoint would have: for benchmarks, planning and pretraining from scratch. Drawn
+/// from libtorch's generator seeded with `seed` ([`crate::rng::torch_seeded`]).
+pub fn random_params(model: &Model, device: Device, kind: Kind, seed: i64) -> ParamStore {
     let _g = tch::no_grad_guard();
-    let tensors = model
+    let tensors = crate::rng::torch_seeded(seed, || model
         .expected_params()
         .into_iter()
         .map(|(name, shape)| {
@@ -242,6 +243,6 @@ pub fn random_params(model: &Model, device: Device, kind: Kind) -> ParamStore {
             };
             (name, t.to_kind(kind))
         })
-        .collect();
+        .collect());
     ParamStore::new(tensors, device, kind)
 }

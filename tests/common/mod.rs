@@ -61,8 +61,7 @@ pub fn trained_editor() -> (Engine, Editor) {
     let engine = Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
     let ex = prepare(&engine.lm.tokenizer, &records(), 64, Path::new("inline.json")).unwrap();
     let cfg = MendConfig { rank: 32, lr: 1e-3, edit_lr: 1e-2, lr_lr: 1e-2, ..MendConfig::default() };
-    tch::manual_seed(0);
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu).unwrap();
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     let (net, lrs) = editor.trainables();
     let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
     let pad = engine.lm.tokenizer.pad_id();
@@ -89,8 +88,8 @@ pub fn trained_editor_session() -> (Session, tempfile::TempDir) {
 /// tch's global RNG, so seeding before each `Editor::new` does not guarantee equal
 /// starts; the second editor copies the first's tensors instead.
 pub fn twin_editors(cfg: &MendConfig, params: &[dualedit::mend::EditedParam]) -> (Editor, Editor) {
-    let a = Editor::new(cfg, params.to_vec(), Device::Cpu).unwrap();
-    let mut b = Editor::new(cfg, params.to_vec(), Device::Cpu).unwrap();
+    let a = Editor::new(cfg, params.to_vec(), Device::Cpu, 0).unwrap();
+    let mut b = Editor::new(cfg, params.to_vec(), Device::Cpu, 0).unwrap();
     let (stats, counts) = a.named_stats();
     let tensors: std::collections::BTreeMap<String, tch::Tensor> =
         a.named_tensors().into_iter().chain(stats).map(|(n, t)| (n, t.detach().copy())).collect();
