@@ -197,7 +197,7 @@ pub fn run_demo_vl(root: &Path, plan: DevicePlan, json: bool, out: &mut impl std
     w(out, format!("  {:<22} {:>6}  (rephrase_acc)", "text generality", f(h.generalization)))?;
     w(out, format!("  {:<22} {:>6}  (rephrase_image_acc)", "image generality", f(h.image_generalization)))?;
     w(out, format!("  {:<22} {:>6}  (locality_acc)", "text locality", f(h.locality)))?;
-    w(out, format!("  {:<22} {:>6}  (multimodal_locality_acc: top-10 lists unchanged)", "image locality", f(h.image_locality)))?;
+    w(out, format!("  {:<22} {:>6}  (multimodal_locality_acc: top-10 lists unchanged, every position)", "image locality", f(h.image_locality)))?;
     w(out, format!("  {:<22} {:>6}  (top-1: the unrelated image's answer unchanged)", "", f(h.image_locality_top1)))?;
     w(out, format!("  {:<22} {:>6.1} ms", "time per edit", h.edit_seconds * 1e3))?;
     Ok(summary)

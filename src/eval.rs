@@ -25,8 +25,9 @@ pub struct RecordMetrics {
     /// `rephrase_image_acc`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_generalization: Option<f64>,
-    /// Multimodal: share of the `loc_image` top-10 token lists unchanged by the edit
-    /// (EasyEdit's `multimodal_locality_acc`).
+    /// Multimodal: share of the `loc_image` top-10 token lists unchanged by the edit, at
+    /// every position of the sequence (prompt, image tokens, answer), entry by entry, as
+    /// EasyEdit computes `multimodal_locality_acc`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_locality: Option<f64>,
     /// Multimodal: share of the `loc_image` answer tokens whose top-1 prediction the edit
@@ -133,8 +134,36 @@ fn score(engine: &Engine, overrides: &Overrides, examples: &[&Example], images: 
 pub struct Before {
     nll: Vec<f64>,
     loc: Vec<Option<Tensor>>,
-    /// Unedited logits `[N, V]` of each example's `loc_image` (multimodal).
-    loc_image: Vec<Option<Tensor>>,
+    /// Each example's `loc_image` (multimodal): its unedited [`TopTen`].
+    loc_image: Vec<Option<TopTen>>,
+}
+
+/// The top-10 token ids `[T, 10]` (int64, best first) at every position of an example,
+/// and the rows of its answer's positions: what the image-locality metrics compare, kept
+/// instead of logits (`[T, V]` is ~240 MB a record for Qwen2-VL at 400 tokens).
+struct TopTen {
+    ids: Tensor,
+    answer: std::ops::Range<i64>,
+}
+
+impl TopTen {
+    /// `e` scored at every position: a dummy token is appended as the last target so that
+    /// every real token, the answer's last included, is an input position.
+    fn of(engine: &Engine, overrides: &Overrides, e: &Example, images: Option<&StepImages>) -> Result<Self> {
+        let mut ids = e.ids.clone();
+        ids.push(engine.lm.tokenizer.pad_id());
+        let every = Example { ids, answer_start: 1, image: e.image.clone() };
+        let logits = score(engine, overrides, &[&every], images)?.logits;
+        let ids = crate::error::guard(|| Ok(logits.to_kind(tch::Kind::Float).topk(10.min(logits.size()[1]), -1, true, true).1))?;
+        Ok(Self { ids, answer: e.answer_start as i64 - 1..e.ids.len() as i64 - 1 })
+    }
+
+    /// (top-10 lists at every position, top-1 at the answer): the shares of entries equal.
+    fn agreement(&self, before: &TopTen) -> (f64, f64) {
+        let share = |a: &Tensor, b: &Tensor| a.eq_tensor(&b.to_device(a.device())).to_kind(tch::Kind::Double).mean(tch::Kind::Double).double_value(&[]);
+        let answer = |t: &TopTen| t.ids.slice(0, t.answer.start, t.answer.end, 1).select(1, 0);
+        (share(&self.ids, &before.ids), share(&answer(self), &answer(before)))
+    }
 }
 
 /// Every example of every view of `examples` (for [`Engine::images`]: one tower forward
@@ -159,7 +188,7 @@ pub fn measure_before(engine: &Engine, examples: &[&EditExample], images: Option
         .collect::<Result<_>>()?;
     let loc_image = examples
         .iter()
-        .map(|e| e.loc_image.as_ref().map(|l| Ok(score(engine, &Overrides::new(), &[l], images)?.logits)).transpose())
+        .map(|e| e.loc_image.as_ref().map(|l| TopTen::of(engine, &Overrides::new(), l, images)).transpose())
         .collect::<Result<_>>()?;
     Ok(Before { nll, loc, loc_image })
 }
@@ -201,8 +230,8 @@ pub fn measure_after(
         };
         let (image_locality, image_locality_top1) = match (&e.loc_image, &before.loc_image[i]) {
             (Some(l), Some(pre)) => {
-                let post = score(engine, overrides, &[l], images)?.logits;
-                (Some(losses::topk_agreement(&post, pre, 10)), Some(losses::topk_agreement(&post, pre, 1)))
+                let (top10, top1) = TopTen::of(engine, overrides, l, images)?.agreement(pre);
+                (Some(top10), Some(top1))
             }
             _ => (None, None),
         };

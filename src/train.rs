@@ -229,7 +229,8 @@ fn roles(engine: &Engine) -> (&'static str, &'static str) {
 
 /// The locality KL (differentiable) and the share of locality entries unchanged: each
 /// kept position's top-`k` token list, compared entry by entry (k = 1: the top-1
-/// prediction, `locality_acc`; k = 10: EasyEdit's `multimodal_locality_acc`).
+/// prediction, `locality_acc`; k = 10: EasyEdit's `multimodal_locality_acc`, here at the
+/// answer positions the KL covers, where `eval` compares every position as EasyEdit does).
 fn locality(loc: &TokenBatch, base: &Tensor, post: &Tensor, k: i64) -> (Tensor, f64) {
     let agree = if k == 1 {
         // Per row, then the mean over rows (as `eval` reports text locality).

@@ -293,3 +293,55 @@ fn session_edits_with_images_and_reset_restores_the_image_score() {
     let mut plain = Session::open(&fixture("qwen2_vl"), None, &SessionOptions::default()).unwrap();
     assert!(plain.edit_images(&records).unwrap_err().to_string().contains("no editor"));
 }
+
+/// Image locality as EasyEdit computes `multimodal_locality_acc`: the top-10 token lists of
+/// the unrelated image's sequence at every position (chat template, image tokens, question
+/// and answer), entry by entry, before and after; beside it the answer's top-1 tokens. By
+/// hand from the full logits of a perturbed model.
+#[test]
+fn image_locality_compares_top_ten_lists_at_every_position() {
+    use dualedit::model::{Overrides, ParamView};
+    let dir = tempfile::tempdir().unwrap();
+    let r = roots(dir.path());
+    let data = write_data(dir.path(), &[record("What is in the picture?", "a cat", "val/a.png")]);
+    let engine = engine(DevicePlan::single(Device::Cpu));
+    let (_, ex, _) = load_examples(&engine, &data, DatasetKind::Vqa, None, 200, Default::default(), Some(&r)).unwrap();
+    let e = &ex[0];
+    let li = e.loc_image.as_ref().unwrap();
+    let images = engine.images(&dualedit::eval::all_views(&[e])).unwrap();
+    // Every edited weight moved by noise: some top-10 lists change, not all.
+    let mut ov = Overrides::new();
+    dualedit::rng::torch_seeded(4, || {
+        for p in &engine.edit_params {
+            let w = engine.lm.params.get(&p.name).unwrap();
+            ov.insert(p.name.clone(), w + w.randn_like() * 0.5 * w.std(true));
+        }
+    });
+    let before = dualedit::eval::measure_before(&engine, &[e], images.as_ref()).unwrap();
+    let m = &dualedit::eval::measure_after(&engine, &ov, &[e], &before, 0.0, images.as_ref()).unwrap()[0];
+
+    let mut ids = li.ids.clone();
+    ids.push(0);
+    let every = Example { ids, answer_start: li.ids.len(), image: li.image.clone() };
+    let b = engine.collate_with(&[&every], images.as_ref()).unwrap();
+    let none = Default::default();
+    let top10 = |ov: Option<&Overrides>| -> Tensor {
+        let _g = tch::no_grad_guard();
+        let input = ForwardInput { keep: None, ..b.forward_input(&none) };
+        let logits = engine.lm.model.forward(&ParamView::new(&engine.lm.params, ov), &input).unwrap().logits;
+        let logits = logits.reshape([-1, logits.size()[logits.dim() - 1]]);
+        assert_eq!(logits.size()[0], li.ids.len() as i64, "one row per token of the sequence");
+        logits.topk(10, -1, true, true).1
+    };
+    let (pre, post) = (top10(None), top10(Some(&ov)));
+    let share = |a: &Tensor, b: &Tensor| a.eq_tensor(b).to_kind(Kind::Double).mean(Kind::Double).double_value(&[]);
+    let all = share(&pre, &post);
+    let answer = |t: &Tensor| t.slice(0, li.answer_start as i64 - 1, li.ids.len() as i64 - 1, 1).select(1, 0);
+    let top1 = share(&answer(&pre), &answer(&post));
+    assert!(all > 0.0 && all < 1.0, "the noise must move some lists and keep some: {all}");
+    assert!((m.image_locality.unwrap() - all).abs() < 1e-12, "{:?} vs {all}", m.image_locality);
+    assert!((m.image_locality_top1.unwrap() - top1).abs() < 1e-12, "{:?} vs {top1}", m.image_locality_top1);
+    // The answer's rows alone give another top-10 figure: the metric is not answer-only.
+    let rows = |t: &Tensor| t.slice(0, li.answer_start as i64 - 1, li.ids.len() as i64 - 1, 1);
+    assert_ne!(share(&rows(&pre), &rows(&post)), all);
+}
