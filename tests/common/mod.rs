@@ -84,17 +84,11 @@ pub fn trained_editor_session() -> (Session, tempfile::TempDir) {
     (Session::from_parts(engine, Some(editor)), dir)
 }
 
-/// Two editors with the same initial weights. Tests run in parallel threads and share
-/// tch's global RNG, so seeding before each `Editor::new` does not guarantee equal
-/// starts; the second editor copies the first's tensors instead.
+/// Two editors with the same initial weights: the same seed, which `Editor::new` draws
+/// under `rng::torch_seeded`'s lock, so tests running in parallel threads cannot change it.
 pub fn twin_editors(cfg: &MendConfig, params: &[dualedit::mend::EditedParam]) -> (Editor, Editor) {
-    let a = Editor::new(cfg, params.to_vec(), Device::Cpu, 0).unwrap();
-    let mut b = Editor::new(cfg, params.to_vec(), Device::Cpu, 0).unwrap();
-    let (stats, counts) = a.named_stats();
-    let tensors: std::collections::BTreeMap<String, tch::Tensor> =
-        a.named_tensors().into_iter().chain(stats).map(|(n, t)| (n, t.detach().copy())).collect();
-    b.load_tensors(&tensors, &counts).unwrap();
-    (a, b)
+    let new = || Editor::new(cfg, params.to_vec(), Device::Cpu, 0).unwrap();
+    (new(), new())
 }
 
 /// Environment variable that turns a missing shared-data folder from a skip into a failure,
