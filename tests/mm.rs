@@ -8,7 +8,8 @@ use common::fixture;
 use dualedit::compare::{compare_eval, compare_train};
 use dualedit::config::MendConfig;
 use dualedit::data::multimodal::{load_mm, parse_mm, ImageRoots};
-use dualedit::data::{DatasetKind, Example};
+use dualedit::data::examples::DataCounts;
+use dualedit::data::{DatasetKind, EditExample, EditRecord, Example};
 use dualedit::device::DevicePlan;
 use dualedit::edit::{open_engine, LoadOptions, MethodSpec};
 use dualedit::mend::{losses, Engine};
@@ -93,13 +94,20 @@ fn engine(plan: DevicePlan) -> Engine {
     open_engine(&fixture("qwen2_vl"), &LoadOptions { plan, ..LoadOptions::default() }, &[]).unwrap()
 }
 
+/// One E-VQA record ("What is in the picture?" → "a cat") with its images under `dir`, read
+/// for the fixture engine: the engine, the roots, and what `load_examples` gives.
+fn one_record(dir: &Path) -> (Engine, ImageRoots, (Vec<EditRecord>, Vec<EditExample>, DataCounts)) {
+    let r = roots(dir);
+    let data = write_data(dir, &[record("What is in the picture?", "a cat", "val/a.png")]);
+    let engine = engine(DevicePlan::single(Device::Cpu));
+    let loaded = load_examples(&engine, &data, DatasetKind::Vqa, None, 200, Default::default(), Some(&r)).unwrap();
+    (engine, r, loaded)
+}
+
 #[test]
 fn five_views_tokens_labels_and_the_shifted_loss() {
     let dir = tempfile::tempdir().unwrap();
-    let r = roots(dir.path());
-    let data = write_data(dir.path(), &[record("What is in the picture?", "a cat", "val/a.png")]);
-    let engine = engine(DevicePlan::single(Device::Cpu));
-    let (recs, ex, counts) = load_examples(&engine, &data, DatasetKind::Vqa, None, 200, Default::default(), Some(&r)).unwrap();
+    let (engine, r, (recs, ex, counts)) = one_record(dir.path());
     assert_eq!((recs.len(), counts.used, counts.skipped_image), (1, 1, 0));
     let e = &ex[0];
     let tok = &engine.lm.tokenizer;
@@ -302,10 +310,7 @@ fn session_edits_with_images_and_reset_restores_the_image_score() {
 fn image_locality_compares_top_ten_lists_at_every_position() {
     use dualedit::model::{Overrides, ParamView};
     let dir = tempfile::tempdir().unwrap();
-    let r = roots(dir.path());
-    let data = write_data(dir.path(), &[record("What is in the picture?", "a cat", "val/a.png")]);
-    let engine = engine(DevicePlan::single(Device::Cpu));
-    let (_, ex, _) = load_examples(&engine, &data, DatasetKind::Vqa, None, 200, Default::default(), Some(&r)).unwrap();
+    let (engine, _, (_, ex, _)) = one_record(dir.path());
     let e = &ex[0];
     let li = e.loc_image.as_ref().unwrap();
     let images = engine.images(&dualedit::eval::all_views(&[e])).unwrap();
@@ -336,12 +341,12 @@ fn image_locality_compares_top_ten_lists_at_every_position() {
     let (pre, post) = (top10(None), top10(Some(&ov)));
     let share = |a: &Tensor, b: &Tensor| a.eq_tensor(b).to_kind(Kind::Double).mean(Kind::Double).double_value(&[]);
     let all = share(&pre, &post);
-    let answer = |t: &Tensor| t.slice(0, li.answer_start as i64 - 1, li.ids.len() as i64 - 1, 1).select(1, 0);
-    let top1 = share(&answer(&pre), &answer(&post));
+    // The rows whose logits predict the answer's tokens.
+    let rows = |t: &Tensor| t.slice(0, li.answer_start as i64 - 1, li.ids.len() as i64 - 1, 1);
+    let top1 = share(&rows(&pre).select(1, 0), &rows(&post).select(1, 0));
     assert!(all > 0.0 && all < 1.0, "the noise must move some lists and keep some: {all}");
     assert!((m.image_locality.unwrap() - all).abs() < 1e-12, "{:?} vs {all}", m.image_locality);
     assert!((m.image_locality_top1.unwrap() - top1).abs() < 1e-12, "{:?} vs {top1}", m.image_locality_top1);
     // The answer's rows alone give another top-10 figure: the metric is not answer-only.
-    let rows = |t: &Tensor| t.slice(0, li.answer_start as i64 - 1, li.ids.len() as i64 - 1, 1);
     assert_ne!(share(&rows(&pre), &rows(&post)), all);
 }
