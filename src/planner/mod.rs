@@ -103,6 +103,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
 mod tests {
     use super::*;
     use crate::model::gpt2::{Gpt2, Gpt2Config};
+    use tch::Kind;
 
     fn gpt2(n_layer: i64, d: i64, v: i64) -> Model {
         let c: Gpt2Config = serde_json::from_value(serde_json::json!({
