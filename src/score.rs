@@ -119,7 +119,7 @@ pub fn image_prompt<'a>(lm: &'a LoadedModel, params: &ParamView, images: &[&Path
     let v = &vl.config.vision;
     let max = lm.model.info().max_positions;
     // Bounded before any image is resized: no image may take more than the context.
-    let proc = vl.image_processor(&lm.dir)?.with_max_tokens(max - text_len as i64 - 2);
+    let proc = vl.image_processor(&lm.dir)?.with_max_tokens(max - 2);
     let mut ids = Vec::new();
     let mut prepared = Vec::with_capacity(images.len());
     for path in images {

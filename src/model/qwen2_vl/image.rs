@@ -606,7 +606,7 @@ pub fn prepare_rgb(img: Rgb8, path: &Path, c: &ImageProcessorConfig) -> Result<P
         return Err(Error::file(
             path,
             format!(
-                "the image would take {tokens} tokens ({w}×{h} pixels after resizing to min_pixels {} / max_pixels {} of {from}), more than the limit of {}",
+                "the image would take {tokens} tokens ({w}×{h} pixels after resizing to min_pixels {} / max_pixels {} of {from}), more than the {} an image may take (the model's context, or the processor's limit)",
                 c.min_pixels, c.max_pixels, c.max_tokens
             ),
         ));
