@@ -58,10 +58,9 @@ fn pixels_and_token_counts_match_the_processor() {
                 assert_eq!(d, 0.0, "{name} ({}): max abs pixel diff {d}", meta["mode"]);
             } else {
                 // JPEG: the image crate's jpeg-decoder vs Pillow's libjpeg-turbo (IDCT, chroma
-                // upsampling and CMYK rounding) differ by some 8-bit levels in places; on noise
-                // (every 8×8 block full of high frequencies) by more. BENCHMARKS.md has the
-                // measured numbers.
-                assert!(levels <= 40.0, "{name}: max abs pixel diff {d} ({levels:.2} levels)");
+                // upsampling and CMYK rounding) differ by up to 3 8-bit levels in places, noise
+                // JPEGs included; BENCHMARKS.md has the measured numbers.
+                assert!(levels <= 4.0, "{name}: max abs pixel diff {d} ({levels:.2} levels)");
                 jpeg_worst = jpeg_worst.max(levels);
             }
             eprintln!("{model} {name} ({} {}): grid {grid:?}, max abs pixel diff {d:e} ({levels:.2} 8-bit levels)", meta["format"], meta["mode"]);
@@ -694,4 +693,88 @@ fn the_decoder_is_chosen_by_content_not_by_name() {
     let b = image::prepare(&fixture("vl_images").join("rgb.png"), &proc).unwrap();
     assert_eq!(a.pixel_values.size(), b.pixel_values.size());
     assert_eq!((a.pixel_values - b.pixel_values).abs().max().double_value(&[]), 0.0);
+}
+
+// ---- checkpoints written by several transformers versions (issue #31) ----
+
+/// Text log-probs after `images`, each prepared with `proc` (the library path
+/// `score_with_images` takes, with the processor settings given instead of read).
+fn score_prepared(lm: &dualedit::model::LoadedModel, params: &ParamView, text: &str, images: &[PathBuf], proc: &ImageProcessorConfig) -> dualedit::score::Score {
+    let vl = lm.model.family().vision_language().unwrap();
+    let prepared: Vec<_> = images.iter().map(|p| image::prepare(p, proc).unwrap()).collect();
+    let grids: Vec<_> = prepared.iter().map(|p| p.grid).collect();
+    let _g = tch::no_grad_guard();
+    let px = Tensor::cat(&prepared.iter().map(|p| &p.pixel_values).collect::<Vec<_>>(), 0);
+    let feats = vl.image_features(params, &px, &grids).unwrap();
+    let mut ids: Vec<i64> = grids.iter().flat_map(|g| vl.image_prompt(g)).collect();
+    let prefix = ids.len();
+    let text_ids = lm.tokenizer.encode(text).unwrap();
+    ids.extend(&text_ids);
+    let pos = vl.mrope_positions(&ids, &grids).unwrap().unsqueeze(1);
+    let t = Tensor::from_slice(&ids).unsqueeze(0);
+    let none = Default::default();
+    let input = dualedit::model::ForwardInput { position_ids: Some(&pos), image_embeds: Some(&feats), ..dualedit::model::ForwardInput::new(&t, &none) };
+    let logits = lm.model.forward(params, &input).unwrap().logits.get(0).log_softmax(-1, Kind::Float);
+    let n = ids.len() as i64;
+    let lp = logits.narrow(0, 0, n - 1).gather(1, &t.get(0).narrow(0, 1, n - 1).unsqueeze(1), false).squeeze_dim(1);
+    let lp: Vec<f64> = Vec::try_from(lp.to_kind(Kind::Double)).unwrap();
+    dualedit::score::Score {
+        tokens: text_ids.clone(),
+        logprobs: lp[prefix - 1..].to_vec(),
+        mean_nll: 0.0,
+        image_tokens: grids.iter().map(|g| g.iter().product::<i64>() as usize / 4).sum(),
+    }
+}
+
+/// Every checkpoint under tests/fixtures/vl_versions (scripts/make_vl_version_fixtures.py:
+/// transformers 4.57, 5.23, 5.24; Qwen2-VL and Qwen2.5-VL; the config, weights and
+/// preprocessor_config.json as that version's save_pretrained writes them from a
+/// released-style config, and the released flat layout) loads and scores each case from
+/// the image files as that version does: log-probs ≤ 1e-4, token ids and image-pad
+/// counts equal. transformers 4.x drops an image's alpha channel where 5.x composites it
+/// onto white, so 4.x checkpoints are scored with [`image::AlphaMode::Drop`] (the default
+/// path, transformers 5's, differs there by up to ~1 in log-prob on rgba.png).
+#[test]
+fn checkpoints_saved_by_each_transformers_version_load_and_score_as_transformers() {
+    let root = fixture("vl_versions");
+    let mut versions: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).collect();
+    versions.sort();
+    let names: Vec<String> = versions.iter().map(|v| v.file_name().unwrap().to_string_lossy().into_owned()).collect();
+    assert!(names.len() >= 3 && names.iter().any(|n| n.starts_with("4.")), "versions: {names:?}");
+    let mut checked = 0;
+    for v in &versions {
+        let mut dirs: Vec<PathBuf> = std::fs::read_dir(v).unwrap().map(|e| e.unwrap().path()).collect();
+        dirs.sort();
+        assert_eq!(dirs.len(), 4, "{}: both families in both layouts", v.display());
+        for dir in dirs {
+            let what = dir.strip_prefix(&root).unwrap().display().to_string();
+            let r = json(&dir.join("reference.json"));
+            let lm = load_model(&dir, Device::Cpu, Kind::Float).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let params = ParamView::frozen(&lm.params);
+            let pad = r["token_ids"]["<|image_pad|>"].as_i64().unwrap();
+            let mut worst = 0f64;
+            for case in r["cases"].as_array().unwrap() {
+                let images: Vec<PathBuf> =
+                    case["images"].as_array().unwrap().iter().map(|i| fixture("vl_images").join(i.as_str().unwrap())).collect();
+                let refs: Vec<&Path> = images.iter().map(|p| p.as_path()).collect();
+                let text = case["text"].as_str().unwrap();
+                let s = if what.starts_with("4.") && !images.is_empty() {
+                    let proc = lm.model.family().vision_language().unwrap().image_processor(&dir).unwrap().with_alpha(image::AlphaMode::Drop);
+                    score_prepared(&lm, &params, text, &images, &proc)
+                } else {
+                    dualedit::score::score_with_images(&lm, &params, text, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))
+                };
+                let want_ids: Vec<i64> = case["input_ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+                assert_eq!(s.image_tokens, want_ids.iter().filter(|&&t| t == pad).count(), "{what}: image tokens");
+                assert_eq!(s.tokens[..], want_ids[want_ids.len() - s.tokens.len()..], "{what}: text ids");
+                let want: Vec<f64> = case["logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+                let d = s.logprobs.iter().zip(&want[want.len() - s.logprobs.len()..]).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                assert!(d <= 1e-4, "{what} {:?}: max abs log-prob diff {d}", case["images"]);
+                worst = worst.max(d);
+                checked += 1;
+            }
+            eprintln!("{what}: max abs log-prob diff {worst:e}");
+        }
+    }
+    assert!(checked >= 3 * 4 * 4);
 }

@@ -9,7 +9,8 @@
 //! 1. decode to 8-bit RGB as Pillow's modes convert: `1`, `L`, `P`, `RGB` as they are;
 //!    an alpha channel (`LA`, `RGBA`, a palette or colour key with transparency) is
 //!    composited onto white with Pillow's integer `alpha_composite` arithmetic (the
-//!    processor's `convert_to_rgb`); 16-bit grey (`I;16`) becomes `min(v, 255)` (Pillow's
+//!    processor's `convert_to_rgb` in transformers 5; transformers 4 drops the alpha
+//!    channel instead: [`AlphaMode::Drop`]); 16-bit grey (`I;16`) becomes `min(v, 255)` (Pillow's
 //!    `I;16 → RGB`, so most 16-bit images come out white, as they do in transformers);
 //!    16-bit RGB(A) and grey+alpha keep their high byte (Pillow opens them as 8-bit).
 //!    The EXIF orientation is *not* applied: neither the processor nor
@@ -81,6 +82,9 @@ pub struct ImageProcessorConfig {
     /// model's limit with [`ImageProcessorConfig::with_max_tokens`].
     #[serde(skip)]
     pub max_tokens: i64,
+    /// Transparency onto white (transformers 5, the default) or dropped (transformers 4).
+    #[serde(skip)]
+    pub alpha: AlphaMode,
     /// The file the settings came from (named in errors); `None` for the defaults.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -103,6 +107,7 @@ impl Default for ImageProcessorConfig {
             do_rescale: true,
             do_normalize: true,
             max_tokens: DEFAULT_MAX_IMAGE_TOKENS,
+            alpha: AlphaMode::OntoWhite,
             source: None,
         }
     }
@@ -174,6 +179,7 @@ impl ImageProcessorConfig {
             do_rescale: raw.do_rescale.unwrap_or(true),
             do_normalize: raw.do_normalize.unwrap_or(true),
             max_tokens: DEFAULT_MAX_IMAGE_TOKENS,
+            alpha: AlphaMode::OntoWhite,
             source: Some(path.to_path_buf()),
         };
         if let Some(r) = raw.resample.filter(|&r| r != 3) {
@@ -238,6 +244,13 @@ impl ImageProcessorConfig {
     /// say); an image that would take more is refused before it is resized.
     pub fn with_max_tokens(mut self, max_tokens: i64) -> Self {
         self.max_tokens = max_tokens.max(1);
+        self
+    }
+
+    /// The same settings with transparency treated as `alpha` says ([`AlphaMode::Drop`]
+    /// for parity with transformers 4.x).
+    pub fn with_alpha(mut self, alpha: AlphaMode) -> Self {
+        self.alpha = alpha;
         self
     }
 
@@ -367,18 +380,41 @@ pub fn read_header(path: &Path) -> Result<ImageHeader> {
     header_of(&bytes, path)
 }
 
+/// What becomes of transparency when an image is turned into RGB. transformers changed
+/// it between major versions: 5.x's `convert_to_rgb` composites onto white, 4.x's (and
+/// EasyEdit's `Image.open(...).convert("RGB")`) drops the alpha channel and keeps the
+/// colours under it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum AlphaMode {
+    /// Composite onto opaque white with Pillow's `alpha_composite` (transformers 5).
+    #[default]
+    OntoWhite,
+    /// Drop the alpha channel (transformers 4, `convert("RGB")`).
+    Drop,
+}
+
 /// Reads and decodes the image file at `path` to 8-bit RGB, the one way every image is
 /// read: a regular file of at most [`MAX_IMAGE_FILE_BYTES`] (a FIFO or device is refused
 /// before `open` can block), PNG or JPEG by content, at most [`MAX_IMAGE_PIXELS`] from
 /// the header, then decoded fully (a truncated file is an error here, not later). Every
 /// failure names `path`.
 pub fn open_checked(path: &Path) -> Result<Rgb8> {
+    open_checked_with(path, AlphaMode::default())
+}
+
+/// [`open_checked`] with the given treatment of transparency.
+pub fn open_checked_with(path: &Path, alpha: AlphaMode) -> Result<Rgb8> {
     let bytes = crate::io::read_regular_capped(path, MAX_IMAGE_FILE_BYTES)?;
-    decode_bytes(&bytes, path)
+    decode_bytes_with(&bytes, path, alpha)
 }
 
 /// [`open_checked`] for bytes already in memory (an upload); `what` names them in errors.
 pub fn decode_bytes(bytes: &[u8], what: &Path) -> Result<Rgb8> {
+    decode_bytes_with(bytes, what, AlphaMode::default())
+}
+
+/// [`decode_bytes`] with the given treatment of transparency.
+pub fn decode_bytes_with(bytes: &[u8], what: &Path, alpha: AlphaMode) -> Result<Rgb8> {
     let header = header_of(bytes, what)?;
     let mut reader = image::io::Reader::with_format(std::io::Cursor::new(bytes), image_format(header.format));
     let mut limits = image::io::Limits::default();
@@ -394,11 +430,11 @@ pub fn decode_bytes(bytes: &[u8], what: &Path) -> Result<Rgb8> {
     if width == 0 || height == 0 {
         return Err(Error::file(what, "image has no pixels"));
     }
-    Ok(Rgb8 { height, width, data: to_rgb8(img) })
+    Ok(Rgb8 { height, width, data: to_rgb8(img, alpha) })
 }
 
 /// Pillow's conversion of what it opens to RGB (`convert_to_rgb` of the processor).
-fn to_rgb8(img: image::DynamicImage) -> Vec<u8> {
+fn to_rgb8(img: image::DynamicImage, alpha: AlphaMode) -> Vec<u8> {
     use image::DynamicImage as D;
     match img {
         D::ImageRgb8(b) => b.into_raw(),
@@ -408,7 +444,7 @@ fn to_rgb8(img: image::DynamicImage) -> Vec<u8> {
         // Alpha (RGBA, LA, palette or colour-key transparency, expanded by the decoder):
         // onto white. 16-bit samples keep their high byte, as Pillow's `RGBA;16B` /
         // `LA;16B` unpackers do.
-        other if other.color().has_alpha() => other
+        other if other.color().has_alpha() && alpha == AlphaMode::OntoWhite => other
             .to_rgba16()
             .pixels()
             .flat_map(|p| {
@@ -592,7 +628,7 @@ pub fn pixel_values(img: &Rgb8, c: &ImageProcessorConfig) -> Result<(Tensor, Gri
 /// Decodes ([`open_checked`]), resizes, normalises and patches the image at `path`. An
 /// image that would take more than `c.max_tokens` tokens is refused before it is resized.
 pub fn prepare(path: &Path, c: &ImageProcessorConfig) -> Result<PreparedImage> {
-    let img = open_checked(path)?;
+    let img = open_checked_with(path, c.alpha)?;
     prepare_rgb(img, path, c)
 }
 
