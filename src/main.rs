@@ -661,7 +661,7 @@ fn score(args: ScoreArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&s)?);
     } else {
         if s.image_tokens > 0 {
-            println!("image: {} tokens before the text", s.image_tokens);
+            println!("image: {} image tokens (and a start and an end marker) before the text", s.image_tokens);
         }
         // Without an image the first token has nothing before it and is not scored.
         let first = s.tokens.len() - s.logprobs.len();
