@@ -759,8 +759,15 @@ fn checkpoints_saved_by_each_transformers_version_load_and_score_as_transformers
                 let refs: Vec<&Path> = images.iter().map(|p| p.as_path()).collect();
                 let text = case["text"].as_str().unwrap();
                 let s = if what.starts_with("4.") && !images.is_empty() {
-                    let proc = lm.model.family().vision_language().unwrap().image_processor(&dir).unwrap().with_alpha(image::AlphaMode::Drop);
-                    score_prepared(&lm, &params, text, &images, &proc)
+                    let proc = lm.model.family().vision_language().unwrap().image_processor(&dir).unwrap();
+                    let dropped = score_prepared(&lm, &params, text, &images, &proc.clone().with_alpha(image::AlphaMode::Drop));
+                    if case["images"] == serde_json::json!(["rgba.png"]) {
+                        // The default (transformers 5's compositing) is measurably not 4.x's.
+                        let onto_white = score_prepared(&lm, &params, text, &images, &proc);
+                        let d = dropped.logprobs.iter().zip(&onto_white.logprobs).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                        assert!(d > 1e-2, "{what}: alpha dropped vs composited differ by only {d}");
+                    }
+                    dropped
                 } else {
                     dualedit::score::score_with_images(&lm, &params, text, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))
                 };
