@@ -37,8 +37,10 @@ fn py_err(e: Error) -> PyErr {
     let class = match &e {
         Error::Io { err, .. } if err.kind() == std::io::ErrorKind::NotFound => "NotFoundError",
         Error::Io { .. } => "IoError",
-        // A message about a file that is not there is a missing file, whatever the reader said.
-        Error::File { path, .. } if !path.exists() => "NotFoundError",
+        // "model directory not found" and the like: a folder the caller named is missing.
+        Error::File { path, msg } if !path.exists() && ["not found", "does not exist", "no such"].iter().any(|w| msg.to_lowercase().contains(w)) => {
+            "NotFoundError"
+        }
         Error::File { .. } => "FileError",
         Error::Input(_) => "InputError",
         Error::Device { .. } => "DeviceError",
@@ -365,7 +367,8 @@ impl PySession {
         if stepwise && !sequential {
             return Err(input_err("stepwise edits need sequential=True"));
         }
-        let (records, load) = parse_records(requests, Path::new("requests"), DatasetKind::Requests).py()?;
+        // The caller's records, not a file: a bad one is an input error (ValueError).
+        let (records, load) = parse_records(requests, Path::new("requests"), DatasetKind::Requests).map_err(|e| input_err(e.to_string()))?;
         if let Some((i, why)) = load.skipped.first() {
             return Err(input_err(format!("requests: record {i}: {why}")));
         }
@@ -398,7 +401,7 @@ impl PySession {
         guard: Option<bool>,
     ) -> PyResult<String> {
         let roots = ImageRoots::new(image_root, rephrase_image_root);
-        let records = read_image_requests(records, &roots).py()?;
+        let records = read_image_requests(records, &roots).map_err(|e| input_err(e.to_string()))?;
         if records.is_empty() {
             return Err(input_err("no edit requests"));
         }
@@ -420,7 +423,8 @@ impl PySession {
     /// EasyEdit's `pre` metrics: text requests (a JSON array) measured on the current
     /// weights without editing them; a JSON array of per-request metrics.
     fn measure(&self, py: Python<'_>, requests: &str) -> PyResult<String> {
-        let (records, load) = parse_records(requests, Path::new("requests"), DatasetKind::Requests).py()?;
+        // The caller's records, not a file: a bad one is an input error (ValueError).
+        let (records, load) = parse_records(requests, Path::new("requests"), DatasetKind::Requests).map_err(|e| input_err(e.to_string()))?;
         if let Some((i, why)) = load.skipped.first() {
             return Err(input_err(format!("requests: record {i}: {why}")));
         }
@@ -431,7 +435,7 @@ impl PySession {
     /// [`PySession::measure`] for E-VQA records with images.
     #[pyo3(signature = (records, image_root, rephrase_image_root=None))]
     fn measure_images(&self, py: Python<'_>, records: &str, image_root: PathBuf, rephrase_image_root: Option<PathBuf>) -> PyResult<String> {
-        let records = read_image_requests(records, &ImageRoots::new(image_root, rephrase_image_root)).py()?;
+        let records = read_image_requests(records, &ImageRoots::new(image_root, rephrase_image_root)).map_err(|e| input_err(e.to_string()))?;
         let max_length = self.max_length;
         self.run_ref(py, move |s| measure_unedited(s, &image_examples(s, &records, max_length)?.1))
     }
