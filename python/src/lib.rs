@@ -528,6 +528,7 @@ struct Cancelled;
 fn supervised<T: Send, E: Send>(
     py: Python<'_>,
     on_progress: &mut dyn FnMut(Python<'_>, E) -> PyResult<()>,
+    on_cancel: &dyn Fn(),
     work: impl FnOnce(&AtomicBool, &crossbeam::channel::Sender<E>) -> dualedit::Result<T> + Send,
 ) -> PyResult<T> {
     let cancel = AtomicBool::new(false);
@@ -546,6 +547,7 @@ fn supervised<T: Send, E: Send>(
                     if interrupted.is_none() {
                         if let Err(e) = on_progress(py, ev) {
                             cancel.store(true, Ordering::SeqCst);
+                            on_cancel();
                             interrupted = Some(e);
                         }
                     }
@@ -556,6 +558,7 @@ fn supervised<T: Send, E: Send>(
             if interrupted.is_none() {
                 if let Err(e) = py.check_signals() {
                     cancel.store(true, Ordering::SeqCst);
+                    on_cancel();
                     interrupted = Some(e);
                 }
             }
@@ -574,6 +577,13 @@ fn supervised<T: Send, E: Send>(
             }
         }
     })
+}
+
+/// Ctrl-C during training: the loop ends after its current step, validated and saved
+/// (resumable with `resume=True`); the `KeyboardInterrupt` is raised once it has.
+fn stop_training() {
+    dualedit::train::STOP_REQUESTED.store(true, Ordering::SeqCst);
+    eprintln!("stopping after the current training step: the editor and training state are saved (resume=True continues)");
 }
 
 /// A progress callback's check: unwinds the worker when the caller pressed Ctrl-C.
@@ -683,12 +693,17 @@ fn train(
             return Err(input_err("compare needs sub_device (the dual side's sub-device)"));
         }
         let dual = opts.common.plan;
-        let cmp = supervised(py, &mut none, |_, _| dualedit::compare::compare_train(&opts, dual))?;
+        let cmp = supervised(py, &mut none, &stop_training, |_, _| dualedit::compare::compare_train(&opts, dual));
+        // A stop that came after the last step must not end the next training.
+        dualedit::train::STOP_REQUESTED.store(false, Ordering::SeqCst);
+        let cmp = cmp?;
         let mut v = serde_json::to_value(&cmp).map_err(|e| input_err(e.to_string()))?;
         v["report"] = serde_json::Value::from(opts.out.join("compare.json").display().to_string());
         return Ok(v.to_string());
     }
-    let (rep, path) = supervised(py, &mut none, |_, _| run::run_train(&opts))?;
+    let trained = supervised(py, &mut none, &stop_training, |_, _| run::run_train(&opts));
+    dualedit::train::STOP_REQUESTED.store(false, Ordering::SeqCst);
+    let (rep, path) = trained?;
     let mut v = serde_json::to_value(&rep).map_err(|e| input_err(e.to_string()))?;
     v["report"] = serde_json::Value::from(path.display().to_string());
     Ok(v.to_string())
@@ -805,7 +820,7 @@ fn evaluate(
             .unwrap_or_else(|| dualedit::report::default_path("compare").with_extension(""));
         let dual = opts.common.plan;
         let mut none = |_: Python<'_>, _: ()| Ok(());
-        let cmp = supervised(py, &mut none, |_, _| dualedit::compare::compare_eval(&opts, dual, &out))?;
+        let cmp = supervised(py, &mut none, &|| (), |_, _| dualedit::compare::compare_eval(&opts, dual, &out))?;
         let mut v = serde_json::to_value(&cmp).map_err(|e| input_err(e.to_string()))?;
         v["report"] = serde_json::Value::from(out.join("compare.json").display().to_string());
         return Ok(v.to_string());
@@ -813,7 +828,7 @@ fn evaluate(
     let total = limit.unwrap_or(0);
     let progress = progress.as_ref();
     let mut on = |py: Python<'_>, (i, m): (usize, String)| call_progress(py, progress, i + 1, total, &m);
-    let (out, path) = supervised(py, &mut on, |cancel, tx| {
+    let (out, path) = supervised(py, &mut on, &|| (), |cancel, tx| {
         run::run_eval(&opts, |i, m| {
             stop_if_cancelled(cancel);
             let _ = tx.send((i, serde_json::to_string(m).unwrap_or_default()));

@@ -237,6 +237,36 @@ def test_an_interrupt_stops_evaluate_cleanly(tmp_path):
     assert calls == [1] and not report.exists()
 
 
+def test_train_writes_an_editor_a_session_opens(tmp_path):
+    out = tmp_path / "editor"
+    rep = dualedit.train(MODEL, DATA / "world" / "edits-train.json", "counterfact", ROOT / "configs" / "world.json", out,
+                         max_steps=2, limit=20, progress=False)
+    assert rep["steps"] == 2 and Path(rep["report"]).exists()
+    s = dualedit.Session(MODEL, out)
+    assert s.edit(holdout(1))["n"] == 1
+    # An editor is never replaced: the CLI's one-line error, as a ValueError.
+    with pytest.raises(dualedit.FileError, match="already holds an editor"):
+        dualedit.train(MODEL, DATA / "world" / "edits-train.json", "counterfact", ROOT / "configs" / "world.json", out, max_steps=2, limit=20)
+
+
+def test_ctrl_c_stops_training_after_its_step_with_the_editor_saved(tmp_path):
+    import _thread
+    import threading
+    import time
+
+    out = tmp_path / "editor"
+    timer = threading.Timer(3.0, _thread.interrupt_main)  # as Ctrl-C: SIGINT's flag in the main thread
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        dualedit.train(MODEL, DATA / "world" / "edits-train.json", "counterfact", ROOT / "configs" / "world.json", out,
+                       max_steps=100000, limit=40, progress=False)
+    timer.cancel()
+    assert time.monotonic() - t0 < 120
+    assert (out / "editor.safetensors").exists() and (out / "train_state.safetensors").exists()
+    dualedit.Session(MODEL, out)
+
+
 def test_plan_is_the_cli_plan(tmp_path):
     cfg = ROOT / "configs" / "world.json"
     got = dualedit.plan(MODEL, cfg)
