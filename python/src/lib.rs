@@ -927,7 +927,9 @@ fn plan(
 /// Keeps the module's logs on stderr at `warn` (or `DUALEDIT_LOG`, an env-filter string).
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("DUALEDIT_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    use std::io::IsTerminal;
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
 }
 
 #[pymodule]
