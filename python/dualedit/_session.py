@@ -201,7 +201,8 @@ class Session:
             ``dualedit edit --json``'s report as a dict (``sequential``, ``guard``, the
             summary's means, ``requests`` with each one's metrics and answer after the
             edit), without its file-run fields (``data``, ``report``, ``saved``), plus
-            ``edits_total``.
+            ``edits_total`` and ``seconds.edit`` (the library's edit call, the span the
+            CLI's run report calls ``seconds.edit``).
         """
         if method is not None and method.replace("_", "-") != self.method:
             raise InputError(

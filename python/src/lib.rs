@@ -259,8 +259,11 @@ impl PySession {
 
 /// The JSON report of an edit, shaped as `dualedit edit --json`'s (without the file-run
 /// fields `data`, `report` and `saved`), plus `edits_total`.
-fn edit_report(out: dualedit::session::EditOutcome, sequential: bool) -> PyResult<String> {
-    let mut v = serde_json::json!({ "sequential": sequential, "guard": out.guard });
+///
+/// `seconds.edit` is the span the CLI's run report calls `seconds.edit`: the library's
+/// `Session::edit_examples` call (the records already tokenised).
+fn edit_report((out, edit_s): (dualedit::session::EditOutcome, f64), sequential: bool) -> PyResult<String> {
+    let mut v = serde_json::json!({ "sequential": sequential, "guard": out.guard, "seconds": { "edit": edit_s } });
     let summary = serde_json::to_value(&out.summary).map_err(|e| input_err(e.to_string()))?;
     if let (Some(obj), serde_json::Value::Object(s)) = (v.as_object_mut(), summary) {
         obj.extend(s);
@@ -382,7 +385,8 @@ impl PySession {
             let examples = text_examples(s, &records, max_length)?;
             s.guard = guard_cfg;
             s.stepwise = stepwise.then(dualedit::mend::stepwise::Stepwise::default);
-            s.edit_examples(&records, &examples, sequential)
+            let t = std::time::Instant::now();
+            Ok((s.edit_examples(&records, &examples, sequential)?, t.elapsed().as_secs_f64()))
         })?;
         edit_report(out, sequential)
     }
@@ -415,7 +419,8 @@ impl PySession {
             let (text, examples) = image_examples(s, &records, max_length)?;
             s.guard = guard_cfg;
             s.stepwise = None;
-            s.edit_examples(&text, &examples, sequential)
+            let t = std::time::Instant::now();
+            Ok((s.edit_examples(&text, &examples, sequential)?, t.elapsed().as_secs_f64()))
         })?;
         edit_report(out, sequential)
     }

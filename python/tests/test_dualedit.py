@@ -95,6 +95,7 @@ def test_session_edit_is_the_cli_edit_report(session, tmp_path, sequential):
     for k in ("data", "report", "saved"):
         want.pop(k)
     assert got.pop("edits_total") == 3
+    assert got.pop("seconds")["edit"] > 0
     assert without_times(got) == without_times(want)
 
 
