@@ -8,7 +8,8 @@ its import (and how the editor is built) only. ``edited_model`` is the
 ``weights_copy`` (returned as ``None``).
 
 As in EasyEdit, ``sequential_edit=False`` edits each record from the unedited model
-(each edit is undone before the next), and ``sequential_edit=True`` keeps every edit and
+(each edit is undone before the next, by :meth:`~dualedit.Session.reset`, which also
+undoes edits kept by an earlier call), and ``sequential_edit=True`` keeps every edit and
 measures all records after the last one.
 """
 

@@ -599,15 +599,9 @@ fn stop_if_cancelled(cancel: &AtomicBool) {
 }
 
 /// Calls `progress(done, total, metrics_json)` when given (the Python side passes a tqdm
-/// bar's or a plain printer's update).
-fn call_progress(py: Python<'_>, progress: Option<&Bound<'_, PyAny>>, done: usize, total: usize, info: &str) -> PyResult<()> {
-    match progress {
-        Some(p) => p.call1((done, total, info)).map(|_| ()),
-        None => {
-            let _ = py;
-            Ok(())
-        }
-    }
+/// bar's or a plain printer's update); `total` is 0 when not known ahead.
+fn call_progress(progress: Option<&Bound<'_, PyAny>>, done: usize, total: usize, info: &str) -> PyResult<()> {
+    progress.map_or(Ok(()), |p| p.call1((done, total, info)).map(|_| ()))
 }
 
 fn dataset(ds: &str) -> PyResult<DatasetKind> {
@@ -832,7 +826,7 @@ fn evaluate(
     }
     let total = limit.unwrap_or(0);
     let progress = progress.as_ref();
-    let mut on = |py: Python<'_>, (i, m): (usize, String)| call_progress(py, progress, i + 1, total, &m);
+    let mut on = |_: Python<'_>, (i, m): (usize, String)| call_progress(progress, i + 1, total, &m);
     let (out, path) = supervised(py, &mut on, &|| (), |cancel, tx| {
         run::run_eval(&opts, |i, m| {
             stop_if_cancelled(cancel);

@@ -61,7 +61,7 @@ def session():
     return dualedit.Session(MODEL, EDITOR)
 
 
-def test_edit_score_reset_restores_the_score_exactly(session):
+def test_edit_score_reset_restores_the_score_exactly(session, tmp_path):
     before = session.score(TEXT)
     assert before.tensor.dtype == torch.float64 and before.tensor.shape == (len(before.tokens) - 1,)
     out = session.edit(holdout(2))
@@ -69,6 +69,10 @@ def test_edit_score_reset_restores_the_score_exactly(session):
     assert [r["answer_after"].strip() for r in out["requests"]] == [r["target_new"] for r in holdout(2)]
     edited = session.score(TEXT)
     assert edited.logprobs != before.logprobs, "the edit changed nothing the score sees"
+    # save() writes the edited model as a folder a new session loads, with the same scores.
+    session.save(tmp_path / "edited")
+    assert dualedit.Session(tmp_path / "edited").score(TEXT).logprobs == edited.logprobs
+    assert session.memory()[0]["role"] == "main"
     assert session.reset() > 0 and session.edits_total == 0
     after = session.score(TEXT)
     assert after.logprobs == before.logprobs
