@@ -1,6 +1,6 @@
 //! `dualedit._native`: the Python extension behind `import dualedit`.
 //!
-//! A thin layer over the library's public API ([`dualedit::session::Session`], the runs in
+//! A thin layer over the library's public API ([`dualedit::edit::session::Session`], the runs in
 //! [`dualedit::run`], the planner, `compare`): records and reports cross as JSON text (the
 //! same serde shapes as the CLI's `--json`, parsed by `dualedit/__init__.py`), tensors cross
 //! as `torch.Tensor` through pyo3-tch. Every call that runs the model releases the GIL;
@@ -16,7 +16,7 @@ use pyo3::types::PyDict;
 use pyo3_tch::PyTensor;
 use tch::{Device, Kind, Tensor};
 
-use dualedit::capacity::Grouping;
+use dualedit::edit::capacity::Grouping;
 use dualedit::config::MendConfig;
 use dualedit::data::easyedit::{parse_records, DatasetKind};
 use dualedit::data::examples::OverLong;
@@ -26,7 +26,7 @@ use dualedit::edit::{LoadOptions, MethodSpec};
 use dualedit::mend::guard::GuardConfig;
 use dualedit::planner::Phase;
 use dualedit::run::{self, CapacityOptions, Common, EvalOptions, TrainOptions};
-use dualedit::session::{read_image_requests, Session as Inner};
+use dualedit::edit::session::{read_image_requests, Session as Inner};
 use dualedit::Error;
 
 // ---------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ impl PySession {
 ///
 /// `seconds.edit` is the span the CLI's run report calls `seconds.edit`: the library's
 /// `Session::edit_examples` call (the records already tokenised).
-fn edit_report((out, edit_s): (dualedit::session::EditOutcome, f64), sequential: bool) -> PyResult<String> {
+fn edit_report((out, edit_s): (dualedit::edit::session::EditOutcome, f64), sequential: bool) -> PyResult<String> {
     let mut v = serde_json::json!({ "sequential": sequential, "guard": out.guard, "seconds": { "edit": edit_s } });
     let summary = serde_json::to_value(&out.summary).map_err(|e| input_err(e.to_string()))?;
     if let (Some(obj), serde_json::Value::Object(s)) = (v.as_object_mut(), summary) {
@@ -692,7 +692,7 @@ fn train(
             return Err(input_err("compare needs sub_device (the dual side's sub-device)"));
         }
         let dual = opts.common.plan;
-        let cmp = supervised(py, &mut none, &stop_training, |_, _| dualedit::compare::compare_train(&opts, dual));
+        let cmp = supervised(py, &mut none, &stop_training, |_, _| dualedit::run::compare::compare_train(&opts, dual));
         // A stop that came after the last step must not end the next training.
         dualedit::train::STOP_REQUESTED.store(false, Ordering::SeqCst);
         let cmp = cmp?;
@@ -816,10 +816,10 @@ fn evaluate(
             .report
             .as_ref()
             .and_then(|p| p.parent().map(Path::to_path_buf))
-            .unwrap_or_else(|| dualedit::report::default_path("compare").with_extension(""));
+            .unwrap_or_else(|| dualedit::run::report::default_path("compare").with_extension(""));
         let dual = opts.common.plan;
         let mut none = |_: Python<'_>, _: ()| Ok(());
-        let cmp = supervised(py, &mut none, &|| (), |_, _| dualedit::compare::compare_eval(&opts, dual, &out))?;
+        let cmp = supervised(py, &mut none, &|| (), |_, _| dualedit::run::compare::compare_eval(&opts, dual, &out))?;
         let mut v = serde_json::to_value(&cmp).map_err(|e| input_err(e.to_string()))?;
         v["report"] = serde_json::Value::from(out.join("compare.json").display().to_string());
         return Ok(v.to_string());
