@@ -509,6 +509,12 @@ pub(crate) fn progress_bar(steps: usize, show: bool) -> indicatif::ProgressBar {
     bar
 }
 
+/// Set by an embedding program (the Python package, on Ctrl-C) to end a running
+/// [`train`] after its current step as if that were the last: validated, the best editor
+/// and the resumable state saved, the report returned with `stopped_early`. Process-wide;
+/// cleared when a training loop takes it.
+pub static STOP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Runs meta-training; writes the best editor (by the `select_by` validation criterion)
 /// and the training state to `setup.out`.
 pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: &mut MemoryTracker) -> Result<TrainReport> {
@@ -647,7 +653,8 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             "loss {:.4} edit_acc {:.2} loc_kl {:.4} loc_acc {:.2}",
             acc.loss, acc.edit_acc, acc.loc_kl, acc.loc_acc
         ));
-        let last = counters.step == cfg.max_steps;
+        let stop = STOP_REQUESTED.swap(false, std::sync::atomic::Ordering::SeqCst);
+        let last = counters.step == cfg.max_steps || stop;
         if counters.step.is_multiple_of(cfg.val_every) || last {
             let mut v = if setup.val.is_empty() {
                 ValLog::at(0, &acc)
@@ -667,6 +674,11 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             }
             validations.push(v);
             checkpoint::save_state(out, editor, &adam, &counters)?;
+            if stop {
+                info!(step = counters.step, "stopped on request: editor and training state saved");
+                stopped_early = true;
+                break;
+            }
             if counters.stale_validations >= cfg.early_stop_patience {
                 info!(step = counters.step, "early stopping: validation has not improved");
                 stopped_early = true;

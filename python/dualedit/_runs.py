@@ -1,0 +1,173 @@
+"""The CLI's commands as functions: :func:`train`, :func:`evaluate`, :func:`plan`,
+:func:`compare`. Each returns the command's ``--json`` report as a dict; the long ones
+release the GIL, show progress and stop cleanly on Ctrl-C (``KeyboardInterrupt``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, Optional, Union
+
+from . import _native
+from ._errors import InputError
+from ._session import PathLike, _dtype, _max_memory, _path
+
+Progress = Union[bool, Callable[[int, int, Dict[str, Any]], None], None]
+
+
+class _Bar:
+    """Per-record progress: a tqdm bar when tqdm is installed, plain lines on stderr
+    otherwise (every 10 % or so), or the caller's ``callback(done, total, metrics)``."""
+
+    def __init__(self, progress: Progress, total: int, desc: str) -> None:
+        self.callback = progress if callable(progress) else None
+        self.tqdm = None
+        self.total = total
+        self.desc = desc
+        self.last_line = -1
+        if progress is True or progress is None:
+            try:
+                from tqdm.auto import tqdm
+
+                self.tqdm = tqdm(total=total or None, desc=desc, unit="record", file=sys.stderr)
+            except ImportError:
+                pass
+        self.plain = progress is True or progress is None
+
+    def __call__(self, done: int, total: int, metrics: str) -> None:
+        m = json.loads(metrics) if metrics else {}
+        if self.callback is not None:
+            self.callback(done, total, m)
+        elif self.tqdm is not None:
+            self.tqdm.update(done - self.tqdm.n)
+            if "reliability" in m:
+                self.tqdm.set_postfix(reliability=f"{m['reliability']:.2f}", refresh=False)
+        elif self.plain:
+            step = max(1, (total or 100) // 10)
+            if done // step != self.last_line or done == total:
+                self.last_line = done // step
+                of = f"/{total}" if total else ""
+                print(f"{self.desc}: {done}{of} records", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tqdm is not None:
+            self.tqdm.close()
+
+
+def _common(kw: Dict[str, Any]) -> Dict[str, Any]:
+    """Python values -> the extension's: paths as str, dtype and max_memory as text."""
+    out = {}
+    for k, v in kw.items():
+        if k == "dtype":
+            v = _dtype(v)
+        elif k == "max_memory":
+            v = _max_memory(v)
+        elif isinstance(v, os.PathLike):
+            v = os.fspath(v)
+        out[k] = v
+    return out
+
+
+def train(
+    model: PathLike,
+    data: PathLike,
+    ds: str,
+    config: PathLike,
+    out: PathLike,
+    *,
+    progress: bool = True,
+    **options: Any,
+) -> Dict[str, Any]:
+    """``dualedit train``: meta-trains a MEND editor on ``data`` (``ds``: zsre,
+    counterfact, vqa, caption) with the hyper-parameters in ``config``, into ``out``.
+
+    Options as the CLI's flags: ``device``, ``sub_device``, ``dtype``, ``placement``,
+    ``optimizer_device``, ``max_memory``, ``seed``, ``report``, ``max_steps``, ``limit``,
+    ``resume``, ``recompute``, ``truncate``, ``strict``, ``image_root``,
+    ``rephrase_image_root``. ``progress`` shows the library's step bar on stderr.
+
+    Returns the training report (steps, losses, validations, the editor's folder) with
+    ``report``: the path of the full run report.
+    """
+    o = _common(options)
+    return json.loads(_native.train(os.fspath(model), os.fspath(data), ds, os.fspath(config), os.fspath(out), progress=progress, **o))
+
+
+def evaluate(
+    model: PathLike,
+    data: PathLike,
+    ds: str,
+    editor: Optional[PathLike] = None,
+    *,
+    progress: Progress = True,
+    **options: Any,
+) -> Dict[str, Any]:
+    """``dualedit eval``: edits each record of ``data`` from the unedited model and
+    measures it (EasyEdit's protocol), or in groups with ``edits_per_batch=N`` /
+    ``sequential=N``.
+
+    Options as the CLI's flags: ``method`` (mend, mend-ls, ft, unedited), ``device``,
+    ``sub_device``, ``dtype``, ``placement``, ``max_memory``, ``limit``, ``max_length``,
+    ``drift_text``, ``guard`` and ``guard_*``, ``stepwise``, ``ft_lr``, ``ls_*``,
+    ``report``, ``truncate``, ``strict``, ``image_root``, ``rephrase_image_root``.
+    ``progress``: True (tqdm when installed, else plain lines), False, or a callback
+    ``(done, total, record_metrics)``.
+
+    Returns ``eval --json``'s object: the summary's means, ``method``, ``records``,
+    ``data`` and ``report``.
+    """
+    o = _common(options)
+    bar = _Bar(progress, options.get("limit") or 0, "eval") if progress else None
+    try:
+        return json.loads(_native.evaluate(os.fspath(model), os.fspath(data), ds, _path(editor), progress=bar, **o))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def plan(model: PathLike, config: PathLike, **options: Any) -> Dict[str, Any]:
+    """``dualedit plan``: each device's peak memory for training and editing, from the
+    model's config.json alone (the devices need not exist here).
+
+    Options: ``device``, ``sub_device``, ``dtype``, ``placement`` (replica, balanced,
+    auto), ``optimizer_device``, ``max_memory`` (planned against, not applied),
+    ``max_length``, ``kept_tokens``, ``image_size=(w, h)``, ``ds``, ``loc_length``.
+    Returns ``plan --json``'s object: one placement's plan, or with a sub-device and no
+    placement the table of every placement.
+    """
+    o = _common(options)
+    if "image_size" in o and o["image_size"] is not None:
+        o["image_size"] = tuple(int(x) for x in o["image_size"])
+    return json.loads(_native.plan(os.fspath(model), os.fspath(config), **o))
+
+
+def compare(command: str, *args: Any, **options: Any) -> Dict[str, Any]:
+    """``dualedit compare train|eval``: the same run on the main device alone and on
+    main + ``sub_device``, side by side. ``command`` is ``"train"`` or ``"eval"``; the
+    other arguments are :func:`train`'s or :func:`evaluate`'s (``sub_device`` required).
+    Returns ``compare --json``'s object.
+    """
+    if "sub_device" not in options or options["sub_device"] is None:
+        raise InputError("compare needs sub_device (the dual side's sub-device)")
+    if command == "train":
+        names = ("model", "data", "ds", "config", "out")
+        given = list(args) + [options.pop(k, None) for k in names[len(args):]]
+        missing = [n for n, v in zip(names, given) if v is None]
+        if missing:
+            raise InputError(f"compare('train', ...) needs {', '.join(missing)}")
+        model, data, ds, config, out = given[:5]
+        o = _common(options)
+        o.pop("progress", None)
+        return json.loads(_native.train(os.fspath(model), os.fspath(data), ds, os.fspath(config), os.fspath(out), compare=True, **o))
+    if command == "eval":
+        names = ("model", "data", "ds", "editor")
+        given = list(args) + [options.pop(k, None) for k in names[len(args):]]
+        missing = [n for n, v in zip(names[:3], given) if v is None]
+        if missing:
+            raise InputError(f"compare('eval', ...) needs {', '.join(missing)}")
+        model, data, ds, editor = given[:4]
+        o = _common(options)
+        o.pop("progress", None)
+        return json.loads(_native.evaluate(os.fspath(model), os.fspath(data), ds, _path(editor), compare=True, **o))
+    raise InputError(f"compare runs 'train' or 'eval', not {command!r}")

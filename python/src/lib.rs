@@ -1,0 +1,948 @@
+//! `dualedit._native`: the Python extension behind `import dualedit`.
+//!
+//! A thin layer over the library's public API ([`dualedit::edit::session::Session`], the runs in
+//! [`dualedit::run`], the planner, `compare`): records and reports cross as JSON text (the
+//! same serde shapes as the CLI's `--json`, parsed by `dualedit/__init__.py`), tensors cross
+//! as `torch.Tensor` through pyo3-tch. Every call that runs the model releases the GIL;
+//! the long ones (train, evaluate, compare) run on a worker thread while the calling thread
+//! polls for Ctrl-C and reports progress. Errors become the exception classes of
+//! `dualedit._errors`, with the library's one-line messages.
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use pyo3_tch::PyTensor;
+use tch::{Device, Kind, Tensor};
+
+use dualedit::edit::capacity::Grouping;
+use dualedit::config::MendConfig;
+use dualedit::data::easyedit::{parse_records, DatasetKind};
+use dualedit::data::examples::OverLong;
+use dualedit::data::multimodal::{prepare_mm, ImageRoots, MmLoad, VlPrompt};
+use dualedit::device::{DevicePlan, MaxMemory, OptimizerDevice, PlacementRequest};
+use dualedit::edit::{LoadOptions, MethodSpec};
+use dualedit::mend::guard::GuardConfig;
+use dualedit::planner::Phase;
+use dualedit::run::{self, CapacityOptions, Common, EvalOptions, TrainOptions};
+use dualedit::edit::session::{read_image_requests, Session as Inner};
+use dualedit::Error;
+
+// ---------------------------------------------------------------------------------------
+// Errors
+
+/// The exception class of `dualedit._errors` for `e`, raised with the library's message.
+fn py_err(e: Error) -> PyErr {
+    let class = match &e {
+        Error::Io { err, .. } if err.kind() == std::io::ErrorKind::NotFound => "NotFoundError",
+        Error::Io { .. } => "IoError",
+        // "model directory not found" and the like: a folder the caller named is missing.
+        Error::File { path, msg } if !path.exists() && ["not found", "does not exist", "no such"].iter().any(|w| msg.to_lowercase().contains(w)) => {
+            "NotFoundError"
+        }
+        Error::File { .. } => "FileError",
+        Error::Input(_) => "InputError",
+        Error::Device { .. } => "DeviceError",
+        Error::OutOfMemory(_) => "OutOfMemoryError",
+        Error::Torch(_) => "TorchError",
+    };
+    raise(class, e.to_string())
+}
+
+/// An exception of class `class` (from `dualedit._errors`) carrying `msg`.
+fn raise(class: &str, msg: String) -> PyErr {
+    Python::with_gil(|py| {
+        match py.import("dualedit._errors").and_then(|m| m.getattr(class)).and_then(|c| c.call1((msg.clone(),))) {
+            Ok(v) => PyErr::from_value(v),
+            Err(_) => pyo3::exceptions::PyRuntimeError::new_err(msg),
+        }
+    })
+}
+
+fn input_err(msg: impl Into<String>) -> PyErr {
+    raise("InputError", msg.into())
+}
+
+trait OrPy<T> {
+    fn py(self) -> PyResult<T>;
+}
+
+impl<T> OrPy<T> for dualedit::Result<T> {
+    fn py(self) -> PyResult<T> {
+        self.map_err(py_err)
+    }
+}
+
+fn json<T: serde::Serialize>(v: &T) -> PyResult<String> {
+    serde_json::to_string(v).map_err(|e| input_err(format!("cannot serialise the result: {e}")))
+}
+
+// ---------------------------------------------------------------------------------------
+// Options shared by the session and the runs
+
+/// `f32`, `bf16` or `f16`, as the CLI's `--dtype`; also `float32`, `bfloat16`, `float16`
+/// and torch's names (`torch.float32`), so `dtype=torch.bfloat16` works. `None`: f32.
+fn parse_dtype(s: Option<&str>) -> PyResult<Kind> {
+    let Some(s) = s else { return Ok(Kind::Float) };
+    match s.trim().trim_start_matches("torch.") {
+        "f32" | "float32" | "float" => Ok(Kind::Float),
+        "bf16" | "bfloat16" => Ok(Kind::BFloat16),
+        "f16" | "float16" | "half" => Ok(Kind::Half),
+        other => Err(input_err(format!("dtype must be f32, bf16 or f16 (or the torch dtype), got {other:?}"))),
+    }
+}
+
+fn parse_enum<T: serde::de::DeserializeOwned>(what: &str, value: &str, allowed: &str) -> PyResult<T> {
+    serde_json::from_value(serde_json::Value::from(value.replace('-', "_")))
+        .map_err(|_| input_err(format!("{what} must be {allowed}, got {value:?}")))
+}
+
+/// Where a session or a run is placed: the CLI's `--device`, `--sub-device`,
+/// `--placement`, `--optimizer-device` and `--max-memory`.
+struct Placing<'a> {
+    device: &'a str,
+    sub_device: Option<&'a str>,
+    placement: Option<&'a str>,
+    optimizer_device: Option<&'a str>,
+    max_memory: Option<&'a str>,
+}
+
+impl Placing<'_> {
+    /// The device plan with the placement resolved by the planner for `phase` (as the
+    /// CLI resolves it), the memory caps applied first.
+    fn plan(&self, model: &Path, config: &MendConfig, dtype: Kind, tokens: usize, phase: Phase) -> PyResult<DevicePlan> {
+        let base = DevicePlan::parse(self.device, self.sub_device).py()?;
+        let caps: Option<MaxMemory> = match self.max_memory {
+            Some(s) => Some(s.parse().py()?),
+            None => None,
+        };
+        if let Some(caps) = &caps {
+            dualedit::device::memory::apply_caps(caps).py()?;
+        }
+        let request: PlacementRequest = match self.placement {
+            Some(p) => parse_enum("placement", p, "auto, replica or balanced")?,
+            None => PlacementRequest::default(),
+        };
+        let optimizer: Option<OptimizerDevice> = match self.optimizer_device {
+            Some(o) => Some(parse_enum("optimizer_device", o, "main, sub or cpu")?),
+            None => None,
+        };
+        let query = dualedit::planner::PlacementQuery {
+            main: self.device,
+            sub: self.sub_device,
+            request,
+            optimizer,
+            caps: caps.as_ref(),
+            model,
+            config,
+            dtype,
+            tokens: tokens as i64,
+            phase,
+        };
+        let (plan, chosen) = dualedit::planner::resolve_placement(base, &query).py()?;
+        if let Some(label) = chosen {
+            tracing::info!("placement: {label} (chosen by the planner)");
+        }
+        Ok(plan)
+    }
+}
+
+/// The MEND config a placement is planned with: the trained editor's (its editor.json),
+/// MEND's defaults without one (as the CLI plans it).
+fn planning_config(editor: Option<&Path>) -> PyResult<MendConfig> {
+    let Some(dir) = editor else { return Ok(MendConfig::default()) };
+    let path = dir.join(dualedit::mend::checkpoint::EDITOR_JSON);
+    let text = std::fs::read_to_string(&path).map_err(|e| py_err(Error::io(&path, e)))?;
+    let meta: dualedit::mend::checkpoint::EditorMeta =
+        serde_json::from_str(&text).map_err(|e| py_err(Error::file(&path, format!("invalid editor description: {e}"))))?;
+    let mut cfg = meta.config;
+    cfg.edit_params = meta.params.into_iter().map(|p| p.name).collect();
+    Ok(cfg)
+}
+
+/// The edit method as the CLI's `--method` and its `--ls-*` / `--ft-lr` flags name it.
+struct MethodChoice<'a> {
+    method: Option<&'a str>,
+    editor: Option<&'a Path>,
+    ft_lr: f64,
+    ls_lambda: Option<f64>,
+    ls_keep_weight: Option<f64>,
+    ls_rounds: Option<usize>,
+    ls_keep_text: Option<&'a Path>,
+}
+
+impl MethodChoice<'_> {
+    fn spec(&self) -> PyResult<MethodSpec> {
+        let method = self.method.unwrap_or(if self.editor.is_some() { "mend" } else { "unedited" });
+        let needs_editor = |m: &str| self.editor.map(Path::to_path_buf).ok_or_else(|| input_err(format!("method {m:?} needs an editor directory")));
+        let ls_given = self.ls_lambda.is_some() || self.ls_keep_weight.is_some() || self.ls_rounds.is_some() || self.ls_keep_text.is_some();
+        if ls_given && method != "mend-ls" {
+            return Err(input_err("ls_lambda, ls_keep_weight, ls_rounds and ls_keep_text are only used with method=\"mend-ls\""));
+        }
+        if self.editor.is_some() && !matches!(method, "mend" | "mend-ls") {
+            return Err(input_err(format!("an editor is only used with method \"mend\" or \"mend-ls\", not {method:?}")));
+        }
+        if let Some(w) = self.ls_keep_weight.filter(|w| !(w.is_finite() && *w >= 0.0)) {
+            return Err(input_err(format!("ls_keep_weight must be a number >= 0, got {w}")));
+        }
+        if let Some(l) = self.ls_lambda.filter(|l| !(l.is_finite() && *l > 0.0)) {
+            return Err(input_err(format!("ls_lambda must be a positive number, got {l}")));
+        }
+        if let Some(r) = self.ls_rounds.filter(|r| *r > dualedit::config::MAX_LS_ROUNDS) {
+            return Err(input_err(format!("ls_rounds must be at most {}, got {r}", dualedit::config::MAX_LS_ROUNDS)));
+        }
+        Ok(match method {
+            "mend" => MethodSpec::Mend { editor: needs_editor(method)? },
+            "mend-ls" | "mend_ls" => MethodSpec::MendLs {
+                editor: needs_editor(method)?,
+                ls: dualedit::mend::ls::LsChoice { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight, rounds: self.ls_rounds },
+                unrelated: self.ls_keep_text.map(Path::to_path_buf),
+            },
+            "ft" => {
+                if !(self.ft_lr.is_finite() && self.ft_lr > 0.0) {
+                    return Err(input_err(format!("ft_lr must be a positive number, got {}", self.ft_lr)));
+                }
+                MethodSpec::FineTune { lr: self.ft_lr }
+            }
+            "unedited" | "none" => MethodSpec::Unedited,
+            other => return Err(input_err(format!("method must be \"mend\", \"mend-ls\", \"ft\" or \"unedited\", got {other:?}"))),
+        })
+    }
+}
+
+/// The commit guard of `edit` (the CLI's `--guard-*` flags; `None`: `--no-guard`).
+fn guard_config(on: bool, min_agreement: f64, max_drop: f64, max_kl: f64, refuse: bool, shrink: bool) -> Option<GuardConfig> {
+    on.then(|| GuardConfig { min_agreement, max_drop, max_kl, scale_back: !refuse, shrink, ..Default::default() })
+}
+
+// ---------------------------------------------------------------------------------------
+// Session
+
+/// The session moved onto the thread that runs a call while the caller's thread waits
+/// without the GIL. `Session` is not `Sync`: only one call at a time ever touches it,
+/// which the `&mut self` of every method guarantees.
+struct SendPtr<T>(T);
+// SAFETY: the wrapped reference is used by exactly one thread at a time (the caller blocks
+// in `allow_threads` until the closure returns); libtorch tensors may move between threads.
+unsafe impl<T> Send for SendPtr<T> {}
+
+/// One loaded model (and editor): edits, scores, generations, resets and saves.
+#[pyclass(module = "dualedit._native", name = "Session", unsendable)]
+struct PySession {
+    inner: Inner,
+    /// Tokens of any prompt + answer, as the CLI's `--max-length`.
+    max_length: usize,
+    guard: Option<GuardConfig>,
+}
+
+impl PySession {
+    /// Runs `f` on the session with the GIL released.
+    fn run<T: Send>(&mut self, py: Python<'_>, f: impl FnOnce(&mut Inner) -> dualedit::Result<T> + Send) -> PyResult<T> {
+        let inner = SendPtr(&mut self.inner);
+        py.allow_threads(move || {
+            let inner = inner;
+            dualedit::error::guard(|| f(inner.0))
+        })
+        .py()
+    }
+
+    fn run_ref<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&Inner) -> dualedit::Result<T> + Send) -> PyResult<T> {
+        let inner = SendPtr(&self.inner);
+        py.allow_threads(move || {
+            let inner = inner;
+            dualedit::error::guard(|| f(inner.0))
+        })
+        .py()
+    }
+}
+
+/// The JSON report of an edit, shaped as `dualedit edit --json`'s (without the file-run
+/// fields `data`, `report` and `saved`), plus `edits_total`.
+///
+/// `seconds.edit` is the span the CLI's run report calls `seconds.edit`: the library's
+/// `Session::edit_examples` call (the records already tokenised).
+fn edit_report((out, edit_s): (dualedit::edit::session::EditOutcome, f64), sequential: bool) -> PyResult<String> {
+    let mut v = serde_json::json!({ "sequential": sequential, "guard": out.guard, "seconds": { "edit": edit_s } });
+    let summary = serde_json::to_value(&out.summary).map_err(|e| input_err(e.to_string()))?;
+    if let (Some(obj), serde_json::Value::Object(s)) = (v.as_object_mut(), summary) {
+        obj.extend(s);
+        obj.insert("requests".into(), serde_json::to_value(&out.requests).map_err(|e| input_err(e.to_string()))?);
+        obj.insert("edits_total".into(), serde_json::Value::from(out.edits_total));
+    }
+    Ok(v.to_string())
+}
+
+/// Tokenises text requests as `Session::edit` does (strict: a request that does not fit
+/// `max_length` or the model's context is an error naming it).
+fn text_examples(s: &Inner, records: &[dualedit::data::EditRecord], max_length: usize) -> dualedit::Result<Vec<dualedit::data::EditExample>> {
+    let max_len = max_length.min(s.max_positions());
+    dualedit::data::examples::prepare(&s.engine().lm.tokenizer, records, max_len, Path::new("requests")).map_err(|e| Error::input(e.to_string()))
+}
+
+/// The five views of each E-VQA record with its images, as `Session::edit_images`
+/// prepares them; with the records as text (`src` -> `alt`).
+fn image_examples(
+    s: &Inner,
+    records: &[dualedit::data::multimodal::MmRecord],
+    max_length: usize,
+) -> dualedit::Result<(Vec<dualedit::data::EditRecord>, Vec<dualedit::data::EditExample>)> {
+    let engine = s.engine();
+    let (Some(vl), Some(proc)) = (engine.lm.model.family().vision_language(), engine.image_proc.as_ref()) else {
+        return Err(Error::input(format!(
+            "{} is a text-only model ({}); image edit requests need a Qwen2-VL or Qwen2.5-VL model",
+            engine.lm.dir.display(),
+            engine.lm.model.info().architecture
+        )));
+    };
+    let load = MmLoad { records: records.to_vec(), file_index: (0..records.len()).collect(), in_file: records.len(), ..MmLoad::default() };
+    let context = s.max_positions();
+    let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc }, &load, max_length.min(context), context, OverLong::Strict, Path::new("requests"))
+        .map_err(|e| Error::input(e.to_string()))?;
+    Ok((records.iter().map(|r| r.as_edit_record()).collect(), prepared.examples))
+}
+
+/// EasyEdit's `pre` figures: each request measured on the current weights, unedited.
+fn measure_unedited(s: &Inner, examples: &[dualedit::data::EditExample]) -> dualedit::Result<String> {
+    let refs: Vec<&dualedit::data::EditExample> = examples.iter().collect();
+    let m = dualedit::edit::measured_edit(s.engine(), &mut dualedit::edit::Method::Unedited, &refs)?;
+    serde_json::to_string(&m.metrics).map_err(|e| Error::input(e.to_string()))
+}
+
+#[pymethods]
+impl PySession {
+    #[new]
+    #[pyo3(signature = (model, editor=None, *, device="cpu", sub_device=None, dtype=None, placement=None, optimizer_device=None,
+        max_memory=None, method=None, ft_lr=1e-3, ls_lambda=None, ls_keep_weight=None, ls_rounds=None, ls_keep_text=None,
+        max_length=512, guard=true, guard_min_agreement=0.9, guard_max_drop=0.05, guard_max_kl=1.0, guard_refuse=false, guard_shrink=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        model: PathBuf,
+        editor: Option<PathBuf>,
+        device: &str,
+        sub_device: Option<&str>,
+        dtype: Option<&str>,
+        placement: Option<&str>,
+        optimizer_device: Option<&str>,
+        max_memory: Option<&str>,
+        method: Option<&str>,
+        ft_lr: f64,
+        ls_lambda: Option<f64>,
+        ls_keep_weight: Option<f64>,
+        ls_rounds: Option<usize>,
+        ls_keep_text: Option<PathBuf>,
+        max_length: usize,
+        guard: bool,
+        guard_min_agreement: f64,
+        guard_max_drop: f64,
+        guard_max_kl: f64,
+        guard_refuse: bool,
+        guard_shrink: bool,
+    ) -> PyResult<Self> {
+        if max_length == 0 {
+            return Err(input_err("max_length must be at least 1"));
+        }
+        let choice = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref() };
+        let spec = choice.spec()?;
+        let kind = parse_dtype(dtype)?;
+        let placing = Placing { device, sub_device, placement, optimizer_device, max_memory };
+        let plan = placing.plan(&model, &planning_config(spec.editor_dir())?, kind, max_length, Phase::Edit)?;
+        let opts = LoadOptions { plan, dtype: kind };
+        let inner = py
+            .allow_threads(|| dualedit::error::guard(|| match &spec {
+                // Without an editor the session scores and generates; edit() refuses.
+                MethodSpec::Unedited if method.is_none() => Inner::open(&model, None, &opts),
+                s => Inner::open_method(&model, s, &opts),
+            }))
+            .py()?;
+        Ok(Self {
+            inner,
+            max_length,
+            guard: guard_config(guard, guard_min_agreement, guard_max_drop, guard_max_kl, guard_refuse, guard_shrink),
+        })
+    }
+
+    /// Applies EasyEdit request records (a JSON array, the `--requests` file's format) as
+    /// one batch edit, or one after another with `sequential`; returns the report as JSON.
+    #[pyo3(signature = (requests, sequential=false, guard=None, stepwise=false))]
+    fn edit(&mut self, py: Python<'_>, requests: &str, sequential: bool, guard: Option<bool>, stepwise: bool) -> PyResult<String> {
+        if stepwise && !sequential {
+            return Err(input_err("stepwise edits need sequential=True"));
+        }
+        // The caller's records, not a file: a bad one is an input error (ValueError).
+        let (records, load) = parse_records(requests, Path::new("requests"), DatasetKind::Requests).map_err(|e| input_err(e.to_string()))?;
+        if let Some((i, why)) = load.skipped.first() {
+            return Err(input_err(format!("requests: record {i}: {why}")));
+        }
+        let guard_cfg = match guard {
+            Some(false) => None,
+            Some(true) => Some(self.guard.clone().unwrap_or_default()),
+            None => self.guard.clone(),
+        };
+        let max_length = self.max_length;
+        let out = self.run(py, move |s| {
+            let examples = text_examples(s, &records, max_length)?;
+            s.guard = guard_cfg;
+            s.stepwise = stepwise.then(dualedit::mend::stepwise::Stepwise::default);
+            let t = std::time::Instant::now();
+            Ok((s.edit_examples(&records, &examples, sequential)?, t.elapsed().as_secs_f64()))
+        })?;
+        edit_report(out, sequential)
+    }
+
+    /// Applies E-VQA records (a JSON array; `image`, `image_rephrase` and `m_loc` named
+    /// relative to `image_root` / `rephrase_image_root`, or absolute) as one batch edit
+    /// with images, or one after another with `sequential`; returns the report as JSON.
+    #[pyo3(signature = (records, image_root, rephrase_image_root=None, sequential=false, guard=None))]
+    fn edit_images(
+        &mut self,
+        py: Python<'_>,
+        records: &str,
+        image_root: PathBuf,
+        rephrase_image_root: Option<PathBuf>,
+        sequential: bool,
+        guard: Option<bool>,
+    ) -> PyResult<String> {
+        let roots = ImageRoots::new(image_root, rephrase_image_root);
+        let records = read_image_requests(records, &roots).map_err(|e| input_err(e.to_string()))?;
+        if records.is_empty() {
+            return Err(input_err("no edit requests"));
+        }
+        let guard_cfg = match guard {
+            Some(false) => None,
+            Some(true) => Some(self.guard.clone().unwrap_or_default()),
+            None => self.guard.clone(),
+        };
+        let max_length = self.max_length;
+        let out = self.run(py, move |s| {
+            let (text, examples) = image_examples(s, &records, max_length)?;
+            s.guard = guard_cfg;
+            s.stepwise = None;
+            let t = std::time::Instant::now();
+            Ok((s.edit_examples(&text, &examples, sequential)?, t.elapsed().as_secs_f64()))
+        })?;
+        edit_report(out, sequential)
+    }
+
+    /// EasyEdit's `pre` metrics: text requests (a JSON array) measured on the current
+    /// weights without editing them; a JSON array of per-request metrics.
+    fn measure(&self, py: Python<'_>, requests: &str) -> PyResult<String> {
+        // The caller's records, not a file: a bad one is an input error (ValueError).
+        let (records, load) = parse_records(requests, Path::new("requests"), DatasetKind::Requests).map_err(|e| input_err(e.to_string()))?;
+        if let Some((i, why)) = load.skipped.first() {
+            return Err(input_err(format!("requests: record {i}: {why}")));
+        }
+        let max_length = self.max_length;
+        self.run_ref(py, move |s| measure_unedited(s, &text_examples(s, &records, max_length)?))
+    }
+
+    /// [`PySession::measure`] for E-VQA records with images.
+    #[pyo3(signature = (records, image_root, rephrase_image_root=None))]
+    fn measure_images(&self, py: Python<'_>, records: &str, image_root: PathBuf, rephrase_image_root: Option<PathBuf>) -> PyResult<String> {
+        let records = read_image_requests(records, &ImageRoots::new(image_root, rephrase_image_root)).map_err(|e| input_err(e.to_string()))?;
+        let max_length = self.max_length;
+        self.run_ref(py, move |s| measure_unedited(s, &image_examples(s, &records, max_length)?.1))
+    }
+
+    /// Next-token log-probabilities of `text` (after an image when given): the JSON of
+    /// `dualedit score --json` and the log-probabilities as a float64 tensor `[n]`.
+    #[pyo3(signature = (text, image=None))]
+    fn score(&self, py: Python<'_>, text: &str, image: Option<PathBuf>) -> PyResult<(String, PyTensor)> {
+        let s = self.run_ref(py, |s| s.score_image(text, image.as_deref()))?;
+        let t = Tensor::from_slice(&s.logprobs).to_kind(Kind::Double).to_device(Device::Cpu);
+        Ok((json(&s)?, PyTensor(t)))
+    }
+
+    /// Greedy continuation of `prompt` (after an image when given), as JSON.
+    #[pyo3(signature = (prompt, max_new_tokens=16, image=None))]
+    fn generate(&self, py: Python<'_>, prompt: &str, max_new_tokens: usize, image: Option<PathBuf>) -> PyResult<String> {
+        let g = self.run_ref(py, |s| s.generate_image(prompt, image.as_deref(), max_new_tokens))?;
+        json(&g)
+    }
+
+    /// Puts back the loaded weights; returns how many parameters were restored.
+    fn reset(&mut self, py: Python<'_>) -> PyResult<usize> {
+        self.run(py, |s| s.reset())
+    }
+
+    /// Writes the current (edited) model to `dir` as a Hugging Face directory.
+    fn save(&self, py: Python<'_>, dir: PathBuf) -> PyResult<()> {
+        self.run_ref(py, |s| s.save(&dir))
+    }
+
+    /// Memory figures of each device the session uses, as JSON.
+    fn memory(&self) -> PyResult<String> {
+        json(&self.inner.memory().py()?)
+    }
+
+    #[getter]
+    fn edits_total(&self) -> usize {
+        self.inner.edits_total()
+    }
+
+    #[getter]
+    fn method(&self) -> &'static str {
+        self.inner.method_name()
+    }
+
+    #[getter]
+    fn model_dir(&self) -> PathBuf {
+        self.inner.model_dir().to_path_buf()
+    }
+
+    #[getter]
+    fn editor_dir(&self) -> Option<PathBuf> {
+        self.inner.editor_dir().map(Path::to_path_buf)
+    }
+
+    #[getter]
+    fn max_positions(&self) -> usize {
+        self.inner.max_positions()
+    }
+
+    #[getter]
+    fn devices(&self) -> Vec<(String, String)> {
+        let plan = &self.inner.engine().plan;
+        let roles = if plan.split { plan.roles() } else { vec![("main", plan.main)] };
+        roles.into_iter().map(|(r, d)| (r.to_string(), dualedit::device::memory::device_name(d))).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Session(model={:?}, editor={}, method={:?}, edits_total={})",
+            self.inner.model_dir().display().to_string(),
+            self.inner.editor_dir().map_or("None".to_string(), |d| format!("{:?}", d.display().to_string())),
+            self.inner.method_name(),
+            self.inner.edits_total()
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Long runs: a worker thread, progress, Ctrl-C
+
+/// Raised inside a run's progress callback when the caller pressed Ctrl-C; unwinds the
+/// worker without the panic hook's message (`resume_unwind`).
+struct Cancelled;
+
+/// Runs `work` on a worker thread; this thread, without the GIL between polls, forwards
+/// each progress event to `on_progress` and checks for Ctrl-C every 100 ms. On Ctrl-C the
+/// `cancel` flag is raised, the worker stops at its next progress point, and the
+/// `KeyboardInterrupt` is raised here once it has.
+fn supervised<T: Send, E: Send>(
+    py: Python<'_>,
+    on_progress: &mut dyn FnMut(Python<'_>, E) -> PyResult<()>,
+    on_cancel: &dyn Fn(),
+    work: impl FnOnce(&AtomicBool, &crossbeam::channel::Sender<E>) -> dualedit::Result<T> + Send,
+) -> PyResult<T> {
+    let cancel = AtomicBool::new(false);
+    let (tx, rx) = crossbeam::channel::unbounded::<E>();
+    std::thread::scope(|scope| {
+        let cancel = &cancel;
+        let handle = scope.spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(cancel, &tx)));
+            drop(tx);
+            r
+        });
+        let mut interrupted: Option<PyErr> = None;
+        loop {
+            match py.allow_threads(|| rx.recv_timeout(Duration::from_millis(100))) {
+                Ok(ev) => {
+                    if interrupted.is_none() {
+                        if let Err(e) = on_progress(py, ev) {
+                            cancel.store(true, Ordering::SeqCst);
+                            on_cancel();
+                            interrupted = Some(e);
+                        }
+                    }
+                }
+                Err(crossbeam::channel::RecvTimeoutError::Timeout) => {}
+                Err(crossbeam::channel::RecvTimeoutError::Disconnected) => break,
+            }
+            if interrupted.is_none() {
+                if let Err(e) = py.check_signals() {
+                    cancel.store(true, Ordering::SeqCst);
+                    on_cancel();
+                    interrupted = Some(e);
+                }
+            }
+        }
+        let result = py.allow_threads(|| handle.join());
+        let result = match result {
+            Ok(r) => r,
+            Err(p) => Err(p),
+        };
+        match (result, interrupted) {
+            (_, Some(e)) => Err(e),
+            (Ok(r), None) => r.py(),
+            (Err(payload), None) => {
+                let msg = payload.downcast_ref::<String>().cloned().or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()));
+                Err(raise("TorchError", format!("internal error: {}", msg.unwrap_or_else(|| "panic".into()))))
+            }
+        }
+    })
+}
+
+/// Ctrl-C during training: the loop ends after its current step, validated and saved
+/// (resumable with `resume=True`); the `KeyboardInterrupt` is raised once it has.
+fn stop_training() {
+    dualedit::train::STOP_REQUESTED.store(true, Ordering::SeqCst);
+    eprintln!("stopping after the current training step: the editor and training state are saved (resume=True continues)");
+}
+
+/// A progress callback's check: unwinds the worker when the caller pressed Ctrl-C.
+fn stop_if_cancelled(cancel: &AtomicBool) {
+    if cancel.load(Ordering::SeqCst) {
+        std::panic::resume_unwind(Box::new(Cancelled));
+    }
+}
+
+/// Calls `progress(done, total, metrics_json)` when given (the Python side passes a tqdm
+/// bar's or a plain printer's update); `total` is 0 when not known ahead.
+fn call_progress(progress: Option<&Bound<'_, PyAny>>, done: usize, total: usize, info: &str) -> PyResult<()> {
+    progress.map_or(Ok(()), |p| p.call1((done, total, info)).map(|_| ()))
+}
+
+fn dataset(ds: &str) -> PyResult<DatasetKind> {
+    match ds.parse::<DatasetKind>().py()? {
+        DatasetKind::Requests => Err(input_err("ds must be zsre, counterfact, vqa or caption")),
+        k => Ok(k),
+    }
+}
+
+fn over_long(truncate: bool, strict: bool) -> PyResult<OverLong> {
+    match (truncate, strict) {
+        (true, true) => Err(input_err("truncate and strict exclude each other")),
+        (true, _) => Ok(OverLong::Truncate),
+        (_, true) => Ok(OverLong::Strict),
+        _ => Ok(OverLong::Skip),
+    }
+}
+
+/// `dualedit train`: meta-trains an editor into `out`; returns the report as JSON.
+#[pyfunction]
+#[pyo3(signature = (model, data, ds, config, out, *, device="cpu", sub_device=None, dtype=None, placement=None, optimizer_device=None,
+    max_memory=None, seed=0, report=None, max_steps=None, limit=None, resume=false, recompute=false, truncate=false, strict=false,
+    image_root=None, rephrase_image_root=None, progress=true, compare=false))]
+#[allow(clippy::too_many_arguments)]
+fn train(
+    py: Python<'_>,
+    model: PathBuf,
+    data: PathBuf,
+    ds: &str,
+    config: PathBuf,
+    out: PathBuf,
+    device: &str,
+    sub_device: Option<&str>,
+    dtype: Option<&str>,
+    placement: Option<&str>,
+    optimizer_device: Option<&str>,
+    max_memory: Option<&str>,
+    seed: i64,
+    report: Option<PathBuf>,
+    max_steps: Option<usize>,
+    limit: Option<usize>,
+    resume: bool,
+    recompute: bool,
+    truncate: bool,
+    strict: bool,
+    image_root: Option<PathBuf>,
+    rephrase_image_root: Option<PathBuf>,
+    progress: bool,
+    compare: bool,
+) -> PyResult<String> {
+    let ds = dataset(ds)?;
+    if limit == Some(0) {
+        return Err(input_err("limit must be at least 1"));
+    }
+    run::check_report_path(report.as_deref(), &[&config]).py()?;
+    let mut cfg = MendConfig::from_file(&config).py()?;
+    if let Some(n) = max_steps {
+        cfg.max_steps = n;
+    }
+    if recompute {
+        cfg.recompute = true;
+    }
+    let kind = parse_dtype(dtype)?;
+    let plan = Placing { device, sub_device, placement, optimizer_device, max_memory }.plan(&model, &cfg, kind, cfg.max_length, Phase::Train)?;
+    let opts = TrainOptions {
+        common: Common {
+            model,
+            plan,
+            dtype: kind,
+            seed,
+            report,
+            over_long: over_long(truncate, strict)?,
+            image_roots: image_root.map(|r| ImageRoots::new(r, rephrase_image_root)),
+        },
+        data,
+        ds,
+        config: cfg,
+        out,
+        limit,
+        resume,
+        // The library's own step bar (stderr); training has no per-step callback.
+        progress,
+    };
+    let mut none = |_: Python<'_>, _: ()| Ok(());
+    if compare {
+        // `dualedit compare train`: the dual side placed as asked, the single side main alone.
+        if sub_device.is_none() {
+            return Err(input_err("compare needs sub_device (the dual side's sub-device)"));
+        }
+        let dual = opts.common.plan;
+        let cmp = supervised(py, &mut none, &stop_training, |_, _| dualedit::run::compare::compare_train(&opts, dual));
+        // A stop that came after the last step must not end the next training.
+        dualedit::train::STOP_REQUESTED.store(false, Ordering::SeqCst);
+        let cmp = cmp?;
+        let mut v = serde_json::to_value(&cmp).map_err(|e| input_err(e.to_string()))?;
+        v["report"] = serde_json::Value::from(opts.out.join("compare.json").display().to_string());
+        return Ok(v.to_string());
+    }
+    let trained = supervised(py, &mut none, &stop_training, |_, _| run::run_train(&opts));
+    dualedit::train::STOP_REQUESTED.store(false, Ordering::SeqCst);
+    let (rep, path) = trained?;
+    let mut v = serde_json::to_value(&rep).map_err(|e| input_err(e.to_string()))?;
+    v["report"] = serde_json::Value::from(path.display().to_string());
+    Ok(v.to_string())
+}
+
+/// `dualedit eval`: edits each record from the unedited model (or in groups with
+/// `edits_per_batch` / `sequential`) and measures it; returns the CLI's `--json` object.
+#[pyfunction]
+#[pyo3(signature = (model, data, ds, editor=None, *, method=None, device="cpu", sub_device=None, dtype=None, placement=None,
+    optimizer_device=None, max_memory=None, seed=0, report=None, limit=None, max_length=512, edits_per_batch=None, sequential=None,
+    drift_text=None, guard=true, guard_min_agreement=0.9, guard_max_drop=0.05, guard_max_kl=1.0, guard_refuse=false, guard_shrink=false,
+    stepwise=false, ft_lr=1e-3, ls_lambda=None, ls_keep_weight=None, ls_rounds=None, ls_keep_text=None, truncate=false, strict=false,
+    image_root=None, rephrase_image_root=None, progress=None, compare=false))]
+#[allow(clippy::too_many_arguments)]
+fn evaluate(
+    py: Python<'_>,
+    model: PathBuf,
+    data: PathBuf,
+    ds: &str,
+    editor: Option<PathBuf>,
+    method: Option<&str>,
+    device: &str,
+    sub_device: Option<&str>,
+    dtype: Option<&str>,
+    placement: Option<&str>,
+    optimizer_device: Option<&str>,
+    max_memory: Option<&str>,
+    seed: i64,
+    report: Option<PathBuf>,
+    limit: Option<usize>,
+    max_length: usize,
+    edits_per_batch: Option<usize>,
+    sequential: Option<usize>,
+    drift_text: Option<PathBuf>,
+    guard: bool,
+    guard_min_agreement: f64,
+    guard_max_drop: f64,
+    guard_max_kl: f64,
+    guard_refuse: bool,
+    guard_shrink: bool,
+    stepwise: bool,
+    ft_lr: f64,
+    ls_lambda: Option<f64>,
+    ls_keep_weight: Option<f64>,
+    ls_rounds: Option<usize>,
+    ls_keep_text: Option<PathBuf>,
+    truncate: bool,
+    strict: bool,
+    image_root: Option<PathBuf>,
+    rephrase_image_root: Option<PathBuf>,
+    progress: Option<Bound<'_, PyAny>>,
+    compare: bool,
+) -> PyResult<String> {
+    let ds = dataset(ds)?;
+    if limit == Some(0) || edits_per_batch == Some(0) || sequential == Some(0) {
+        return Err(input_err("limit, edits_per_batch and sequential must be at least 1"));
+    }
+    if max_length == 0 {
+        return Err(input_err("max_length must be at least 1"));
+    }
+    let spec = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref() }.spec()?;
+    let kind = parse_dtype(dtype)?;
+    let plan = Placing { device, sub_device, placement, optimizer_device, max_memory }.plan(
+        &model,
+        &planning_config(spec.editor_dir())?,
+        kind,
+        max_length,
+        Phase::Edit,
+    )?;
+    let grouping = match (edits_per_batch, sequential) {
+        (Some(_), Some(_)) => return Err(input_err("edits_per_batch and sequential exclude each other")),
+        (Some(n), None) => Some(Grouping::Batch(n)),
+        (None, Some(n)) => Some(Grouping::Sequential(n)),
+        (None, None) => None,
+    };
+    if grouping.is_none() && (drift_text.is_some() || stepwise) {
+        return Err(input_err("drift_text and stepwise are only used with edits_per_batch or sequential"));
+    }
+    if stepwise && sequential.is_none() {
+        return Err(input_err("stepwise needs sequential"));
+    }
+    let opts = EvalOptions {
+        common: Common {
+            model,
+            plan,
+            dtype: kind,
+            seed,
+            report,
+            over_long: over_long(truncate, strict)?,
+            image_roots: image_root.map(|r| ImageRoots::new(r, rephrase_image_root)),
+        },
+        method: spec,
+        data,
+        ds,
+        limit,
+        max_length,
+        capacity: grouping.map(|grouping| CapacityOptions {
+            grouping,
+            guard: guard_config(guard, guard_min_agreement, guard_max_drop, guard_max_kl, guard_refuse, guard_shrink),
+            stepwise: stepwise.then(dualedit::mend::stepwise::Stepwise::default),
+            drift_text,
+        }),
+    };
+    if compare {
+        // `dualedit compare eval`: both sides' reports beside `report` (default runs/compare-<time>/).
+        if sub_device.is_none() {
+            return Err(input_err("compare needs sub_device (the dual side's sub-device)"));
+        }
+        let out = opts
+            .common
+            .report
+            .as_ref()
+            .and_then(|p| p.parent().map(Path::to_path_buf))
+            .unwrap_or_else(|| dualedit::run::report::default_path("compare").with_extension(""));
+        let dual = opts.common.plan;
+        let mut none = |_: Python<'_>, _: ()| Ok(());
+        let cmp = supervised(py, &mut none, &|| (), |_, _| dualedit::run::compare::compare_eval(&opts, dual, &out))?;
+        let mut v = serde_json::to_value(&cmp).map_err(|e| input_err(e.to_string()))?;
+        v["report"] = serde_json::Value::from(out.join("compare.json").display().to_string());
+        return Ok(v.to_string());
+    }
+    let total = limit.unwrap_or(0);
+    let progress = progress.as_ref();
+    let mut on = |_: Python<'_>, (i, m): (usize, String)| call_progress(progress, i + 1, total, &m);
+    let (out, path) = supervised(py, &mut on, &|| (), |cancel, tx| {
+        run::run_eval(&opts, |i, m| {
+            stop_if_cancelled(cancel);
+            let _ = tx.send((i, serde_json::to_string(m).unwrap_or_default()));
+        })
+    })?;
+    // The CLI's `eval --json` object.
+    let mut v = serde_json::to_value(&out.summary).map_err(|e| input_err(e.to_string()))?;
+    v["method"] = serde_json::Value::from(out.method.clone());
+    if let Some(ls) = &out.ls {
+        v["ls"] = serde_json::to_value(ls).map_err(|e| input_err(e.to_string()))?;
+    }
+    if let Some(c) = &out.capacity {
+        v["capacity"] = serde_json::to_value(c).map_err(|e| input_err(e.to_string()))?;
+    }
+    v["records"] = serde_json::to_value(&out.records).map_err(|e| input_err(e.to_string()))?;
+    v["data"] = serde_json::to_value(&out.data).map_err(|e| input_err(e.to_string()))?;
+    v["report"] = serde_json::Value::from(path.display().to_string());
+    Ok(v.to_string())
+}
+
+/// `dualedit plan`: each device's peak memory for training and editing, from config.json
+/// alone (the devices need not exist here); the CLI's `--json` object.
+#[pyfunction]
+#[pyo3(signature = (model, config, *, device="cpu", sub_device=None, dtype=None, placement=None, optimizer_device=None,
+    max_memory=None, max_length=None, kept_tokens=None, image_size=None, ds=None, loc_length=None))]
+#[allow(clippy::too_many_arguments)]
+fn plan(
+    py: Python<'_>,
+    model: PathBuf,
+    config: PathBuf,
+    device: &str,
+    sub_device: Option<&str>,
+    dtype: Option<&str>,
+    placement: Option<&str>,
+    optimizer_device: Option<&str>,
+    max_memory: Option<&str>,
+    max_length: Option<usize>,
+    kept_tokens: Option<i64>,
+    image_size: Option<(i64, i64)>,
+    ds: Option<&str>,
+    loc_length: Option<i64>,
+) -> PyResult<String> {
+    use dualedit::planner::{choose, plan_model, PlacementTable, PlanOptions};
+    let cfg = MendConfig::from_file(&config).py()?;
+    let tokens = max_length.unwrap_or(cfg.max_length) as i64;
+    let mut opts = PlanOptions::new(device, sub_device, parse_dtype(dtype)?, tokens, kept_tokens).py()?;
+    if let Some(m) = max_memory {
+        opts.caps = m.parse().py()?;
+    }
+    if let Some(o) = optimizer_device {
+        opts.optimizer = parse_enum("optimizer_device", o, "main, sub or cpu")?;
+    }
+    if let Some((w, h)) = image_size {
+        if w < 1 || h < 1 {
+            return Err(input_err(format!("image_size must be (width, height) in pixels, got ({w}, {h})")));
+        }
+    }
+    opts.image = image_size;
+    opts.loc_tokens = loc_length;
+    if let Some(ds) = ds {
+        match (dataset(ds)?.is_multimodal(), image_size) {
+            (true, None) => return Err(input_err(format!("ds {ds:?} plans images: give image_size=(width, height)"))),
+            (false, Some(_)) => return Err(input_err(format!("ds {ds:?} is text-only: image_size plans the multimodal views (ds vqa or caption)"))),
+            _ => {}
+        }
+    }
+    if loc_length.is_some() && image_size.is_none() {
+        return Err(input_err("loc_length is the text-only locality view of ds vqa|caption: give image_size"));
+    }
+    if !model.is_dir() {
+        return Err(py_err(Error::file(&model, "model directory not found")));
+    }
+    let request: Option<PlacementRequest> = match placement {
+        Some(p) => Some(parse_enum("placement", p, "auto, replica or balanced")?),
+        None => None,
+    };
+    py.allow_threads(|| {
+        let (m, _) = dualedit::model::loader::read_config(&model)?;
+        if image_size.is_some() && m.family().vision_language().is_some() {
+            opts.image_processor = dualedit::model::qwen2_vl::ImageProcessorConfig::load(&model.join("preprocessor_config.json"))?;
+        }
+        let plan = match request {
+            Some(PlacementRequest::Auto) => choose(&m, &cfg, &opts, Phase::Train)?,
+            Some(p) => plan_model(&m, &cfg, &opts.with_placement(p.fixed().unwrap_or(dualedit::device::Placement::Replica), opts.optimizer)?)?,
+            None if opts.split => {
+                let table = PlacementTable::new(&m, &cfg, &opts)?;
+                return serde_json::to_string(&table).map_err(|e| Error::input(e.to_string()));
+            }
+            None => plan_model(&m, &cfg, &opts)?,
+        };
+        serde_json::to_string(&plan).map_err(|e| Error::input(e.to_string()))
+    })
+    .py()
+}
+
+/// Keeps the module's logs on stderr at `warn` (or `DUALEDIT_LOG`, an env-filter string).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("DUALEDIT_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    use std::io::IsTerminal;
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
+}
+
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // As the CLI starts: the host allocator tuned for libtorch's large tensors.
+    dualedit::device::memory::tune_host_allocator();
+    init_logging();
+    m.add_class::<PySession>()?;
+    m.add_function(wrap_pyfunction!(train, m)?)?;
+    m.add_function(wrap_pyfunction!(evaluate, m)?)?;
+    m.add_function(wrap_pyfunction!(plan, m)?)?;
+    let versions = PyDict::new(m.py());
+    versions.set_item("dualedit", env!("CARGO_PKG_VERSION"))?;
+    m.add("__versions__", versions)?;
+    Ok(())
+}

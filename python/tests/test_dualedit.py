@@ -1,0 +1,285 @@
+"""The Python package against the CLI: run by `./x test` in a fresh virtualenv that has
+`pip install .`-ed the package (see ./x), on the embedded defaults in data/.
+
+The CLI binary is target/release/dualedit (or $DUALEDIT_BIN); tests that compare with it
+run it on the same records and compare the numbers exactly (both are deterministic on
+the CPU), except the wall-clock times."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dualedit
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "data"
+MODEL, EDITOR = DATA / "model", DATA / "editor"
+VL = DATA / "vl"
+BIN = Path(os.environ.get("DUALEDIT_BIN", ROOT / "target" / "release" / "dualedit"))
+TEXT = "Vacorp was founded by Ledrerra"
+
+# Wall-clock fields, the only ones allowed to differ between two runs.
+TIMES = {"edit_seconds"}
+
+
+def holdout(n: int, start: int = 0):
+    return json.loads((DATA / "world" / "edits-holdout.json").read_text())[start : start + n]
+
+
+def cli(*args: str, tmp: Path) -> dict:
+    if not BIN.exists():
+        pytest.fail(f"{BIN} is missing: build it first (./x build) or set DUALEDIT_BIN")
+    report = tmp / f"report-{len(list(tmp.iterdir()))}.json"
+    r = subprocess.run([str(BIN), *args, "--json"] + (["--report", str(report)] if args[0] in ("edit", "eval") else []),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def eval_records(out: dict) -> list:
+    """The per-record metrics of an `eval --json` run (in its report file)."""
+    return json.loads(Path(out["report"]).read_text())["metrics"]["records"]
+
+
+def without_times(v):
+    if isinstance(v, dict):
+        return {k: without_times(x) for k, x in v.items() if k not in TIMES}
+    if isinstance(v, list):
+        return [without_times(x) for x in v]
+    return v
+
+
+@pytest.fixture(scope="module")
+def session():
+    return dualedit.Session(MODEL, EDITOR)
+
+
+def test_edit_score_reset_restores_the_score_exactly(session, tmp_path):
+    before = session.score(TEXT)
+    assert before.tensor.dtype == torch.float64 and before.tensor.shape == (len(before.tokens) - 1,)
+    out = session.edit(holdout(2))
+    assert out["n"] == 2 and out["edits_total"] == 2 and session.edits_total == 2
+    assert [r["answer_after"].strip() for r in out["requests"]] == [r["target_new"] for r in holdout(2)]
+    edited = session.score(TEXT)
+    assert edited.logprobs != before.logprobs, "the edit changed nothing the score sees"
+    # save() writes the edited model as a folder a new session loads, with the same scores.
+    session.save(tmp_path / "edited")
+    assert dualedit.Session(tmp_path / "edited").score(TEXT).logprobs == edited.logprobs
+    assert session.memory()[0]["role"] == "main"
+    assert session.reset() > 0 and session.edits_total == 0
+    after = session.score(TEXT)
+    assert after.logprobs == before.logprobs
+    assert torch.equal(after.tensor, before.tensor)
+
+
+def test_score_tensor_equals_the_cli_json(session, tmp_path):
+    want = cli("score", "--model", str(MODEL), "--text", TEXT, tmp=tmp_path)
+    got = session.score(TEXT)
+    assert got.to_dict() == want
+    assert torch.equal(got.tensor, torch.tensor(want["logprobs"], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_session_edit_is_the_cli_edit_report(session, tmp_path, sequential):
+    records = holdout(3, start=2)
+    f = tmp_path / "requests.json"
+    f.write_text(json.dumps(records))
+    want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f),
+               *(["--sequential"] if sequential else []), tmp=tmp_path)
+    session.reset()
+    got = session.edit(records, sequential=sequential)
+    session.reset()
+    for k in ("data", "report", "saved"):
+        want.pop(k)
+    assert got.pop("edits_total") == 3
+    assert got.pop("seconds")["edit"] > 0
+    assert without_times(got) == without_times(want)
+
+
+def test_easyedit_form_metrics_equal_the_cli(tmp_path):
+    records = holdout(2, start=5)
+    editor = dualedit.Editor(MODEL, EDITOR)
+    args = dict(
+        prompts=[r["prompt"] for r in records],
+        target_new=[r["target_new"] for r in records],
+        ground_truth=[r["ground_truth"] for r in records],
+        rephrase_prompts=[r["rephrase_prompt"] for r in records],
+        locality_inputs={"neighborhood": {"prompt": [r["locality_prompt"] for r in records],
+                                          "ground_truth": [r["locality_ground_truth"] for r in records]}},
+        subject=[r["subject"] for r in records],
+    )
+    # sequential_edit=False: each record edited from the unedited model, as `edit` on it alone.
+    metrics, edited, weights_copy = editor.edit(**args)
+    assert edited is editor.session and weights_copy is None and edited.edits_total == 0
+    for i, r in enumerate(records):
+        f = tmp_path / f"one-{i}.json"
+        f.write_text(json.dumps([r]))
+        want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f), tmp=tmp_path)["requests"][0]
+        post = metrics[i]["post"]
+        assert metrics[i]["case_id"] == i
+        assert post["rewrite_acc"] == [want["reliability"]]
+        assert post["rephrase_acc"] == [want["generalization"]]
+        assert post["locality"] == {"neighborhood_acc": [want["locality"]]}
+        assert set(metrics[i]["pre"]) >= {"rewrite_acc", "rephrase_acc"} and "locality" not in metrics[i]["pre"]
+    # The unedited model does not answer the new targets: pre is below post.
+    assert all(m["pre"]["rewrite_acc"][0] < m["post"]["rewrite_acc"][0] for m in metrics)
+
+    # sequential_edit=True: all kept, measured after the last, as `edit --sequential`.
+    metrics, edited, _ = editor.edit(**args, sequential_edit=True)
+    f = tmp_path / "both.json"
+    f.write_text(json.dumps(records))
+    want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f), "--sequential", tmp=tmp_path)
+    assert edited.edits_total == 2
+    for m, w in zip(metrics, want["requests"]):
+        assert m["post"]["rewrite_acc"] == [w["reliability"]]
+        assert m["post"]["rephrase_acc"] == [w["generalization"]]
+        assert m["post"]["locality"]["neighborhood_acc"] == [w["locality"]]
+    edited.reset()
+
+
+def test_image_edit_on_the_multimodal_default(tmp_path):
+    world = VL / "world"
+    records = json.loads((world / "vqa-holdout.json").read_text())[:1]
+    s = dualedit.Session(VL / "model", VL / "editor")
+    before = s.score(records[0]["src"], image=world / records[0]["image"])
+    assert before.image_tokens > 0 and len(before.logprobs) == len(before.tokens)
+    out = s.edit(records, image_root=world)
+    assert out["n"] == 1 and s.edits_total == 1
+    for k in ("reliability", "generalization", "image_generalization", "locality", "image_locality"):
+        assert out[k] is not None, k
+    f = tmp_path / "vqa.json"
+    f.write_text(json.dumps(records))
+    # The same record through the CLI's dataset path (eval: edited from the unedited model).
+    want = eval_records(cli("eval", "--model", str(VL / "model"), "--editor", str(VL / "editor"), "--data", str(f), "--ds", "vqa",
+                            "--image-root", str(world), tmp=tmp_path))[0]
+    got = out["requests"][0]
+    for k in ("reliability", "generalization", "image_generalization", "locality", "image_locality"):
+        assert got[k] == want[k], k
+    s.reset()
+    assert s.score(records[0]["src"], image=world / records[0]["image"]).logprobs == before.logprobs
+
+    # EasyEdit's MultimodalEditor form, images as paths.
+    mm = dualedit.MultimodalEditor(VL / "model", VL / "editor")
+    r = records[0]
+    metrics, _, _ = mm.edit(
+        prompts=[r["src"]], targets=[r["alt"]], image=[str(world / r["image"])],
+        rephrase_prompts=[r["rephrase"]], rephrase_image=[str(world / r["image_rephrase"])],
+        locality_inputs={"text": {"prompt": [r["loc"]], "ground_truth": [r["loc_ans"]]},
+                         "vision": {"prompt": [r["m_loc_q"]], "ground_truth": [r["m_loc_a"]], "image": [str(world / r["m_loc"])]}},
+    )
+    post = metrics[0]["post"]
+    assert post == {"rewrite_acc": want["reliability"], "rephrase_acc": want["generalization"],
+                    "rephrase_image_acc": want["image_generalization"], "locality_acc": want["locality"],
+                    "multimodal_locality_acc": want["image_locality"]}
+    assert set(metrics[0]["pre"]) == {"rewrite_acc", "rephrase_acc", "rephrase_image_acc"}
+
+
+def test_pil_images_are_accepted():
+    Image = pytest.importorskip("PIL.Image")
+    world = VL / "world"
+    r = json.loads((world / "vqa-holdout.json").read_text())[0]
+    s = dualedit.Session(VL / "model", VL / "editor")
+    by_path = s.score(r["src"], image=world / r["image"])
+    by_pil = s.score(r["src"], image=Image.open(world / r["image"]))
+    assert by_pil.logprobs == by_path.logprobs
+
+
+def test_a_missing_folder_is_file_not_found(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError) as e:
+        dualedit.Session(missing)
+    assert isinstance(e.value, dualedit.Error) and str(missing) in str(e.value)
+    with pytest.raises(dualedit.NotFoundError) as e:
+        dualedit.Session(MODEL, tmp_path / "no-such-editor")
+    assert "no-such-editor" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_requests_are_value_errors(session):
+    with pytest.raises(ValueError) as e:
+        session.edit([{"prompt": "Vacorp was founded by"}])
+    assert isinstance(e.value, dualedit.Error) and "target_new" in str(e.value)
+    with pytest.raises(dualedit.InputError):
+        session.edit([])
+    with pytest.raises(dualedit.InputError, match="method"):
+        session.edit(holdout(1), method="ft")
+    with pytest.raises(ValueError, match="dtype"):
+        dualedit.Session(MODEL, dtype="int8")
+    assert session.edits_total == 0
+
+
+def test_evaluate_reports_progress_and_matches_the_cli(tmp_path):
+    data = DATA / "world" / "edits-holdout.json"
+    seen = []
+    got = dualedit.evaluate(MODEL, data, "counterfact", EDITOR, limit=3, report=tmp_path / "eval.json",
+                            progress=lambda done, total, m: seen.append((done, total, m["reliability"])))
+    assert [d for d, _, _ in seen] == [1, 2, 3] and all(t == 3 for _, t, _ in seen)
+    want = cli("eval", "--model", str(MODEL), "--editor", str(EDITOR), "--data", str(data), "--ds", "counterfact",
+               "--limit", "3", tmp=tmp_path)
+    assert without_times(got["records"]) == without_times(eval_records(want))
+    for k in ("n", "reliability", "generalization", "locality", "method", "data"):
+        assert got[k] == want[k], k
+    assert [r for _, _, r in seen] == [r["reliability"] for r in got["records"]]
+
+
+def test_an_interrupt_stops_evaluate_cleanly(tmp_path):
+    calls = []
+
+    def interrupt(done, total, m):
+        calls.append(done)
+        raise KeyboardInterrupt
+
+    report = tmp_path / "eval.json"
+    with pytest.raises(KeyboardInterrupt):
+        dualedit.evaluate(MODEL, DATA / "world" / "edits-holdout.json", "counterfact", EDITOR, report=report, progress=interrupt)
+    # Stopped at the next record, not after all 50; no half report.
+    assert calls == [1] and not report.exists()
+
+
+def test_train_writes_an_editor_a_session_opens(tmp_path):
+    out = tmp_path / "editor"
+    rep = dualedit.train(MODEL, DATA / "world" / "edits-train.json", "counterfact", ROOT / "configs" / "world.json", out,
+                         max_steps=2, limit=20, progress=False)
+    assert rep["steps"] == 2 and Path(rep["report"]).exists()
+    s = dualedit.Session(MODEL, out)
+    assert s.edit(holdout(1))["n"] == 1
+    # An editor is never replaced: the CLI's one-line error, as a ValueError.
+    with pytest.raises(dualedit.FileError, match="already holds an editor"):
+        dualedit.train(MODEL, DATA / "world" / "edits-train.json", "counterfact", ROOT / "configs" / "world.json", out, max_steps=2, limit=20)
+
+
+def test_ctrl_c_stops_training_after_its_step_with_the_editor_saved(tmp_path):
+    import _thread
+    import threading
+    import time
+
+    out = tmp_path / "editor"
+    timer = threading.Timer(3.0, _thread.interrupt_main)  # as Ctrl-C: SIGINT's flag in the main thread
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        dualedit.train(MODEL, DATA / "world" / "edits-train.json", "counterfact", ROOT / "configs" / "world.json", out,
+                       max_steps=100000, limit=40, progress=False)
+    timer.cancel()
+    assert time.monotonic() - t0 < 120
+    assert (out / "editor.safetensors").exists() and (out / "train_state.safetensors").exists()
+    dualedit.Session(MODEL, out)
+
+
+def test_plan_is_the_cli_plan(tmp_path):
+    cfg = ROOT / "configs" / "world.json"
+    got = dualedit.plan(MODEL, cfg)
+    want = cli("plan", "--model", str(MODEL), "--config", str(cfg), tmp=tmp_path)
+    assert got == want
+
+
+def test_the_easyedit_example_runs():
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "easyedit_style.py")], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "rewrite_acc" in r.stdout
