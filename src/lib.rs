@@ -20,6 +20,7 @@ pub mod planner;
 pub mod pretrain;
 pub mod pretrain_vl;
 pub mod report;
+pub mod report_merge;
 pub mod rng;
 pub mod run;
 pub mod score;

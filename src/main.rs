@@ -47,6 +47,34 @@ enum Command {
     Serve(ServeArgs),
     /// Estimate each device's peak memory for training and editing from config.json alone.
     Plan(PlanArgs),
+    /// Work with run reports: `report merge` puts many in one table.
+    #[command(subcommand)]
+    Report(ReportCmd),
+}
+
+#[derive(Subcommand)]
+enum ReportCmd {
+    /// One table of many run reports (train / eval / edit reports, compare.json): one row
+    /// each with command, model, devices, placement, key metrics, peaks and wall time.
+    Merge {
+        /// The report files (e.g. a Slurm job array's `runs/*.json`).
+        #[arg(required = true)]
+        reports: Vec<PathBuf>,
+        /// Print exactly one JSON object on stdout instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn report(c: ReportCmd) -> anyhow::Result<()> {
+    let ReportCmd::Merge { reports, json } = c;
+    let merged = dualedit::report_merge::merge(&reports)?;
+    if json {
+        println!("{}", serde_json::to_string(&merged)?);
+    } else {
+        print!("{}", dualedit::report_merge::table(&merged));
+    }
+    Ok(())
 }
 
 /// Where a run puts its work: the same flags on every command.
@@ -1143,6 +1171,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::World(a) => world(a),
         Command::Serve(a) => serve(a),
         Command::Plan(a) => plan(a),
+        Command::Report(c) => report(c),
     }
 }
 

@@ -294,6 +294,7 @@ class Check:
                    max_relative_difference=c["max_relative_difference"],
                    single={"devices": c["single"]["devices"], "main_peak_bytes": peak(c["single"], "main"), "wall_seconds": round(c["single"]["wall_seconds"], 2)},
                    dual={"devices": c["dual"]["devices"], "main_peak_bytes": peak(c["dual"], "main"), "sub_peak_bytes": peak(c["dual"], "sub"),
+                         "main_peak_reserved_bytes": c["dual"]["memory"].get("main", {}).get("peak_reserved_bytes"),
                          "wall_seconds": round(c["dual"]["wall_seconds"], 2)},
                    wall_ratio=round(c["dual"]["wall_seconds"] / max(c["single"]["wall_seconds"], 1e-9), 3))
         self.balanced = rec
@@ -303,13 +304,17 @@ class Check:
         if not bal:
             raise Skip("needs single_vs_balanced's peaks")
         key = bal["model"]
+        # The cap bounds what the caching allocator reserves: the split must be allowed its
+        # reserved peak, the single run refused its allocated one.
         single, dual_main = bal["single"]["main_peak_bytes"], bal["dual"]["main_peak_bytes"]
-        cap = int((single + dual_main) / 2)
+        dual_reserved = max(bal["dual"].get("main_peak_reserved_bytes") or 0, dual_main)
+        cap = int((single + dual_reserved) / 2)
         can_cap = not self.args.device.startswith("cpu")
         rec.update(model=key, cap_bytes=cap, single_peak_bytes=single, balanced_main_peak_bytes=dual_main,
-                   cap_enforced=can_cap)
-        if dual_main >= single and can_cap:
-            raise RuntimeError(f"the balanced main peak ({dual_main} B) is not below the single peak ({single} B): no cap separates them")
+                   balanced_main_reserved_bytes=dual_reserved, cap_enforced=can_cap)
+        if dual_reserved >= single and can_cap:
+            raise RuntimeError(f"the balanced main device reserves {dual_reserved} B at its peak, not below the single peak "
+                               f"({single} B): no cap separates them")
         caps = ["--max-memory", f"{self.args.device}={cap}"]
         env = None
         if not can_cap:
