@@ -69,21 +69,34 @@ pub struct Merged {
     pub rows: Vec<Row>,
 }
 
-/// Reads each file and makes its row; the first unreadable or unrecognised file is the
-/// error (named), so a sweep's table never silently lacks a run.
+/// Reads each file and makes its row (timelines skipped); the first unreadable or
+/// unrecognised file is the error (named), so a sweep's table never silently lacks a run.
 pub fn merge(paths: &[PathBuf]) -> Result<Merged> {
     if paths.is_empty() {
         return Err(Error::input("report merge: give at least one report (the JSON files train / eval / edit / compare write)"));
     }
-    let rows = paths.iter().map(|p| read_row(p)).collect::<Result<Vec<_>>>()?;
+    let mut rows = Vec::with_capacity(paths.len());
+    for p in paths {
+        if let Some(r) = read_row(p)? {
+            rows.push(r);
+        }
+    }
+    if rows.is_empty() {
+        return Err(Error::input("report merge: every file given is a memory timeline (<report>.timeline.json), none a report"));
+    }
     Ok(Merged { format: FORMAT, rows })
 }
 
-/// One report file as a row.
-pub fn read_row(path: &Path) -> Result<Row> {
+/// One report file as a row; `None` for the memory timeline written beside every report
+/// (`<report>.timeline.json`, `{"samples": [...]}`), which `runs/*.json` also matches.
+pub fn read_row(path: &Path) -> Result<Option<Row>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| Error::file(path, format!("not JSON: {e}")))?;
-    row(path, &v)
+    if v.as_object().is_some_and(|o| o.len() == 1 && o.get("samples").is_some_and(Value::is_array)) {
+        tracing::info!(file = %path.display(), "skipped: a memory timeline, not a report");
+        return Ok(None);
+    }
+    row(path, &v).map(Some)
 }
 
 /// The row of a parsed report (`path` only names it).

@@ -76,7 +76,10 @@ fn reports(dir: &Path) -> Vec<PathBuf> {
 fn merges_train_eval_and_compare_reports_into_one_table_and_one_json() {
     let dir = tempfile::tempdir().unwrap();
     let files = reports(dir.path());
-    let args: Vec<&str> = ["report", "merge"].into_iter().chain(files.iter().map(|p| s(p))).collect();
+    // The timeline beside a report (what `runs/*.json` also matches) is passed over.
+    let timeline = dir.path().join("train.timeline.json");
+    assert!(timeline.is_file());
+    let args: Vec<&str> = ["report", "merge"].into_iter().chain(files.iter().map(|p| s(p))).chain([s(&timeline)]).collect();
 
     let v: Value = serde_json::from_str(&ok(dualedit(&[args.as_slice(), &["--json"]].concat()))).unwrap();
     assert_eq!(v["format"], "dualedit-report-merge/1");
@@ -132,6 +135,11 @@ fn bad_reports_are_one_clear_error_naming_the_file() {
         assert_eq!(err.lines().count(), 1, "one line: {err}");
         assert!(o.stdout.is_empty());
     }
+    // Only timelines: nothing to merge, said so.
+    let t = dir.path().join("a.timeline.json");
+    std::fs::write(&t, r#"{"samples": []}"#).unwrap();
+    let o = dualedit(&["report", "merge", s(&t)]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("none a report"));
     // No report at all: the usage error, nothing merged.
     let o = dualedit(&["report", "merge"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("REPORTS"));
