@@ -326,7 +326,7 @@ class Check:
         res, _ = self.measured(key, "cap-single", ["--device", self.args.device], env=env, expect_fail=True, extra=caps)
         diag = res.get("diagnosis", "")
         rec["single"] = {"completed": res["rc"] == 0, "out_of_memory": "out of memory" in diag.lower(),
-                         "diagnosis": diag[-1500:] if diag else None}
+                         "diagnosis": diag[:2500] if diag else None}
         res, _ = self.measured(key, "cap-balanced", ["--device", self.args.device, "--sub-device", self.args.sub, "--placement", "balanced"],
                                expect_fail=True, extra=caps)
         rec["balanced"] = {"completed": res["rc"] == 0, "peak_bytes": res.get("peak_bytes"), "error": res.get("error")}
