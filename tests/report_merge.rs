@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use dualedit::compare::{Comparison, Side};
+use dualedit::run::compare::{Comparison, Side};
 use dualedit::device::memory::RoleSummary;
 use serde_json::Value;
 

@@ -5,8 +5,8 @@
 //!
 //! It reads what the commands write, as JSON values (so a report of an older or newer
 //! build still merges, its unknown fields ignored): the run reports of `train`, `eval` and
-//! `edit` ([`crate::report::RunReport`]) and the `compare.json` of `compare`
-//! ([`crate::compare::Comparison`], one row: the split side's devices and peaks, the
+//! `edit` ([`crate::run::report::RunReport`]) and the `compare.json` of `compare`
+//! ([`crate::run::compare::Comparison`], one row: the split side's devices and peaks, the
 //! ratio and agreement as metrics, the two wall times summed). Anything else is refused
 //! with the file named.
 use std::collections::BTreeMap;
