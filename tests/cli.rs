@@ -87,6 +87,8 @@ fn every_json_command_prints_one_json_object() {
         ("plan", vec!["plan", "--model", &model, "--config", "configs/world.json", "--json"], "totals"),
         ("edit", vec!["edit", "--model", &model, "--editor", &editor, "--requests", &requests, "--json", "--report", &edit_report], "requests"),
         ("eval", [&["eval"][..], &eval, &["--report", &eval_report]].concat(), "reliability"),
+        // The eval report just written, merged.
+        ("report merge", vec!["report", "merge", &eval_report, "--json"], "rows"),
         (
             "compare eval",
             [&["compare", "eval"][..], &eval, &["--device", "cpu", "--sub-device", "cpu", "--report", &compare_report]].concat(),

@@ -8,8 +8,8 @@ pub mod render;
 use clap::{Parser, Subcommand};
 
 use args::{
-    BuildDefaultArgs, CompareCmd, DemoArgs, EditArgs, EvalArgs, PlanArgs, PretrainArgs, ScoreArgs, ServeArgs, TrainArgs,
-    WorldArgs,
+    BuildDefaultArgs, CompareCmd, DemoArgs, EditArgs, EvalArgs, PlanArgs, PretrainArgs, ReportCmd, ScoreArgs, ServeArgs,
+    TrainArgs, WorldArgs,
 };
 
 #[derive(Parser)]
@@ -46,4 +46,7 @@ pub enum Command {
     Serve(ServeArgs),
     /// Estimate each device's peak memory for training and editing from config.json alone.
     Plan(PlanArgs),
+    /// Work with run reports: `report merge` puts many in one table.
+    #[command(subcommand)]
+    Report(ReportCmd),
 }

@@ -3,6 +3,7 @@
 pub mod chart;
 pub mod compare;
 pub mod report;
+pub mod report_merge;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

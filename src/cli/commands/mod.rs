@@ -7,6 +7,7 @@ pub mod edit;
 pub mod eval;
 pub mod plan;
 pub mod pretrain;
+pub mod report;
 pub mod score;
 pub mod serve;
 pub mod train;
@@ -29,6 +30,7 @@ impl Command {
             Command::World(a) => world::run(a),
             Command::Serve(a) => serve::run(a),
             Command::Plan(a) => plan::run(a),
+            Command::Report(c) => report::run(c),
         }
     }
 }
