@@ -557,9 +557,13 @@ struct EditArgs {
     common: CommonArgs,
     #[command(flatten)]
     method: MethodArgs,
-    /// EasyEdit-style request records (prompt, target_new, optional rephrase_prompt, locality_*, portability).
+    /// EasyEdit-style request records (prompt, target_new, optional rephrase_prompt, locality_*,
+    /// portability), or with --ds the records of that dataset (vqa|caption: E-VQA / E-IC, with --image-root).
     #[arg(long)]
     requests: PathBuf,
+    /// The format of --requests: requests (default), zsre, counterfact, vqa or caption.
+    #[arg(long, default_value = "requests")]
+    ds: String,
     /// Apply the requests one after another instead of as one batch.
     #[arg(long)]
     sequential: bool,
@@ -723,28 +727,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
 }
 
 fn print_summary(s: &dualedit::eval::Summary) {
-    println!("{:<16} {:>8}", "metric", "value");
-    for (k, v) in [
-        ("reliability", s.reliability),
-        ("edit_success", s.edit_success),
-        ("nll_pre", s.nll_pre),
-        ("nll_post", s.nll_post),
-        ("edit_seconds", s.edit_seconds),
-    ] {
-        println!("{k:<16} {v:>8.4}");
-    }
-    match s.generalization {
-        Some(g) => println!("{:<16} {:>8.4}", "generalization", g),
-        None => println!("{:<16} {:>8}", "generalization", "- (no rephrases)"),
-    }
-    match s.locality {
-        Some(l) => println!("{:<16} {:>8.4}", "locality", l),
-        None => println!("{:<16} {:>8}", "locality", "- (no locality prompts)"),
-    }
-    if let Some(p) = s.portability {
-        println!("{:<16} {:>8.4}", "portability", p);
-    }
-    println!("{:<16} {:>8}", "n", s.n);
+    print!("{}", run::summary_table(s));
 }
 
 fn edit(a: EditArgs) -> anyhow::Result<()> {
@@ -752,6 +735,7 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
         common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
         method: a.method.resolve()?,
         requests: a.requests,
+        ds: a.ds.parse()?,
         sequential: a.sequential,
         save: a.save,
         max_length: a.method.max_length,
@@ -767,15 +751,7 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     for (i, r) in out.requests.iter().enumerate() {
-        println!(
-            "[{i}] {:?} -> {:?}: now answers {:?} (reliability {:.2}, generalization {}, locality {})",
-            r.prompt,
-            r.target_new,
-            r.answer_after,
-            r.metrics.reliability,
-            r.metrics.generalization.map_or("-".into(), |g| format!("{g:.2}")),
-            r.metrics.locality.map_or("-".into(), |l| format!("{l:.2}"))
-        );
+        println!("{}", run::request_line(i, r));
     }
     let refused = out.guard.iter().filter(|g| g.decision == dualedit::mend::guard::Decision::Refused).count();
     let scaled = out.guard.iter().filter(|g| g.decision == dualedit::mend::guard::Decision::Scaled).count();
