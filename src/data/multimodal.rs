@@ -28,7 +28,8 @@ use tch::{Device, Tensor};
 use super::batch::{EditExample, Example, ImageRef, TokenBatch};
 use super::easyedit::DatasetKind;
 use super::examples::{OverLong, Prepared};
-use crate::model::qwen2_vl::{image, ChatTemplate, Grid, ImageProcessorConfig, Qwen2Vl};
+pub use crate::model::qwen2_vl::ChatTemplate;
+use crate::model::qwen2_vl::{image, Grid, ImageProcessorConfig, Qwen2Vl};
 use crate::model::{ParamView, Tokenizer};
 use crate::{Error, Result};
 
