@@ -583,20 +583,22 @@ struct GuardArgs {
     /// Commit every edit as the editor makes it: no guard on the locality prompts.
     #[arg(long)]
     no_guard: bool,
-    /// Guard: the least top-1 agreement of the locality prompts with the unedited model.
-    #[arg(long, default_value_t = 0.9)]
-    guard_min_agreement: f64,
-    /// Guard: the most one edit may lower that agreement.
-    #[arg(long, default_value_t = 0.05)]
-    guard_max_drop: f64,
-    /// Guard: the largest KL(unedited || edited) per locality position, in nats.
-    #[arg(long, default_value_t = 1.0)]
-    guard_max_kl: f64,
+    /// Guard: the least top-1 agreement of the locality prompts with the unedited model
+    /// (0 to 1; default 0.9).
+    #[arg(long, conflicts_with = "no_guard")]
+    guard_min_agreement: Option<f64>,
+    /// Guard: the most one edit may lower that agreement (0 to 1; default 0.05).
+    #[arg(long, conflicts_with = "no_guard")]
+    guard_max_drop: Option<f64>,
+    /// Guard: the largest KL(unedited || edited) per locality position, in nats (>= 0;
+    /// default 1).
+    #[arg(long, conflicts_with = "no_guard")]
+    guard_max_kl: Option<f64>,
     /// Guard: refuse an edit that fails instead of scaling it back.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_guard")]
     guard_refuse: bool,
     /// Guard: shrink each edit to the smallest scale (1, 1/2, 1/4, ...) that still makes it.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_guard")]
     guard_shrink: bool,
     /// With --sequential: make each request in up to 8 committed steps of a centred,
     /// clipped, capped edit at 1/4 scale (experimental; see src/mend/stepwise.rs).
@@ -605,15 +607,31 @@ struct GuardArgs {
 }
 
 impl GuardArgs {
-    fn config(&self) -> Option<dualedit::mend::guard::GuardConfig> {
-        (!self.no_guard).then(|| dualedit::mend::guard::GuardConfig {
-            min_agreement: self.guard_min_agreement,
-            max_drop: self.guard_max_drop,
-            max_kl: self.guard_max_kl,
+    /// Whether any guard setting was given (eval uses them only with a capacity mode).
+    fn given(&self) -> bool {
+        self.no_guard || self.guard_refuse || self.guard_shrink || self.guard_min_agreement.is_some() || self.guard_max_drop.is_some() || self.guard_max_kl.is_some()
+    }
+
+    fn config(&self) -> anyhow::Result<Option<dualedit::mend::guard::GuardConfig>> {
+        let d = dualedit::mend::guard::GuardConfig::default();
+        let unit = |flag: &str, v: Option<f64>, default: f64| match v {
+            Some(x) if !(x.is_finite() && (0.0..=1.0).contains(&x)) => Err(anyhow::anyhow!("{flag} must be a number from 0 to 1, got {x}")),
+            v => Ok(v.unwrap_or(default)),
+        };
+        let min_agreement = unit("--guard-min-agreement", self.guard_min_agreement, d.min_agreement)?;
+        let max_drop = unit("--guard-max-drop", self.guard_max_drop, d.max_drop)?;
+        let max_kl = match self.guard_max_kl {
+            Some(x) if !(x.is_finite() && x >= 0.0) => anyhow::bail!("--guard-max-kl must be a number >= 0, got {x}"),
+            v => v.unwrap_or(d.max_kl),
+        };
+        Ok((!self.no_guard).then(|| dualedit::mend::guard::GuardConfig {
+            min_agreement,
+            max_drop,
+            max_kl,
             scale_back: !self.guard_refuse,
             shrink: self.guard_shrink,
-            ..Default::default()
-        })
+            ..d
+        }))
     }
 
     fn stepwise(&self) -> Option<dualedit::mend::stepwise::Stepwise> {
@@ -739,7 +757,7 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
         sequential: a.sequential,
         save: a.save,
         max_length: a.method.max_length,
-        guard: a.guard.config(),
+        guard: a.guard.config()?,
         stepwise: a.guard.stepwise(),
     };
     let (out, path) = run::run_edit(&opts)?;
@@ -784,13 +802,13 @@ fn capacity_options(a: &EvalArgs) -> anyhow::Result<Option<run::CapacityOptions>
         (Some(n), _) => Grouping::Batch(n),
         (None, Some(n)) => Grouping::Sequential(n),
         (None, None) => {
-            if a.drift_text.is_some() || a.guard.stepwise || a.guard.no_guard {
+            if a.drift_text.is_some() || a.guard.stepwise || a.guard.given() {
                 anyhow::bail!("--drift-text, --stepwise and the guard flags of eval need --edits-per-batch N or --sequential N");
             }
             return Ok(None);
         }
     };
-    Ok(Some(run::CapacityOptions { grouping, guard: a.guard.config(), stepwise: a.guard.stepwise(), drift_text: a.drift_text.clone() }))
+    Ok(Some(run::CapacityOptions { grouping, guard: a.guard.config()?, stepwise: a.guard.stepwise(), drift_text: a.drift_text.clone() }))
 }
 
 fn compare(c: CompareCmd) -> anyhow::Result<()> {

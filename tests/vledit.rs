@@ -396,3 +396,28 @@ fn cli_image_edit_after_cli_training_saves_a_folder_transformers_scores_alike() 
     let moved = theirs.iter().zip(&theirs0).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
     assert!(moved > 1e-5, "transformers scores the saved folder as the unedited model");
 }
+
+/// A flag `edit` / `eval` accepts is used or refused with one error naming it.
+#[test]
+fn flags_that_would_be_ignored_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let req = dir.path().join("req.json");
+    std::fs::write(&req, common::RECORDS).unwrap();
+    let (m, r) = (fixture("gpt2"), req.to_str().unwrap().to_string());
+    let edit = ["edit", "--model", s(&m), "--method", "ft", "--requests", &r];
+    let eval = ["eval", "--model", s(&m), "--method", "ft", "--data", &r, "--ds", "counterfact"];
+    let cases: [(&[&str], &[&str], &str); 7] = [
+        (&edit, &["--no-guard", "--guard-max-kl", "2"], "--guard-max-kl"),
+        (&edit, &["--no-guard", "--guard-refuse"], "--guard-refuse"),
+        (&edit, &["--guard-min-agreement", "NaN"], "--guard-min-agreement"),
+        (&edit, &["--guard-max-drop", "2"], "--guard-max-drop"),
+        (&edit, &["--guard-max-kl=-1"], "--guard-max-kl must be"),
+        (&eval, &["--guard-max-kl", "0.5"], "guard flags of eval need"),
+        (&eval, &["--image-root", "."], "--image-root"),
+    ];
+    for (cmd, extra, needle) in cases {
+        let out = dualedit(&[cmd, extra].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(needle), "{extra:?}: {err}");
+    }
+}
