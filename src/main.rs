@@ -624,7 +624,7 @@ impl GuardArgs {
             Some(x) if !(x.is_finite() && x >= 0.0) => anyhow::bail!("--guard-max-kl must be a number >= 0, got {x}"),
             v => v.unwrap_or(d.max_kl),
         };
-        Ok((!self.no_guard).then(|| dualedit::mend::guard::GuardConfig {
+        Ok((!self.no_guard).then_some(dualedit::mend::guard::GuardConfig {
             min_agreement,
             max_drop,
             max_kl,

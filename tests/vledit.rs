@@ -245,8 +245,11 @@ fn a_data_error_that_ends_training_saves_the_training_state() {
     assert!(out.join(checkpoint::EDITOR_FILE).exists(), "no editor after a data error");
 }
 
-/// Tensor name → (dtype, shape) of every safetensors file in `dir`, and the files.
-fn layout(dir: &Path) -> (std::collections::BTreeMap<String, (String, Vec<usize>)>, Vec<String>) {
+/// Tensor name → (dtype, shape).
+type Tensors = std::collections::BTreeMap<String, (String, Vec<usize>)>;
+
+/// The tensors of every safetensors file in `dir`, and the files.
+fn layout(dir: &Path) -> (Tensors, Vec<String>) {
     let mut out = std::collections::BTreeMap::new();
     let mut files = Vec::new();
     for e in std::fs::read_dir(dir).unwrap() {
