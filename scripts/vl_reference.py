@@ -2,17 +2,18 @@
 
     python scripts/vl_reference.py template DIR IMAGE TEXT TARGET
         The ids of `apply_chat_template([user: image, text], add_generation_prompt=True)
-        + " " + TARGET` with IMAGE, as Qwen2VLProcessor builds them: the template rendered
-        by transformers' own Jinja2 setup (the tokenizer's apply_chat_template, on the
-        folder's chat_template.jinja), the one <|image_pad|> expanded to the image's
-        merged-patch count, then tokenised. (Qwen2VLProcessor itself is not built because
-        transformers' video processor needs torchvision, which the test venv lacks; these
-        are the steps its __call__ takes for text + one image.)
+        + " " + TARGET` with IMAGE, from AutoProcessor.from_pretrained(DIR) (transformers
+        finds the folder's template itself). Where torchvision is missing (transformers'
+        Qwen2-VL video processor needs it, so AutoProcessor cannot be built), the same steps
+        by hand: the tokenizer's apply_chat_template (transformers' Jinja2 setup) on the
+        folder's chat_template.jinja, the one <|image_pad|> expanded to the image's
+        merged-patch count, then tokenised, as Qwen2VLProcessor.__call__ does.
 
     python scripts/vl_reference.py logprobs DIR IMAGE TEXT
         The folder loaded with AutoModelForImageTextToText, AutoTokenizer and the Pillow
         Qwen2VLImageProcessor; the log-probability of each token of TEXT shown after IMAGE's
         run (<|vision_start|> + pads + <|vision_end|>), as `dualedit score --image` scores it.
+        With torchvision, also the class AutoProcessor.from_pretrained(DIR) gives.
 
 Prints one JSON object. Needs torch, transformers (5.23 tested), Pillow.
 """
@@ -35,7 +36,23 @@ def image_tokens(proc, image: str) -> tuple[dict, int]:
     return out, n
 
 
+def auto_processor(d: str):
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return None
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(d)
+
+
 def template(d: str, image: str, text: str, target: str) -> dict:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    auto = auto_processor(d)
+    if auto is not None:
+        prompt = auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = auto(text=[prompt + " " + target], images=[Image.open(image)])["input_ids"][0]
+        return {"prompt": prompt, "input_ids": list(ids), "via": type(auto).__name__}
     tok = AutoTokenizer.from_pretrained(d)
     proc = Qwen2VLImageProcessorPil.from_pretrained(d)
     chat_template = (Path(d) / "chat_template.jinja").read_text()
@@ -44,7 +61,7 @@ def template(d: str, image: str, text: str, target: str) -> dict:
     _, n = image_tokens(proc, image)
     full = (prompt + " " + target).replace("<|image_pad|>", "<|placeholder|>" * n).replace("<|placeholder|>", "<|image_pad|>")
     ids = tok(full)["input_ids"]
-    return {"prompt": prompt, "input_ids": ids}
+    return {"prompt": prompt, "input_ids": ids, "via": "by hand"}
 
 
 def logprobs(d: str, image: str, text: str) -> dict:
@@ -60,7 +77,13 @@ def logprobs(d: str, image: str, text: str) -> dict:
         mm = (t == cfg.image_token_id).to(torch.int32)  # what the processor returns beside input_ids
         logits = model(input_ids=t, pixel_values=img["pixel_values"], image_grid_thw=img["image_grid_thw"], mm_token_type_ids=mm).logits[0].double()
     lp = torch.log_softmax(logits, -1)[:-1].gather(1, t[0, 1:, None])[:, 0]
-    return {"input_ids": ids, "image_tokens": n, "logprobs": lp[-len(text_ids):].tolist()}
+    auto = auto_processor(d)
+    return {
+        "input_ids": ids,
+        "image_tokens": n,
+        "logprobs": lp[-len(text_ids):].tolist(),
+        "auto_processor": type(auto).__name__ if auto is not None else None,
+    }
 
 
 def main() -> None:

@@ -4,7 +4,8 @@
 //!
 //! The transformers comparisons run `scripts/vl_reference.py` with the project venv's
 //! Python. transformers is found in the venv, or on `DUALEDIT_PYTHONPATH` (default: the
-//! shared `/work/pyenv/tf-5.23.0:/work/pyenv/common` when it exists); without it those
+//! shared `/work/pyenv/{tf-5.23.0,common,torchvision-0.28.0}` folders that exist; with
+//! torchvision, `AutoProcessor` itself builds the references); without it those
 //! checks are skipped with a message, unless `DUALEDIT_REQUIRE_SHARED=1` makes that a
 //! failure.
 mod common;
@@ -100,8 +101,9 @@ fn model_copy(dir: &Path, template: Option<&str>) -> PathBuf {
 fn python() -> Option<(PathBuf, Option<String>)> {
     let py = Path::new(ROOT).join(".venv/bin/python");
     let path = std::env::var("DUALEDIT_PYTHONPATH").ok().or_else(|| {
-        let shared = "/work/pyenv/tf-5.23.0:/work/pyenv/common";
-        Path::new("/work/pyenv/tf-5.23.0").is_dir().then(|| shared.to_string())
+        let shared = ["/work/pyenv/tf-5.23.0", "/work/pyenv/common", "/work/pyenv/torchvision-0.28.0"];
+        let there: Vec<&str> = shared.into_iter().filter(|p| Path::new(p).is_dir()).collect();
+        (there.len() >= 2).then(|| there.join(":"))
     });
     let mut c = Command::new(&py);
     c.args(["-c", "import transformers, PIL"]);
@@ -166,6 +168,7 @@ fn views_follow_the_checkpoints_chat_template() {
     for (name, e, img, text, target) in cases {
         let r = reference(&py, &["template", s(&m), s(&img), text, target]);
         assert!(r["prompt"].as_str().unwrap().contains("briefly"), "{r}");
+        eprintln!("{name}: reference via {}", r["via"]);
         let ids: Vec<i64> = serde_json::from_value(r["input_ids"].clone()).unwrap();
         assert_eq!(e.ids, ids, "{name}: dualedit's ids differ from transformers' apply_chat_template + \" \" + target");
     }
@@ -391,6 +394,11 @@ fn cli_image_edit_after_cli_training_saves_a_folder_transformers_scores_alike() 
     let r = reference(&py, &["logprobs", s(&saved), s(&image), prompt]);
     let theirs: Vec<f64> = serde_json::from_value(r["logprobs"].clone()).unwrap();
     assert_eq!(theirs.len(), edited.len());
+    if let Some(class) = r["auto_processor"].as_str() {
+        assert_eq!(class, "Qwen2VLProcessor", "AutoProcessor on the saved folder");
+    } else {
+        eprintln!("torchvision missing: AutoProcessor on the saved folder not tried");
+    }
     let diff = edited.iter().zip(&theirs).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
     eprintln!("saved folder: dualedit vs transformers max |Δ log-prob| {diff:.3e}; edited vs unedited {moved:.3e}");
     assert!(diff <= 1e-4, "dualedit and transformers differ by {diff} on the saved folder");
