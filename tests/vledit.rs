@@ -21,7 +21,7 @@ use dualedit::device::DevicePlan;
 use dualedit::edit::{open_engine, LoadOptions};
 use dualedit::mend::{checkpoint, Editor};
 use dualedit::run::load_examples;
-use dualedit::session::Session;
+use dualedit::edit::session::Session;
 use serde_json::{json, Value};
 use tch::Device;
 
