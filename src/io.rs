@@ -159,6 +159,8 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
 /// extra host memory, not a second copy of everything.
 struct LazyBytes {
     tensor: Tensor,
+    /// The kind stored: the tensor is converted to it only when its bytes are written.
+    kind: Kind,
     dtype: Dtype,
     shape: Vec<usize>,
 }
@@ -171,7 +173,7 @@ impl safetensors::View for LazyBytes {
         &self.shape
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        let t = self.tensor.to_device(Device::Cpu).contiguous();
+        let t = self.tensor.to_device(Device::Cpu).to_kind(self.kind).contiguous();
         let mut bytes = vec![0u8; self.data_len()];
         // Kinds and sizes were checked when the view was built; a failed copy here would
         // be a device error, which the writer cannot report: leave zeros and log it.
@@ -181,7 +183,85 @@ impl safetensors::View for LazyBytes {
         std::borrow::Cow::Owned(bytes)
     }
     fn data_len(&self) -> usize {
-        self.tensor.numel() * self.tensor.kind().elt_size_in_bytes()
+        self.tensor.numel() * self.kind.elt_size_in_bytes()
+    }
+}
+
+/// One tensor of a safetensors file being written: a tensor stored in `kind` (converted
+/// when written), or bytes copied as they are (a buffer of a dtype tch has no kind for).
+pub enum Stored {
+    Tensor(Tensor, Kind),
+    Raw { dtype: Dtype, shape: Vec<usize>, bytes: Vec<u8> },
+}
+
+enum AnyView {
+    Lazy(LazyBytes),
+    Raw { dtype: Dtype, shape: Vec<usize>, bytes: Vec<u8> },
+}
+
+impl safetensors::View for AnyView {
+    fn dtype(&self) -> Dtype {
+        match self {
+            AnyView::Lazy(l) => l.dtype(),
+            AnyView::Raw { dtype, .. } => *dtype,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        match self {
+            AnyView::Lazy(l) => l.shape(),
+            AnyView::Raw { shape, .. } => shape,
+        }
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        match self {
+            AnyView::Lazy(l) => l.data(),
+            AnyView::Raw { bytes, .. } => std::borrow::Cow::Borrowed(bytes),
+        }
+    }
+    fn data_len(&self) -> usize {
+        match self {
+            AnyView::Lazy(l) => l.data_len(),
+            AnyView::Raw { bytes, .. } => bytes.len(),
+        }
+    }
+}
+
+/// Writes `tensors` as one safetensors file, atomically, each stored as [`Stored`] says.
+/// Returns the bytes of tensor data written (an index's `total_size`).
+pub fn write_safetensors_stored(path: &Path, tensors: Vec<(String, Stored)>, metadata: HashMap<String, String>) -> Result<u64> {
+    let mut total = 0u64;
+    let views = tensors
+        .into_iter()
+        .map(|(name, s)| {
+            let view = match s {
+                Stored::Tensor(t, kind) => {
+                    let shape = t.size().iter().map(|&d| d as usize).collect();
+                    AnyView::Lazy(LazyBytes { tensor: t.detach(), kind, dtype: dtype_of(kind)?, shape })
+                }
+                Stored::Raw { dtype, shape, bytes } => AnyView::Raw { dtype, shape, bytes },
+            };
+            total += safetensors::View::data_len(&view) as u64;
+            Ok((name, view))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let meta = (!metadata.is_empty()).then_some(metadata);
+    replace_atomically(path, |tmp| {
+        safetensors::tensor::serialize_to_file(views, meta, tmp).map_err(|e| std::io::Error::other(e.to_string()))
+    })?;
+    Ok(total)
+}
+
+/// Copies the file `from` to `to` (following links: the content, not the link) and
+/// flushes it to disk.
+pub fn copy_synced(from: &Path, to: &Path) -> Result<()> {
+    std::fs::copy(from, to).map_err(|e| Error::io(from, e))?;
+    std::fs::File::open(to).and_then(|f| f.sync_all()).map_err(|e| Error::io(to, e))
+}
+
+/// Flushes a directory's entries (a rename into or out of it) to disk; best effort.
+pub fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
     }
 }
 
@@ -191,7 +271,7 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)], metadata: Ha
         .iter()
         .map(|(name, t)| {
             let shape = t.size().iter().map(|&d| d as usize).collect();
-            Ok((name.clone(), LazyBytes { tensor: t.detach(), dtype: dtype_of(t.kind())?, shape }))
+            Ok((name.clone(), LazyBytes { tensor: t.detach(), kind: t.kind(), dtype: dtype_of(t.kind())?, shape }))
         })
         .collect::<Result<Vec<_>>>()?;
     let meta = (!metadata.is_empty()).then_some(metadata);

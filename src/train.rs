@@ -589,7 +589,24 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
                 }
                 return Err(crate::device::oom::diagnose(e, step, phase, &engine.placement(), cfg, tracker, checkpoint::saved_state(out)));
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                // Any other error ends the run too (a data error, say): keep what was
+                // learned so that --resume continues from here, not from the last
+                // validation. The editor has not been touched by this step.
+                adam.zero_grad();
+                let saved = checkpoint::save_state(out, editor, &adam, &counters).and_then(|()| {
+                    if out.join(checkpoint::EDITOR_FILE).exists() {
+                        Ok(())
+                    } else {
+                        checkpoint::save_editor(out, editor, engine, counters.step).map(|_| ())
+                    }
+                });
+                match saved {
+                    Ok(()) => warn!(dir = %out.display(), step, "the run stopped on an error; the training state is saved: --resume continues from step {step}"),
+                    Err(se) => warn!(dir = %out.display(), step, "the run stopped on an error, and saving the training state failed too: {se}"),
+                }
+                return Err(e);
+            }
         };
         // A failure in the optimiser step may leave the editor half-updated: nothing is
         // saved then, and the state from the last validation (if any) stays the resume point.

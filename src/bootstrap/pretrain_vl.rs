@@ -316,7 +316,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     let vl = Qwen2Vl::from_json(&config, "Qwen2VLForConditionalGeneration")?;
     let proc = vl.image_processor(out)?;
     let model = Model::new(vl.clone());
-    let data = build_data(&corpus, world, &tok, VlPrompt { vl: &vl, proc: &proc }, 400)?;
+    let data = build_data(&corpus, world, &tok, VlPrompt { vl: &vl, proc: &proc, template: crate::model::qwen2_vl::ChatTemplate::qwen2_vl() }, 400)?;
     let store = random_params(&model, device, Kind::Float, cfg.seed as i64);
     let (vision, text): (Vec<_>, Vec<_>) = store.iter().partition(|(n, _)| n.starts_with("visual."));
     let grad = |v: Vec<(&String, &Tensor)>| -> Vec<Tensor> { v.into_iter().map(|(_, t)| t.set_requires_grad(true)).collect() };

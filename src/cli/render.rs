@@ -41,44 +41,15 @@ pub fn trained(rep: &TrainReport, select_by: SelectBy, report: &Path) {
     println!("report: {}", report.display());
 }
 
-/// EasyEdit's metrics as a two-column table.
+/// EasyEdit's metrics as a two-column table (with the five multimodal ones for image edits).
 pub fn summary(s: &Summary) {
-    println!("{:<16} {:>8}", "metric", "value");
-    for (k, v) in [
-        ("reliability", s.reliability),
-        ("edit_success", s.edit_success),
-        ("nll_pre", s.nll_pre),
-        ("nll_post", s.nll_post),
-        ("edit_seconds", s.edit_seconds),
-    ] {
-        println!("{k:<16} {v:>8.4}");
-    }
-    match s.generalization {
-        Some(g) => println!("{:<16} {:>8.4}", "generalization", g),
-        None => println!("{:<16} {:>8}", "generalization", "- (no rephrases)"),
-    }
-    match s.locality {
-        Some(l) => println!("{:<16} {:>8.4}", "locality", l),
-        None => println!("{:<16} {:>8}", "locality", "- (no locality prompts)"),
-    }
-    if let Some(p) = s.portability {
-        println!("{:<16} {:>8.4}", "portability", p);
-    }
-    println!("{:<16} {:>8}", "n", s.n);
+    print!("{}", crate::run::summary_table(s));
 }
 
 /// `edit`: each request's answer and metrics, the guard's decisions, the summary.
 pub fn edited(out: &EditOutput, report: &Path) {
     for (i, r) in out.requests.iter().enumerate() {
-        println!(
-            "[{i}] {:?} -> {:?}: now answers {:?} (reliability {:.2}, generalization {}, locality {})",
-            r.prompt,
-            r.target_new,
-            r.answer_after,
-            r.metrics.reliability,
-            r.metrics.generalization.map_or("-".into(), |g| format!("{g:.2}")),
-            r.metrics.locality.map_or("-".into(), |l| format!("{l:.2}"))
-        );
+        println!("{}", crate::run::request_line(i, r));
     }
     let refused = out.guard.iter().filter(|g| g.decision == Decision::Refused).count();
     let scaled = out.guard.iter().filter(|g| g.decision == Decision::Scaled).count();

@@ -37,6 +37,10 @@ pub struct SkippedRecord {
     pub reason: String,
 }
 
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
 /// How many records are shown by name in warnings and reports.
 pub const SHOWN_SKIPPED: usize = 5;
 
@@ -58,6 +62,14 @@ pub struct DataCounts {
     pub skipped_image: usize,
     /// Records whose prompts were cut from the left to fit (policy `truncate`).
     pub truncated: usize,
+    /// Multimodal data: records used whose `rephrase` is empty, so their rephrase
+    /// accuracy is not measured (treated as absent, not scored as a question).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub no_rephrase: usize,
+    /// Validation examples dropped because the same example is in the training split
+    /// (duplicated records), so validation never measures what was trained on.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub val_duplicates_dropped: usize,
     /// Longest example in tokens (prompt + answer), as applied.
     pub max_length: usize,
     pub over_long: OverLong,

@@ -7,14 +7,18 @@
 //! root (`--image-root`), `image_rephrase` to the rephrase-image root
 //! (`--rephrase-image-root`, default the first). As EasyEdit, records with an empty `alt`
 //! are skipped; a record whose image is missing or unreadable is skipped and named (an
-//! error under `--strict`), where EasyEdit would stop with a Python traceback.
+//! error under `--strict`), where EasyEdit would stop with a Python traceback. Every image
+//! is decoded in full when the file is read, so a truncated PNG or JPEG whose header is
+//! intact is skipped here, not found halfway through a training run. An empty `rephrase`
+//! is absent (no rephrase accuracy for that record, counted), not a question.
 //!
 //! Views (per record): `edit_inner` (src + image → alt), `edit_outer` (rephrase + image →
 //! alt), `edit_outer_image` (src + image_rephrase → alt), `loc` (the text-only NQ
 //! question → loc_ans) and `loc_image` (`Question: {m_loc_q} Short answer:` + the m_loc
-//! image → m_loc_a). Image prompts go through Qwen2-VL's chat template
-//! ([`Qwen2Vl::chat_image_prompt`]) with the image's `<|image_pad|>` run; the answer
-//! follows as `" " + target` and only its tokens are labelled.
+//! image → m_loc_a). Image prompts go through the checkpoint's chat template
+//! ([`ChatTemplate`]; Qwen2-VL's default when it has none) with the image's
+//! `<|image_pad|>` run; the answer follows as `" " + target` and only its tokens are
+//! labelled.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -24,6 +28,7 @@ use tch::{Device, Tensor};
 use super::batch::{EditExample, Example, ImageRef, TokenBatch};
 use super::easyedit::DatasetKind;
 use super::examples::{OverLong, Prepared};
+pub use crate::model::qwen2_vl::ChatTemplate;
 use crate::model::qwen2_vl::{image, Grid, ImageProcessorConfig, Qwen2Vl};
 use crate::model::{ParamView, Tokenizer};
 use crate::{Error, Result};
@@ -58,7 +63,8 @@ pub struct MmRecord {
     pub src: String,
     pub pred: Option<String>,
     pub alt: String,
-    pub rephrase: String,
+    /// `None` when the record's `rephrase` is empty.
+    pub rephrase: Option<String>,
     pub image: ImageFile,
     pub image_rephrase: ImageFile,
     pub loc: String,
@@ -77,7 +83,7 @@ impl MmRecord {
             target_new: self.alt.clone(),
             subject: None,
             ground_truth: self.pred.clone(),
-            rephrase: Some(self.rephrase.clone()),
+            rephrase: self.rephrase.clone(),
             locality_prompt: Some(self.loc.clone()),
             locality_ground_truth: Some(self.loc_ans.clone()),
             portability: Vec::new(),
@@ -128,6 +134,41 @@ pub struct MmLoad {
     pub skipped_empty: Vec<(usize, String)>,
     /// Records with a missing or unreadable image.
     pub skipped_image: Vec<(usize, String)>,
+    /// Kept records whose `rephrase` is empty (their rephrase accuracy is not measured).
+    pub no_rephrase: usize,
+}
+
+/// Pillow's `Image.MAX_IMAGE_PIXELS`: larger images are refused from their header, before
+/// anything is decoded (a small file can declare a huge image).
+pub const MAX_IMAGE_PIXELS: u64 = 178_956_970;
+
+/// Opens and decodes the whole image at `p` (format by content, not by name), so a file
+/// whose header is fine but whose data is truncated or corrupt is found now. Returns
+/// `(height, width)`; the reason otherwise. A path that is not a regular file (a FIFO, a
+/// device) is refused before it is opened, as opening it could block.
+pub fn decode_check(p: &Path) -> std::result::Result<(i64, i64), String> {
+    let meta = match std::fs::metadata(p) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(format!("{}: image file not found", p.display())),
+        Err(e) => return Err(format!("{}: cannot read the image: {e}", p.display())),
+    };
+    if !meta.is_file() {
+        return Err(format!("{}: not a regular file", p.display()));
+    }
+    let open = || {
+        ::image::io::Reader::open(p)
+            .and_then(|r| r.with_guessed_format())
+            .map_err(|e| format!("{}: cannot read the image: {e}", p.display()))
+    };
+    let (w, h) = open()?.into_dimensions().map_err(|e| format!("{}: unreadable image: {e}", p.display()))?;
+    if w == 0 || h == 0 {
+        return Err(format!("{}: image has no pixels", p.display()));
+    }
+    if u64::from(w) * u64::from(h) > MAX_IMAGE_PIXELS {
+        return Err(format!("{}: {w}×{h} pixels is more than the {MAX_IMAGE_PIXELS} Pillow accepts", p.display()));
+    }
+    open()?.decode().map_err(|e| format!("{}: unreadable image (truncated or corrupt?): {e}", p.display()))?;
+    Ok((h as i64, w as i64))
 }
 
 /// Reads an E-VQA (`DatasetKind::Vqa`) or E-IC (`DatasetKind::Caption`) file.
@@ -145,7 +186,8 @@ fn str_key<'a>(obj: &'a serde_json::Map<String, Value>, i: usize, key: &str) -> 
 }
 
 /// Parses the text of a multimodal file (`path` only for messages) and checks every image
-/// it names: a readable PNG/JPEG header under its root. `strict`: a bad image is an error.
+/// it names: a PNG/JPEG under its root that decodes in full ([`decode_check`]).
+/// `strict`: a bad image is an error.
 pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, strict: bool) -> Result<MmLoad> {
     if !kind.is_multimodal() {
         return Err(Error::file(path, format!("{kind} is not a multimodal dataset kind (vqa or caption)")));
@@ -166,17 +208,7 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
     let mut sizes: HashMap<PathBuf, std::result::Result<(i64, i64), String>> = HashMap::new();
     let mut check = |root: &Path, rel: &str| -> std::result::Result<ImageFile, String> {
         let p = root.join(rel);
-        let r = sizes
-            .entry(p.clone())
-            .or_insert_with(|| match ::image::image_dimensions(&p) {
-                Ok((w, h)) if w > 0 && h > 0 => Ok((h as i64, w as i64)),
-                Ok(_) => Err(format!("{}: image has no pixels", p.display())),
-                Err(::image::ImageError::IoError(e)) if e.kind() == std::io::ErrorKind::NotFound => {
-                    Err(format!("{}: image file not found", p.display()))
-                }
-                Err(e) => Err(format!("{}: unreadable image: {e}", p.display())),
-            })
-            .clone()?;
+        let r = sizes.entry(p.clone()).or_insert_with(|| decode_check(&p)).clone()?;
         Ok(ImageFile { path: p, height: r.0, width: r.1 })
     };
     for (i, item) in items.iter().enumerate() {
@@ -211,11 +243,13 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
                 continue;
             }
         };
+        let rephrase = (!rephrase.trim().is_empty()).then(|| rephrase.to_string());
+        out.no_rephrase += usize::from(rephrase.is_none());
         out.records.push(MmRecord {
             src: src.to_string(),
             pred,
             alt: alt.to_string(),
-            rephrase: rephrase.to_string(),
+            rephrase,
             image,
             image_rephrase,
             loc: loc.to_string(),
@@ -230,6 +264,9 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
         let first = out.skipped_empty.iter().chain(&out.skipped_image).min_by_key(|(i, _)| *i);
         let why = first.map(|(i, w)| format!(" (first: record {i}: {w})")).unwrap_or_default();
         return Err(Error::file(path, format!("no usable records: all {} were skipped{why}", out.in_file)));
+    }
+    if out.no_rephrase > 0 {
+        tracing::warn!(file = %path.display(), "{} of {} records have an empty \"rephrase\": their rephrase accuracy is not measured", out.no_rephrase, out.records.len());
     }
     if !out.skipped_empty.is_empty() || !out.skipped_image.is_empty() {
         tracing::warn!(
@@ -250,18 +287,23 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
 pub struct VlPrompt<'a> {
     pub vl: &'a Qwen2Vl,
     pub proc: &'a ImageProcessorConfig,
+    /// The checkpoint's chat template ([`ChatTemplate::load`]; [`ChatTemplate::qwen2_vl`]
+    /// for Qwen2-VL's default).
+    pub template: &'a ChatTemplate,
 }
 
 impl VlPrompt<'_> {
     /// The example `chat(image, text) + " " + answer`, labelled on the answer, with the
-    /// template's one `<|image_pad|>` expanded to the image's merged-patch count.
+    /// template's one `<|image_pad|>` expanded to the image's merged-patch count: the ids
+    /// transformers' processor gives for `apply_chat_template(..., add_generation_prompt=True)
+    /// + " " + answer` with the image.
     pub fn image_example(&self, tok: &Tokenizer, img: &ImageFile, text: &str, answer: &str) -> Result<Example> {
         let grid = self.proc.grid_for(img.height, img.width).map_err(|e| Error::file(&img.path, e.to_string()))?;
         let answer = answer.trim();
         if answer.is_empty() {
             return Err(Error::input(format!("empty answer for {text:?}")));
         }
-        let prompt = Qwen2Vl::chat_image_prompt(text);
+        let prompt = self.template.image_prompt(text)?;
         let full = tok.encode(&format!("{prompt} {answer}"))?;
         let prompt_ids = tok.encode(&prompt)?;
         let start = prompt_ids.iter().zip(&full).take_while(|(a, b)| a == b).count();
@@ -299,7 +341,9 @@ pub fn prepare_mm(tok: &Tokenizer, vp: VlPrompt, load: &MmLoad, max_len: usize, 
             let question = format!("Question: {} Short answer:", r.m_loc_q.trim());
             let built = [
                 ("edit_inner", vp.image_example(tok, &r.image, &r.src, &r.alt)),
-                ("edit_outer", vp.image_example(tok, &r.image, &r.rephrase, &r.alt)),
+                // No rephrase: the view is not measured (`rephrased: false`); the edit
+                // prompt stands in so the example keeps its shape.
+                ("edit_outer", vp.image_example(tok, &r.image, r.rephrase.as_deref().unwrap_or(&r.src), &r.alt)),
                 ("edit_outer_image", vp.image_example(tok, &r.image_rephrase, &r.src, &r.alt)),
                 ("loc", Example::new(tok, &r.loc, &r.loc_ans)),
                 ("loc_image", vp.image_example(tok, &r.m_loc, &question, &r.m_loc_a)),
@@ -328,7 +372,7 @@ pub fn prepare_mm(tok: &Tokenizer, vp: VlPrompt, load: &MmLoad, max_len: usize, 
             Ok(Ok(EditExample {
                 inner,
                 outer,
-                rephrased: true,
+                rephrased: r.rephrase.is_some(),
                 loc: Some(loc),
                 portability: Vec::new(),
                 outer_image: Some(outer_image),

@@ -39,6 +39,7 @@ use crate::edit::eval::{self, Summary};
 use crate::mend::guard::{self, GuardConfig, GuardReport};
 use crate::mend::stepwise::{self, Stepwise};
 use crate::mend::{Editor, Engine};
+use crate::model::qwen2_vl::ChatTemplate;
 use crate::model::{ModelInfo, Overrides, ParamView};
 use crate::edit::score::{check_length, image_prompt, score_text, score_with_images, ImagePrompt, Score};
 use crate::{Error, Result};
@@ -291,7 +292,9 @@ impl Session {
         let load = MmLoad { records: records.to_vec(), file_index: (0..records.len()).collect(), in_file: records.len(), ..MmLoad::default() };
         let context = self.max_positions();
         // Strict: a request that does not fit is refused, never silently dropped.
-        let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc }, &load, context, context, OverLong::Strict, Path::new("requests"))
+        let template = ChatTemplate::load(&engine.lm.dir)?;
+        let vp = VlPrompt { vl, proc, template: &template };
+        let prepared = prepare_mm(&engine.lm.tokenizer, vp, &load, context, context, OverLong::Strict, Path::new("requests"))
             .map_err(|e| Error::input(e.to_string()))?;
         let text: Vec<EditRecord> = records.iter().map(MmRecord::as_edit_record).collect();
         self.edit_examples(&text, &prepared.examples, false)
@@ -534,9 +537,10 @@ impl Session {
         Ok(n)
     }
 
-    /// Writes the current (edited) model to `dir` as a Hugging Face directory
-    /// (`config.json`, `tokenizer.json`, `model.safetensors`) that `Session::open`,
-    /// `dualedit score` and transformers load.
+    /// Writes the current (edited) model to `dir` as a Hugging Face folder that
+    /// `Session::open`, `dualedit score` and transformers load: every non-weight file of the
+    /// source folder copied, the weights in the source's layout (names, shards, dtypes),
+    /// all or nothing ([`edit::save_model`]). `dir` must be new or empty.
     pub fn save(&self, dir: &Path) -> Result<()> {
         edit::save_model(&self.engine.lm, dir)
     }

@@ -115,6 +115,20 @@ pub fn check_report_path(report: Option<&Path>, inputs: &[&Path]) -> Result<()> 
     Ok(())
 }
 
+/// Refuses the data flags a run would not use: image roots for text data, and
+/// `--truncate` for image data (an image prompt cannot be cut; over-long records are
+/// skipped, or with `--strict` an error).
+pub fn check_data_flags(ds: DatasetKind, common: &Common) -> Result<()> {
+    if ds.is_multimodal() {
+        if common.over_long == OverLong::Truncate {
+            return Err(Error::input(format!("--truncate cannot cut the image prompts of --ds {ds}: over-long records are skipped (or, with --strict, an error)")));
+        }
+    } else if common.image_roots.is_some() {
+        return Err(Error::input(format!("--image-root / --rephrase-image-root are for --ds vqa|caption; {ds} data has no images")));
+    }
+    Ok(())
+}
+
 /// Reads a dataset and tokenises it, keeping the first `limit` records, with records
 /// longer than `max_len` (or the model's context) handled by `over_long`. Returns the
 /// records that were kept, their examples (aligned), and what was left out.
@@ -157,6 +171,8 @@ pub fn load_examples(
         skipped_too_long: prepared.skipped.len(),
         skipped_image: 0,
         truncated: prepared.truncated.len(),
+        no_rephrase: 0,
+        val_duplicates_dropped: 0,
         max_length: max_len,
         over_long,
         first_skipped: first_skipped.into_iter().map(|(record, reason)| SkippedRecord { record, reason }).collect(),
@@ -192,7 +208,8 @@ fn load_mm_examples(
         load.file_index.truncate(l);
     }
     let context = engine.lm.model.info().max_positions as usize;
-    let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc }, &load, max_len, context, over_long, path)?;
+    let template = crate::data::multimodal::ChatTemplate::load(&engine.lm.dir)?;
+    let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc, template: &template }, &load, max_len, context, over_long, path)?;
     let mut first_skipped: Vec<(usize, String)> = load.skipped_empty.iter().chain(&load.skipped_image).chain(&prepared.skipped).cloned().collect();
     first_skipped.sort_by_key(|(i, _)| *i);
     first_skipped.truncate(SHOWN_SKIPPED);
@@ -204,6 +221,8 @@ fn load_mm_examples(
         skipped_too_long: prepared.skipped.len(),
         skipped_image: load.skipped_image.len(),
         truncated: 0,
+        no_rephrase: prepared.kept.iter().filter(|&&k| load.records[k].rephrase.is_none()).count(),
+        val_duplicates_dropped: 0,
         max_length: max_len,
         over_long,
         first_skipped: first_skipped.into_iter().map(|(record, reason)| SkippedRecord { record, reason }).collect(),
@@ -231,6 +250,7 @@ pub struct TrainOptions {
 /// Meta-trains an editor; the report goes to `<out>/report.json` unless told otherwise.
 pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     check_report_path(o.common.report.as_deref(), &[&o.data])?;
+    check_data_flags(o.ds, &o.common)?;
     // Never replace a trained editor: only --resume continues (and then rewrites) it.
     if o.out.join(checkpoint::EDITOR_FILE).exists() && !(o.resume && o.out.join(checkpoint::STATE_FILE).exists()) {
         return Err(Error::file(
@@ -252,9 +272,14 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     }
     tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
-    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
+    let (_, examples, mut data) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
     let holdout = o.config.val_records.min(examples.len() / 5);
     let (train_set, val_set) = split_holdout_examples(examples, holdout);
+    let (val_set, dropped) = drop_overlap(&train_set, val_set);
+    if dropped > 0 {
+        tracing::warn!(file = %o.data.display(), dropped, left = val_set.len(), "validation examples that repeat a training example (duplicated records) were dropped, so validation does not measure what was trained on");
+    }
+    data.val_duplicates_dropped = dropped;
     if train_set.is_empty() {
         return Err(Error::file(&o.data, "no records left for training after holding out the validation split"));
     }
@@ -292,6 +317,17 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
         ));
     }
     Ok((rep, path))
+}
+
+/// `val` without the examples that are also in `train` or earlier in `val` (same tokens,
+/// same image), and how many were dropped.
+fn drop_overlap(train: &[EditExample], val: Vec<EditExample>) -> (Vec<EditExample>, usize) {
+    let key = |e: &EditExample| (e.inner.ids.clone(), e.inner.image.as_ref().map(|r| r.path.clone()));
+    let mut seen: std::collections::HashSet<_> = train.iter().map(key).collect();
+    let n = val.len();
+    let kept: Vec<EditExample> = val.into_iter().filter(|e| seen.insert(key(e))).collect();
+    let dropped = n - kept.len();
+    (kept, dropped)
 }
 
 fn split_holdout_examples(examples: Vec<EditExample>, holdout: usize) -> (Vec<EditExample>, Vec<EditExample>) {
@@ -348,6 +384,7 @@ pub struct EvalOutput {
 /// Edits each record from the unedited model and measures it (EasyEdit's protocol).
 pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
     check_report_path(o.common.report.as_deref(), &[&o.data])?;
+    check_data_flags(o.ds, &o.common)?;
     if let Some(c) = &o.capacity {
         return run_capacity(o, c, on_record);
     }
@@ -410,6 +447,10 @@ pub struct EditOptions {
     pub common: Common,
     pub method: MethodSpec,
     pub requests: PathBuf,
+    /// The requests' format: `Requests` (EasyEdit's request records: prompt, target_new,
+    /// ...), `Vqa` / `Caption` (E-VQA / E-IC records with images under
+    /// `common.image_roots`), or a dataset's (`Zsre`, `Counterfact`).
+    pub ds: DatasetKind,
     pub sequential: bool,
     pub save: Option<PathBuf>,
     pub max_length: usize,
@@ -442,15 +483,16 @@ pub struct EditOutput {
 /// opened for the method, one edit call, a report.
 pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     check_report_path(o.common.report.as_deref(), &[&o.requests])?;
+    check_data_flags(o.ds, &o.common)?;
     if let Some(dir) = &o.save {
-        edit::check_new_model_dir(dir)?;
+        edit::check_save_dir(dir)?;
     }
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::new(&o.common.plan.roles());
     let mut session = Session::open_method(&o.common.model, &o.method, &o.common.load_options())?;
     tracker.mark("load")?;
     let (records, examples, data) =
-        load_examples(session.engine(), &o.requests, DatasetKind::Requests, None, o.max_length, o.common.over_long, None)?;
+        load_examples(session.engine(), &o.requests, o.ds, None, o.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
     let t1 = Instant::now();
     session.guard = o.guard.clone();
     session.stepwise = o.stepwise.clone();
@@ -469,4 +511,61 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     let path = o.common.report.clone().unwrap_or_else(|| crate::run::report::default_path("edit"));
     let path = report("edit", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
     Ok((out, path))
+}
+
+/// A number or `-` with why it is missing, for the text tables.
+fn cell(v: Option<f64>, missing: &str) -> String {
+    v.map_or_else(|| format!("- ({missing})"), |v| format!("{v:.4}"))
+}
+
+/// The text table `edit` and `eval` print: the summary's metrics, and for image edits
+/// EasyEdit's five (`rewrite_acc`, `rephrase_acc`, `rephrase_image_acc`, `locality_acc`,
+/// `multimodal_locality_acc`) under their names.
+pub fn summary_table(s: &Summary) -> String {
+    let mut rows: Vec<(&str, String)> = vec![
+        ("reliability", format!("{:.4}", s.reliability)),
+        ("edit_success", format!("{:.4}", s.edit_success)),
+        ("nll_pre", format!("{:.4}", s.nll_pre)),
+        ("nll_post", format!("{:.4}", s.nll_post)),
+        ("edit_seconds", format!("{:.4}", s.edit_seconds)),
+        ("generalization", cell(s.generalization, "no rephrases")),
+        ("locality", cell(s.locality, "no locality prompts")),
+    ];
+    if let Some(p) = s.portability {
+        rows.push(("portability", format!("{p:.4}")));
+    }
+    if let Some(e) = &s.easyedit {
+        rows.push(("rewrite_acc", format!("{:.4}", e.rewrite_acc)));
+        rows.push(("rephrase_acc", cell(e.rephrase_acc, "no rephrases")));
+        rows.push(("rephrase_image_acc", cell(e.rephrase_image_acc, "no rephrase images")));
+        rows.push(("locality_acc", cell(e.locality_acc, "no locality prompts")));
+        rows.push(("multimodal_locality_acc", cell(e.multimodal_locality_acc, "no locality images")));
+    }
+    rows.push(("n", s.n.to_string()));
+    let mut out = format!("{:<24} {:>8}\n", "metric", "value");
+    for (k, v) in rows {
+        out.push_str(&format!("{k:<24} {v:>8}\n"));
+    }
+    out
+}
+
+/// One request's line in `edit`'s text output: the request, the answer after the edit
+/// and its metrics (the image ones too, for image edits).
+pub fn request_line(i: usize, r: &RequestResult) -> String {
+    let m = &r.metrics;
+    let opt = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}"));
+    let mut line = format!(
+        "[{i}] {:?} -> {:?}: now answers {:?} (reliability {:.2}, generalization {}, locality {}",
+        r.prompt,
+        r.target_new,
+        r.answer_after,
+        m.reliability,
+        opt(m.generalization),
+        opt(m.locality)
+    );
+    if m.image_generalization.is_some() || m.image_locality.is_some() {
+        line.push_str(&format!(", rephrase image {}, image locality {}", opt(m.image_generalization), opt(m.image_locality)));
+    }
+    line.push(')');
+    line
 }

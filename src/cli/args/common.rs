@@ -156,20 +156,22 @@ pub struct GuardArgs {
     /// Commit every edit as the editor makes it: no guard on the locality prompts.
     #[arg(long)]
     pub no_guard: bool,
-    /// Guard: the least top-1 agreement of the locality prompts with the unedited model.
-    #[arg(long, default_value_t = 0.9)]
-    pub guard_min_agreement: f64,
-    /// Guard: the most one edit may lower that agreement.
-    #[arg(long, default_value_t = 0.05)]
-    pub guard_max_drop: f64,
-    /// Guard: the largest KL(unedited || edited) per locality position, in nats.
-    #[arg(long, default_value_t = 1.0)]
-    pub guard_max_kl: f64,
+    /// Guard: the least top-1 agreement of the locality prompts with the unedited model
+    /// (0 to 1; default 0.9).
+    #[arg(long, conflicts_with = "no_guard")]
+    pub guard_min_agreement: Option<f64>,
+    /// Guard: the most one edit may lower that agreement (0 to 1; default 0.05).
+    #[arg(long, conflicts_with = "no_guard")]
+    pub guard_max_drop: Option<f64>,
+    /// Guard: the largest KL(unedited || edited) per locality position, in nats (>= 0;
+    /// default 1).
+    #[arg(long, conflicts_with = "no_guard")]
+    pub guard_max_kl: Option<f64>,
     /// Guard: refuse an edit that fails instead of scaling it back.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_guard")]
     pub guard_refuse: bool,
     /// Guard: shrink each edit to the smallest scale (1, 1/2, 1/4, ...) that still makes it.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_guard")]
     pub guard_shrink: bool,
     /// With --sequential: make each request in up to 8 committed steps of a centred,
     /// clipped, capped edit at 1/4 scale (experimental; see src/mend/stepwise.rs).
@@ -178,15 +180,32 @@ pub struct GuardArgs {
 }
 
 impl GuardArgs {
-    pub fn config(&self) -> Option<crate::mend::guard::GuardConfig> {
-        (!self.no_guard).then(|| crate::mend::guard::GuardConfig {
-            min_agreement: self.guard_min_agreement,
-            max_drop: self.guard_max_drop,
-            max_kl: self.guard_max_kl,
+    /// Whether any guard setting was given (eval uses them only with a capacity mode).
+    pub fn given(&self) -> bool {
+        self.no_guard || self.guard_refuse || self.guard_shrink || self.guard_min_agreement.is_some() || self.guard_max_drop.is_some() || self.guard_max_kl.is_some()
+    }
+
+    /// The guard as configured (`None` with `--no-guard`); values out of range are refused.
+    pub fn config(&self) -> anyhow::Result<Option<crate::mend::guard::GuardConfig>> {
+        let d = crate::mend::guard::GuardConfig::default();
+        let unit = |flag: &str, v: Option<f64>, default: f64| match v {
+            Some(x) if !(x.is_finite() && (0.0..=1.0).contains(&x)) => Err(anyhow::anyhow!("{flag} must be a number from 0 to 1, got {x}")),
+            v => Ok(v.unwrap_or(default)),
+        };
+        let min_agreement = unit("--guard-min-agreement", self.guard_min_agreement, d.min_agreement)?;
+        let max_drop = unit("--guard-max-drop", self.guard_max_drop, d.max_drop)?;
+        let max_kl = match self.guard_max_kl {
+            Some(x) if !(x.is_finite() && x >= 0.0) => anyhow::bail!("--guard-max-kl must be a number >= 0, got {x}"),
+            v => v.unwrap_or(d.max_kl),
+        };
+        Ok((!self.no_guard).then_some(crate::mend::guard::GuardConfig {
+            min_agreement,
+            max_drop,
+            max_kl,
             scale_back: !self.guard_refuse,
             shrink: self.guard_shrink,
-            ..Default::default()
-        })
+            ..d
+        }))
     }
 
     pub fn stepwise(&self) -> Option<crate::mend::stepwise::Stepwise> {

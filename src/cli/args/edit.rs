@@ -10,9 +10,13 @@ pub struct EditArgs {
     pub common: CommonArgs,
     #[command(flatten)]
     pub method: MethodArgs,
-    /// EasyEdit-style request records (prompt, target_new, optional rephrase_prompt, locality_*, portability).
+    /// EasyEdit-style request records (prompt, target_new, optional rephrase_prompt, locality_*,
+    /// portability), or with --ds the records of that dataset (vqa|caption: E-VQA / E-IC, with --image-root).
     #[arg(long)]
     pub requests: PathBuf,
+    /// The format of --requests: requests (default), zsre, counterfact, vqa or caption.
+    #[arg(long, default_value = "requests")]
+    pub ds: String,
     /// Apply the requests one after another instead of as one batch.
     #[arg(long)]
     pub sequential: bool,

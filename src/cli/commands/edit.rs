@@ -8,10 +8,11 @@ pub fn run(a: EditArgs) -> anyhow::Result<()> {
         common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
         method: a.method.resolve()?,
         requests: a.requests,
+        ds: a.ds.parse()?,
         sequential: a.sequential,
         save: a.save,
         max_length: a.method.max_length,
-        guard: a.guard.config(),
+        guard: a.guard.config()?,
         stepwise: a.guard.stepwise(),
     };
     let (out, path) = run::run_edit(&opts)?;

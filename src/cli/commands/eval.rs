@@ -23,13 +23,13 @@ fn capacity_options(a: &EvalArgs) -> anyhow::Result<Option<run::CapacityOptions>
         (Some(n), _) => Grouping::Batch(n),
         (None, Some(n)) => Grouping::Sequential(n),
         (None, None) => {
-            if a.drift_text.is_some() || a.guard.stepwise || a.guard.no_guard {
+            if a.drift_text.is_some() || a.guard.stepwise || a.guard.given() {
                 anyhow::bail!("--drift-text, --stepwise and the guard flags of eval need --edits-per-batch N or --sequential N");
             }
             return Ok(None);
         }
     };
-    Ok(Some(run::CapacityOptions { grouping, guard: a.guard.config(), stepwise: a.guard.stepwise(), drift_text: a.drift_text.clone() }))
+    Ok(Some(run::CapacityOptions { grouping, guard: a.guard.config()?, stepwise: a.guard.stepwise(), drift_text: a.drift_text.clone() }))
 }
 
 pub fn run(a: EvalArgs) -> anyhow::Result<()> {

@@ -20,6 +20,7 @@
 //! Tensor names are kept in the released checkpoints' layout (`model.layers.*`,
 //! `model.embed_tokens`, `visual.*`, `lm_head`); the loader maps transformers 5's module
 //! names (`model.language_model.*`, `model.visual.*`) onto it.
+pub mod chat_template;
 pub mod config;
 pub mod image;
 pub mod vision;
@@ -28,6 +29,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use tch::{Kind, Tensor};
 
+pub use chat_template::ChatTemplate;
 pub use config::{Qwen2VlConfig, VisionConfig, VlFamily};
 pub use image::{ImageProcessorConfig, PreparedImage};
 pub use vision::Grid;
@@ -104,8 +106,8 @@ impl Qwen2Vl {
         ids
     }
 
-    /// Qwen2-VL's chat template (transformers' `apply_chat_template` with
-    /// `add_generation_prompt`) for one user turn: the image placeholder, then `text`. The
+    /// Qwen2-VL's default chat template (transformers' `apply_chat_template` with
+    /// `add_generation_prompt`; a checkpoint's own template is [`ChatTemplate::load`]'s) for one user turn: the image placeholder, then `text`. The
     /// one `<|image_pad|>` stands for the image's run ([`Qwen2Vl::image_prompt`]), which
     /// the caller expands once it has the image's grid.
     pub fn chat_image_prompt(text: &str) -> String {

@@ -1,0 +1,188 @@
+//! The checkpoint's own chat template, rendered as transformers renders it.
+//!
+//! EasyEdit builds every image view of E-VQA / E-IC with
+//! `processor.apply_chat_template(messages, add_generation_prompt=True)` on one user turn
+//! `[{"type": "image"}, {"type": "text", "text": question}]`, then appends `" " + target`.
+//! The template is the checkpoint's: a fine-tuned model may carry a different system
+//! prompt or turn markers than Qwen2-VL's, and a prompt built with another template is
+//! not the prompt the model (or EasyEdit) sees.
+//!
+//! Where it comes from, in transformers' order: `chat_template.jinja`, then
+//! `chat_template.json` (`{"chat_template": "..."}`), then `tokenizer_config.json`'s
+//! `chat_template` (a string, or a list of named templates: `default`). A checkpoint with
+//! none gets Qwen2-VL's released template ([`QWEN2_VL_DEFAULT`]), with one warning per
+//! process.
+//!
+//! Rendering uses minijinja set up as transformers sets up Jinja2 for chat templates
+//! (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, `tojson`) plus
+//! Python's string methods (`.strip()`, `.startswith()`, ...) through
+//! `minijinja-contrib`'s `pycompat`, which HF templates call.
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use minijinja::{context, Environment, Value};
+use serde_json::Value as Json;
+
+use crate::{Error, Result};
+
+/// Qwen2-VL's chat template as the released `Qwen2-VL-*-Instruct` checkpoints ship it.
+pub const QWEN2_VL_DEFAULT: &str = "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// The name the template is registered under in its environment.
+const NAME: &str = "chat";
+
+/// A compiled chat template and the special-token globals (`bos_token`, ...) of its
+/// checkpoint.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// The file the template came from; `None` for the built-in default.
+    origin: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").field("origin", &self.origin).finish()
+    }
+}
+
+impl ChatTemplate {
+    /// The template of the checkpoint in `dir` (see the module docs for the order), or
+    /// Qwen2-VL's default when it has none. A file that is there but unreadable, not the
+    /// JSON it should be, or not a valid template is an error naming it.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let tokenizer_config = read_json_if_present(&dir.join("tokenizer_config.json"))?;
+        let jinja = dir.join("chat_template.jinja");
+        let json = dir.join("chat_template.json");
+        let (text, origin) = if jinja.is_file() {
+            (crate::io::read_text(&jinja)?, jinja)
+        } else if let Some(v) = read_json_if_present(&json)? {
+            let t = template_field(&v).ok_or_else(|| Error::file(&json, "has no \"chat_template\" string"))?;
+            (t, json)
+        } else if let Some(t) = tokenizer_config.as_ref().and_then(template_field) {
+            (t, dir.join("tokenizer_config.json"))
+        } else {
+            static WARN: std::sync::Once = std::sync::Once::new();
+            WARN.call_once(|| {
+                tracing::warn!(dir = %dir.display(), "the checkpoint has no chat template (chat_template.jinja / .json, tokenizer_config.json): the E-VQA prompts use Qwen2-VL's default");
+            });
+            return Ok(Self::qwen2_vl().clone_default());
+        };
+        let mut t = Self::compile(text, Some(origin))?;
+        if let Some(cfg) = &tokenizer_config {
+            t.add_special_tokens(cfg);
+        }
+        Ok(t)
+    }
+
+    /// Qwen2-VL's released template ([`QWEN2_VL_DEFAULT`]), compiled once.
+    pub fn qwen2_vl() -> &'static ChatTemplate {
+        static DEFAULT: OnceLock<ChatTemplate> = OnceLock::new();
+        DEFAULT.get_or_init(|| Self::compile(QWEN2_VL_DEFAULT.to_string(), None).expect("the built-in Qwen2-VL template compiles"))
+    }
+
+    fn clone_default(&self) -> Self {
+        Self { env: self.env.clone(), origin: None }
+    }
+
+    /// Compiles `text` (from `origin`, for messages) in an environment set up as
+    /// transformers' (see the module docs).
+    pub fn compile(text: String, origin: Option<PathBuf>) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        let at = origin.clone().unwrap_or_else(|| PathBuf::from("<Qwen2-VL default chat template>"));
+        env.add_template_owned(NAME, text).map_err(|e| Error::file(&at, format!("invalid chat template: {e:#}")))?;
+        Ok(Self { env, origin })
+    }
+
+    /// `bos_token`, `eos_token`, `pad_token`, `unk_token` from `tokenizer_config.json`
+    /// (a string or `{"content": ...}`), as transformers passes them to the template.
+    fn add_special_tokens(&mut self, cfg: &Json) {
+        for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
+            let v = match cfg.get(key) {
+                Some(Json::String(s)) => Some(s.clone()),
+                Some(Json::Object(o)) => o.get("content").and_then(Json::as_str).map(String::from),
+                _ => None,
+            };
+            if let Some(v) = v {
+                self.env.add_global(key, v);
+            }
+        }
+    }
+
+    /// The file the template came from (`None`: Qwen2-VL's default).
+    pub fn origin(&self) -> Option<&Path> {
+        self.origin.as_deref()
+    }
+
+    /// `apply_chat_template([user: image, text], add_generation_prompt=True)`: the prompt
+    /// of one user turn showing one image, then `text` (trimmed), ready for the answer.
+    pub fn image_prompt(&self, text: &str) -> Result<String> {
+        let messages = serde_json::json!([{
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": text.trim()}],
+        }]);
+        let at = || self.origin.clone().unwrap_or_else(|| PathBuf::from("<Qwen2-VL default chat template>"));
+        let tmpl = self.env.get_template(NAME).map_err(|e| Error::file(at(), e.to_string()))?;
+        tmpl.render(context! { messages => Value::from_serialize(&messages), add_generation_prompt => true })
+            .map_err(|e| Error::file(at(), format!("rendering the chat template failed: {e:#}")))
+    }
+}
+
+/// The template text of a `chat_template.json` or `tokenizer_config.json`: a string, or
+/// the `default` entry (else the first) of a list of `{name, template}`.
+fn template_field(v: &Json) -> Option<String> {
+    match v.get("chat_template")? {
+        Json::String(s) => Some(s.clone()),
+        Json::Array(list) => {
+            let named = |n: &str| list.iter().find(|e| e.get("name").and_then(Json::as_str) == Some(n));
+            named("default").or_else(|| list.first())?.get("template")?.as_str().map(String::from)
+        }
+        _ => None,
+    }
+}
+
+fn read_json_if_present(path: &Path) -> Result<Option<Json>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = crate::io::read_text(path)?;
+    serde_json::from_str(&text).map(Some).map_err(|e| Error::file(path, format!("malformed JSON: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_renders_qwen2_vls_prompt() {
+        let p = ChatTemplate::qwen2_vl().image_prompt(" What is this? ").unwrap();
+        assert_eq!(p, super::super::Qwen2Vl::chat_image_prompt("What is this?"));
+    }
+
+    #[test]
+    fn a_checkpoints_template_wins_and_bad_ones_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"bos_token": {"content": "<s>"}, "chat_template": "TOKCFG"}"#,
+        )
+        .unwrap();
+        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "TOKCFG");
+        std::fs::write(dir.path().join("chat_template.json"), r#"{"chat_template": "JSON {{ bos_token }}"}"#).unwrap();
+        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "JSON <s>");
+        let jinja = "{% for m in messages %}[{{ m.role | upper }}]{% for c in m.content %}{% if c.type == 'text' %}{{ c.text.strip() }}{% else %}<|image_pad|>{% endif %}{% endfor %}{% endfor %}{% if add_generation_prompt %}=>{% endif %}";
+        std::fs::write(dir.path().join("chat_template.jinja"), jinja).unwrap();
+        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "[USER]<|image_pad|>q=>");
+        std::fs::write(dir.path().join("chat_template.jinja"), "{% if x %}").unwrap();
+        let err = ChatTemplate::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("chat_template.jinja") && err.contains("invalid chat template"), "{err}");
+        std::fs::write(dir.path().join("chat_template.jinja"), "{{ raise_exception('no images here') }}").unwrap();
+        let err = ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap_err().to_string();
+        assert!(err.contains("no images here"), "{err}");
+    }
+}
