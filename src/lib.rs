@@ -19,6 +19,7 @@ pub mod model;
 pub mod planner;
 pub mod pretrain;
 pub mod pretrain_vl;
+pub mod progress;
 pub mod report;
 pub mod rng;
 pub mod run;
