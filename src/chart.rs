@@ -236,8 +236,10 @@ fn draw(series: &[Series], marks: &[(f64, String)], path: &Path, text: bool) -> 
     let top = chart.backend_coord(&(0.0, y_hi)).1;
     let font = TextStyle::from((FONT_FAMILY, LABEL_PX).into_font()).color(&RGBColor(80, 80, 80));
     let mut lane_ends: [i32; LANES] = [i32::MIN; LANES];
-    for (t, phase) in marks {
+    for (t, _) in marks {
         chart.draw_series(DashedLineSeries::new([(*t, 0.0), (*t, y_hi)], 4, 4, grey.stroke_width(1)))?;
+    }
+    for (t, phase) in marks {
         if text {
             let (px, _) = chart.backend_coord(&(*t, y_hi));
             let (w, h) = root.estimate_text_size(phase, &font)?;

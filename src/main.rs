@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use dualedit::config::MendConfig;
 use dualedit::data::examples::OverLong;
 use dualedit::data::DatasetKind;
-use dualedit::device::{DevicePlan, MaxMemory, OptimizerDevice, Placement, PlacementRequest};
+use dualedit::device::{DevicePlan, MaxMemory, OptimizerDevice, PlacementRequest};
 use dualedit::planner::Phase;
 use dualedit::edit::{LoadOptions, MethodSpec};
 use dualedit::model::{load_model, parse_dtype, ParamView};
@@ -150,12 +150,27 @@ struct PlanArgs {
     /// The devices planned for (they need not exist on this machine).
     #[command(flatten)]
     devices: DeviceArgs,
-    /// f32, bf16 or f16 for the model weights (editor maths is always f32).
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    /// f32, bf16 or f16 for the model weights (editor maths is always f32). Default: the
+    /// model's config.json `torch_dtype` (what its weights are), else f32.
+    #[arg(long)]
+    dtype: Option<String>,
     /// Tokens per example (default: the config's max_length, capped at the model's context).
     #[arg(long)]
     max_length: Option<usize>,
+    /// With --max-memory: the share of each cap kept free for the planner's own error and
+    /// the allocator's fragmentation (a placement fits when its peak is at most cap x (1 -
+    /// margin) - reserve). Default 10%.
+    #[arg(long)]
+    margin: Option<String>,
+    /// With --max-memory: bytes kept free on each CUDA device for its context (cuBLAS,
+    /// kernels) before any tensor. Default 512MiB.
+    #[arg(long)]
+    reserve: Option<String>,
+    /// Card sizes to try, e.g. 16GiB,24GiB,40GiB,80GiB: the smallest on which the run fits on
+    /// one card and on two (with the placement and each device's peak), by the same rule as
+    /// --max-memory.
+    #[arg(long)]
+    fit: Option<String>,
     /// Labelled positions per example (default: all but the first, an upper bound).
     #[arg(long)]
     kept_tokens: Option<i64>,
@@ -1046,11 +1061,16 @@ fn parse_image_size(s: &str) -> Result<(i64, i64), String> {
 /// device: its plan). Devices need not exist here; `--max-memory` is planned against,
 /// not applied.
 fn plan(a: PlanArgs) -> anyhow::Result<()> {
-    use dualedit::planner::{choose, plan_model, PlacementTable, PlanOptions};
+    use dualedit::planner::{verdict, PlanOptions};
     let config = MendConfig::from_file(&a.config)?;
     let tokens = a.max_length.unwrap_or(config.max_length) as i64;
     let d = &a.devices;
-    let mut opts = PlanOptions::new(&d.device, d.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
+    if !a.model.is_dir() {
+        return Err(dualedit::Error::file(&a.model, "model directory not found").into());
+    }
+    let (dtype, dtype_source) = verdict::planned_dtype(&a.model, a.dtype.as_deref())?;
+    let mut opts = PlanOptions::new(&d.device, d.sub_device.as_deref(), dtype, tokens, a.kept_tokens)?;
+    opts.headroom = verdict::Headroom::parse(a.margin.as_deref(), a.reserve.as_deref())?;
     opts.caps = d.max_memory.clone().unwrap_or_default();
     opts.optimizer = d.optimizer_device.unwrap_or_default();
     opts.image = a.image_size;
@@ -1065,32 +1085,20 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
     if a.loc_length.is_some() && a.image_size.is_none() {
         anyhow::bail!("--loc-length is the text-only locality view of --ds vqa|caption: give --image-size");
     }
-    if !a.model.is_dir() {
-        return Err(dualedit::Error::file(&a.model, "model directory not found").into());
-    }
     let (model, _) = dualedit::model::loader::read_config(&a.model)?;
     if a.image_size.is_some() && model.family().vision_language().is_some() {
         opts.image_processor = dualedit::model::qwen2_vl::ImageProcessorConfig::load(&a.model.join("preprocessor_config.json"))?;
     }
-    let plan = match d.placement {
-        Some(PlacementRequest::Auto) => choose(&model, &config, &opts, Phase::Train)?,
-        Some(p) => plan_model(&model, &config, &opts.with_placement(p.fixed().unwrap_or(Placement::Replica), opts.optimizer)?)?,
-        None if opts.split => {
-            let table = PlacementTable::new(&model, &config, &opts)?;
-            if a.json {
-                println!("{}", serde_json::to_string(&table)?);
-            } else {
-                print!("{}", table.text());
-                println!("(--placement NAME prints one placement's items and formulas)");
-            }
-            return Ok(());
-        }
-        None => plan_model(&model, &config, &opts)?,
+    let question = verdict::PlanQuestion {
+        placement: d.placement,
+        dtype_source,
+        fit: a.fit.as_deref().map(verdict::parse_sizes).transpose()?,
+        json: a.json,
     };
-    if a.json {
-        println!("{}", serde_json::to_string(&plan)?);
-    } else {
-        print!("{}", plan.table());
+    let (out, nothing_fits) = verdict::answer(&model, &config, &opts, &question)?;
+    print!("{out}");
+    if let Some(line) = nothing_fits {
+        anyhow::bail!(line);
     }
     Ok(())
 }

@@ -17,6 +17,8 @@
 //! factor `a` of a factored edit, whose `x·aᵀ` saves the same input), a norm
 //! saves its input only when that input requires grad, and so on. Nothing below the first
 //! edited weight requires grad, so the frozen layers below it keep no activations at all.
+pub mod verdict;
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -75,6 +77,9 @@ pub struct PlanOptions {
     /// With an image: tokens of the text-only locality question (E-VQA's NQ `loc` view)
     /// per example. `None`: `tokens` (the text part of the image views).
     pub loc_tokens: Option<i64>,
+    /// What of each cap a placement may use ([`verdict::Headroom`]: 10 % and 0.5 GiB per
+    /// CUDA device unless `plan --margin/--reserve` say otherwise).
+    pub headroom: verdict::Headroom,
 }
 
 impl PlanOptions {
@@ -101,6 +106,7 @@ impl PlanOptions {
             image: None,
             image_processor: ImageProcessorConfig::default(),
             loc_tokens: None,
+            headroom: verdict::Headroom::default(),
         })
     }
 
@@ -1619,21 +1625,23 @@ pub fn plan_all(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Vec<
 }
 
 /// `--placement auto`: the first plan of [`plan_all`] whose every device's peak in
-/// `phase` fits its capacity (devices without a cap in `o.caps` always fit). When none
+/// `phase` fits its capacity less the headroom ([`verdict::Headroom`]; devices without a
+/// cap in `o.caps` always fit). When none
 /// fits, the error lists each placement's peaks against the caps.
 pub fn choose(model: &Model, cfg: &MendConfig, o: &PlanOptions, phase: Phase) -> Result<MemoryPlan> {
     let o = PlanOptions { balance_for: phase, ..o.clone() };
     let plans = plan_all(model, cfg, &o)?;
     let mut lines = Vec::new();
     for p in plans {
-        match p.over_caps(&o.caps, phase) {
+        match verdict::over(&p, &o.caps, &o.headroom, phase) {
             None => return Ok(p),
             Some(why) => lines.push(format!("  {}: {why}", p.placement_label())),
         }
     }
     Err(Error::OutOfMemory(format!(
-        "no placement fits --max-memory {}:\n{}",
+        "no placement fits --max-memory {} (usable: {}):\n{}",
         o.caps.0.iter().map(|(d, b)| format!("{d}={}", format_bytes(*b))).collect::<Vec<_>>().join(","),
+        o.headroom.text(),
         lines.join("\n")
     )))
 }
