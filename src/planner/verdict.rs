@@ -203,9 +203,9 @@ pub fn planned_dtype(model_dir: &Path, flag: Option<&str>) -> Result<(Kind, Dtyp
     }
 }
 
-/// What a plan assumed, in one block of text: the dtype and where it came from, batch,
-/// tokens, image, devices and placement, and what the placements table's columns mean.
-pub fn planned_text(shape: &PlanShape, source: DtypeSource, phase_judged: Phase) -> String {
+/// What a plan assumed, in one line: the dtype and where it came from, batch, tokens,
+/// image, the devices, and which phase's peaks the verdicts judge.
+pub fn planned_text(shape: &PlanShape, source: DtypeSource, phase_judged: Phase, devices: &str) -> String {
     let mut out = String::new();
     let src = match source {
         DtypeSource::Flag => "--dtype",
@@ -216,7 +216,6 @@ pub fn planned_text(shape: &PlanShape, source: DtypeSource, phase_judged: Phase)
         Some(im) => format!(", image {}x{} (resized {}x{}, {} tokens)", im.size.0, im.size.1, im.resized.0, im.resized.1, im.tokens),
         None => String::new(),
     };
-    let devices = if shape.split { format!("{} + {}", shape.main, shape.sub) } else { format!("{} alone", shape.main) };
     let _ = writeln!(
         out,
         "planned: {} in {} ({src}), batch {} x {} tokens, {} labelled positions per example{image}; devices {devices}; verdicts on the {} peaks",
@@ -371,7 +370,8 @@ pub struct PlanQuestion {
 pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion) -> Result<(String, Option<String>)> {
     let phase = Phase::Train;
     let single = plan_model(model, cfg, &o.single())?;
-    let planned = planned_text(&PlanShape { main: o.main.clone(), sub: o.sub.clone(), split: o.split, ..single.shape.clone() }, q.dtype_source, phase);
+    let devices = if o.split { format!("{} + {}", o.main, o.sub) } else { format!("{} alone", o.main) };
+    let planned = planned_text(&single.shape, q.dtype_source, phase, &devices);
     let planned_json = serde_json::json!({
         "dtype": single.shape.dtype, "dtype_source": q.dtype_source, "batch_size": single.shape.batch_size,
         "tokens_per_example": single.shape.tokens_per_example, "kept_per_example": single.shape.kept_per_example,
@@ -388,8 +388,7 @@ pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion
         let out = if q.json {
             serde_json::json!({ "planned": planned_json, "fit": f }).to_string() + "\n"
         } else {
-            let shape = PlanShape { main: "cuda:0 (one card)".into(), sub: "cuda:0 + cuda:1 (two cards)".into(), split: false, ..single.shape.clone() };
-            format!("{}{}", planned_text(&shape, q.dtype_source, phase).replace(" alone", ", or "), f.text()).replace(", or ;", &format!(", or {};", shape.sub))
+            format!("{}{}", planned_text(&single.shape, q.dtype_source, phase, "cuda:0 (one card) or cuda:0 + cuda:1 (two cards)"), f.text())
         };
         return Ok((out, None));
     }
