@@ -166,6 +166,18 @@ struct PlanArgs {
     /// kernels) before any tensor. Default 512MiB.
     #[arg(long)]
     reserve: Option<String>,
+    /// The user's records (with --ds): tokens per example, labelled positions and image
+    /// sizes are taken from them (at --percentile) instead of upper bounds; flags given
+    /// explicitly still win. Tokenised with --model's tokenizer.json.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// --data --ds vqa|caption: where the records' images are.
+    #[arg(long)]
+    image_root: Option<PathBuf>,
+    /// --data: the percentile of the records planned for; 100 (the default) is the longest
+    /// record, which with a batch of one sets a step's peak.
+    #[arg(long, default_value_t = dualedit::planner::data::DEFAULT_PERCENTILE)]
+    percentile: f64,
     /// Card sizes to try, e.g. 16GiB,24GiB,40GiB,80GiB: the smallest on which the run fits on
     /// one card and on two (with the placement and each device's peak), by the same rule as
     /// --max-memory.
@@ -1077,7 +1089,7 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
     opts.loc_tokens = a.loc_length;
     if let Some(ds) = &a.ds {
         match (dataset(ds)?.is_multimodal(), a.image_size) {
-            (true, None) => anyhow::bail!("--ds {ds} plans images: give --image-size WIDTHxHEIGHT (e.g. 640x480 for a COCO photo)"),
+            (true, None) if a.data.is_none() => anyhow::bail!("--ds {ds} plans images: give --image-size WIDTHxHEIGHT (e.g. 640x480 for a COCO photo), or --data"),
             (false, Some(_)) => anyhow::bail!("--ds {ds} is text-only: --image-size plans the multimodal views (--ds vqa or caption)"),
             _ => {}
         }
@@ -1086,13 +1098,26 @@ fn plan(a: PlanArgs) -> anyhow::Result<()> {
         anyhow::bail!("--loc-length is the text-only locality view of --ds vqa|caption: give --image-size");
     }
     let (model, _) = dualedit::model::loader::read_config(&a.model)?;
-    if a.image_size.is_some() && model.family().vision_language().is_some() {
+    let data = match (&a.data, &a.ds) {
+        (Some(file), Some(ds)) => {
+            let d = dualedit::planner::data::data_shape(&a.model, &model, file, dataset(ds)?, a.image_root.as_deref(), a.percentile)?;
+            opts.tokens = a.max_length.map_or(d.text_tokens.at_percentile, |t| t as i64);
+            opts.kept = a.kept_tokens.or(Some(d.labelled.at_percentile));
+            opts.image = a.image_size.or(d.image_at_percentile);
+            opts.loc_tokens = a.loc_length.or(d.loc_tokens.map(|l| l.at_percentile));
+            Some(d)
+        }
+        (Some(_), None) => anyhow::bail!("plan --data: give --ds (zsre, counterfact, vqa or caption) to read it"),
+        (None, _) => None,
+    };
+    if opts.image.is_some() && model.family().vision_language().is_some() {
         opts.image_processor = dualedit::model::qwen2_vl::ImageProcessorConfig::load(&a.model.join("preprocessor_config.json"))?;
     }
     let question = verdict::PlanQuestion {
         placement: d.placement,
         dtype_source,
         fit: a.fit.as_deref().map(verdict::parse_sizes).transpose()?,
+        data,
         json: a.json,
     };
     let (out, nothing_fits) = verdict::answer(&model, &config, &opts, &question)?;

@@ -17,6 +17,7 @@
 //! factor `a` of a factored edit, whose `x·aᵀ` saves the same input), a norm
 //! saves its input only when that input requires grad, and so on. Nothing below the first
 //! edited weight requires grad, so the frozen layers below it keep no activations at all.
+pub mod data;
 pub mod verdict;
 
 use std::collections::BTreeMap;

@@ -604,3 +604,48 @@ fn plan_verdicts_on_the_bundled_text_default() {
     assert_eq!(rc, Some(1), "{out}");
     assert!(err.contains("no placement fits --max-memory cpu=1.0 MiB"), "{err}");
 }
+
+/// `plan --data` on an E-VQA file (the bundled visual world's held-out records, with the
+/// tiny Qwen2-VL that reads them): tokens, answers and images from the records, at the
+/// longest and at a chosen percentile, and the plan made for them.
+#[test]
+fn plan_reads_the_shape_of_an_e_vqa_file() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let plan = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+            .current_dir(root)
+            .args(["plan", "--model", "data/vl/model", "--config", "configs/vl-world.json", "--data", "data/vl/world/vqa-holdout.json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+    };
+    let (rc, out, err) = plan(&["--ds", "vqa", "--image-root", "data/vl/world", "--json"]);
+    assert_eq!(rc, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let d = &v["planned"]["data"];
+    assert!(d["records"].as_u64().unwrap() > 100, "{d}");
+    let (text, kept) = (&d["text_tokens"], &d["labelled"]);
+    // Short answers: a handful of labelled positions, not the max_length - 1 upper bound.
+    assert!(kept["longest"].as_i64().unwrap() < 16 && kept["longest"] == kept["at_percentile"], "{d}");
+    assert_eq!(v["shape"]["kept_per_example"], kept["at_percentile"]);
+    let image_tokens = v["shape"]["image"]["tokens"].as_i64().unwrap();
+    assert_eq!(v["shape"]["tokens_per_example"].as_i64().unwrap(), text["at_percentile"].as_i64().unwrap() + image_tokens);
+    assert_eq!(v["shape"]["image"]["size"], d["image_at_percentile"]);
+    // A lower percentile never plans more.
+    let (rc, out, err) = plan(&["--ds", "vqa", "--image-root", "data/vl/world", "--percentile", "50", "--json"]);
+    assert_eq!(rc, Some(0), "{err}");
+    let half: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let h = &half["planned"]["data"];
+    assert_eq!(h["percentile"], 50.0);
+    assert!(h["text_tokens"]["at_percentile"].as_i64() <= text["longest"].as_i64() && h["text_tokens"]["longest"] == text["longest"], "{h}");
+    // The text says where the figures came from.
+    let (_, text_out, _) = plan(&["--ds", "vqa", "--image-root", "data/vl/world"]);
+    assert!(text_out.contains("data: data/vl/world/vqa-holdout.json (") && text_out.contains("planned at P100"), "{text_out}");
+    // Missing pieces: one clear error each.
+    for (extra, want) in [(&["--ds", "vqa"][..], "--image-root"), (&[][..], "--ds"), (&["--ds", "vqa", "--image-root", "data/vl/world", "--percentile", "0"][..], "--percentile")] {
+        let (rc, _, err) = plan(extra);
+        assert_eq!(rc, Some(1), "{extra:?}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+    }
+}

@@ -362,6 +362,8 @@ pub struct PlanQuestion {
     pub dtype_source: DtypeSource,
     /// `--fit` card sizes.
     pub fit: Option<Vec<u64>>,
+    /// `--data`: the records' shape the options were taken from.
+    pub data: Option<super::data::DataShape>,
     pub json: bool,
 }
 
@@ -371,12 +373,15 @@ pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion
     let phase = Phase::Train;
     let single = plan_model(model, cfg, &o.single())?;
     let devices = if o.split { format!("{} + {}", o.main, o.sub) } else { format!("{} alone", o.main) };
-    let planned = planned_text(&single.shape, q.dtype_source, phase, &devices);
+    let mut planned = planned_text(&single.shape, q.dtype_source, phase, &devices);
+    if let Some(d) = &q.data {
+        planned.push_str(&d.text());
+    }
     let planned_json = serde_json::json!({
         "dtype": single.shape.dtype, "dtype_source": q.dtype_source, "batch_size": single.shape.batch_size,
         "tokens_per_example": single.shape.tokens_per_example, "kept_per_example": single.shape.kept_per_example,
         "image": single.shape.image, "main": o.main, "sub": o.sub, "split": o.split, "verdict_phase": phase,
-        "headroom": o.headroom,
+        "headroom": o.headroom, "data": q.data,
     });
     let judged = !o.caps.is_empty();
     if let Some(sizes) = &q.fit {
@@ -388,7 +393,8 @@ pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion
         let out = if q.json {
             serde_json::json!({ "planned": planned_json, "fit": f }).to_string() + "\n"
         } else {
-            format!("{}{}", planned_text(&single.shape, q.dtype_source, phase, "cuda:0 (one card) or cuda:0 + cuda:1 (two cards)"), f.text())
+            let data = q.data.as_ref().map(|d| d.text()).unwrap_or_default();
+            format!("{}{data}{}", planned_text(&single.shape, q.dtype_source, phase, "cuda:0 (one card) or cuda:0 + cuda:1 (two cards)"), f.text())
         };
         return Ok((out, None));
     }
