@@ -89,7 +89,7 @@ fn every_json_command_prints_one_json_object() {
         ("eval", [&["eval"][..], &eval, &["--report", &eval_report]].concat(), "reliability"),
         (
             "compare eval",
-            [&["compare", "eval"][..], &eval, &["--device", "cpu", "--sub-device", "cpu", "--report", &compare_report]].concat(),
+            [&["compare", "eval"][..], &eval, &["--device", "cpu", "--sub-device", "cpu:1", "--report", &compare_report]].concat(),
             "metrics_agree",
         ),
     ];
