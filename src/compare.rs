@@ -67,11 +67,13 @@ fn finish(command: &str, single: Side, dual: Side) -> Comparison {
     }
 }
 
-/// A "dual" side on the single side's device would run the single path twice and call it
+/// A "dual" side that is the single side's plan would run the single path twice and call it
 /// a comparison (the same metrics, a peak ratio of noise, nothing moved): refused, with the
 /// way to a real split on one machine.
 fn check_dual(plan: &DevicePlan) -> Result<()> {
-    if plan.split {
+    // A split, or the optimiser state placed elsewhere (ZeRO-Offload on one device), is a
+    // different run; only the single side's own plan is refused.
+    if *plan != DevicePlan::single(plan.main) {
         return Ok(());
     }
     let d = plan.main_name();
