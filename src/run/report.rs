@@ -83,7 +83,7 @@ impl<M: Serialize> RunReport<M> {
         let samples = tracker.timeline();
         write_json_atomic(&timeline, &Timeline { samples: &samples })?;
         let chart = path.with_file_name(format!("{stem}.timeline.png"));
-        if let Err(e) = crate::chart::render_timeline_png(&samples, &chart) {
+        if let Err(e) = crate::run::chart::render_timeline_png(&samples, &chart) {
             tracing::warn!(chart = %chart.display(), error = %e, "memory timeline chart not written");
         }
         self.timeline_file = Some(timeline);
