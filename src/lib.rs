@@ -13,6 +13,7 @@ pub mod error;
 pub mod io;
 pub mod model;
 pub mod planner;
+pub mod progress;
 pub mod rng;
 pub mod run;
 pub mod serve;

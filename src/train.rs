@@ -498,15 +498,10 @@ fn accumulate(
     Ok(acc)
 }
 
-/// A step counter with elapsed time, ETA and a message (hidden when `show` is false, and
-/// by indicatif itself when stderr is not a terminal).
-pub(crate) fn progress_bar(steps: usize, show: bool) -> indicatif::ProgressBar {
-    let bar = if show { indicatif::ProgressBar::new(steps as u64) } else { indicatif::ProgressBar::hidden() };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar
+/// A step counter with elapsed time, ETA and a message: a bar on a terminal, plain lines
+/// in a log ([`crate::progress`]), nothing when `show` is false.
+pub(crate) fn progress_bar(what: &str, steps: usize, show: bool) -> crate::progress::Progress {
+    crate::progress::Progress::new(what, steps, show)
 }
 
 /// Set by an embedding program (the Python package, on Ctrl-C) to end a running
@@ -563,7 +558,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     if let Some(t) = &saved_adam {
         adam.load_state(t, counters.adam_step)?;
     }
-    let bar = progress_bar(cfg.max_steps, setup.progress);
+    let bar = progress_bar("train", cfg.max_steps, setup.progress);
     bar.set_position(counters.step as u64);
     let mut history = Vec::new();
     let mut validations = Vec::new();
@@ -665,11 +660,11 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             image_loc_kl: acc.image_loc_kl,
             image_loc_acc: acc.image_loc_acc,
         });
-        bar.set_position(counters.step as u64);
         bar.set_message(format!(
             "loss {:.4} edit_acc {:.2} loc_kl {:.4} loc_acc {:.2}",
             acc.loss, acc.edit_acc, acc.loc_kl, acc.loc_acc
         ));
+        bar.set_position(counters.step as u64);
         let stop = STOP_REQUESTED.swap(false, std::sync::atomic::Ordering::SeqCst);
         let last = counters.step == cfg.max_steps || stop;
         if counters.step.is_multiple_of(cfg.val_every) || last {

@@ -91,7 +91,7 @@ fn every_json_command_prints_one_json_object() {
         ("report merge", vec!["report", "merge", &eval_report, "--json"], "rows"),
         (
             "compare eval",
-            [&["compare", "eval"][..], &eval, &["--device", "cpu", "--sub-device", "cpu", "--report", &compare_report]].concat(),
+            [&["compare", "eval"][..], &eval, &["--device", "cpu", "--sub-device", "cpu:1", "--report", &compare_report]].concat(),
             "metrics_agree",
         ),
     ];

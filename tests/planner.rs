@@ -24,6 +24,7 @@ use dualedit::config::MendConfig;
 use dualedit::data::{EditExample, Example};
 use dualedit::device::memory::{reset_peak, sample};
 use dualedit::device::DevicePlan;
+use dualedit::planner::verdict::Headroom;
 use dualedit::edit::{make_edit, Method};
 use dualedit::mend::checkpoint::{save_state, TrainCounters};
 use dualedit::mend::optim::Adam;
@@ -412,8 +413,10 @@ fn placements_of_a_7b_model() {
     assert!(cpu.train["cpu"] >= 2 * 4 * p.shape.editor_parameters as u64);
     assert!(cpu.main_ratio < split.main_ratio);
 
-    // auto: replica does not fit two 12 GiB caps, the layer split does.
+    // auto: replica does not fit two 12 GiB caps, the layer split does (raw caps here:
+    // the headroom has its own test).
     let mut capped = o.clone();
+    capped.headroom = Headroom { margin: 0.0, reserve_bytes: 0 };
     capped.caps = "cuda:0=12GiB,cuda:1=12GiB".parse::<MaxMemory>().unwrap();
     let chosen = choose(&model, &cfg, &capped, Phase::Train).unwrap();
     assert_eq!(chosen.shape.placement, Placement::Balanced);
@@ -461,6 +464,8 @@ fn out_of_memory_names_the_placement_that_fits() {
     let cfg = MendConfig::from_file(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/llama-7b.json"))).unwrap();
     let (model, _) = dualedit::model::loader::read_config(dir.path()).unwrap();
     let mut o = PlanOptions::new("cuda:0", Some("cuda:1"), Kind::BFloat16, 128, None).unwrap();
+    // Raw caps: the figures below were worked out without the headroom.
+    o.headroom = Headroom { margin: 0.0, reserve_bytes: 0 };
     let simulate = |advice: FitAdvice, split: bool| -> String {
         let placed = Placed { split, weights: Kind::BFloat16, layout: Placement::Replica, optimizer: OptimizerDevice::Main, fit: Some(std::sync::Arc::new(advice)) };
         let mut tracker = dualedit::device::memory::MemoryTracker::new(&DevicePlan::single(Device::Cpu).roles());
@@ -480,6 +485,7 @@ fn out_of_memory_names_the_placement_that_fits() {
     assert!(msg.contains("at optimiser step 2, in phase: backward") && msg.contains("Tried to allocate"), "{msg}");
     // One 12 GiB card and no sub-device: the planner adds the second card and divides the model.
     let mut one = PlanOptions::new("cuda:0", None, Kind::BFloat16, 128, None).unwrap();
+    one.headroom = o.headroom;
     one.caps = "cuda:0=12GiB,cuda:1=12GiB".parse::<MaxMemory>().unwrap();
     let advice = FitAdvice::new(model.clone(), cfg.clone(), one.clone(), vec!["cuda:1".into(), "cpu".into()], replica).would_fit().unwrap();
     assert!(advice.starts_with("--sub-device cuda:1 --placement balanced (main cuda:0 "), "{advice}");
@@ -492,4 +498,154 @@ fn out_of_memory_names_the_placement_that_fits() {
     o.caps = "cuda:0=40GiB,cuda:1=40GiB".parse::<MaxMemory>().unwrap();
     let own = FitAdvice::new(model, cfg.clone(), o, vec![], replica).would_fit().unwrap();
     assert!(own.starts_with("--placement replica") && own.contains("run's own placement"), "{own}");
+}
+
+/// `plan` on the bundled Qwen2-VL-7B config (bf16 in its config.json) with a 448 x 448
+/// image: the dtype it reads, verdicts against caps with the headroom, the chosen
+/// placement, the exit code when nothing fits, and `--fit`.
+#[test]
+fn plan_answers_whether_qwen2_vl_7b_fits() {
+    const GIB: u64 = 1 << 30;
+    let root = env!("CARGO_MANIFEST_DIR");
+    let plan = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+            .current_dir(root)
+            .args(["plan", "--model", "tests/fixtures/qwen2_vl_7b_instruct", "--config", "configs/qwen2vl-7b.json", "--image-size", "448x448", "--ds", "vqa"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+    };
+    let json = |s: &str| -> serde_json::Value { serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}")) };
+    let two = ["--device", "cuda:0", "--sub-device", "cuda:1"];
+
+    // torch_dtype bfloat16 is planned without --dtype; --dtype f32 overrides it.
+    let (rc, out, err) = plan(&["--device", "cuda:0", "--json"]);
+    assert_eq!(rc, Some(0), "{err}");
+    let bf16 = json(&out);
+    assert_eq!((bf16["planned"]["dtype"].as_str(), bf16["planned"]["dtype_source"].as_str()), (Some("bf16"), Some("config")));
+    assert!(bf16["fits"].is_null(), "no caps, no verdict");
+    let (_, out, _) = plan(&["--device", "cuda:0", "--dtype", "f32", "--json"]);
+    let f32 = json(&out);
+    assert_eq!((f32["planned"]["dtype"].as_str(), f32["planned"]["dtype_source"].as_str()), (Some("f32"), Some("flag")));
+    let peak = |v: &serde_json::Value| v["totals"].as_array().unwrap().iter().filter(|t| t["phase"] == "train").map(|t| t["peak_bytes"].as_u64().unwrap()).max().unwrap();
+    assert!(peak(&bf16) < 26 * GIB && peak(&f32) > 38 * GIB, "bf16 {} f32 {}", peak(&bf16), peak(&f32));
+
+    // Two 24 GiB cards: replica's 23.7 GiB is within the cap but not within the cap less
+    // the headroom (24 x 0.9 - 0.5 = 21.1 GiB); balanced fits and is chosen.
+    let caps24 = ["--max-memory", "cuda:0=24GiB,cuda:1=24GiB"];
+    let (rc, out, err) = plan(&[&two[..], &caps24[..], &["--json"]].concat());
+    assert_eq!(rc, Some(0), "{err}");
+    let v = json(&out);
+    assert_eq!(v["fits"], true);
+    let placements = v["placements"].as_array().unwrap();
+    assert_eq!(placements.len(), v["rows"].as_array().unwrap().len());
+    assert_eq!((placements[0]["placement"].as_str(), placements[0]["fits"].as_bool()), (Some("replica"), Some(false)));
+    assert!(placements[0]["devices"][0]["usable_bytes"].as_u64().unwrap() < 22 * GIB);
+    assert!(v["chosen"].as_str().unwrap().starts_with("balanced"), "{}", v["chosen"]);
+    let (_, text, _) = plan(&[&two[..], &caps24[..]].concat());
+    for want in ["planned: Qwen2VLForConditionalGeneration in bf16 (config.json torch_dtype), batch 1 x 386 tokens", "image 448x448", "main/1 = ", "max/1 = ", "chosen: balanced", "OVER    replica"] {
+        assert!(text.contains(want), "{want:?} not in:\n{text}");
+    }
+    // --placement auto takes the same rule: balanced, not replica at 0.3 GiB of headroom.
+    let (rc, out, err) = plan(&[&two[..], &caps24[..], &["--placement", "auto", "--json"]].concat());
+    assert_eq!(rc, Some(0), "{err}");
+    assert_eq!(json(&out)["shape"]["placement"], "balanced");
+    // Without the headroom replica fits the same caps: the margin and reserve decide.
+    let (_, out, _) = plan(&[&two[..], &caps24[..], &["--margin", "0%", "--reserve", "0", "--json"]].concat());
+    assert!(json(&out)["chosen"].as_str().unwrap().starts_with("replica"), "{out}");
+
+    // Nothing fits two 12 GiB cards: exit 1, one line naming the closest placement; the
+    // JSON still says so.
+    let (rc, out, err) = plan(&[&two[..], &["--max-memory", "cuda:0=12GiB,cuda:1=12GiB", "--json"]].concat());
+    assert_eq!(rc, Some(1), "{err}");
+    assert_eq!(json(&out)["fits"], false);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("no placement fits --max-memory") && err.contains("closest: balanced"), "{err}");
+
+    // --fit: one 40 GiB card (24.4 GiB of 35.5 usable) or two 16 GiB cards with balanced.
+    let (rc, out, err) = plan(&["--fit", "16GiB,24GiB,40GiB,80GiB", "--json"]);
+    assert_eq!(rc, Some(0), "{err}");
+    let f = &json(&out)["fit"];
+    assert_eq!(f["one_card"]["card_bytes"].as_u64(), Some(40 * GIB), "{f}");
+    assert_eq!(f["two_cards"]["card_bytes"].as_u64(), Some(16 * GIB), "{f}");
+    assert_eq!(f["two_cards"]["placement"]["placement"], "balanced");
+    let devices = f["two_cards"]["placement"]["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    assert!(devices.iter().all(|d| d["peak_bytes"].as_u64().unwrap() <= d["usable_bytes"].as_u64().unwrap()));
+    let (_, text, _) = plan(&["--fit", "16GiB,24GiB,40GiB,80GiB"]);
+    assert!(text.contains("one card : 40.00 GiB with replica") && text.contains("two cards: 16.00 GiB with balanced"), "{text}");
+
+    // Bad flags: one clear error each.
+    for (flag, value) in [("--margin", "150%"), ("--reserve", "lots"), ("--fit", "big")] {
+        let (rc, _, err) = plan(&["--device", "cuda:0", flag, value]);
+        assert_eq!(rc, Some(1));
+        assert!(err.contains(flag), "{flag}: {err}");
+    }
+}
+
+/// The bundled text default (the GPT-2 under data/model, f32 in its config) on one CPU:
+/// a cap it fits and one it does not.
+#[test]
+fn plan_verdicts_on_the_bundled_text_default() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let plan = |cap: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+            .current_dir(root)
+            .args(["plan", "--model", "data/model", "--config", "configs/world.json", "--max-memory", cap])
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+    };
+    let (rc, out, err) = plan("cpu=4GiB");
+    assert_eq!(rc, Some(0), "{err}");
+    assert!(out.contains("chosen: replica") && out.contains("fits    replica"), "{out}");
+    let (rc, out, err) = plan("cpu=1MiB");
+    assert_eq!(rc, Some(1), "{out}");
+    assert!(err.contains("no placement fits --max-memory cpu=1.0 MiB"), "{err}");
+}
+
+/// `plan --data` on an E-VQA file (the bundled visual world's held-out records, with the
+/// tiny Qwen2-VL that reads them): tokens, answers and images from the records, at the
+/// longest and at a chosen percentile, and the plan made for them.
+#[test]
+fn plan_reads_the_shape_of_an_e_vqa_file() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let plan = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+            .current_dir(root)
+            .args(["plan", "--model", "data/vl/model", "--config", "configs/vl-world.json", "--data", "data/vl/world/vqa-holdout.json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+    };
+    let (rc, out, err) = plan(&["--ds", "vqa", "--image-root", "data/vl/world", "--json"]);
+    assert_eq!(rc, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let d = &v["planned"]["data"];
+    assert!(d["records"].as_u64().unwrap() > 100, "{d}");
+    let (text, kept) = (&d["text_tokens"], &d["labelled"]);
+    // Short answers: a handful of labelled positions, not the max_length - 1 upper bound.
+    assert!(kept["longest"].as_i64().unwrap() < 16 && kept["longest"] == kept["at_percentile"], "{d}");
+    assert_eq!(v["shape"]["kept_per_example"], kept["at_percentile"]);
+    let image_tokens = v["shape"]["image"]["tokens"].as_i64().unwrap();
+    assert_eq!(v["shape"]["tokens_per_example"].as_i64().unwrap(), text["at_percentile"].as_i64().unwrap() + image_tokens);
+    assert_eq!(v["shape"]["image"]["size"], d["image_at_percentile"]);
+    // A lower percentile never plans more.
+    let (rc, out, err) = plan(&["--ds", "vqa", "--image-root", "data/vl/world", "--percentile", "50", "--json"]);
+    assert_eq!(rc, Some(0), "{err}");
+    let half: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let h = &half["planned"]["data"];
+    assert_eq!(h["percentile"], 50.0);
+    assert!(h["text_tokens"]["at_percentile"].as_i64() <= text["longest"].as_i64() && h["text_tokens"]["longest"] == text["longest"], "{h}");
+    // The text says where the figures came from.
+    let (_, text_out, _) = plan(&["--ds", "vqa", "--image-root", "data/vl/world"]);
+    assert!(text_out.contains("data: data/vl/world/vqa-holdout.json (") && text_out.contains("planned at P100"), "{text_out}");
+    // Missing pieces: one clear error each.
+    for (extra, want) in [(&["--ds", "vqa"][..], "--image-root"), (&[][..], "--ds"), (&["--ds", "vqa", "--image-root", "data/vl/world", "--percentile", "0"][..], "--percentile")] {
+        let (rc, _, err) = plan(extra);
+        assert_eq!(rc, Some(1), "{extra:?}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+    }
 }

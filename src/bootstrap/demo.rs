@@ -70,7 +70,7 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
         .flat_map(|f| world.prompts(f).into_iter().map(move |p| (p, f.object.clone())))
         .collect();
     info!(facts = world.facts.len(), "pretraining the default model");
-    let pre = pretrain(&world.corpus(), &probe, &spec.pretrain, &model_dir(root), device, false)?;
+    let pre = pretrain(&world.corpus(), &probe, &spec.pretrain, &model_dir(root), device, true)?;
     info!(accuracy = pre.fact_accuracy, steps = pre.steps, "pretrained");
     let common = Common {
         model: model_dir(root),
@@ -111,7 +111,7 @@ pub fn train_many_editor(root: &Path, common: Common, mend: &MendConfig) -> Resu
         out: many_editor_dir(root),
         limit: None,
         resume: false,
-        progress: false,
+        progress: true,
     })?;
     // The optimiser state is for resuming, not part of what ships.
     let state = many_editor_dir(root).join(crate::mend::checkpoint::STATE_FILE);
@@ -140,7 +140,7 @@ pub(crate) fn train_and_evaluate(
         out: editor_dir(root),
         limit: None,
         resume: false,
-        progress: false,
+        progress: true,
     })?;
     let (eval, _) = run_eval(
         &EvalOptions {

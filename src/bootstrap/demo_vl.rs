@@ -56,7 +56,7 @@ pub fn build_default_vl(root: &Path, spec: &VlBuildSpec, device: Device) -> Resu
     let world = VisualWorld::generate(&spec.world)?;
     let written = write_visual_world(&world_dir(root), &world)?;
     info!(scenes = written.scenes, train = written.train_records, holdout = written.holdout_records, "visual world written");
-    let pre = pretrain_vl(&world_dir(root), &spec.pretrain, &model_dir(root), device, false)?;
+    let pre = pretrain_vl(&world_dir(root), &spec.pretrain, &model_dir(root), device, true)?;
     info!(accuracy = ?pre.accuracy, steps = pre.steps, "pretrained the VL model");
     let common = Common {
         model: model_dir(root),

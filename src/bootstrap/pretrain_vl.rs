@@ -327,7 +327,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     let mut cursor = order.len();
     let (mut loss_v, mut steps, mut acc) = (f64::NAN, 0usize, VlAccuracy::default());
     let none = HashSet::new();
-    let bar = crate::train::progress_bar(cfg.steps, progress);
+    let bar = crate::train::progress_bar("pretrain", cfg.steps, progress);
     let probe = |acc: &mut VlAccuracy| -> Result<()> {
         let p = ParamView::frozen(&store);
         *acc = VlAccuracy {

@@ -1,4 +1,5 @@
-//! Memory accounting: current and peak bytes per device, sampled at phase boundaries.
+//! Memory accounting: current and peak bytes per device, sampled at phase boundaries and
+//! (for a run) at a steady interval in between.
 //!
 //! * CUDA devices report the caching allocator's own statistics (what
 //!   `torch.cuda.max_memory_allocated` and friends report). tch exposes none of them, so
@@ -14,7 +15,9 @@
 //! read as "this phase used no memory" in a report.
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_char, c_int, CStr};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tch::Device;
@@ -273,11 +276,7 @@ pub fn apply_caps(caps: &super::MaxMemory) -> Result<()> {
         *c = Some(caps.clone());
     }
     for (dev, bytes) in caps.iter() {
-        let d = match dev {
-            super::DeviceName::Cpu => Device::Cpu,
-            super::DeviceName::Cuda(i) => Device::Cuda(i),
-        };
-        set_memory_cap(d, bytes)?;
+        set_memory_cap(dev.device(), bytes)?;
     }
     Ok(())
 }
@@ -353,59 +352,165 @@ pub struct RoleSummary {
     pub process_wide: bool,
 }
 
+/// The phase name of samples the sampler thread takes between phase marks
+/// ([`MemoryTracker::sampled`]); charts draw no boundary for them.
+pub const SAMPLED_PHASE: &str = "sampled";
+
+/// The phase of the sample [`MemoryTracker::finish`] takes as a run's report is written.
+pub const END_PHASE: &str = "end";
+
+/// How often the sampler reads the devices at first ([`MemoryTracker::sampled`]).
+pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(250);
+
+/// Sampled entries per role kept before the sampler thins them out: every second one is
+/// dropped and the interval doubles, so a run of any length keeps an even, bounded picture
+/// (a 12-minute run at 250 ms would otherwise hold 2 880 samples per role, a day 345 600).
+pub const MAX_SAMPLED_PER_ROLE: usize = 2000;
+
+/// What the tracker and its sampler thread share.
+#[derive(Debug)]
+struct Shared {
+    timeline: Mutex<Vec<PhaseSample>>,
+    stop: Mutex<bool>,
+    wake: Condvar,
+}
+
 /// Records memory samples at named phase boundaries (load, edit, forward, ...) for a set
 /// of roles ("main", "editor", ...), each living on a device. Roles sharing a device are
 /// sampled once per mark, so they report the same figures for the same instant.
+///
+/// A tracker made with [`MemoryTracker::sampled`] also reads the devices from a thread at
+/// a steady interval (phase [`SAMPLED_PHASE`]), so its timeline covers the whole run, not
+/// only the instants a phase ended: a long step or evaluation between two marks would
+/// otherwise be a straight line on the chart, and the chart would end at the last mark.
 #[derive(Debug)]
 pub struct MemoryTracker {
     roles: Vec<(String, Device)>,
     start: Instant,
-    timeline: Vec<PhaseSample>,
+    shared: Arc<Shared>,
+    sampler: Option<JoinHandle<()>>,
+}
+
+/// One entry per role, devices read once each. Either every role is recorded or, on an
+/// error, none.
+fn read_roles(roles: &[(String, Device)], phase: &str, elapsed_ms: f64) -> Result<Vec<PhaseSample>> {
+    let mut by_device: HashMap<Device, MemorySample> = HashMap::new();
+    let mut entries = Vec::with_capacity(roles.len());
+    for (role, device) in roles {
+        let s = match by_device.get(device) {
+            Some(s) => *s,
+            None => {
+                let s = sample(*device)?;
+                by_device.insert(*device, s);
+                s
+            }
+        };
+        entries.push(PhaseSample { phase: phase.to_string(), role: role.clone(), device: device_name(*device), elapsed_ms, sample: s });
+    }
+    Ok(entries)
 }
 
 impl MemoryTracker {
+    /// A tracker that samples at phase marks only.
     pub fn new(roles: &[(&str, Device)]) -> Self {
         Self {
             roles: roles.iter().map(|&(r, d)| (r.to_string(), d)).collect(),
             start: Instant::now(),
-            timeline: Vec::new(),
+            shared: Arc::new(Shared { timeline: Mutex::new(Vec::new()), stop: Mutex::new(false), wake: Condvar::new() }),
+            sampler: None,
         }
+    }
+
+    /// A tracker that also samples every [`SAMPLE_INTERVAL`] (thinned out past
+    /// [`MAX_SAMPLED_PER_ROLE`]) from a thread, until it is dropped. A sampler that cannot
+    /// start or read a device is logged and stops; the phase marks go on.
+    pub fn sampled(roles: &[(&str, Device)]) -> Self {
+        Self::sampled_every(roles, SAMPLE_INTERVAL)
+    }
+
+    /// [`MemoryTracker::sampled`] with another first interval.
+    pub fn sampled_every(roles: &[(&str, Device)], interval: Duration) -> Self {
+        let mut t = Self::new(roles);
+        let (shared, roles, start) = (t.shared.clone(), t.roles.clone(), t.start);
+        let spawned = std::thread::Builder::new().name("dualedit-memory".into()).spawn(move || {
+            let mut every = interval;
+            let mut taken = 0usize;
+            loop {
+                {
+                    let Ok(stop) = shared.stop.lock() else { return };
+                    let Ok((stop, _)) = shared.wake.wait_timeout_while(stop, every, |s| !*s) else { return };
+                    if *stop {
+                        return;
+                    }
+                }
+                let entries = match read_roles(&roles, SAMPLED_PHASE, start.elapsed().as_secs_f64() * 1e3) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "memory sampler stopped; the timeline keeps the phase marks only");
+                        return;
+                    }
+                };
+                let Ok(mut tl) = shared.timeline.lock() else { return };
+                tl.extend(entries);
+                taken += 1;
+                if taken > MAX_SAMPLED_PER_ROLE {
+                    // Keep every second sampled instant (all roles of an instant together).
+                    let mut nth = 0usize;
+                    let mut last_ms = f64::NAN;
+                    tl.retain(|p| {
+                        if p.phase != SAMPLED_PHASE {
+                            return true;
+                        }
+                        if p.elapsed_ms != last_ms {
+                            last_ms = p.elapsed_ms;
+                            nth += 1;
+                        }
+                        nth % 2 == 0
+                    });
+                    taken /= 2;
+                    every *= 2;
+                }
+            }
+        });
+        match spawned {
+            Ok(h) => t.sampler = Some(h),
+            Err(e) => tracing::warn!(error = %e, "memory sampler not started; the timeline has the phase marks only"),
+        }
+        t
     }
 
     /// Samples every role's device and appends one entry per role. Either all roles are
     /// recorded for `phase` or, on an error, none are.
     pub fn mark(&mut self, phase: &str) -> Result<()> {
+        self.record(phase)
+    }
+
+    /// The last sample of a run ([`END_PHASE`]), taken as its report is written, so the
+    /// timeline and its chart reach the end of the run.
+    pub fn finish(&self) -> Result<()> {
+        self.record(END_PHASE)
+    }
+
+    fn record(&self, phase: &str) -> Result<()> {
         let elapsed_ms = self.start.elapsed().as_secs_f64() * 1e3;
-        let mut by_device: HashMap<Device, MemorySample> = HashMap::new();
-        let mut entries = Vec::with_capacity(self.roles.len());
-        for (role, device) in &self.roles {
-            let s = match by_device.get(device) {
-                Some(s) => *s,
-                None => {
-                    let s = sample(*device)?;
-                    by_device.insert(*device, s);
-                    s
-                }
-            };
+        let entries = read_roles(&self.roles, phase, elapsed_ms)?;
+        for e in &entries {
+            let s = &e.sample;
             tracing::debug!(
-                role = role.as_str(),
+                role = e.role.as_str(),
                 phase,
-                device = %device_name(*device),
+                device = %e.device,
                 allocated = %format_bytes(s.current_allocated_bytes),
                 peak_allocated = %format_bytes(s.peak_allocated_bytes),
                 reserved = %format_bytes(s.current_reserved_bytes),
                 process_wide = s.process_wide,
                 "memory"
             );
-            entries.push(PhaseSample {
-                phase: phase.to_string(),
-                role: role.clone(),
-                device: device_name(*device),
-                elapsed_ms,
-                sample: s,
-            });
         }
-        self.timeline.extend(entries);
+        let mut tl = self.shared.timeline.lock().map_err(|_| Error::Torch("memory timeline lock poisoned".into()))?;
+        // The sampler may have read the devices after `elapsed_ms` was taken: keep time order.
+        let at = tl.partition_point(|p| p.elapsed_ms <= elapsed_ms);
+        tl.splice(at..at, entries);
         Ok(())
     }
 
@@ -422,15 +527,16 @@ impl MemoryTracker {
         Ok(())
     }
 
-    pub fn timeline(&self) -> &[PhaseSample] {
-        &self.timeline
+    /// Every sample so far, in time order (phase marks and the sampler's).
+    pub fn timeline(&self) -> Vec<PhaseSample> {
+        self.shared.timeline.lock().map(|t| t.clone()).unwrap_or_default()
     }
 
     /// Per role (roles never sampled are left out): peaks are maxima over the timeline,
     /// current is the latest sample.
     pub fn summary(&self) -> BTreeMap<String, RoleSummary> {
         let mut out: BTreeMap<String, RoleSummary> = BTreeMap::new();
-        for p in &self.timeline {
+        for p in &self.timeline() {
             let s = &p.sample;
             out.entry(p.role.clone())
                 .and_modify(|r| {
@@ -447,6 +553,23 @@ impl MemoryTracker {
                 });
         }
         out
+    }
+
+    #[cfg(test)]
+    fn push(&self, p: PhaseSample) {
+        self.shared.timeline.lock().unwrap().push(p);
+    }
+}
+
+impl Drop for MemoryTracker {
+    fn drop(&mut self) {
+        if let Ok(mut stop) = self.shared.stop.lock() {
+            *stop = true;
+        }
+        self.shared.wake.notify_all();
+        if let Some(h) = self.sampler.take() {
+            let _ = h.join();
+        }
     }
 }
 
@@ -625,9 +748,9 @@ mod tests {
             peak_reserved_bytes: peak + 1,
             process_wide: false,
         };
-        let mut tr = MemoryTracker::new(&[("main", Device::Cuda(0))]);
+        let tr = MemoryTracker::new(&[("main", Device::Cuda(0))]);
         for (phase, cur, peak) in [("load", 10, 20), ("edit", 5, 50), ("step", 7, 8)] {
-            tr.timeline.push(PhaseSample {
+            tr.push(PhaseSample {
                 phase: phase.into(),
                 role: "main".into(),
                 device: "cuda:0".into(),
@@ -647,6 +770,22 @@ mod tests {
             }
         );
         assert!(MemoryTracker::new(&[("x", Device::Cpu)]).summary().is_empty());
+    }
+
+    #[test]
+    fn the_sampler_covers_the_time_between_marks_in_order() {
+        let mut tr = MemoryTracker::sampled_every(&[("main", Device::Cpu), ("sub", Device::Cpu)], Duration::from_millis(10));
+        tr.mark("load").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        tr.mark("eval").unwrap();
+        let tl = tr.timeline();
+        let sampled: Vec<_> = tl.iter().filter(|p| p.phase == SAMPLED_PHASE).collect();
+        // About 20 instants in 200 ms; a loaded machine may take fewer.
+        assert!(sampled.len() >= 2 * 3, "{} sampled entries", sampled.len());
+        assert!(sampled.iter().all(|p| p.elapsed_ms > tl[0].elapsed_ms && p.elapsed_ms <= tl[tl.len() - 1].elapsed_ms));
+        assert!(tl.windows(2).all(|w| w[1].elapsed_ms >= w[0].elapsed_ms));
+        assert_eq!(tl.iter().filter(|p| p.phase != SAMPLED_PHASE).count(), 4);
+        drop(tr); // joins the thread
     }
 
     #[test]

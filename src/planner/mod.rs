@@ -28,11 +28,13 @@ use crate::model::Model;
 use crate::{Error, Result};
 
 mod advice;
+pub mod data;
 mod items;
 mod placement;
 mod render;
 mod sizes;
 mod types;
+pub mod verdict;
 
 pub use advice::*;
 pub use placement::*;

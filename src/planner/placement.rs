@@ -64,14 +64,15 @@ pub fn choose(model: &Model, cfg: &MendConfig, o: &PlanOptions, phase: Phase) ->
     let plans = plan_all(model, cfg, &o)?;
     let mut lines = Vec::new();
     for p in plans {
-        match p.over_caps(&o.caps, phase) {
+        match super::verdict::over(&p, &o.caps, &o.headroom, phase) {
             None => return Ok(p),
             Some(why) => lines.push(format!("  {}: {why}", p.placement_label())),
         }
     }
     Err(Error::OutOfMemory(format!(
-        "no placement fits --max-memory {}:\n{}",
+        "no placement fits --max-memory {} (usable: {}):\n{}",
         o.caps.0.iter().map(|(d, b)| format!("{d}={}", format_bytes(*b))).collect::<Vec<_>>().join(","),
+        o.headroom.text(),
         lines.join("\n")
     )))
 }

@@ -53,6 +53,9 @@ pub struct PlanOptions {
     /// With an image: tokens of the text-only locality question (E-VQA's NQ `loc` view)
     /// per example. `None`: `tokens` (the text part of the image views).
     pub loc_tokens: Option<i64>,
+    /// What of each cap a placement may use ([`super::verdict::Headroom`]: 10 % and 0.5 GiB
+    /// per CUDA device unless `plan --margin/--reserve` say otherwise).
+    pub headroom: super::verdict::Headroom,
 }
 
 impl PlanOptions {
@@ -79,6 +82,7 @@ impl PlanOptions {
             image: None,
             image_processor: ImageProcessorConfig::default(),
             loc_tokens: None,
+            headroom: super::verdict::Headroom::default(),
         })
     }
 

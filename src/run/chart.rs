@@ -13,9 +13,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use plotters::prelude::*;
-use plotters::style::FontTransform;
 
-use crate::device::memory::PhaseSample;
+use crate::device::memory::{PhaseSample, SAMPLED_PHASE};
 use crate::{Error, Result};
 
 /// Chart size in pixels.
@@ -26,6 +25,9 @@ const MIB: f64 = 1024.0 * 1024.0;
 const FONT_FAMILY: &str = "sans-serif";
 /// Size of the phase names along the boundary lines.
 const LABEL_PX: i32 = 14;
+/// Rows of phase names at the top of the plot, and the least gap between two names in a row.
+const LANES: usize = 3;
+const LABEL_GAP: i32 = 6;
 
 /// Places a font is usually found; the first readable one wins.
 const FONT_CANDIDATES: &[&str] = &[
@@ -123,10 +125,11 @@ fn series_of(samples: &[PhaseSample]) -> Vec<Series> {
         .collect()
 }
 
-/// Distinct phase boundaries `(seconds, phase)` in time order.
+/// Distinct phase boundaries `(seconds, phase)` in time order (the sampler's steady
+/// samples are no boundary).
 fn phase_marks(samples: &[PhaseSample]) -> Vec<(f64, String)> {
     let mut marks: Vec<(f64, String)> = Vec::new();
-    for s in samples {
+    for s in samples.iter().filter(|s| s.phase != SAMPLED_PHASE) {
         let t = s.elapsed_ms / 1e3;
         if !marks.iter().any(|(mt, p)| *mt == t && *p == s.phase) {
             marks.push((t, s.phase.clone()));
@@ -181,13 +184,22 @@ fn render(samples: &[PhaseSample], path: &Path, text: bool) -> Result<ChartInfo>
     })
 }
 
+/// The row for a label spanning pixels `[x, x + w]`: the first whose last label ends at
+/// least [`LABEL_GAP`] before `x` (then that row ends at `x + w`), `None` when none has room.
+fn place_label(lane_ends: &mut [i32], x: i32, w: i32) -> Option<usize> {
+    let lane = lane_ends.iter().position(|&end| x > end.saturating_add(LABEL_GAP))?;
+    lane_ends[lane] = x + w;
+    Some(lane)
+}
+
 type DrawResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 fn draw(series: &[Series], marks: &[(f64, String)], path: &Path, text: bool) -> DrawResult<()> {
     let t_max = series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).fold(0.0f64, f64::max);
     let y_max = series.iter().flat_map(|s| s.points.iter().map(|p| p.1.max(p.2))).fold(0.0f64, f64::max);
     let x_hi = if t_max > 0.0 { t_max * 1.03 } else { 1.0 };
-    let y_hi = if y_max > 0.0 { y_max * 1.12 } else { 1.0 };
+    // Headroom above the highest line for the rows of phase names.
+    let y_hi = if y_max > 0.0 { y_max * 1.2 } else { 1.0 };
 
     let root = BitMapBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -217,29 +229,34 @@ fn draw(series: &[Series], marks: &[(f64, String)], path: &Path, text: bool) -> 
         mesh.draw()?;
     }
 
-    // Phase boundaries: a grey vertical line each, its phase name written upwards just
-    // right of it; a name closer than one text line to the previous one is skipped rather
-    // than overprinted.
+    // Phase boundaries: a grey vertical line each, and its phase name written across,
+    // just right of the line, in the first of `LANES` rows at the top where it clears the
+    // names already there; a name that fits no row is left out rather than overprinted.
     let grey = RGBColor(150, 150, 150);
     let top = chart.backend_coord(&(0.0, y_hi)).1;
-    let mut last_label_px: Option<i32> = None;
-    for (t, phase) in marks {
+    let font = TextStyle::from((FONT_FAMILY, LABEL_PX).into_font()).color(&RGBColor(80, 80, 80));
+    let mut lane_ends: [i32; LANES] = [i32::MIN; LANES];
+    for (t, _) in marks {
         chart.draw_series(DashedLineSeries::new([(*t, 0.0), (*t, y_hi)], 4, 4, grey.stroke_width(1)))?;
+    }
+    for (t, phase) in marks {
         if text {
             let (px, _) = chart.backend_coord(&(*t, y_hi));
-            if last_label_px.is_none_or(|p| px - p >= LABEL_PX + 2) {
-                let font = TextStyle::from((FONT_FAMILY, LABEL_PX).into_font()).color(&RGBColor(80, 80, 80));
-                let (w, _) = root.estimate_text_size(phase, &font)?;
-                let style = font.transform(FontTransform::Rotate270);
-                root.draw(&Text::new(phase.clone(), (px + 5, top + 6 + w as i32), style))?;
-                last_label_px = Some(px);
+            let (w, h) = root.estimate_text_size(phase, &font)?;
+            let (x, w, h) = (px + 3, w as i32, h as i32);
+            if let Some(lane) = place_label(&mut lane_ends, x, w) {
+                let y = top + 4 + lane as i32 * (LABEL_PX + 4);
+                root.draw(&Rectangle::new([(x - 1, y - 1), (x + w + 1, y + h + 1)], WHITE.mix(0.85).filled()))?;
+                root.draw(&Text::new(phase.clone(), (x, y), font.clone()))?;
             }
         }
     }
 
     for (i, s) in series.iter().enumerate() {
         let c = COLOURS[i % COLOURS.len()];
-        let current = chart.draw_series(LineSeries::new(s.points.iter().map(|p| (p.0, p.1)), c.stroke_width(3)).point_size(4))?;
+        // Dots only where the samples are few (phase marks); a sampled run is a line.
+        let dot = if s.points.len() <= 60 { 4 } else { 0 };
+        let current = chart.draw_series(LineSeries::new(s.points.iter().map(|p| (p.0, p.1)), c.stroke_width(3)).point_size(dot))?;
         if text {
             current.label(format!("{} allocated", s.label)).legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], c.stroke_width(3)));
         }
@@ -259,4 +276,46 @@ fn draw(series: &[Series], marks: &[(f64, String)], path: &Path, text: bool) -> 
     }
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_in_a_row_never_overlap() {
+        let mut lanes = [i32::MIN; LANES];
+        // Boundaries 10 px apart with 80 px names: three rows, then one is left out until
+        // the first row has room again.
+        let placed: Vec<Option<usize>> = (0..6).map(|i| place_label(&mut lanes, 100 + 10 * i, 80)).collect();
+        assert_eq!(placed, [Some(0), Some(1), Some(2), None, None, None]);
+        assert_eq!(place_label(&mut lanes, 100 + 80 + LABEL_GAP + 1, 80), Some(0));
+        // Every placed pair in one row is apart.
+        let mut lanes = [i32::MIN; LANES];
+        let mut rows: Vec<Vec<(i32, i32)>> = vec![Vec::new(); LANES];
+        for i in 0..200 {
+            let (x, w) = (i * 7, 30 + (i * 13) % 70);
+            if let Some(l) = place_label(&mut lanes, x, w) {
+                rows[l].push((x, x + w));
+            }
+        }
+        for row in rows {
+            assert!(row.windows(2).all(|p| p[1].0 > p[0].1 + LABEL_GAP), "{row:?}");
+        }
+    }
+
+    #[test]
+    fn sampled_points_are_no_phase_boundaries() {
+        let sample = crate::device::memory::MemorySample {
+            current_allocated_bytes: 1,
+            peak_allocated_bytes: 1,
+            current_reserved_bytes: 1,
+            peak_reserved_bytes: 1,
+            process_wide: true,
+        };
+        let at = |phase: &str, ms: f64| PhaseSample { phase: phase.into(), role: "main".into(), device: "cpu".into(), elapsed_ms: ms, sample };
+        let tl = [at("load", 0.0), at(SAMPLED_PHASE, 250.0), at(SAMPLED_PHASE, 500.0), at("eval", 600.0), at("end", 900.0)];
+        assert_eq!(phase_marks(&tl).iter().map(|m| m.1.as_str()).collect::<Vec<_>>(), ["load", "eval", "end"]);
+        assert_eq!(series_of(&tl)[0].points.len(), 5);
+    }
 }

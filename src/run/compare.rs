@@ -37,8 +37,7 @@ pub struct Comparison {
 }
 
 fn side(plan: &DevicePlan, metrics: BTreeMap<String, f64>, memory: BTreeMap<String, RoleSummary>, wall: f64, report: PathBuf) -> Side {
-    let name = |d| crate::device::memory::device_name(d);
-    let devices = if plan.split { format!("{} + {}", name(plan.main), name(plan.sub)) } else { name(plan.main) };
+    let devices = if plan.split { format!("{} + {}", plan.main_name(), plan.sub_name()) } else { plan.main_name() };
     Side { devices, metrics, memory, wall_seconds: wall, report }
 }
 
@@ -68,9 +67,30 @@ fn finish(command: &str, single: Side, dual: Side) -> Comparison {
     }
 }
 
+/// A "dual" side that is the single side's plan would run the single path twice and call it
+/// a comparison (the same metrics, a peak ratio of noise, nothing moved): refused, with the
+/// way to a real split on one machine.
+fn check_dual(plan: &DevicePlan) -> Result<()> {
+    // A split, or the optimiser state placed elsewhere (ZeRO-Offload on one device), is a
+    // different run; only the single side's own plan is refused.
+    if *plan != DevicePlan::single(plan.main) {
+        return Ok(());
+    }
+    let d = plan.main_name();
+    let next = match plan.names.0 {
+        crate::device::DeviceName::Cpu(i) => format!("cpu:{}", i + 1),
+        crate::device::DeviceName::Cuda(i) => format!("cuda:{}", i + 1),
+    };
+    Err(Error::input(format!(
+        "compare: the dual side's --sub-device is the same device as --device ({d}), so nothing would be split or moved; \
+         give a second device (--sub-device {next}; on one CPU the logical device cpu:1 runs the real split path)"
+    )))
+}
+
 /// Meta-trains twice (single on the main device, then split), outputs under `out/single`
 /// and `out/dual`, and compares the training losses and validation results.
 pub fn compare_train(o: &TrainOptions, dual_plan: DevicePlan) -> Result<Comparison> {
+    check_dual(&dual_plan)?;
     let mut sides = Vec::new();
     for (name, plan) in [("single", DevicePlan::single(dual_plan.main)), ("dual", dual_plan)] {
         let mut opts = o.clone();
@@ -103,6 +123,7 @@ pub fn compare_train(o: &TrainOptions, dual_plan: DevicePlan) -> Result<Comparis
 
 /// Evaluates twice (single, then split) and compares the edit metrics.
 pub fn compare_eval(o: &EvalOptions, dual_plan: DevicePlan, out: &Path) -> Result<Comparison> {
+    check_dual(&dual_plan)?;
     let mut sides = Vec::new();
     for (name, plan) in [("single", DevicePlan::single(dual_plan.main)), ("dual", dual_plan)] {
         let mut opts = o.clone();

@@ -263,7 +263,7 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
         ));
     }
     let t0 = Instant::now();
-    let mut tracker = MemoryTracker::new(&o.common.plan.roles());
+    let mut tracker = MemoryTracker::sampled(&o.common.plan.roles());
     let mut engine = edit::open_engine(&o.common.model, &o.common.load_options(), &o.config.edit_params)?;
     // Out of memory, the diagnosis names the placement the planner says fits the caps.
     match crate::planner::FitAdvice::for_run(&o.common.model, &o.config, &engine.plan, o.common.dtype, o.config.max_length as i64, &crate::device::memory::applied_caps()) {
@@ -383,19 +383,25 @@ pub struct EvalOutput {
 
 /// Edits each record from the unedited model and measures it (EasyEdit's protocol).
 pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
+    run_eval_counted(o, |i, _, m| on_record(i, m))
+}
+
+/// [`run_eval`] telling `on_record(i, n, metrics)` how far it got: record `i` of `n` done
+/// (for progress lines).
+pub fn run_eval_counted(o: &EvalOptions, mut on_record: impl FnMut(usize, usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
     check_report_path(o.common.report.as_deref(), &[&o.data])?;
     check_data_flags(o.ds, &o.common)?;
     if let Some(c) = &o.capacity {
         return run_capacity(o, c, on_record);
     }
     let t0 = Instant::now();
-    let mut tracker = MemoryTracker::new(&o.common.plan.roles());
+    let mut tracker = MemoryTracker::sampled(&o.common.plan.roles());
     let (engine, mut method) = edit::open(&o.common.model, &o.common.load_options(), &o.method)?;
     tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
     let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
     let t1 = Instant::now();
-    let records = crate::edit::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, m))?;
+    let records = crate::edit::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, examples.len(), m))?;
     tracker.mark("eval")?;
     let out = EvalOutput { method: method.name().into(), ls: method.ls_config(), capacity: None, summary: Summary::of(&records), records, data };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
@@ -405,7 +411,7 @@ pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics
 }
 
 /// [`run_eval`] with groups ([`crate::edit::capacity::measure`]) through a [`Session`].
-fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
+fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(usize, usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
     let unrelated: Vec<String> = match &c.drift_text {
         Some(p) => {
             let text = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
@@ -418,7 +424,7 @@ fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(
         None => Vec::new(),
     };
     let t0 = Instant::now();
-    let mut tracker = MemoryTracker::new(&o.common.plan.roles());
+    let mut tracker = MemoryTracker::sampled(&o.common.plan.roles());
     let mut session = Session::open_method(&o.common.model, &o.method, &o.common.load_options())?;
     tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
@@ -427,10 +433,10 @@ fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(
     session.guard = c.guard.clone();
     session.stepwise = c.stepwise.clone();
     let t1 = Instant::now();
-    let mut done = 0;
+    let (mut done, total) = (0, examples.len());
     let (records, cap) = capacity::measure(&mut session, &records, &examples, c.grouping, &unrelated, |_, ms| {
         for m in ms {
-            on_record(done, m);
+            on_record(done, total, m);
             done += 1;
         }
     })?;
@@ -488,7 +494,7 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
         edit::check_save_dir(dir)?;
     }
     let t0 = Instant::now();
-    let mut tracker = MemoryTracker::new(&o.common.plan.roles());
+    let mut tracker = MemoryTracker::sampled(&o.common.plan.roles());
     let mut session = Session::open_method(&o.common.model, &o.method, &o.common.load_options())?;
     tracker.mark("load")?;
     let (records, examples, data) =

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::device::memory::{device_name, MemoryTracker, PhaseSample, RoleSummary};
+use crate::device::memory::{MemoryTracker, PhaseSample, RoleSummary};
 use crate::device::{DevicePlan, MoverStats};
 use crate::io::write_json_atomic;
 use crate::Result;
@@ -27,12 +27,16 @@ pub struct DeviceInfo {
 impl From<&DevicePlan> for DeviceInfo {
     fn from(p: &DevicePlan) -> Self {
         Self {
-            main: device_name(p.main),
-            sub: device_name(p.sub),
+            main: p.main_name(),
+            sub: p.sub_name(),
             split: p.split,
             placement: p.placement,
             boundary: p.boundary,
-            optimizer_device: device_name(p.optimizer_device()),
+            optimizer_device: match p.optimizer {
+                crate::device::OptimizerDevice::Sub if p.split => p.sub_name(),
+                crate::device::OptimizerDevice::Cpu => "cpu".into(),
+                _ => p.main_name(),
+            },
         }
     }
 }
@@ -69,9 +73,17 @@ impl<M: Serialize> RunReport<M> {
     pub fn write(mut self, path: &Path, tracker: &MemoryTracker) -> Result<PathBuf> {
         let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("report");
         let timeline = path.with_file_name(format!("{stem}.timeline.json"));
-        write_json_atomic(&timeline, &Timeline { samples: tracker.timeline() })?;
+        // A run's timeline closes with a sample as the run ends (a tracker that never
+        // sampled has no run to close).
+        if !tracker.timeline().is_empty() {
+            if let Err(e) = tracker.finish() {
+                tracing::warn!(error = %e, "no last memory sample; the timeline ends at the last phase");
+            }
+        }
+        let samples = tracker.timeline();
+        write_json_atomic(&timeline, &Timeline { samples: &samples })?;
         let chart = path.with_file_name(format!("{stem}.timeline.png"));
-        if let Err(e) = crate::run::chart::render_timeline_png(tracker.timeline(), &chart) {
+        if let Err(e) = crate::run::chart::render_timeline_png(&samples, &chart) {
             tracing::warn!(chart = %chart.display(), error = %e, "memory timeline chart not written");
         }
         self.timeline_file = Some(timeline);

@@ -15,9 +15,36 @@ pub struct PlanArgs {
     /// The devices planned for (they need not exist on this machine).
     #[command(flatten)]
     pub devices: DeviceArgs,
-    /// f32, bf16 or f16 for the model weights (editor maths is always f32).
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    /// f32, bf16 or f16 for the model weights (editor maths is always f32). Default: the
+    /// model's config.json `torch_dtype` (what its weights are), else f32.
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// With --max-memory: the share of each cap kept free for the planner's own error and
+    /// the allocator's fragmentation (a placement fits when its peak is at most cap x (1 -
+    /// margin) - reserve). Default 10%.
+    #[arg(long)]
+    pub margin: Option<String>,
+    /// With --max-memory: bytes kept free on each CUDA device for its context (cuBLAS,
+    /// kernels) before any tensor. Default 512MiB.
+    #[arg(long)]
+    pub reserve: Option<String>,
+    /// Card sizes to try, e.g. 16GiB,24GiB,40GiB,80GiB: the smallest on which the run fits on
+    /// one card and on two (with the placement and each device's peak), by the same rule as
+    /// --max-memory.
+    #[arg(long)]
+    pub fit: Option<String>,
+    /// The user's records (with --ds): tokens per example, labelled positions and image
+    /// sizes are taken from them (at --percentile) instead of upper bounds; flags given
+    /// explicitly still win. Tokenised with --model's tokenizer.json.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// --data --ds vqa|caption: where the records' images are.
+    #[arg(long)]
+    pub image_root: Option<PathBuf>,
+    /// --data: the percentile of the records planned for; 100 (the default) is the longest
+    /// record, which with a batch of one sets a step's peak.
+    #[arg(long, default_value_t = crate::planner::data::DEFAULT_PERCENTILE)]
+    pub percentile: f64,
     /// Tokens per example (default: the config's max_length, capped at the model's context).
     #[arg(long)]
     pub max_length: Option<usize>,

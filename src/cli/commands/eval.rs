@@ -34,10 +34,11 @@ fn capacity_options(a: &EvalArgs) -> anyhow::Result<Option<run::CapacityOptions>
 
 pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     let opts = options(&a)?;
-    let bar = if a.json { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new_spinner() };
-    let (out, path) = run::run_eval(&opts, |i, m| {
-        bar.set_message(format!("{} records edited (last: reliability {:.2})", i + 1, m.reliability));
-        bar.tick();
+    let bar = crate::progress::Progress::new("eval", 0, !a.json);
+    let (out, path) = run::run_eval_counted(&opts, |i, n, m| {
+        bar.set_total(n);
+        bar.set_message(format!("records edited (last: reliability {:.2})", m.reliability));
+        bar.set_position(i as u64 + 1);
     })?;
     bar.finish_and_clear();
     if a.json {

@@ -4,22 +4,25 @@
 //! against, not applied.
 use crate::cli::args::{dataset, PlanArgs};
 use crate::config::MendConfig;
-use crate::device::{Placement, PlacementRequest};
-use crate::model::parse_dtype;
-use crate::planner::{choose, plan_model, Phase, PlacementTable, PlanOptions};
+use crate::planner::{verdict, PlanOptions};
 
 pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     let config = MendConfig::from_file(&a.config)?;
     let tokens = a.max_length.unwrap_or(config.max_length) as i64;
     let d = &a.devices;
-    let mut opts = PlanOptions::new(&d.device, d.sub_device.as_deref(), parse_dtype(&a.dtype)?, tokens, a.kept_tokens)?;
+    if !a.model.is_dir() {
+        return Err(crate::Error::file(&a.model, "model directory not found").into());
+    }
+    let (dtype, dtype_source) = verdict::planned_dtype(&a.model, a.dtype.as_deref())?;
+    let mut opts = PlanOptions::new(&d.device, d.sub_device.as_deref(), dtype, tokens, a.kept_tokens)?;
+    opts.headroom = verdict::Headroom::parse(a.margin.as_deref(), a.reserve.as_deref())?;
     opts.caps = d.max_memory.clone().unwrap_or_default();
     opts.optimizer = d.optimizer_device.unwrap_or_default();
     opts.image = a.image_size;
     opts.loc_tokens = a.loc_length;
     if let Some(ds) = &a.ds {
         match (dataset(ds)?.is_multimodal(), a.image_size) {
-            (true, None) => anyhow::bail!("--ds {ds} plans images: give --image-size WIDTHxHEIGHT (e.g. 640x480 for a COCO photo)"),
+            (true, None) if a.data.is_none() => anyhow::bail!("--ds {ds} plans images: give --image-size WIDTHxHEIGHT (e.g. 640x480 for a COCO photo), or --data"),
             (false, Some(_)) => anyhow::bail!("--ds {ds} is text-only: --image-size plans the multimodal views (--ds vqa or caption)"),
             _ => {}
         }
@@ -27,32 +30,33 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     if a.loc_length.is_some() && a.image_size.is_none() {
         anyhow::bail!("--loc-length is the text-only locality view of --ds vqa|caption: give --image-size");
     }
-    if !a.model.is_dir() {
-        return Err(crate::Error::file(&a.model, "model directory not found").into());
-    }
     let (model, _) = crate::model::loader::read_config(&a.model)?;
-    if a.image_size.is_some() && model.family().vision_language().is_some() {
+    let data = match (&a.data, &a.ds) {
+        (Some(file), Some(ds)) => {
+            let d = crate::planner::data::data_shape(&a.model, &model, file, dataset(ds)?, a.image_root.as_deref(), a.percentile)?;
+            opts.tokens = a.max_length.map_or(d.text_tokens.at_percentile, |t| t as i64);
+            opts.kept = a.kept_tokens.or(Some(d.labelled.at_percentile));
+            opts.image = a.image_size.or(d.image_at_percentile);
+            opts.loc_tokens = a.loc_length.or(d.loc_tokens.map(|l| l.at_percentile));
+            Some(d)
+        }
+        (Some(_), None) => anyhow::bail!("plan --data: give --ds (zsre, counterfact, vqa or caption) to read it"),
+        (None, _) => None,
+    };
+    if opts.image.is_some() && model.family().vision_language().is_some() {
         opts.image_processor = crate::model::qwen2_vl::ImageProcessorConfig::load(&a.model.join("preprocessor_config.json"))?;
     }
-    let plan = match d.placement {
-        Some(PlacementRequest::Auto) => choose(&model, &config, &opts, Phase::Train)?,
-        Some(p) => plan_model(&model, &config, &opts.with_placement(p.fixed().unwrap_or(Placement::Replica), opts.optimizer)?)?,
-        None if opts.split => {
-            let table = PlacementTable::new(&model, &config, &opts)?;
-            if a.json {
-                println!("{}", serde_json::to_string(&table)?);
-            } else {
-                print!("{}", table.text());
-                println!("(--placement NAME prints one placement's items and formulas)");
-            }
-            return Ok(());
-        }
-        None => plan_model(&model, &config, &opts)?,
+    let question = verdict::PlanQuestion {
+        placement: d.placement,
+        dtype_source,
+        fit: a.fit.as_deref().map(verdict::parse_sizes).transpose()?,
+        data,
+        json: a.json,
     };
-    if a.json {
-        println!("{}", serde_json::to_string(&plan)?);
-    } else {
-        print!("{}", plan.table());
+    let (out, nothing_fits) = verdict::answer(&model, &config, &opts, &question)?;
+    print!("{out}");
+    if let Some(line) = nothing_fits {
+        anyhow::bail!(line);
     }
     Ok(())
 }

@@ -1,0 +1,492 @@
+//! The planner's answers to a user's question about their cards: does the run fit, which
+//! placement to take, and the smallest card it fits on.
+//!
+//! A plan is a peak in bytes; a card of that size is not enough. The planner is within
+//! about ±15 % of the allocator's peak (BENCHMARKS.md), the caching allocator fragments,
+//! and every CUDA device spends some memory on its context before any tensor. So a
+//! placement *fits* a device capped at `cap` when its peak is at most
+//! `cap × (1 − margin) − reserve` ([`Headroom`]; the reserve on CUDA devices only, the CPU
+//! has no context to keep). `plan`, `plan --fit` and `--placement auto` all use this one
+//! rule ([`super::choose`]).
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::Serialize;
+use tch::Kind;
+
+use super::{choose, plan_all, plan_model, MemoryPlan, Phase, PlacementRow, PlacementTable, PlanOptions, PlanShape};
+use crate::device::{Placement, PlacementRequest};
+use crate::config::MendConfig;
+use crate::device::memory::format_bytes;
+use crate::device::MaxMemory;
+use crate::model::Model;
+use crate::{Error, Result};
+
+/// The default share of a cap kept free (`--margin`): the planner's own error.
+pub const DEFAULT_MARGIN: f64 = 0.10;
+/// The default bytes kept free on each CUDA device (`--reserve`): its context.
+pub const DEFAULT_RESERVE: u64 = 512 << 20;
+
+/// What of a cap a plan may use.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Headroom {
+    /// Share of the cap kept free, in `[0, 1)`.
+    pub margin: f64,
+    /// Bytes kept free on each CUDA device.
+    pub reserve_bytes: u64,
+}
+
+impl Default for Headroom {
+    fn default() -> Self {
+        Self { margin: DEFAULT_MARGIN, reserve_bytes: DEFAULT_RESERVE }
+    }
+}
+
+impl Headroom {
+    /// A margin from `--margin` (`10%`, `0.1`) and a reserve from `--reserve` (`512MiB`).
+    pub fn parse(margin: Option<&str>, reserve: Option<&str>) -> Result<Self> {
+        let mut h = Self::default();
+        if let Some(m) = margin {
+            let t = m.trim();
+            let v = match t.strip_suffix('%') {
+                Some(p) => p.trim().parse::<f64>().map(|p| p / 100.0),
+                None => t.parse::<f64>(),
+            }
+            .map_err(|_| Error::input(format!("--margin {m:?}: expected a share such as 10% or 0.1")))?;
+            if !(0.0..1.0).contains(&v) {
+                return Err(Error::input(format!("--margin {m:?}: the share kept free must be at least 0 and less than 100%")));
+            }
+            h.margin = v;
+        }
+        if let Some(r) = reserve {
+            h.reserve_bytes = match r.trim() {
+                "0" => 0,
+                t => crate::device::placement::parse_size(t).map_err(|e| Error::input(format!("--reserve {r:?}: {e}")))?,
+            };
+        }
+        Ok(h)
+    }
+
+    /// The bytes a plan may use on `device` capped at `cap`.
+    pub fn usable(&self, device: &str, cap: u64) -> u64 {
+        let after_margin = (cap as f64 * (1.0 - self.margin)) as u64;
+        if device.starts_with("cuda") {
+            after_margin.saturating_sub(self.reserve_bytes)
+        } else {
+            after_margin
+        }
+    }
+
+    /// `cap × 0.90 − 512.0 MiB`, for messages.
+    pub fn text(&self) -> String {
+        format!("cap x {:.2} - {} per CUDA device", 1.0 - self.margin, format_bytes(self.reserve_bytes))
+    }
+}
+
+/// One device of a placement against its cap.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceVerdict {
+    pub device: String,
+    pub peak_bytes: u64,
+    /// `--max-memory`'s cap, if one was given for this device.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cap_bytes: Option<u64>,
+    /// What the plan may use of it ([`Headroom::usable`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usable_bytes: Option<u64>,
+    /// True without a cap.
+    pub fits: bool,
+}
+
+/// One placement against the caps.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlacementVerdict {
+    pub placement: crate::device::Placement,
+    pub optimizer_device: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boundary: Option<i64>,
+    /// `balanced (blocks from 10 on the sub-device)`, as `--placement auto` reports it.
+    pub label: String,
+    pub fits: bool,
+    pub devices: Vec<DeviceVerdict>,
+}
+
+/// Every device's peak in `phase` against its cap less the headroom.
+pub fn judge(plan: &MemoryPlan, caps: &MaxMemory, headroom: &Headroom, phase: Phase) -> PlacementVerdict {
+    let peaks = plan.totals.iter().filter(|t| t.phase == phase).map(|t| (t.device.clone(), t.peak_bytes));
+    let sh = &plan.shape;
+    judge_peaks(sh.placement, &sh.optimizer_device, sh.boundary, plan.placement_label(), peaks, caps, headroom)
+}
+
+/// [`judge`] of a placements-table row (its training peaks).
+pub fn judge_row(row: &PlacementRow, main: &str, caps: &MaxMemory, headroom: &Headroom) -> PlacementVerdict {
+    let mut label = row.placement.name().to_string();
+    if let Some(k) = row.boundary {
+        label.push_str(&format!(" (blocks from {k} on the sub-device)"));
+    }
+    if row.optimizer_device != main {
+        label.push_str(&format!(", optimizer on {}", row.optimizer_device));
+    }
+    let peaks = row.train.iter().map(|(d, b)| (d.clone(), *b));
+    judge_peaks(row.placement, &row.optimizer_device, row.boundary, label, peaks, caps, headroom)
+}
+
+fn judge_peaks(
+    placement: crate::device::Placement,
+    optimizer: &str,
+    boundary: Option<i64>,
+    label: String,
+    peaks: impl Iterator<Item = (String, u64)>,
+    caps: &MaxMemory,
+    headroom: &Headroom,
+) -> PlacementVerdict {
+    let devices: Vec<DeviceVerdict> = peaks
+        .filter(|(_, b)| *b > 0)
+        .map(|(device, peak)| {
+            let cap = caps.get(&device);
+            let usable = cap.map(|c| headroom.usable(&device, c));
+            DeviceVerdict { fits: usable.is_none_or(|u| peak <= u), device, peak_bytes: peak, cap_bytes: cap, usable_bytes: usable }
+        })
+        .collect();
+    PlacementVerdict { placement, optimizer_device: optimizer.to_string(), boundary, label, fits: devices.iter().all(|d| d.fits), devices }
+}
+
+/// `None` when every device of `plan` fits; else which do not (for errors).
+pub fn over(plan: &MemoryPlan, caps: &MaxMemory, headroom: &Headroom, phase: Phase) -> Option<String> {
+    let v = judge(plan, caps, headroom, phase);
+    let over: Vec<String> = v
+        .devices
+        .iter()
+        .filter(|d| !d.fits)
+        .map(|d| {
+            format!(
+                "{} needs {} > {} usable of cap {}",
+                d.device,
+                format_bytes(d.peak_bytes),
+                format_bytes(d.usable_bytes.unwrap_or(0)),
+                format_bytes(d.cap_bytes.unwrap_or(0))
+            )
+        })
+        .collect();
+    (!over.is_empty()).then(|| over.join(", "))
+}
+
+/// Where the planned weight dtype came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DtypeSource {
+    /// `--dtype`.
+    Flag,
+    /// `config.json`'s `torch_dtype` (what the released weights are).
+    Config,
+    /// Neither: f32.
+    Default,
+}
+
+/// The weight dtype to plan: `--dtype` when given, else `config.json`'s `torch_dtype`
+/// (Qwen2-VL-7B says `bfloat16`: planning it in f32 nearly doubles the weights), else f32.
+pub fn planned_dtype(model_dir: &Path, flag: Option<&str>) -> Result<(Kind, DtypeSource)> {
+    if let Some(f) = flag {
+        return Ok((crate::model::loader::parse_dtype(f)?, DtypeSource::Flag));
+    }
+    let path = model_dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, e.to_string()))?;
+    // Newer transformers write `dtype`; older ones `torch_dtype`.
+    match v.get("torch_dtype").or_else(|| v.get("dtype")).and_then(|d| d.as_str()) {
+        Some(d) => {
+            let k = crate::model::loader::parse_dtype(d).map_err(|_| Error::file(&path, format!("torch_dtype {d:?} is not one the planner knows (float32, bfloat16, float16); give --dtype")))?;
+            Ok((k, DtypeSource::Config))
+        }
+        None => Ok((Kind::Float, DtypeSource::Default)),
+    }
+}
+
+/// What a plan assumed, in one line: the dtype and where it came from, batch, tokens,
+/// image, the devices, and which phase's peaks the verdicts judge.
+pub fn planned_text(shape: &PlanShape, source: DtypeSource, phase_judged: Phase, devices: &str) -> String {
+    let mut out = String::new();
+    let src = match source {
+        DtypeSource::Flag => "--dtype",
+        DtypeSource::Config => "config.json torch_dtype",
+        DtypeSource::Default => "default; config.json gives no torch_dtype",
+    };
+    let image = match &shape.image {
+        Some(im) => format!(", image {}x{} (resized {}x{}, {} tokens)", im.size.0, im.size.1, im.resized.0, im.resized.1, im.tokens),
+        None => String::new(),
+    };
+    let _ = writeln!(
+        out,
+        "planned: {} in {} ({src}), batch {} x {} tokens, {} labelled positions per example{image}; devices {devices}; verdicts on the {} peaks",
+        shape.architecture,
+        shape.dtype,
+        shape.batch_size,
+        shape.tokens_per_example,
+        shape.kept_per_example,
+        match phase_judged {
+            Phase::Train => "meta-training",
+            Phase::Edit => "editing",
+        }
+    );
+    out
+}
+
+/// The placements table's columns, explained under it.
+pub const COLUMNS: &str = "columns: boundary = first block on the sub-device (balanced); main/1 = the main device's training peak / the single-device \
+training peak; max/1 = the largest device's training peak / the single-device training peak (below 1: the split saves that share)\n";
+
+/// The verdict block under a table: one line per placement with caps, and the chosen one.
+pub fn verdict_text(verdicts: &[PlacementVerdict], headroom: &Headroom) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "verdicts against --max-memory, usable = {}:", headroom.text());
+    for v in verdicts {
+        let devs = v
+            .devices
+            .iter()
+            .filter_map(|d| Some(format!("{} {} of {}", d.device, format_bytes(d.peak_bytes), format_bytes(d.usable_bytes?))))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let _ = writeln!(out, "  {:<7} {} ({devs})", if v.fits { "fits" } else { "OVER" }, v.label);
+    }
+    match verdicts.iter().find(|v| v.fits) {
+        Some(v) => {
+            let _ = writeln!(out, "chosen: {} (the first that fits, in the order of --placement auto)", v.label);
+        }
+        None => {
+            let _ = writeln!(out, "nothing fits");
+        }
+    }
+    out
+}
+
+/// The one line `plan` exits with when no placement fits.
+pub fn nothing_fits_line(verdicts: &[PlacementVerdict], caps: &MaxMemory, headroom: &Headroom) -> String {
+    let best = verdicts
+        .iter()
+        .min_by_key(|v| v.devices.iter().filter_map(|d| d.peak_bytes.checked_sub(d.usable_bytes?)).max().unwrap_or(0));
+    let caps_s = caps.0.iter().map(|(d, b)| format!("{d}={}", format_bytes(*b))).collect::<Vec<_>>().join(",");
+    match best {
+        Some(v) => format!(
+            "no placement fits --max-memory {caps_s} (usable {}); closest: {} ({})",
+            headroom.text(),
+            v.label,
+            v.devices.iter().filter(|d| !d.fits).map(|d| format!("{} needs {} of {}", d.device, format_bytes(d.peak_bytes), format_bytes(d.usable_bytes.unwrap_or(0)))).collect::<Vec<_>>().join(", ")
+        ),
+        None => format!("no placement fits --max-memory {caps_s}"),
+    }
+}
+
+/// The smallest card of the sizes asked for on which the run fits, on `cards` cards.
+#[derive(Debug, Clone, Serialize)]
+pub struct FitCards {
+    pub cards: usize,
+    /// The smallest size that fits; `None` when none of the sizes does.
+    pub card_bytes: Option<u64>,
+    /// What fits on it (the first placement in `--placement auto`'s order).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement: Option<PlacementVerdict>,
+}
+
+/// `plan --fit`: one card and two cards.
+#[derive(Debug, Clone, Serialize)]
+pub struct FitAnswer {
+    pub sizes_bytes: Vec<u64>,
+    pub headroom: Headroom,
+    pub phase: Phase,
+    pub one_card: FitCards,
+    pub two_cards: FitCards,
+}
+
+/// The smallest of `sizes` on which the run of `o` (its dtype, tokens, image; devices
+/// replaced by `cuda:0`, and `cuda:0` + `cuda:1`) fits, judged on `phase` peaks. The
+/// placements of two cards are planned once (equal caps balance the layer split by bytes
+/// whatever the size) and judged against each size in turn.
+pub fn fit(model: &Model, cfg: &MendConfig, o: &PlanOptions, sizes: &[u64], headroom: &Headroom, phase: Phase) -> Result<FitAnswer> {
+    if sizes.is_empty() {
+        return Err(Error::input("--fit: give card sizes, e.g. 16GiB,24GiB,40GiB,80GiB"));
+    }
+    let mut sizes = sizes.to_vec();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let base = PlanOptions { balance_for: phase, caps: MaxMemory::default(), ..o.clone() };
+    let one = PlanOptions { main: "cuda:0".into(), sub: "cuda:0".into(), split: false, ..base.clone() };
+    let two = PlanOptions { main: "cuda:0".into(), sub: "cuda:1".into(), split: true, ..base };
+    let single = plan_model(model, cfg, &one.single())?;
+    let pairs = plan_all(model, cfg, &two)?;
+    let answer = |cards: usize, plans: &[MemoryPlan], devices: &[&str]| -> FitCards {
+        for &s in &sizes {
+            let caps = MaxMemory(devices.iter().map(|d| (d.to_string(), s)).collect::<BTreeMap<_, _>>());
+            if let Some(v) = plans.iter().map(|p| judge(p, &caps, headroom, phase)).find(|v| v.fits) {
+                return FitCards { cards, card_bytes: Some(s), placement: Some(v) };
+            }
+        }
+        FitCards { cards, card_bytes: None, placement: None }
+    };
+    Ok(FitAnswer {
+        one_card: answer(1, std::slice::from_ref(&single), &["cuda:0"]),
+        two_cards: answer(2, &pairs, &["cuda:0", "cuda:1"]),
+        sizes_bytes: sizes,
+        headroom: *headroom,
+        phase,
+    })
+}
+
+impl FitAnswer {
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        let sizes = self.sizes_bytes.iter().map(|s| format_bytes(*s)).collect::<Vec<_>>().join(", ");
+        let _ = writeln!(out, "fit: the smallest of {sizes} per card (usable {}):", self.headroom.text());
+        for f in [&self.one_card, &self.two_cards] {
+            let cards = if f.cards == 1 { "one card " } else { "two cards" };
+            match (&f.card_bytes, &f.placement) {
+                (Some(s), Some(v)) => {
+                    let peaks = v.devices.iter().map(|d| format!("{} {}", d.device, format_bytes(d.peak_bytes))).collect::<Vec<_>>().join(", ");
+                    let _ = writeln!(out, "  {cards}: {} with {} (peaks {peaks})", format_bytes(*s), v.label);
+                }
+                _ => {
+                    let _ = writeln!(out, "  {cards}: none of the sizes");
+                }
+            }
+        }
+        out
+    }
+}
+
+/// What `plan` was asked.
+#[derive(Debug, Clone)]
+pub struct PlanQuestion {
+    /// `--placement` (`None`: every placement of the devices in a table).
+    pub placement: Option<PlacementRequest>,
+    /// Where the dtype came from ([`planned_dtype`]).
+    pub dtype_source: DtypeSource,
+    /// `--fit` card sizes.
+    pub fit: Option<Vec<u64>>,
+    /// `--data`: the records' shape the options were taken from.
+    pub data: Option<super::data::DataShape>,
+    pub json: bool,
+}
+
+/// `plan`'s whole answer: what it printed (text or one JSON object), and with caps given
+/// and nothing fitting, the one line it exits non-zero with.
+pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion) -> Result<(String, Option<String>)> {
+    let phase = Phase::Train;
+    let single = plan_model(model, cfg, &o.single())?;
+    let devices = if o.split { format!("{} + {}", o.main, o.sub) } else { format!("{} alone", o.main) };
+    let mut planned = planned_text(&single.shape, q.dtype_source, phase, &devices);
+    if let Some(d) = &q.data {
+        planned.push_str(&d.text());
+    }
+    let planned_json = serde_json::json!({
+        "dtype": single.shape.dtype, "dtype_source": q.dtype_source, "batch_size": single.shape.batch_size,
+        "tokens_per_example": single.shape.tokens_per_example, "kept_per_example": single.shape.kept_per_example,
+        "image": single.shape.image, "main": o.main, "sub": o.sub, "split": o.split, "verdict_phase": phase,
+        "headroom": o.headroom, "data": q.data,
+    });
+    let judged = !o.caps.is_empty();
+    if let Some(sizes) = &q.fit {
+        let f = fit(model, cfg, o, sizes, &o.headroom, phase)?;
+        let mut planned_json = planned_json;
+        for (k, v) in [("main", "cuda:0"), ("sub", "cuda:1")] {
+            planned_json[k] = serde_json::Value::from(v);
+        }
+        let out = if q.json {
+            serde_json::json!({ "planned": planned_json, "fit": f }).to_string() + "\n"
+        } else {
+            let data = q.data.as_ref().map(|d| d.text()).unwrap_or_default();
+            format!("{}{data}{}", planned_text(&single.shape, q.dtype_source, phase, "cuda:0 (one card) or cuda:0 + cuda:1 (two cards)"), f.text())
+        };
+        return Ok((out, None));
+    }
+    let (mut value, mut text, verdicts) = match (q.placement, o.split) {
+        (None, true) => {
+            let table = PlacementTable::new(model, cfg, o)?;
+            let v: Vec<PlacementVerdict> = table.rows.iter().map(|r| judge_row(r, &o.main, &o.caps, &o.headroom)).collect();
+            let text = format!("{planned}{}{COLUMNS}(--placement NAME prints one placement's items and formulas)\n", table.text());
+            (serde_json::to_value(&table).map_err(|e| Error::Torch(e.to_string()))?, text, v)
+        }
+        (request, _) => {
+            let plan = match request.and_then(PlacementRequest::fixed) {
+                Some(p) => plan_model(model, cfg, &o.with_placement(p, o.optimizer)?)?,
+                None if request == Some(PlacementRequest::Auto) => match choose(model, cfg, o, phase) {
+                    Ok(p) => p,
+                    // Nothing fits: judge every placement, so the answer says by how much.
+                    Err(_) => {
+                        let all = plan_all(model, cfg, &PlanOptions { balance_for: phase, ..o.clone() })?;
+                        let v: Vec<PlacementVerdict> = all.iter().map(|p| judge(p, &o.caps, &o.headroom, phase)).collect();
+                        return finish(serde_json::json!({}), format!("{planned}"), v, planned_json, judged, &o.caps, &o.headroom, q.json);
+                    }
+                },
+                None => plan_model(model, cfg, &PlanOptions { placement: Placement::Replica, ..o.clone() })?,
+            };
+            let v = vec![judge(&plan, &o.caps, &o.headroom, phase)];
+            (serde_json::to_value(&plan).map_err(|e| Error::Torch(e.to_string()))?, format!("{planned}{}", plan.table()), v)
+        }
+    };
+    if !judged {
+        value["planned"] = planned_json;
+        value["fits"] = serde_json::Value::Null;
+        text.push_str("(--max-memory DEVICE=SIZE,... gives each placement a verdict)\n");
+        return Ok((if q.json { value.to_string() + "\n" } else { text }, None));
+    }
+    finish(value, text, verdicts, planned_json, judged, &o.caps, &o.headroom, q.json)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    mut value: serde_json::Value,
+    mut text: String,
+    verdicts: Vec<PlacementVerdict>,
+    planned: serde_json::Value,
+    judged: bool,
+    caps: &MaxMemory,
+    headroom: &Headroom,
+    json: bool,
+) -> Result<(String, Option<String>)> {
+    let fits = verdicts.iter().any(|v| v.fits);
+    let chosen = verdicts.iter().find(|v| v.fits).map(|v| v.label.clone());
+    let failure = (judged && !fits).then(|| nothing_fits_line(&verdicts, caps, headroom));
+    text.push_str(&verdict_text(&verdicts, headroom));
+    value["planned"] = planned;
+    value["fits"] = serde_json::Value::Bool(fits);
+    value["chosen"] = chosen.map_or(serde_json::Value::Null, serde_json::Value::String);
+    value["placements"] = serde_json::to_value(&verdicts).map_err(|e| Error::Torch(e.to_string()))?;
+    Ok((if json { value.to_string() + "\n" } else { text }, failure))
+}
+
+/// Card sizes from `--fit 16GiB,24GiB,40GiB,80GiB`.
+pub fn parse_sizes(s: &str) -> Result<Vec<u64>> {
+    let out = s
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| crate::device::placement::parse_size(p).map_err(|e| Error::input(format!("--fit {s:?}: {e}"))))
+        .collect::<Result<Vec<u64>>>()?;
+    if out.is_empty() {
+        return Err(Error::input(format!("--fit {s:?}: give card sizes, e.g. 16GiB,24GiB,40GiB,80GiB")));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headroom_takes_the_margin_and_the_context() {
+        let h = Headroom::default();
+        assert_eq!(h.usable("cuda:0", 10 << 30), (9u64 << 30) - (512 << 20));
+        assert_eq!(h.usable("cpu", 10 << 30), 9 << 30);
+        assert_eq!(h.usable("cuda:1", 256 << 20), 0);
+        let h = Headroom::parse(Some("5%"), Some("1GiB")).unwrap();
+        assert_eq!((h.margin, h.reserve_bytes), (0.05, 1 << 30));
+        assert_eq!(Headroom::parse(Some("0.2"), Some("0")).unwrap(), Headroom { margin: 0.2, reserve_bytes: 0 });
+        for (m, r) in [(Some("100%"), None), (Some("-1"), None), (Some("lots"), None), (None, Some("big"))] {
+            let e = Headroom::parse(m, r).unwrap_err().to_string();
+            assert!(e.contains("--margin") || e.contains("--reserve"), "{e}");
+        }
+        assert_eq!(parse_sizes("24GiB, 16GiB").unwrap(), vec![24 << 30, 16 << 30]);
+        assert!(parse_sizes("").unwrap_err().to_string().contains("--fit"));
+        assert!(parse_sizes("24GiB,huge").unwrap_err().to_string().contains("--fit"));
+    }
+}
