@@ -16,13 +16,23 @@
 //! | `GET /health`    |                                        | `{"status": "ok", ...}`                  |
 //! | `GET /memory`    |                                        | per-device figures                       |
 //!
+//! `/edit` commits under the same guard as `dualedit edit` ([`ServeOptions::guard`], on by
+//! default); its body may carry `"guard": false | true | {"min_agreement", "max_drop",
+//! "max_kl", "refuse", "shrink"}` to change it for that request, and its answer lists the
+//! guard's decisions (`guard`) and the settings they were made under (`guard_settings`).
+//!
 //! Errors are JSON `{"error": message, "kind": ...}`: 400 malformed JSON or a missing /
-//! mistyped / unknown field (named), a bad `image_base64` or a named image that is not
-//! there, 401 a missing or wrong bearer token, 403 a `/save` or an image path the server
-//! does not allow (no save or image root, or a path that leaves it), 404 unknown route,
-//! 405 wrong method, 413 body too large, 422 a well-formed request the model refuses (a
-//! prompt longer than its context, an edit without an editor), 503 queue full or shutting
-//! down, 500 anything else.
+//! mistyped / unknown / out-of-range field (named), a bad upload or a named image that is
+//! not a regular file there or does not decode (truncated, over 200:1, too many tokens
+//! with the text), a NUL byte in a path, 401 a missing or wrong bearer token, 403 a
+//! `/save` or an image path the server does not allow (no save or image root, or a path
+//! that leaves it), 404 unknown route, 405 wrong method, 413 body too large, 422 a
+//! well-formed request the model refuses (a prompt longer than its context, an edit
+//! without an editor), 503 queue full or shutting down, 500 a failure on the server's
+//! side. Which is which is decided by `Failure`: an error about a file the request named
+//! is the client's, anything else from the model's side is the server's. A message names
+//! only what the client sent (its relative path, its field); a 500 says only its kind, and
+//! the details (paths, libtorch messages) go to the log.
 //!
 //! Security: anyone who can reach the port can edit the model, read its scores and, with a
 //! save root, write model folders. So by default the server listens on loopback only,
@@ -34,8 +44,10 @@
 //! `Authorization: Bearer <token>`; a non-loopback address without a token is refused
 //! unless [`ServeOptions::insecure_no_token`] says otherwise.
 //!
-//! Threads: a few HTTP workers read, parse and validate requests and answer those that
-//! need no model (health, memory, every 4xx); model requests go into one bounded queue
+//! Threads: two acceptors answer what needs no body (health, memory, 401/404/405) and
+//! pass model routes' requests to a few workers through a bounded queue (503 when full),
+//! so `/health` answers even while every worker waits on a slow client. Workers read,
+//! parse and validate bodies (every other 4xx); model requests go into one bounded queue
 //! that the model thread (the caller of [`Server::run`], which owns the session) runs in
 //! order and answers. Workers never wait on the model, so a full queue is answered 503 at
 //! once instead of letting waits grow without bound; a request that waited longer than
@@ -67,7 +79,8 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8470";
 pub struct ServeOptions {
     /// Model requests waiting beyond the one running; more are answered 503.
     pub queue: usize,
-    /// HTTP worker threads (parsing, validation, health, memory).
+    /// HTTP worker threads that read, parse and validate model requests' bodies (health
+    /// and memory are answered by two acceptor threads that never read a body).
     pub workers: usize,
     /// Largest request body accepted; larger ones are answered 413.
     pub max_body_bytes: usize,
@@ -233,8 +246,8 @@ impl Server {
             hidden: hidden_paths(&session, &self.opts),
         };
         info!(addr = %self.addr, queue = self.opts.queue, workers = self.opts.workers, guard = ?self.opts.guard, "serving on http://{}", self.addr);
-        // Requests accepted but not yet taken by a worker: at most one per worker, more are 503.
-        let (to_workers, from_acceptors) = bounded::<Request>(self.opts.workers);
+        // Requests accepted but not yet taken by a worker: at most `queue`, more are 503.
+        let (to_workers, from_acceptors) = bounded::<Request>(self.opts.queue);
         std::thread::scope(|scope| {
             let acceptors: Vec<_> = (0..ACCEPTORS).map(|_| scope.spawn(|| acceptor(&self.http, &shared, &to_workers, shutdown))).collect();
             let workers: Vec<_> = (0..self.opts.workers).map(|_| scope.spawn(|| worker(&from_acceptors, &shared, shutdown))).collect();
@@ -514,7 +527,8 @@ fn allowed_method(url: &str) -> Option<&'static str> {
 
 /// Accepts requests and answers at once everything that needs neither the body nor the
 /// model (401, 404, 405, `/health`, `/memory`); a model route's request goes to the
-/// workers that read and check bodies, or is answered 503 when they are all busy. An
+/// workers that read and check bodies, or is answered 503 when `queue` requests already
+/// wait for one. An
 /// acceptor never reads a body or opens a file, so `/health` answers while every worker
 /// is stuck on a slow client.
 fn acceptor(http: &tiny_http::Server, shared: &Shared, to_workers: &Sender<Request>, shutdown: &AtomicBool) {
@@ -618,8 +632,8 @@ fn route(request: Request, shared: &Shared, to_workers: &Sender<Request>) {
             Ok(()) => {}
             Err(TrySendError::Full(request)) => {
                 shared.counters.rejected_queue_full.fetch_add(1, Ordering::Relaxed);
-                let msg = format!("busy: all {} workers are reading or checking requests; retry later", shared.opts.workers);
-                respond(shared, request, 503, error_body(msg, "busy"))
+                let msg = format!("queue full: {} requests are already waiting for a worker to read them; retry later", shared.opts.queue);
+                respond(shared, request, 503, error_body(msg, "queue_full"))
             }
             Err(TrySendError::Disconnected(request)) => respond(shared, request, 503, error_body("server is shutting down", "shutting_down")),
         },
@@ -839,7 +853,7 @@ fn image_path(path: &str, what: &str, name: &str, opts: &ServeOptions) -> std::r
     // `resolve_under` resolved every link: this is the file itself.
     match std::fs::metadata(&resolved) {
         Ok(m) if m.is_file() => Ok(resolved),
-        Ok(_) => Err(Failure::bad(format!("{path}: {what}: image {name:?} is not a regular file (a directory, FIFO or device) under the image root"))),
+        Ok(_) => Err(Failure::bad(format!("{path}: {what}: image {name:?} is not a file under the image root: only a regular file is read, not a directory, FIFO or device"))),
         Err(_) => Err(Failure::bad(format!("{path}: {what}: image {name:?} is not a file under the image root"))),
     }
 }
