@@ -248,6 +248,9 @@ struct ServeArgs {
     /// read and (with --save-root) save the model.
     #[arg(long)]
     insecure_no_token: bool,
+    /// /edit's commit guard, as `edit`'s (a request may change it for itself).
+    #[command(flatten)]
+    guard: GuardFlags,
 }
 
 #[derive(Args)]
@@ -576,16 +579,27 @@ struct EditArgs {
 /// The commit guard and stepwise flags of `edit` and of `eval --edits-per-batch / --sequential`.
 #[derive(Args)]
 struct GuardArgs {
+    #[command(flatten)]
+    flags: GuardFlags,
+    /// With --sequential: make each request in up to 8 committed steps of a centred,
+    /// clipped, capped edit at 1/4 scale (experimental; see src/mend/stepwise.rs).
+    #[arg(long, requires = "sequential")]
+    stepwise: bool,
+}
+
+/// The commit guard's flags, shared by `edit`, `eval` and `serve` (same defaults).
+#[derive(Args)]
+struct GuardFlags {
     /// Commit every edit as the editor makes it: no guard on the locality prompts.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["guard_min_agreement", "guard_max_drop", "guard_max_kl", "guard_refuse", "guard_shrink"])]
     no_guard: bool,
-    /// Guard: the least top-1 agreement of the locality prompts with the unedited model.
+    /// Guard: the least top-1 agreement of the locality prompts with the unedited model, in [0, 1].
     #[arg(long, default_value_t = 0.9)]
     guard_min_agreement: f64,
-    /// Guard: the most one edit may lower that agreement.
+    /// Guard: the most one edit may lower that agreement, in [0, 1].
     #[arg(long, default_value_t = 0.05)]
     guard_max_drop: f64,
-    /// Guard: the largest KL(unedited || edited) per locality position, in nats.
+    /// Guard: the largest KL(unedited || edited) per locality position, in nats (>= 0).
     #[arg(long, default_value_t = 1.0)]
     guard_max_kl: f64,
     /// Guard: refuse an edit that fails instead of scaling it back.
@@ -594,22 +608,30 @@ struct GuardArgs {
     /// Guard: shrink each edit to the smallest scale (1, 1/2, 1/4, ...) that still makes it.
     #[arg(long)]
     guard_shrink: bool,
-    /// With --sequential: make each request in up to 8 committed steps of a centred,
-    /// clipped, capped edit at 1/4 scale (experimental; see src/mend/stepwise.rs).
-    #[arg(long, requires = "sequential")]
-    stepwise: bool,
 }
 
-impl GuardArgs {
-    fn config(&self) -> Option<dualedit::mend::guard::GuardConfig> {
-        (!self.no_guard).then(|| dualedit::mend::guard::GuardConfig {
+impl GuardFlags {
+    /// The guard (`None` with --no-guard), its thresholds checked before anything loads.
+    fn config(&self) -> anyhow::Result<Option<dualedit::mend::guard::GuardConfig>> {
+        if self.no_guard {
+            return Ok(None);
+        }
+        let c = dualedit::mend::guard::GuardConfig {
             min_agreement: self.guard_min_agreement,
             max_drop: self.guard_max_drop,
             max_kl: self.guard_max_kl,
             scale_back: !self.guard_refuse,
             shrink: self.guard_shrink,
             ..Default::default()
-        })
+        };
+        c.validate()?;
+        Ok(Some(c))
+    }
+}
+
+impl GuardArgs {
+    fn config(&self) -> anyhow::Result<Option<dualedit::mend::guard::GuardConfig>> {
+        self.flags.config()
     }
 
     fn stepwise(&self) -> Option<dualedit::mend::stepwise::Stepwise> {
@@ -748,6 +770,8 @@ fn print_summary(s: &dualedit::eval::Summary) {
 }
 
 fn edit(a: EditArgs) -> anyhow::Result<()> {
+    // Flags first: a bad threshold is named before any file is read.
+    let guard = a.guard.config()?;
     let opts = EditOptions {
         common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
         method: a.method.resolve()?,
@@ -755,7 +779,7 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
         sequential: a.sequential,
         save: a.save,
         max_length: a.method.max_length,
-        guard: a.guard.config(),
+        guard,
         stepwise: a.guard.stepwise(),
     };
     let (out, path) = run::run_edit(&opts)?;
@@ -791,6 +815,8 @@ fn edit(a: EditArgs) -> anyhow::Result<()> {
 }
 
 fn eval_options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
+    // Flags first: a bad threshold is named before any file is read.
+    let capacity = capacity_options(a)?;
     Ok(EvalOptions {
         common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
         method: a.method.resolve()?,
@@ -798,7 +824,7 @@ fn eval_options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
         ds: dataset(&a.ds)?,
         limit: a.limit,
         max_length: a.method.max_length,
-        capacity: capacity_options(a)?,
+        capacity,
     })
 }
 
@@ -808,13 +834,13 @@ fn capacity_options(a: &EvalArgs) -> anyhow::Result<Option<run::CapacityOptions>
         (Some(n), _) => Grouping::Batch(n),
         (None, Some(n)) => Grouping::Sequential(n),
         (None, None) => {
-            if a.drift_text.is_some() || a.guard.stepwise || a.guard.no_guard {
+            if a.drift_text.is_some() || a.guard.stepwise || a.guard.flags.no_guard {
                 anyhow::bail!("--drift-text, --stepwise and the guard flags of eval need --edits-per-batch N or --sequential N");
             }
             return Ok(None);
         }
     };
-    Ok(Some(run::CapacityOptions { grouping, guard: a.guard.config(), stepwise: a.guard.stepwise(), drift_text: a.drift_text.clone() }))
+    Ok(Some(run::CapacityOptions { grouping, guard: a.guard.config()?, stepwise: a.guard.stepwise(), drift_text: a.drift_text.clone() }))
 }
 
 fn compare(c: CompareCmd) -> anyhow::Result<()> {
@@ -1106,6 +1132,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         // An empty variable counts as unset, as for most tools' *_TOKEN variables.
         token: a.token.or_else(|| std::env::var(dualedit::serve::TOKEN_ENV).ok().filter(|t| !t.is_empty())),
         insecure_no_token: a.insecure_no_token,
+        guard: a.guard.config()?,
         ..Default::default()
     };
     let dtype = parse_dtype(&a.dtype)?;

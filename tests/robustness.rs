@@ -348,7 +348,7 @@ fn resume_with_another_config_is_refused_naming_the_keys() {
     let err = run_train(&options(dir.path(), "cfg", other, true)).err().expect("refused").to_string();
     assert!(err.contains("lr (saved 0.001, now 0.005)") && err.contains("val_every (saved 2, now 3)"), "{err}");
     assert!(err.contains("train_state") && err.contains("--out"), "{err}");
-    assert!(!err.contains("max_steps"), "max_steps may change: {err}");
+    assert!(!err.contains("max_steps (saved"), "max_steps may change: {err}");
     let (rest, _) = run_train(&options(dir.path(), "cfg", config(3), true)).unwrap();
     assert_eq!(rest.history.first().map(|h| h.step), Some(3));
 }
@@ -411,4 +411,32 @@ fn huge_inputs_are_refused_or_capped_before_the_expensive_part() {
     let p = prepare_with(&tok, &records, &index, 64, OverLong::Truncate, Path::new("big.json")).unwrap();
     assert_eq!((p.examples.len(), p.truncated.as_slice()), (records.len(), &[1][..]));
     assert!(p.examples[1].loc.as_ref().unwrap().ids.len() <= 64);
+}
+
+/// Issue #33.7 on the command line: nonsense guard thresholds, `--no-guard` with a guard
+/// flag, and `serve` with a bad threshold are one clear error naming the flag, before
+/// any model is loaded.
+#[test]
+fn nonsense_guard_flags_are_refused_by_the_cli() {
+    let model = fixture("gpt2").display().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let requests = dir.path().join("r.json");
+    std::fs::write(&requests, common::RECORDS).unwrap();
+    let requests = requests.display().to_string();
+    let missing_editor = dir.path().join("no-editor").display().to_string();
+    for (flag, value, needle) in [
+        ("--guard-min-agreement", "NaN", "[0, 1]"),
+        ("--guard-min-agreement", "1.5", "[0, 1]"),
+        ("--guard-min-agreement", "-1", "[0, 1]"),
+        ("--guard-max-drop", "2", "[0, 1]"),
+        ("--guard-max-kl", "-1", "[0, ∞)"),
+        ("--guard-max-kl", "inf", "[0, ∞)"),
+    ] {
+        let (ok, err) = cli(&["edit", "--model", &model, "--editor", &missing_editor, "--requests", &requests, flag, value]);
+        assert!(!ok && err.contains(flag) && err.contains(needle), "{flag} {value}: {err}");
+        let (ok, err) = cli(&["serve", "--model", &model, flag, value]);
+        assert!(!ok && err.contains(flag), "serve {flag} {value}: {err}");
+    }
+    let (ok, err) = cli(&["edit", "--model", &model, "--editor", &missing_editor, "--requests", &requests, "--no-guard", "--guard-refuse"]);
+    assert!(!ok && err.contains("--no-guard") && err.contains("--guard-refuse"), "{err}");
 }
