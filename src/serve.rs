@@ -437,18 +437,21 @@ impl Failure {
     /// save folder the server cannot write), input the model refuses is 422, running out
     /// of memory is 500 `out_of_memory` (its message names no path), and anything else
     /// (the model's own files, libtorch) is 500 `internal`.
-    fn of(e: Error, paths: &ClientPaths, file_status: u16) -> Self {
+    /// Library messages pass through [`ClientPaths::redact`] and [`Shared::scrub`]: they
+    /// may name the server's own paths.
+    fn of(e: Error, paths: &ClientPaths, file_status: u16, shared: &Shared) -> Self {
         let file_kind = if file_status == 400 { "bad_request" } else { "invalid_input" };
+        let clean = |m: &str| shared.scrub(&paths.redact(m));
         match &e {
             Error::File { path, msg } => match paths.name_of(path) {
-                Some(name) => Failure::Client { status: file_status, kind: file_kind, msg: format!("{name}: {}", paths.redact(msg)) },
+                Some(name) => Failure::Client { status: file_status, kind: file_kind, msg: format!("{name}: {}", clean(msg)) },
                 None => Failure::internal(e.to_string()),
             },
             Error::Io { path, err } => match paths.name_of(path) {
-                Some(name) => Failure::Client { status: file_status, kind: file_kind, msg: format!("{name}: {}", paths.redact(&err.to_string())) },
+                Some(name) => Failure::Client { status: file_status, kind: file_kind, msg: format!("{name}: {}", clean(&err.to_string())) },
                 None => Failure::internal(e.to_string()),
             },
-            Error::Input(m) => Failure::Client { status: 422, kind: "invalid_input", msg: paths.redact(m) },
+            Error::Input(m) => Failure::Client { status: 422, kind: "invalid_input", msg: clean(m) },
             Error::OutOfMemory(m) => Failure::Internal { kind: "out_of_memory", public: format!("out of memory: {m}"), detail: e.to_string() },
             Error::Device { .. } | Error::Torch(_) => Failure::internal(e.to_string()),
         }
@@ -457,7 +460,7 @@ impl Failure {
     /// The response; an internal failure is logged with its details first.
     fn reply(self, shared: &Shared) -> Reply {
         match self {
-            Failure::Client { status, kind, msg } => (status, error_body(shared.scrub(&msg), kind)),
+            Failure::Client { status, kind, msg } => (status, error_body(msg, kind)),
             Failure::Internal { kind, public, detail } => {
                 tracing::error!(kind, "{detail}");
                 (500, error_body(public, kind))
@@ -624,7 +627,7 @@ fn route(request: Request, shared: &Shared, to_workers: &Sender<Request>) {
         "/memory" => match device_memory(&shared.plan) {
             Ok(devices) => respond(shared, request, 200, json!({ "devices": devices })),
             Err(e) => {
-                let (status, body) = Failure::of(e, &ClientPaths::default(), 500).reply(shared);
+                let (status, body) = Failure::of(e, &ClientPaths::default(), 500, shared).reply(shared);
                 respond(shared, request, status, body)
             }
         },
@@ -827,6 +830,9 @@ fn confine(path: &str, what: &str, name: &str, root: &Path, root_name: &str) -> 
     if name.contains('\0') {
         return Err(Failure::bad(format!("{path}: {what}: the path contains a NUL byte")));
     }
+    if name.is_empty() {
+        return Err(Failure::bad(format!("{path}: {what}: the path is empty")));
+    }
     let rule = format!("paths are relative to the {root_name} and stay inside it");
     for c in Path::new(name).components() {
         match c {
@@ -953,7 +959,7 @@ fn run_op(session: &mut Session, op: Op, paths: &ClientPaths, shared: &Shared) -
         Ok(v) => (200, v),
         Err(e) => {
             let out_of_memory = matches!(e, Error::OutOfMemory(_));
-            let (status, mut body) = Failure::of(e, paths, file_status).reply(shared);
+            let (status, mut body) = Failure::of(e, paths, file_status, shared).reply(shared);
             if out_of_memory {
                 // What was in use when it ran out, to size the next attempt.
                 body["memory"] = session.memory().map(|m| json!(m)).unwrap_or(Value::Null);

@@ -116,7 +116,8 @@ fn killed_while_checkpointing_leaves_a_loadable_checkpoint() {
         let lm = dualedit::model::load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
         let engine = dualedit::mend::Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
         dualedit::mend::checkpoint::load_editor(&out, &engine).expect("checkpoint loads after a kill");
-        let mut editor = dualedit::mend::Editor::new(&MendConfig { rank: 64, ..MendConfig::default() }, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
+        // The run's own config: --resume (and so load_state) refuses another one.
+        let mut editor = dualedit::mend::Editor::new(&MendConfig::from_file(&cfg).unwrap(), engine.edit_params.clone(), Device::Cpu, 0).unwrap();
         dualedit::mend::checkpoint::load_state(&out, &mut editor).expect("training state loads after a kill");
     }
 }
@@ -432,11 +433,24 @@ fn nonsense_guard_flags_are_refused_by_the_cli() {
         ("--guard-max-kl", "-1", "[0, ∞)"),
         ("--guard-max-kl", "inf", "[0, ∞)"),
     ] {
-        let (ok, err) = cli(&["edit", "--model", &model, "--editor", &missing_editor, "--requests", &requests, flag, value]);
+        // `--flag=value`: clap reads a separate `-1` as a flag.
+        let arg = format!("{flag}={value}");
+        let (ok, err) = cli(&["edit", "--model", &model, "--editor", &missing_editor, "--requests", &requests, &arg]);
         assert!(!ok && err.contains(flag) && err.contains(needle), "{flag} {value}: {err}");
-        let (ok, err) = cli(&["serve", "--model", &model, flag, value]);
+        let (ok, err) = cli(&["serve", "--model", &model, &arg]);
         assert!(!ok && err.contains(flag), "serve {flag} {value}: {err}");
     }
     let (ok, err) = cli(&["edit", "--model", &model, "--editor", &missing_editor, "--requests", &requests, "--no-guard", "--guard-refuse"]);
     assert!(!ok && err.contains("--no-guard") && err.contains("--guard-refuse"), "{err}");
+}
+
+/// Issue #33.7: `--optimizer-device sub` on a run without a sub-device is refused naming
+/// the flag (it used to fall back to the main device silently).
+#[test]
+fn optimizer_on_a_missing_sub_device_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(dir.path(), "opt", config(2), false);
+    o.common.plan = o.common.plan.with_optimizer(dualedit::device::OptimizerDevice::Sub);
+    let err = run_train(&o).err().expect("refused").to_string();
+    assert!(err.contains("--optimizer-device sub") && err.contains("--sub-device"), "{err}");
 }
