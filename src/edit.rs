@@ -128,7 +128,7 @@ impl MethodSpec {
             MethodSpec::MendLs { editor, ls, unrelated } => {
                 editor_exists(editor)?;
                 // The defaults are valid: an error here is about a value the user chose.
-                ls.resolve(&crate::config::LsConfig::default()).validate().map_err(|e| Error::input(format!("--ls-*: {e}")))?;
+                ls.resolve(&crate::mend::ls::LsConfig::default()).validate().map_err(|e| Error::input(format!("--ls-*: {e}")))?;
                 if let Some(path) = unrelated {
                     match std::fs::metadata(path) {
                         Ok(m) if m.is_file() => {}
