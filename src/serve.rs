@@ -458,7 +458,7 @@ impl Failure {
     }
 
     /// The response; an internal failure is logged with its details first.
-    fn reply(self, shared: &Shared) -> Reply {
+    fn reply(self) -> Reply {
         match self {
             Failure::Client { status, kind, msg } => (status, error_body(msg, kind)),
             Failure::Internal { kind, public, detail } => {
@@ -627,7 +627,7 @@ fn route(request: Request, shared: &Shared, to_workers: &Sender<Request>) {
         "/memory" => match device_memory(&shared.plan) {
             Ok(devices) => respond(shared, request, 200, json!({ "devices": devices })),
             Err(e) => {
-                let (status, body) = Failure::of(e, &ClientPaths::default(), 500, shared).reply(shared);
+                let (status, body) = Failure::of(e, &ClientPaths::default(), 500, shared).reply();
                 respond(shared, request, status, body)
             }
         },
@@ -646,7 +646,7 @@ fn route(request: Request, shared: &Shared, to_workers: &Sender<Request>) {
 /// Reads and checks a model route's body, then queues it for the model thread.
 fn handle_model_request(mut request: Request, shared: &Shared) {
     let path = route_path(request.url()).to_string();
-    let parsed = read_body(&mut request, shared.opts.max_body_bytes).and_then(|body| parse_op(&path, &body, shared.opts).map_err(|f| f.reply(shared)));
+    let parsed = read_body(&mut request, shared.opts.max_body_bytes).and_then(|body| parse_op(&path, &body, shared.opts).map_err(|f| f.reply()));
     let (op, paths) = match parsed {
         Ok(op) => op,
         Err((status, body)) => return respond(shared, request, status, body),
@@ -945,7 +945,7 @@ fn model_loop(session: &mut Session, rx: &Receiver<Job>, shared: &Shared, shutdo
         shared.counters.model_requests.fetch_add(1, Ordering::Relaxed);
         let paths = job.paths;
         let (status, body) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_op(session, job.op, &paths, shared)))
-            .unwrap_or_else(|_| Failure::internal("a request panicked in the model thread").reply(shared));
+            .unwrap_or_else(|_| Failure::internal("a request panicked in the model thread").reply());
         shared.edits_total.store(session.edits_total(), Ordering::Relaxed);
         respond(shared, job.request, status, body);
     }
@@ -959,7 +959,7 @@ fn run_op(session: &mut Session, op: Op, paths: &ClientPaths, shared: &Shared) -
         Ok(v) => (200, v),
         Err(e) => {
             let out_of_memory = matches!(e, Error::OutOfMemory(_));
-            let (status, mut body) = Failure::of(e, paths, file_status, shared).reply(shared);
+            let (status, mut body) = Failure::of(e, paths, file_status, shared).reply();
             if out_of_memory {
                 // What was in use when it ran out, to size the next attempt.
                 body["memory"] = session.memory().map(|m| json!(m)).unwrap_or(Value::Null);
