@@ -358,11 +358,11 @@ fn resume_with_another_config_is_refused_naming_the_keys() {
 /// group and reports the group that ran (`n` = the records) and what was asked.
 #[test]
 fn a_group_larger_than_the_records_is_cut_to_them_and_reported() {
-    use dualedit::capacity::{measure, Grouping};
+    use dualedit::edit::capacity::{measure, Grouping};
     let lm = dualedit::model::load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
     let engine = dualedit::mend::Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
     let editor = dualedit::mend::Editor::new(&MendConfig { rank: 8, edit_lr: 1e-4, ..MendConfig::default() }, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
-    let mut session = dualedit::session::Session::from_parts(engine, Some(editor));
+    let mut session = dualedit::edit::session::Session::from_parts(engine, Some(editor));
     let records = common::records();
     let examples = dualedit::data::examples::prepare(&session.engine().lm.tokenizer, &records, 64, Path::new("inline.json")).unwrap();
     let (metrics, report) = measure(&mut session, &records, &examples, Grouping::Sequential(100_000), &[], |_, _| {}).unwrap();

@@ -1,0 +1,258 @@
+//! The embedded default: a synthetic knowledge world, a tiny GPT-2 that knows it, and its
+//! trained MEND editor (`build-default`), and the demo that shows them (`demo`).
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use tch::Device;
+use tracing::info;
+
+use crate::config::MendConfig;
+use crate::data::easyedit::DatasetKind;
+use crate::world::text::{write_world, World, WorldConfig};
+use crate::device::DevicePlan;
+use crate::edit::eval::Summary;
+use crate::bootstrap::pretrain::{pretrain, PretrainConfig, PretrainReport};
+use crate::edit::MethodSpec;
+use crate::run::{run_eval, run_train, Common, EvalOptions, TrainOptions};
+use crate::Result;
+
+/// Sizes of one build of the default (the shipped one, or a quick one for tests).
+#[derive(Debug, Clone, Serialize)]
+pub struct BuildSpec {
+    pub world: WorldConfig,
+    pub pretrain: PretrainConfig,
+    pub mend: MendConfig,
+    /// The editor for many edits at once or one after another (`root/editor-many`,
+    /// `configs/world-many.json`), trained after the first on the same model and edits;
+    /// `None`: not built.
+    pub many: Option<MendConfig>,
+}
+
+impl BuildSpec {
+    /// What ships in `data/`.
+    pub fn shipped(mend: MendConfig, many: Option<MendConfig>) -> Self {
+        Self { world: WorldConfig::shipped(), pretrain: PretrainConfig::default(), mend, many }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BuildReport {
+    pub pretrain: PretrainReport,
+    pub train_steps: usize,
+    pub holdout: Summary,
+    /// Optimiser steps of the editor for many edits (when built).
+    pub many_train_steps: Option<usize>,
+    pub seconds: f64,
+}
+
+pub fn model_dir(root: &Path) -> PathBuf {
+    root.join("model")
+}
+pub fn editor_dir(root: &Path) -> PathBuf {
+    root.join("editor")
+}
+pub fn world_dir(root: &Path) -> PathBuf {
+    root.join("world")
+}
+/// The editor for many edits (`--method mend-ls`; see [`train_many_editor`]).
+pub fn many_editor_dir(root: &Path) -> PathBuf {
+    root.join("editor-many")
+}
+
+/// World -> tokenizer + pretrained model -> meta-trained editor -> held-out evaluation.
+pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<BuildReport> {
+    let start = std::time::Instant::now();
+    let world = World::generate(&spec.world);
+    write_world(&world_dir(root), &world)?;
+    let probe: Vec<(String, String)> = world
+        .facts
+        .iter()
+        .flat_map(|f| world.prompts(f).into_iter().map(move |p| (p, f.object.clone())))
+        .collect();
+    info!(facts = world.facts.len(), "pretraining the default model");
+    let pre = pretrain(&world.corpus(), &probe, &spec.pretrain, &model_dir(root), device, false)?;
+    info!(accuracy = pre.fact_accuracy, steps = pre.steps, "pretrained");
+    let common = Common {
+        model: model_dir(root),
+        plan: DevicePlan::single(device),
+        dtype: tch::Kind::Float,
+        seed: 0,
+        report: None,
+        over_long: Default::default(),
+        image_roots: None,
+    };
+    let (steps, holdout) = train_and_evaluate(root, common.clone(), ("edits-train.json", "edits-holdout.json"), DatasetKind::Counterfact, &spec.mend, spec.pretrain.n_positions as usize)?;
+    let many_train_steps = match &spec.many {
+        Some(cfg) => Some(train_many_editor(root, common, cfg)?),
+        None => None,
+    };
+    Ok(BuildReport { pretrain: pre, train_steps: steps, holdout, many_train_steps, seconds: start.elapsed().as_secs_f64() })
+}
+
+/// Meta-trains the editor for many edits into `root/editor-many` on the world's training
+/// edits (report in `root/runs/train-many.json`); returns its optimiser steps.
+///
+/// Why a second editor: the first edits the MLPs' input and output projections of blocks
+/// 1–3 and is the best one edit at a time, but its edits do not compose, and the input
+/// projections' keys (the residual stream, 128 wide) cannot hold a hundred edits' values
+/// apart in a least-squares solve. This one edits only the output projections (keys 512
+/// wide), is meta-trained on batches of edits summed into one update (MEND's batched
+/// setting; `batch_size` in `configs/world-many.json`), and its `editor.json` carries the
+/// `mend-ls` settings chosen for it (BENCHMARKS.md, "Many edits, part 3").
+pub fn train_many_editor(root: &Path, common: Common, mend: &MendConfig) -> Result<usize> {
+    // One thread: the build is reproducible byte for byte only when libtorch's reductions
+    // run in the same order.
+    tch::set_num_threads(1);
+    let (train, _) = run_train(&TrainOptions {
+        common: Common { report: Some(root.join("runs").join("train-many.json")), ..common },
+        data: world_dir(root).join("edits-train.json"),
+        ds: DatasetKind::Counterfact,
+        config: mend.clone(),
+        out: many_editor_dir(root),
+        limit: None,
+        resume: false,
+        progress: false,
+    })?;
+    // The optimiser state is for resuming, not part of what ships.
+    let state = many_editor_dir(root).join(crate::mend::checkpoint::STATE_FILE);
+    if state.exists() {
+        std::fs::remove_file(&state).map_err(|e| crate::Error::io(&state, e))?;
+    }
+    Ok(train.steps)
+}
+
+/// The second half of a default's build: meta-trains the editor into `root/editor` on the
+/// world's `files.0` and evaluates it on `files.1` (each record edited from the unedited
+/// model), with reports in `root/runs`. Returns the training steps and held-out summary.
+pub(crate) fn train_and_evaluate(
+    root: &Path,
+    common: Common,
+    files: (&str, &str),
+    ds: DatasetKind,
+    mend: &MendConfig,
+    max_length: usize,
+) -> Result<(usize, Summary)> {
+    let (train, _) = run_train(&TrainOptions {
+        common: Common { report: Some(root.join("runs").join("train.json")), ..common.clone() },
+        data: world_dir(root).join(files.0),
+        ds,
+        config: mend.clone(),
+        out: editor_dir(root),
+        limit: None,
+        resume: false,
+        progress: false,
+    })?;
+    let (eval, _) = run_eval(
+        &EvalOptions {
+            common: Common { report: Some(root.join("runs").join("holdout.json")), ..common },
+            method: MethodSpec::Mend { editor: editor_dir(root) },
+            data: world_dir(root).join(files.1),
+            ds,
+            limit: None,
+            max_length,
+            capacity: None,
+        },
+        |_, _| {},
+    )?;
+    Ok((train.steps, eval.summary))
+}
+
+/// The shipped default: `data/` of the source tree the binary was built from (so the demo
+/// works from any working directory), else `data/` in the working directory or beside the
+/// executable (a binary copied to another machine with the repository).
+pub fn shipped_root() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("data");
+    let exe_dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf));
+    let mut candidates = vec![built.clone(), PathBuf::from("data")];
+    candidates.extend(exe_dir.map(|d| d.join("data")));
+    candidates.into_iter().find(|d| d.join("model").join("config.json").is_file()).unwrap_or(built)
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoSummary {
+    pub holdout: Summary,
+    pub memory: std::collections::BTreeMap<String, crate::device::memory::RoleSummary>,
+    pub seconds: f64,
+}
+
+/// Shows a few edits in words, then the held-out metrics and each device's peak memory.
+pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std::io::Write) -> Result<DemoSummary> {
+    use crate::device::memory::{format_bytes, MemoryTracker};
+    use crate::edit::{greedy, make_edit, LoadOptions};
+    use crate::edit::evaluate;
+    use crate::model::ParamView;
+    use crate::run::load_examples;
+    let start = std::time::Instant::now();
+    // A sub-million-parameter model gains nothing from a second thread, and libtorch's
+    // OpenMP threads spin badly when another process holds the other core.
+    tch::set_num_threads(1);
+    let w = |out: &mut dyn std::io::Write, s: String| writeln!(out, "{s}").map_err(|e| crate::Error::io("<stdout>", e));
+    let mut tracker = MemoryTracker::new(&plan.roles());
+    let method_spec = MethodSpec::Mend { editor: editor_dir(root) };
+    let (engine, mut method) = crate::edit::open(&model_dir(root), &LoadOptions { plan, ..LoadOptions::default() }, &method_spec)?;
+    tracker.mark("load")?;
+    let info = engine.lm.model.info();
+    w(out, format!(
+        "dualedit demo: {} with {} parameters, {} edited weights, main {} / sub {}{}",
+        info.architecture,
+        info.n_params,
+        engine.edit_params.len(),
+        crate::device::memory::device_name(plan.main),
+        crate::device::memory::device_name(plan.sub),
+        if plan.split { "" } else { " (single device)" }
+    ))?;
+    let holdout = world_dir(root).join("edits-holdout.json");
+    let (records, examples, _) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize, Default::default(), None)?;
+    let frozen = ParamView::frozen(&engine.lm.params);
+    // Answers are a word or two: generate a few tokens and stop at the sentence's end.
+    let answer = |params: &ParamView, ids: &[i64]| -> Result<String> {
+        let text = engine.lm.tokenizer.decode(&greedy(&engine.lm, params, ids, 6, &[])?.0)?;
+        Ok(match text.find(['.', '\n']) {
+            Some(i) => text[..i].to_string(),
+            None => text,
+        })
+    };
+    for (r, e) in records.iter().zip(&examples).take(shown) {
+        let before = answer(&frozen, &e.inner.ids[..e.inner.answer_start])?;
+        let overrides = make_edit(&engine, &mut method, &engine.collate(&[&e.inner])?)?;
+        let edited = ParamView::new(&engine.lm.params, Some(&overrides));
+        let after = answer(&edited, &e.inner.ids[..e.inner.answer_start])?;
+        w(out, String::new())?;
+        w(out, format!("edit: {:?} -> {:?} (was {:?})", r.prompt, r.target_new, r.ground_truth.clone().unwrap_or_default()))?;
+        w(out, format!("  before: {}{}", r.prompt, before))?;
+        w(out, format!("  after:  {}{}", r.prompt, after))?;
+        if let Some(rp) = &r.rephrase {
+            w(out, format!("  rephrase after: {}{}", rp, answer(&edited, &e.outer.ids[..e.outer.answer_start])?))?;
+        }
+        if let (Some(lp), Some(loc)) = (&r.locality_prompt, &e.loc) {
+            let ids = &loc.ids[..loc.answer_start];
+            w(out, format!("  unrelated: {}{}  (before the edit: {})", lp, answer(&edited, ids)?, answer(&frozen, ids)?.trim()))?;
+        }
+    }
+    tracker.mark("edit")?;
+    let metrics = evaluate(&engine, &mut method, &examples, |_, _| {})?;
+    tracker.mark("eval")?;
+    let s = Summary::of(&metrics);
+    w(out, String::new())?;
+    w(out, format!("held-out edits (each from the unedited model): n = {}", s.n))?;
+    w(out, format!("  {:<16} {:>6.3}", "reliability", s.reliability))?;
+    w(out, format!("  {:<16} {:>6}", "generalization", s.generalization.map_or("-".into(), |g| format!("{g:.3}"))))?;
+    w(out, format!("  {:<16} {:>6}", "locality", s.locality.map_or("-".into(), |l| format!("{l:.3}"))))?;
+    w(out, format!("  {:<16} {:>6.3}", "edit success", s.edit_success))?;
+    w(out, format!("  {:<16} {:>6.1} ms", "time per edit", s.edit_seconds * 1e3))?;
+    let memory = tracker.summary();
+    w(out, String::new())?;
+    w(out, "peak memory per device".into())?;
+    for (role, m) in memory.iter().filter(|(role, _)| plan.split || role.as_str() == "main") {
+        let role = if plan.split { role.as_str() } else { "main = sub" };
+        w(out, format!(
+            "  {:<10} {:<7} allocated {:>10}  reserved {:>10}{}",
+            role,
+            m.device,
+            format_bytes(m.peak_allocated_bytes),
+            format_bytes(m.peak_reserved_bytes),
+            if m.process_wide { "  (process-wide resident set)" } else { "" }
+        ))?;
+    }
+    Ok(DemoSummary { holdout: s, memory, seconds: start.elapsed().as_secs_f64() })
+}

@@ -1,0 +1,482 @@
+//! Making an edit, the one place that does it: the method (MEND, fine-tuning, none),
+//! reading a trained editor, opening a model for it, an edit measured before and after,
+//! greedy answers (with a KV cache) and writing an edited model.
+//!
+//! [`crate::edit::session::Session`] (and through it `dualedit edit` and `serve`), the demo and
+//! `eval` all edit through these functions; [`crate::edit::eval`] keeps the metrics.
+pub mod capacity;
+pub mod eval;
+pub mod score;
+pub mod session;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use tch::{Kind, Tensor};
+use tracing::info;
+
+use crate::data::{EditExample, Example, TokenBatch};
+use crate::device::DevicePlan;
+use eval::RecordMetrics;
+use crate::mend::ls::{KeyMemory, LsChoice, LsEditor};
+use crate::mend::{checkpoint, Editor, Engine};
+use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
+use crate::model::qwen2_vl::{Grid, Qwen2Vl};
+use crate::{Error, Result};
+
+/// How an edit is made. One per session, so the editor is kept inline rather than boxed.
+#[allow(clippy::large_enum_variant)]
+pub enum Method {
+    /// No edit: the unedited model's scores.
+    Unedited,
+    /// One plain gradient step on the edit NLL: `W' = W − lr·∇W` (the fine-tuning baseline).
+    FineTune { lr: f64 },
+    /// MEND with a trained editor.
+    Mend(Editor),
+    /// MEND's per-edit updates combined by least squares over their keys (MALMEN's
+    /// aggregation, [`crate::mend::ls`]).
+    MendLs(Box<LsEditor>),
+}
+
+impl Method {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Method::Unedited => "unedited",
+            Method::FineTune { .. } => "ft",
+            Method::Mend(_) => "mend",
+            Method::MendLs(_) => "mend-ls",
+        }
+    }
+
+    /// Records that the last edit [`make_edit`] proposed was committed at `scale` (0:
+    /// refused); only `mend-ls` remembers edits.
+    pub fn committed(&mut self, scale: f64) {
+        if let Method::MendLs(ls) = self {
+            ls.memory.commit(scale);
+        }
+    }
+
+    /// The remembered edits (only `mend-ls` has any), for [`Method::restore`].
+    pub fn snapshot(&self) -> Option<KeyMemory> {
+        match self {
+            Method::MendLs(ls) => Some(ls.memory.snapshot()),
+            _ => None,
+        }
+    }
+
+    /// Puts back the remembered edits of a [`Method::snapshot`] (a failed edit call).
+    pub fn restore(&mut self, snapshot: Option<KeyMemory>) {
+        if let (Method::MendLs(ls), Some(m)) = (self, snapshot) {
+            ls.memory = m;
+        }
+    }
+
+    /// Forgets remembered edits (the weights were reset to the loaded ones).
+    pub fn reset(&mut self) {
+        if let Method::MendLs(ls) = self {
+            ls.memory.clear();
+        }
+    }
+
+    /// The `mend-ls` settings in use (the editor's, unless flags changed them).
+    pub fn ls_config(&self) -> Option<crate::mend::ls::LsConfig> {
+        match self {
+            Method::MendLs(ls) => Some(ls.config),
+            _ => None,
+        }
+    }
+
+    /// The MEND editor, for both MEND methods.
+    pub fn editor_mut(&mut self) -> Option<&mut Editor> {
+        match self {
+            Method::Mend(e) => Some(e),
+            Method::MendLs(ls) => Some(&mut ls.editor),
+            _ => None,
+        }
+    }
+}
+
+/// A method as the user names it, before anything is loaded.
+#[derive(Debug, Clone)]
+pub enum MethodSpec {
+    Unedited,
+    FineTune { lr: f64 },
+    /// MEND with the editor trained into this directory.
+    Mend { editor: PathBuf },
+    /// `mend-ls`: that editor's updates combined by least squares ([`crate::mend::ls`]).
+    MendLs {
+        editor: PathBuf,
+        /// The `--ls-*` settings given; the rest are the editor's (`MendConfig::ls`).
+        ls: LsChoice,
+        /// Lines of unrelated text whose keys the solve keeps (none: λ only).
+        unrelated: Option<PathBuf>,
+    },
+}
+
+impl MethodSpec {
+    /// The ranges its settings must lie in (`--ls-*`, `--ft-lr`): one error naming the flag.
+    pub fn check(&self) -> Result<()> {
+        match self {
+            MethodSpec::MendLs { ls, .. } => ls.check(),
+            MethodSpec::FineTune { lr } if !(lr.is_finite() && *lr > 0.0) => {
+                Err(Error::input(format!("--ft-lr must be a positive number, got {lr}")))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks the settings a user gave before anything is loaded, naming the flag: a
+    /// fine-tuning rate that is not a finite positive number (`--ft-lr`), `--ls-*` values
+    /// out of range, an `--ls-keep-text` that is not a regular file (a FIFO would block),
+    /// an editor folder that does not exist. [`open`] calls it first.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            MethodSpec::Unedited | MethodSpec::FineTune { .. } => self.check(),
+            MethodSpec::Mend { editor } => editor_exists(editor),
+            MethodSpec::MendLs { editor, unrelated, .. } => {
+                self.check()?;
+                editor_exists(editor)?;
+                if let Some(path) = unrelated {
+                    match std::fs::metadata(path) {
+                        Ok(m) if m.is_file() => {}
+                        Ok(_) => return Err(Error::file(path, "--ls-keep-text must name a regular file of text lines (not a directory, FIFO or device)")),
+                        Err(e) => return Err(Error::io(path, e)),
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The trained editor's directory, for both MEND methods.
+    pub fn editor_dir(&self) -> Option<&Path> {
+        match self {
+            MethodSpec::Mend { editor } | MethodSpec::MendLs { editor, .. } => Some(editor),
+            _ => None,
+        }
+    }
+}
+
+/// Where a model runs and how it is loaded.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    /// Main device (frozen model, editor) and sub-device (edited forwards).
+    pub plan: DevicePlan,
+    /// Dtype of the model weights (editor maths is always f32).
+    pub dtype: Kind,
+}
+
+impl Default for LoadOptions {
+    /// CPU, f32.
+    fn default() -> Self {
+        Self { plan: DevicePlan::single(tch::Device::Cpu), dtype: Kind::Float }
+    }
+}
+
+fn editor_exists(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        Ok(())
+    } else {
+        Err(Error::file(dir, "editor directory not found (--editor)"))
+    }
+}
+
+/// The edited weight names a trained editor was made for, from its `editor.json`: the
+/// engine must capture exactly those before the editor itself can be loaded and checked.
+pub fn editor_params(dir: &Path) -> Result<Vec<String>> {
+    Ok(checkpoint::read_editor_json(dir)?.params.into_iter().map(|p| p.name).collect())
+}
+
+/// Loads `model` on the main device (the replica on the sub-device when split) with the
+/// weights `edit_names` marked for editing (empty: the family's default).
+pub fn open_engine(model: &Path, opts: &LoadOptions, edit_names: &[String]) -> Result<Engine> {
+    // A layer split reads its sub-side blocks straight onto the sub-device.
+    let plan = &opts.plan;
+    let sub_side = match (plan.split, plan.placement, plan.boundary) {
+        (true, crate::device::Placement::Balanced, Some(at)) => Some((plan.sub, at)),
+        _ => None,
+    };
+    let lm = load_model_split(model, plan.main, opts.dtype, sub_side)?;
+    Engine::new(lm, opts.plan, edit_names)
+}
+
+/// Opens the engine and the method: with an editor, on the weights it was trained to edit
+/// (a model without them is another model than the editor's, and the error says so).
+pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engine, Method)> {
+    spec.validate()?;
+    let names = match spec.editor_dir() {
+        Some(editor) => editor_params(editor)?,
+        None => Vec::new(),
+    };
+    let engine = open_engine(model, opts, &names).map_err(|e| match (spec, e) {
+        (MethodSpec::Mend { editor } | MethodSpec::MendLs { editor, .. }, Error::Input(msg)) => Error::file(
+            editor.join(checkpoint::EDITOR_JSON),
+            format!("editor was trained for another model than {}: {msg}", model.display()),
+        ),
+        (_, e) => e,
+    })?;
+    let method = match spec {
+        MethodSpec::Unedited => Method::Unedited,
+        MethodSpec::FineTune { lr } => Method::FineTune { lr: *lr },
+        MethodSpec::Mend { editor } => {
+            let (ed, meta) = checkpoint::load_editor(editor, &engine)?;
+            info!(dir = %editor.display(), step = meta.step, "editor loaded");
+            Method::Mend(ed)
+        }
+        MethodSpec::MendLs { editor, ls, unrelated } => {
+            let (ed, meta) = checkpoint::load_editor(editor, &engine)?;
+            let ls = ls.resolve(&ed.config.ls);
+            ls.validate()?;
+            info!(dir = %editor.display(), step = meta.step, lambda = ls.lambda, keep_weight = ls.cov_weight, rounds = ls.rounds, "editor loaded (least-squares aggregation)");
+            let unrelated = match unrelated {
+                Some(path) => crate::mend::ls::unrelated_grams(&engine, &crate::mend::ls::read_keep_text(path)?)?,
+                None => Vec::new(),
+            };
+            Method::MendLs(Box::new(LsEditor { editor: ed, config: ls, memory: KeyMemory::default(), unrelated }))
+        }
+    };
+    Ok((engine, method))
+}
+
+/// Computes the edited weights for the edit examples in `inner` (one batch; the update is
+/// the sum over its examples).
+pub fn make_edit(engine: &Engine, method: &mut Method, inner: &TokenBatch) -> Result<Overrides> {
+    let _g = tch::no_grad_guard();
+    match method {
+        Method::Unedited => Ok(Overrides::new()),
+        Method::FineTune { lr } => {
+            let (_, factors) = engine.capture(inner)?;
+            engine
+                .edit_params
+                .iter()
+                .zip(&factors)
+                .map(|(p, f)| {
+                    let w = engine.weight(&p.name)?;
+                    let g = p.layout.outer(&f.x, &f.delta);
+                    Ok((p.name.clone(), (w.to_kind(Kind::Float) - g * *lr).to_kind(w.kind())))
+                })
+                .collect()
+        }
+        Method::Mend(editor) => {
+            let (_, factors) = engine.capture(inner)?;
+            engine.edit_low_rank(editor, &factors, false)
+        }
+        Method::MendLs(ls) => crate::mend::ls::edit(engine, ls, inner),
+    }
+}
+
+/// An edit and what it did: the edited weights (not committed) and each example's metrics
+/// against the weights before it.
+pub struct Measured {
+    pub overrides: Overrides,
+    pub metrics: Vec<RecordMetrics>,
+}
+
+/// Measures `examples` before, makes one batch edit of all of them, measures after.
+pub fn measured_edit(engine: &Engine, method: &mut Method, examples: &[&EditExample]) -> Result<Measured> {
+    if examples.is_empty() {
+        return Err(Error::input("no edit requests"));
+    }
+    // The frozen tower's features of every image of the edit, once, for all views.
+    let images = engine.images(&eval::all_views(examples))?;
+    let before = eval::measure_before(engine, examples, images.as_ref())?;
+    let start = Instant::now();
+    let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
+    let overrides = make_edit(engine, method, &engine.collate_with(&inner, images.as_ref())?)?;
+    let per_example = start.elapsed().as_secs_f64() / examples.len() as f64;
+    let metrics = eval::measure_after(engine, &overrides, examples, &before, per_example, images.as_ref())?;
+    Ok(Measured { overrides, metrics })
+}
+
+/// EasyEdit-style evaluation: each example is edited on its own, starting from the
+/// unedited model, and measured before and after.
+pub fn evaluate(
+    engine: &Engine,
+    method: &mut Method,
+    examples: &[EditExample],
+    mut on_record: impl FnMut(usize, &RecordMetrics),
+) -> Result<Vec<RecordMetrics>> {
+    let mut all = Vec::with_capacity(examples.len());
+    for (i, e) in examples.iter().enumerate() {
+        let m = measured_edit(engine, method, &[e])?.metrics.remove(0);
+        on_record(i, &m);
+        all.push(m);
+    }
+    Ok(all)
+}
+
+/// One edit request's outcome.
+#[derive(Debug, Clone, Serialize)]
+pub struct RequestResult {
+    pub prompt: String,
+    pub target_new: String,
+    /// Greedy answer after the edit (as many tokens as the target has).
+    pub answer_after: String,
+    #[serde(flatten)]
+    pub metrics: RecordMetrics,
+}
+
+/// Why a greedy continuation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Finish {
+    /// The requested number of tokens was generated.
+    Length,
+    /// An end-of-sequence token was generated (it is included in the tokens).
+    Eos,
+    /// The model's context is full.
+    Context,
+}
+
+/// Greedy continuation of `prompt` ids under the weights seen through `params` (edited or
+/// not), with a KV cache: the prompt runs once, then one token per step, and the LM head
+/// runs on the last position only. Stops after `max_new` tokens, at any of `eos`, or when
+/// the context is full.
+pub fn greedy(lm: &LoadedModel, params: &ParamView, prompt: &[i64], max_new: usize, eos: &[i64]) -> Result<(Vec<i64>, Finish)> {
+    if prompt.is_empty() {
+        return Err(Error::input("prompt is empty (it encodes to no tokens)"));
+    }
+    let _g = tch::no_grad_guard();
+    let device = params.device();
+    let max = lm.model.info().max_positions.max(0) as usize;
+    let none = Default::default();
+    let mut cache = KvCache::new();
+    let mut feed = prompt.to_vec();
+    let mut out = Vec::new();
+    while out.len() < max_new {
+        if prompt.len() + out.len() >= max {
+            return Ok((out, Finish::Context));
+        }
+        let (ids, keep) = crate::error::guard(|| {
+            let n = feed.len() as i64;
+            let ids = Tensor::from_slice(&feed).unsqueeze(0).to_device(device);
+            Ok((ids, Tensor::arange(n, (Kind::Int64, device)).eq(n - 1).unsqueeze(0)))
+        })?;
+        let input = ForwardInput { keep: Some(&keep), ..ForwardInput::new(&ids, &none) };
+        let logits = lm.model.forward_cached(params, &input, &mut cache)?.logits;
+        let next = crate::error::guard(|| Ok(logits.reshape([-1]).argmax(0, false).int64_value(&[])))?;
+        out.push(next);
+        if eos.contains(&next) {
+            return Ok((out, Finish::Eos));
+        }
+        feed = vec![next];
+    }
+    Ok((out, Finish::Length))
+}
+
+/// [`greedy`] for a prompt that shows images: `prompt` holds the image runs (whose
+/// features `feats` `[Σ merged patches, D]` of `grids` the frozen tower computed once),
+/// and each new token runs one full forward (the KV cache has no M-RoPE continuation
+/// yet), with the LM head on the last position only. Vision tokens are never chosen: fed
+/// back, they would open an image run with no image.
+pub fn greedy_with_images(
+    lm: &LoadedModel,
+    params: &ParamView,
+    (vl, feats, grids): (&Qwen2Vl, &Tensor, &[Grid]),
+    prompt: &[i64],
+    max_new: usize,
+    eos: &[i64],
+) -> Result<(Vec<i64>, Finish)> {
+    if prompt.is_empty() {
+        return Err(Error::input("prompt is empty (it encodes to no tokens)"));
+    }
+    let _g = tch::no_grad_guard();
+    let device = params.device();
+    let max = lm.model.info().max_positions.max(0) as usize;
+    let t = &vl.config.tokens;
+    let vision = [t.image_pad, t.vision_start, t.vision_end];
+    let none = Default::default();
+    let mut ids = prompt.to_vec();
+    let mut out = Vec::new();
+    while out.len() < max_new {
+        if ids.len() >= max {
+            return Ok((out, Finish::Context));
+        }
+        let next = crate::error::guard(|| {
+            let n = ids.len() as i64;
+            let pos = vl.mrope_positions(&ids, grids)?.unsqueeze(1).to_device(device);
+            let input_ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
+            let keep = Tensor::arange(n, (Kind::Int64, device)).eq(n - 1).unsqueeze(0);
+            let input = ForwardInput { keep: Some(&keep), position_ids: Some(&pos), image_embeds: Some(feats), ..ForwardInput::new(&input_ids, &none) };
+            next_token(&lm.model.forward(params, &input)?.logits, &vision)
+        })?;
+        ids.push(next);
+        out.push(next);
+        if eos.contains(&next) {
+            return Ok((out, Finish::Eos));
+        }
+    }
+    Ok((out, Finish::Length))
+}
+
+/// The argmax of the last scored position's logits (`[.., V]`), never one of `vision`.
+fn next_token(logits: &Tensor, vision: &[i64]) -> Result<i64> {
+    let vocab = logits.size().last().copied().unwrap_or(1);
+    let last = logits.f_reshape([-1, vocab])?.f_get(-1)?.f_to_kind(Kind::Float)?;
+    for &v in vision.iter().filter(|&&v| (0..vocab).contains(&v)) {
+        let _ = last.f_get(v)?.f_fill_(f64::NEG_INFINITY)?;
+    }
+    Ok(last.f_argmax(-1, false)?.f_int64_value(&[])?)
+}
+
+/// The greedy answer to an example's prompt under the engine's current weights, as many
+/// tokens as its target. Text prompts decode with the KV cache ([`greedy`]). Prompts with
+/// an image run one full forward per new token (the image's features are computed once):
+/// the cache has no M-RoPE continuation yet. Vision tokens are never chosen there: fed
+/// back, they would open an image run with no image.
+pub fn answer(engine: &Engine, e: &Example) -> Result<String> {
+    let lm = &engine.lm;
+    if e.image.is_none() {
+        let (ids, _) = greedy(lm, &ParamView::frozen(&lm.params), &e.ids[..e.answer_start], e.answer().len(), &[])?;
+        return lm.tokenizer.decode(&ids);
+    }
+    let images = engine.images(&[e])?;
+    let vision: Vec<i64> = match lm.model.family().vision_language() {
+        Some(vl) => {
+            let t = &vl.config.tokens;
+            vec![t.image_pad, t.vision_start, t.vision_end]
+        }
+        None => Vec::new(),
+    };
+    let mut ids = e.ids[..e.answer_start].to_vec();
+    let mut out = Vec::with_capacity(e.answer().len());
+    for _ in 0..e.answer().len() {
+        // A placeholder last token makes the one scored position the one that predicts
+        // the token after `ids` (causal attention: the placeholder changes nothing before it).
+        let probe = Example { ids: [ids.as_slice(), &[0]].concat(), answer_start: ids.len(), image: e.image.clone() };
+        let logits = engine.base_logits(&engine.collate_with(&[&probe], images.as_ref())?)?;
+        let next = crate::error::guard(|| next_token(&logits, &vision))?;
+        ids.push(next);
+        out.push(next);
+    }
+    lm.tokenizer.decode(&out)
+}
+
+/// Refuses to write a model into a folder that already holds one (the source model or any
+/// other), which would replace it or leave a mix of two models' files.
+pub fn check_new_model_dir(dir: &Path) -> Result<()> {
+    for f in ["config.json", "model.safetensors", "model.safetensors.index.json"] {
+        if dir.join(f).exists() {
+            return Err(Error::file(dir, format!("already holds a model ({f}); choose a new or empty folder")));
+        }
+    }
+    Ok(())
+}
+
+/// Writes the (edited) model as a Hugging Face directory that `score` and transformers
+/// load; every file is written atomically, and a folder holding a model is refused.
+pub fn save_model(lm: &LoadedModel, dir: &Path) -> Result<()> {
+    check_new_model_dir(dir)?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    crate::io::write_json_atomic(&dir.join("config.json"), &lm.config_json)?;
+    let tok = lm.tokenizer.path();
+    let bytes = std::fs::read(tok).map_err(|e| Error::io(tok, e))?;
+    crate::io::write_atomic(&dir.join("tokenizer.json"), &bytes)?;
+    let mut tensors: Vec<(String, Tensor)> = lm.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    crate::io::write_safetensors(&dir.join("model.safetensors"), &tensors, meta)?;
+    info!(dir = %dir.display(), "edited model saved");
+    Ok(())
+}

@@ -1,0 +1,471 @@
+//! The train / edit / eval runs behind the CLI: load, place, run, report. Kept in the
+//! library so `compare`, tests and embedding programs run exactly what the CLI runs.
+pub mod chart;
+pub mod compare;
+pub mod report;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use tch::Kind;
+use tracing::info;
+
+use crate::edit::capacity::{self, CapacityReport, Grouping};
+use crate::config::MendConfig;
+use crate::data::easyedit::{load_records, DatasetKind, EditRecord};
+use crate::data::multimodal::{load_mm, prepare_mm, ImageRoots, VlPrompt};
+use crate::data::examples::{prepare_with, DataCounts, OverLong, SkippedRecord, SHOWN_SKIPPED};
+use crate::data::EditExample;
+use crate::device::memory::MemoryTracker;
+use crate::device::DevicePlan;
+use crate::edit::{self, LoadOptions, MethodSpec, RequestResult};
+use crate::edit::eval::{RecordMetrics, Summary};
+use crate::mend::{checkpoint, Editor, Engine};
+use crate::run::report::{DeviceInfo, RunReport};
+use crate::edit::session::Session;
+use crate::train::{self, TrainReport, TrainSetup};
+use crate::{Error, Result};
+
+/// What every run needs: the model, where it runs, in which dtype, with which seed.
+#[derive(Debug, Clone)]
+pub struct Common {
+    pub model: PathBuf,
+    pub plan: DevicePlan,
+    pub dtype: Kind,
+    pub seed: i64,
+    /// Where the run report goes (default `runs/<command>-<time>.json`).
+    pub report: Option<PathBuf>,
+    /// What to do with data records longer than the maximum length (default: skip them);
+    /// `Strict` also makes a missing or unreadable image of a multimodal record an error.
+    pub over_long: OverLong,
+    /// Where the images of multimodal data (`--ds vqa|caption`) are.
+    pub image_roots: Option<ImageRoots>,
+}
+
+fn dtype_name(k: Kind) -> &'static str {
+    match k {
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        _ => "f32",
+    }
+}
+
+impl Common {
+    /// `model` on the CPU in f32, seed 0, no report path, records over the maximum length
+    /// skipped, no images: what the programs that build defaults and the tests run with.
+    pub fn cpu(model: impl Into<PathBuf>) -> Self {
+        Self {
+            model: model.into(),
+            plan: DevicePlan::single(tch::Device::Cpu),
+            dtype: Kind::Float,
+            seed: 0,
+            report: None,
+            over_long: OverLong::default(),
+            image_roots: None,
+        }
+    }
+
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions { plan: self.plan, dtype: self.dtype }
+    }
+}
+
+fn report<M: Serialize>(
+    command: &str,
+    c: &Common,
+    engine: &Engine,
+    data: DataCounts,
+    metrics: M,
+    seconds: BTreeMap<String, f64>,
+    tracker: &MemoryTracker,
+) -> RunReport<M> {
+    RunReport {
+        command: command.into(),
+        model: c.model.display().to_string(),
+        devices: DeviceInfo::from(&c.plan),
+        dtype: dtype_name(c.dtype).into(),
+        seed: c.seed,
+        data: Some(data),
+        metrics,
+        seconds,
+        memory: tracker.summary(),
+        moved: engine.mover.stats(),
+        timeline_file: None,
+    }
+}
+
+/// Checks a run's report path before any work: it must not be one of the run's input
+/// files (writing the report would replace it), and its folder must be creatable, so a
+/// long run does not fail at its very end.
+pub fn check_report_path(report: Option<&Path>, inputs: &[&Path]) -> Result<()> {
+    let Some(report) = report else { return Ok(()) };
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    if let Some(input) = inputs.iter().find(|i| same(report, i)) {
+        return Err(Error::file(report, format!("--report would overwrite an input of this run ({}); choose another path", input.display())));
+    }
+    if let Some(dir) = report.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create the folder for --report: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Reads a dataset and tokenises it, keeping the first `limit` records, with records
+/// longer than `max_len` (or the model's context) handled by `over_long`. Returns the
+/// records that were kept, their examples (aligned), and what was left out.
+pub fn load_examples(
+    engine: &Engine,
+    path: &Path,
+    ds: DatasetKind,
+    limit: Option<usize>,
+    max_len: usize,
+    over_long: OverLong,
+    image_roots: Option<&ImageRoots>,
+) -> Result<(Vec<EditRecord>, Vec<EditExample>, DataCounts)> {
+    if ds.is_multimodal() {
+        return load_mm_examples(engine, path, ds, limit, max_len, over_long, image_roots);
+    }
+    let (mut records, load) = load_records(path, ds)?;
+    let in_file = records.len() + load.skipped.len();
+    // Positions in the file of the records the reader kept (it drops empty targets).
+    let mut empty = load.skipped.iter().map(|(i, _)| *i).peekable();
+    let mut file_index = Vec::with_capacity(records.len());
+    for i in 0..in_file {
+        if empty.next_if_eq(&i).is_none() {
+            file_index.push(i);
+        }
+    }
+    if let Some(l) = limit {
+        records.truncate(l);
+        file_index.truncate(l);
+    }
+    let max_len = max_len.min(engine.lm.model.info().max_positions as usize);
+    let prepared = prepare_with(&engine.lm.tokenizer, &records, &file_index, max_len, over_long, path)?;
+    let mut first_skipped: Vec<(usize, String)> = load.skipped.iter().chain(&prepared.skipped).cloned().collect();
+    first_skipped.sort_by_key(|(i, _)| *i);
+    first_skipped.truncate(SHOWN_SKIPPED);
+    let counts = DataCounts {
+        file: path.to_path_buf(),
+        records: in_file,
+        used: prepared.examples.len(),
+        skipped_empty: load.skipped.len(),
+        skipped_too_long: prepared.skipped.len(),
+        skipped_image: 0,
+        truncated: prepared.truncated.len(),
+        max_length: max_len,
+        over_long,
+        first_skipped: first_skipped.into_iter().map(|(record, reason)| SkippedRecord { record, reason }).collect(),
+    };
+    let mut kept = prepared.kept.iter().peekable();
+    let mut pos = 0;
+    records.retain(|_| {
+        let keep = kept.next_if_eq(&&pos).is_some();
+        pos += 1;
+        keep
+    });
+    Ok((records, prepared.examples, counts))
+}
+
+/// [`load_examples`] for E-VQA / E-IC: the five views of each record, with images. The
+/// records returned are the edit requests as text (`src` → `alt`, rephrase, NQ locality).
+fn load_mm_examples(
+    engine: &Engine,
+    path: &Path,
+    ds: DatasetKind,
+    limit: Option<usize>,
+    max_len: usize,
+    over_long: OverLong,
+    image_roots: Option<&ImageRoots>,
+) -> Result<(Vec<EditRecord>, Vec<EditExample>, DataCounts)> {
+    let roots = image_roots.ok_or_else(|| Error::file(path, format!("--ds {ds} names images relative to a root: pass --image-root (and --rephrase-image-root if the rephrase images are elsewhere)")))?;
+    let (Some(vl), Some(proc)) = (engine.lm.model.family().vision_language(), engine.image_proc.as_ref()) else {
+        return Err(Error::file(path, format!("--ds {ds} needs a vision-language model (Qwen2-VL), not {}", engine.lm.model.info().architecture)));
+    };
+    let mut load = load_mm(path, ds, roots, over_long == OverLong::Strict)?;
+    if let Some(l) = limit {
+        load.records.truncate(l);
+        load.file_index.truncate(l);
+    }
+    let context = engine.lm.model.info().max_positions as usize;
+    let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc }, &load, max_len, context, over_long, path)?;
+    let mut first_skipped: Vec<(usize, String)> = load.skipped_empty.iter().chain(&load.skipped_image).chain(&prepared.skipped).cloned().collect();
+    first_skipped.sort_by_key(|(i, _)| *i);
+    first_skipped.truncate(SHOWN_SKIPPED);
+    let counts = DataCounts {
+        file: path.to_path_buf(),
+        records: load.in_file,
+        used: prepared.examples.len(),
+        skipped_empty: load.skipped_empty.len(),
+        skipped_too_long: prepared.skipped.len(),
+        skipped_image: load.skipped_image.len(),
+        truncated: 0,
+        max_length: max_len,
+        over_long,
+        first_skipped: first_skipped.into_iter().map(|(record, reason)| SkippedRecord { record, reason }).collect(),
+    };
+    let records = prepared
+        .kept
+        .iter()
+        .map(|&k| load.records[k].as_edit_record())
+        .collect();
+    Ok((records, prepared.examples, counts))
+}
+
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    pub common: Common,
+    pub data: PathBuf,
+    pub ds: DatasetKind,
+    pub config: MendConfig,
+    pub out: PathBuf,
+    pub limit: Option<usize>,
+    pub resume: bool,
+    pub progress: bool,
+}
+
+/// Meta-trains an editor; the report goes to `<out>/report.json` unless told otherwise.
+pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
+    check_report_path(o.common.report.as_deref(), &[&o.data])?;
+    // Never replace a trained editor: only --resume continues (and then rewrites) it.
+    if o.out.join(checkpoint::EDITOR_FILE).exists() && !(o.resume && o.out.join(checkpoint::STATE_FILE).exists()) {
+        return Err(Error::file(
+            &o.out,
+            if o.resume {
+                "holds an editor but no training state to resume it from; choose another --out to train a new one"
+            } else {
+                "already holds an editor; pass --resume to continue its training, or choose another --out"
+            },
+        ));
+    }
+    let t0 = Instant::now();
+    let mut tracker = MemoryTracker::new(&o.common.plan.roles());
+    let mut engine = edit::open_engine(&o.common.model, &o.common.load_options(), &o.config.edit_params)?;
+    // Out of memory, the diagnosis names the placement the planner says fits the caps.
+    match crate::planner::FitAdvice::for_run(&o.common.model, &o.config, &engine.plan, o.common.dtype, o.config.max_length as i64, &crate::device::memory::applied_caps()) {
+        Ok(a) => engine.fit_advisor = Some(std::sync::Arc::new(a)),
+        Err(e) => tracing::warn!(error = %e, "no placement advice for out-of-memory diagnoses"),
+    }
+    tracker.mark("load")?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
+    let holdout = o.config.val_records.min(examples.len() / 5);
+    let (train_set, val_set) = split_holdout_examples(examples, holdout);
+    if train_set.is_empty() {
+        return Err(Error::file(&o.data, "no records left for training after holding out the validation split"));
+    }
+    info!(train = train_set.len(), val = val_set.len(), "meta-training");
+    if val_set.is_empty() {
+        tracing::warn!("no validation split (val_records is 0 or there are fewer than 5 records): the editor is selected by its training-batch loss");
+    }
+    let mut editor = crate::error::guard(|| Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main, o.common.seed))
+        .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine.placement(), &o.config, &mut tracker, checkpoint::saved_state(&o.out)))?;
+    tracker.mark("editor")?;
+    std::fs::create_dir_all(&o.out).map_err(|e| Error::io(&o.out, e))?;
+    let setup = TrainSetup {
+        config: &o.config,
+        train: &train_set,
+        val: &val_set,
+        out: &o.out,
+        seed: o.common.seed,
+        resume: o.resume,
+        progress: o.progress,
+    };
+    let t1 = Instant::now();
+    let rep = train::train(&engine, &mut editor, &setup, &mut tracker)?;
+    let seconds = BTreeMap::from([("load".to_string(), load_s), ("train".to_string(), t1.elapsed().as_secs_f64())]);
+    let path = o.common.report.clone().unwrap_or_else(|| o.out.join("report.json"));
+    let path = report("train", &o.common, &engine, data, &rep, seconds, &tracker).write(&path, &tracker)?;
+    if !o.out.join(checkpoint::EDITOR_FILE).exists() {
+        return Err(Error::file(
+            &o.out,
+            format!(
+                "no editor was saved: {} steps ran ({} skipped as non-finite) and no validation gave a finite result; report in {}",
+                rep.steps,
+                rep.skipped_steps,
+                path.display()
+            ),
+        ));
+    }
+    Ok((rep, path))
+}
+
+fn split_holdout_examples(examples: Vec<EditExample>, holdout: usize) -> (Vec<EditExample>, Vec<EditExample>) {
+    let n = examples.len();
+    let mut train = examples;
+    let val = train.split_off(n - holdout.min(n));
+    (train, val)
+}
+
+#[derive(Debug, Clone)]
+pub struct EvalOptions {
+    pub common: Common,
+    pub method: MethodSpec,
+    pub data: PathBuf,
+    pub ds: DatasetKind,
+    pub limit: Option<usize>,
+    pub max_length: usize,
+    /// Capacity measurement ([`crate::edit::capacity`]) instead of each record alone.
+    pub capacity: Option<CapacityOptions>,
+}
+
+/// `dualedit eval --edits-per-batch N | --sequential N`: groups of N records edited
+/// together or one after another, measured after each group's last edit.
+#[derive(Debug, Clone)]
+pub struct CapacityOptions {
+    pub grouping: Grouping,
+    /// The commit guard on the groups' locality prompts.
+    pub guard: Option<crate::mend::guard::GuardConfig>,
+    /// Sequential only: stepwise edits ([`crate::mend::stepwise`]).
+    pub stepwise: Option<crate::mend::stepwise::Stepwise>,
+    /// A text file whose lines are the unrelated texts of the NLL drift (default: the
+    /// groups' locality prompts with their answers).
+    pub drift_text: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalOutput {
+    pub method: String,
+    /// `--method mend-ls`: the settings used (the editor's `ls`, unless flags changed them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ls: Option<crate::config::LsConfig>,
+    /// The capacity measurement's grouping, time per edit, drift and guard counts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<CapacityReport>,
+    #[serde(flatten)]
+    pub summary: Summary,
+    pub records: Vec<RecordMetrics>,
+    /// What was read from the data file and what was left out: the report's top-level
+    /// `data` (skipped here so the report does not carry it twice).
+    #[serde(skip)]
+    pub data: DataCounts,
+}
+
+/// Edits each record from the unedited model and measures it (EasyEdit's protocol).
+pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
+    check_report_path(o.common.report.as_deref(), &[&o.data])?;
+    if let Some(c) = &o.capacity {
+        return run_capacity(o, c, on_record);
+    }
+    let t0 = Instant::now();
+    let mut tracker = MemoryTracker::new(&o.common.plan.roles());
+    let (engine, mut method) = edit::open(&o.common.model, &o.common.load_options(), &o.method)?;
+    tracker.mark("load")?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
+    let t1 = Instant::now();
+    let records = crate::edit::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, m))?;
+    tracker.mark("eval")?;
+    let out = EvalOutput { method: method.name().into(), ls: method.ls_config(), capacity: None, summary: Summary::of(&records), records, data };
+    let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
+    let path = o.common.report.clone().unwrap_or_else(|| crate::run::report::default_path("eval"));
+    let path = report("eval", &o.common, &engine, out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
+    Ok((out, path))
+}
+
+/// [`run_eval`] with groups ([`crate::edit::capacity::measure`]) through a [`Session`].
+fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
+    let unrelated: Vec<String> = match &c.drift_text {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
+            let lines: Vec<String> = text.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
+            if lines.is_empty() {
+                return Err(Error::file(p, "--drift-text has no non-empty line"));
+            }
+            lines
+        }
+        None => Vec::new(),
+    };
+    let t0 = Instant::now();
+    let mut tracker = MemoryTracker::new(&o.common.plan.roles());
+    let mut session = Session::open_method(&o.common.model, &o.method, &o.common.load_options())?;
+    tracker.mark("load")?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let (records, examples, data) =
+        load_examples(session.engine(), &o.data, o.ds, o.limit, o.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
+    session.guard = c.guard.clone();
+    session.stepwise = c.stepwise.clone();
+    let t1 = Instant::now();
+    let mut done = 0;
+    let (records, cap) = capacity::measure(&mut session, &records, &examples, c.grouping, &unrelated, |_, ms| {
+        for m in ms {
+            on_record(done, m);
+            done += 1;
+        }
+    })?;
+    tracker.mark("eval")?;
+    let out = EvalOutput { method: session.method_name().into(), ls: session.ls_config(), capacity: Some(cap), summary: Summary::of(&records), records, data };
+    let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
+    let path = o.common.report.clone().unwrap_or_else(|| crate::run::report::default_path("eval"));
+    let path = report("eval", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
+    Ok((out, path))
+}
+
+#[derive(Debug, Clone)]
+pub struct EditOptions {
+    pub common: Common,
+    pub method: MethodSpec,
+    pub requests: PathBuf,
+    pub sequential: bool,
+    pub save: Option<PathBuf>,
+    pub max_length: usize,
+    /// The commit guard ([`crate::mend::guard`]) on the requests' locality prompts; `None`
+    /// commits every edit as the editor makes it.
+    pub guard: Option<crate::mend::guard::GuardConfig>,
+    /// Sequential only: make each request in small committed steps
+    /// ([`crate::mend::stepwise`], experimental).
+    pub stepwise: Option<crate::mend::stepwise::Stepwise>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EditOutput {
+    pub sequential: bool,
+    /// The guard's decision on each edit committed (one per request when sequential, one
+    /// for the batch); empty without a guard or without locality prompts.
+    pub guard: Vec<crate::mend::guard::GuardReport>,
+    #[serde(flatten)]
+    pub summary: Summary,
+    pub requests: Vec<RequestResult>,
+    pub saved: Option<PathBuf>,
+    /// What was read from the requests file and what was left out: the report's
+    /// top-level `data` (skipped here so the report does not carry it twice).
+    #[serde(skip)]
+    pub data: DataCounts,
+}
+
+/// Applies requests as one batch (or one after another), measures them after all edits,
+/// and optionally saves the edited model as a Hugging Face directory: a [`Session`]
+/// opened for the method, one edit call, a report.
+pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
+    check_report_path(o.common.report.as_deref(), &[&o.requests])?;
+    if let Some(dir) = &o.save {
+        edit::check_new_model_dir(dir)?;
+    }
+    let t0 = Instant::now();
+    let mut tracker = MemoryTracker::new(&o.common.plan.roles());
+    let mut session = Session::open_method(&o.common.model, &o.method, &o.common.load_options())?;
+    tracker.mark("load")?;
+    let (records, examples, data) =
+        load_examples(session.engine(), &o.requests, DatasetKind::Requests, None, o.max_length, o.common.over_long, None)?;
+    let t1 = Instant::now();
+    session.guard = o.guard.clone();
+    session.stepwise = o.stepwise.clone();
+    let outcome = session.edit_examples(&records, &examples, o.sequential)?;
+    let edit_s = t1.elapsed().as_secs_f64();
+    tracker.mark("edit")?;
+    let saved = match &o.save {
+        Some(dir) => {
+            session.save(dir)?;
+            Some(dir.clone())
+        }
+        None => None,
+    };
+    let out = EditOutput { sequential: o.sequential, guard: outcome.guard, summary: outcome.summary, requests: outcome.requests, saved, data };
+    let seconds = BTreeMap::from([("load".to_string(), t1.duration_since(t0).as_secs_f64()), ("edit".to_string(), edit_s)]);
+    let path = o.common.report.clone().unwrap_or_else(|| crate::run::report::default_path("edit"));
+    let path = report("edit", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
+    Ok((out, path))
+}

@@ -1,0 +1,1014 @@
+//! `dualedit serve`: a [`Session`]'s operations as JSON over HTTP, for programs that use
+//! dualedit as their editing backend.
+//!
+//! | route            | body                                   | answer                                   |
+//! |------------------|----------------------------------------|------------------------------------------|
+//! | `POST /edit`     | `{"requests": [EasyEdit records]}`     | per-request metrics, summary             |
+//! | `POST /edit`     | `{"requests": [E-VQA records]}`        | the same, edits with images              |
+//! | `POST /score`    | `{"text", "image"? \| "image_base64"?}` | `{"tokens", "logprobs", "mean_nll"}`     |
+//! | `POST /generate` | `{"prompt", "max_new_tokens"?: 16, "image"? \| "image_base64"?}` | `{"text", "tokens", ...}` |
+//!
+//! An E-VQA record names each of its three images (`image`, `image_rephrase`, `m_loc`)
+//! by a path under the image root or uploads it as base64 under the same name with
+//! `_base64` (`image_base64`, `image_rephrase_base64`, `m_loc_base64`), one or the other.
+//! | `POST /reset`    | none                                   | `{"restored_params", "edits_total"}`     |
+//! | `POST /save`     | `{"dir"}`                              | `{"dir", "edits_total"}`                 |
+//! | `GET /health`    |                                        | `{"status": "ok", ...}`                  |
+//! | `GET /memory`    |                                        | per-device figures                       |
+//!
+//! `/edit` commits under the same guard as `dualedit edit` ([`ServeOptions::guard`], on by
+//! default); its body may carry `"guard": false | true | {"min_agreement", "max_drop",
+//! "max_kl", "refuse", "shrink"}` to change it for that request, and its answer lists the
+//! guard's decisions (`guard`) and the settings they were made under (`guard_settings`).
+//!
+//! Errors are JSON `{"error": message, "kind": ...}`: 400 malformed JSON or a missing /
+//! mistyped / unknown / out-of-range field (named), a bad upload or a named image that is
+//! not a regular file there or does not decode (truncated, over 200:1, too many tokens
+//! with the text), a NUL byte in a path, 401 a missing or wrong bearer token, 403 a
+//! `/save` or an image path the server does not allow (no save or image root, or a path
+//! that leaves it), 404 unknown route, 405 wrong method, 413 body too large, 422 a
+//! well-formed request the model refuses (a prompt longer than its context, an edit
+//! without an editor), 503 queue full or shutting down, 500 a failure on the server's
+//! side. Which is which is decided by `Failure`: an error about a file the request named
+//! is the client's, anything else from the model's side is the server's. A message names
+//! only what the client sent (its relative path, its field); a 500 says only its kind, and
+//! the details (paths, libtorch messages) go to the log.
+//!
+//! Security: anyone who can reach the port can edit the model, read its scores and, with a
+//! save root, write model folders. So by default the server listens on loopback only,
+//! `/save` is refused unless a save root is given (and then writes only inside it, see
+//! [`crate::io::resolve_under`]), images are read by path only under the image root by
+//! the same rule (`image`, and E-VQA requests' `image` / `image_rephrase` / `m_loc`; a
+//! `*_base64` upload is decoded and checked in memory, then written to a private
+//! temporary file for the preprocessor and removed after the request), and with a token every request must carry
+//! `Authorization: Bearer <token>`; a non-loopback address without a token is refused
+//! unless [`ServeOptions::insecure_no_token`] says otherwise.
+//!
+//! Threads: two acceptors answer what needs no body (health, memory, 401/404/405) and
+//! pass model routes' requests to a few workers through a bounded queue (503 when full),
+//! so `/health` answers even while every worker waits on a slow client. Workers read,
+//! parse and validate bodies (every other 4xx); model requests go into one bounded queue
+//! that the model thread (the caller of [`Server::run`], which owns the session) runs in
+//! order and answers. Workers never wait on the model, so a full queue is answered 503 at
+//! once instead of letting waits grow without bound; a request that waited longer than
+//! the queue timeout is answered 503 without running.
+pub mod signals;
+
+use std::io::Read;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{bounded, Receiver, RecvTimeoutError, Sender, TrySendError};
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+use tiny_http::{Header, Method, Request, Response};
+use tracing::{info, warn};
+
+use crate::data::easyedit::{parse_records, DatasetKind, EditRecord};
+use crate::data::multimodal::{ImageRoots, MmRecord, IMAGE_KEYS};
+use crate::device::DevicePlan;
+use crate::edit::session::{device_memory, image_kind, read_image_requests, Session, TempImage};
+use crate::mend::guard::{GuardConfig, GuardOverrides};
+use crate::{Error, Result};
+
+/// The address `serve` listens on unless told otherwise: loopback only.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8470";
+
+/// Limits and sizes of the service.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Model requests waiting beyond the one running; more are answered 503.
+    pub queue: usize,
+    /// HTTP worker threads that read, parse and validate model requests' bodies (health
+    /// and memory are answered by two acceptor threads that never read a body).
+    pub workers: usize,
+    /// Largest request body accepted; larger ones are answered 413.
+    pub max_body_bytes: usize,
+    /// A model request that waited longer than this is answered 503 without running.
+    pub queue_timeout: Duration,
+    /// The existing directory `/save` writes into, at relative paths that stay inside it;
+    /// `None` (the default) refuses `/save` with 403, since otherwise any client could
+    /// write model folders wherever the process can.
+    pub save_root: Option<PathBuf>,
+    /// The existing directory that request image paths (`/score`'s `image`, E-VQA edit
+    /// requests' images) are relative to and confined to; `None` (the default) refuses
+    /// image paths with 403, so a client cannot make the server read arbitrary files.
+    /// `image_base64` needs no root.
+    pub image_root: Option<PathBuf>,
+    /// When set, every request must carry `Authorization: Bearer <token>` (401 otherwise).
+    pub token: Option<String>,
+    /// Allows a non-loopback address without a token (refused otherwise).
+    pub insecure_no_token: bool,
+    /// The commit guard of every `/edit` ([`crate::mend::guard`]), as `edit` applies it:
+    /// on by default with `edit`'s defaults; `None` (`--no-guard`) commits edits as the
+    /// editor makes them. A request may change it for itself (its body's `guard`). It
+    /// replaces the session's own [`Session::guard`] while the server runs.
+    pub guard: Option<GuardConfig>,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        Self {
+            queue: 64,
+            workers: 4,
+            max_body_bytes: 1 << 20,
+            queue_timeout: Duration::from_secs(60),
+            save_root: None,
+            image_root: None,
+            token: None,
+            insecure_no_token: false,
+            guard: Some(GuardConfig::default()),
+        }
+    }
+}
+
+/// The environment variable `dualedit serve` reads its token from when `--token` is not
+/// given (a flag is visible to every user of the machine in the process list).
+pub const TOKEN_ENV: &str = "DUALEDIT_TOKEN";
+
+/// Counts of what a server answered, returned when it stops.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct ServeStats {
+    pub requests: u64,
+    /// Requests the model thread ran.
+    pub model_requests: u64,
+    pub ok: u64,
+    pub client_errors: u64,
+    pub server_errors: u64,
+    /// 503s because the queue was full.
+    pub rejected_queue_full: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    requests: AtomicU64,
+    model_requests: AtomicU64,
+    ok: AtomicU64,
+    client_errors: AtomicU64,
+    server_errors: AtomicU64,
+    rejected_queue_full: AtomicU64,
+}
+
+impl Counters {
+    fn count(&self, status: u16) {
+        let c = match status {
+            200..=299 => &self.ok,
+            400..=499 => &self.client_errors,
+            _ => &self.server_errors,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> ServeStats {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ServeStats {
+            requests: g(&self.requests),
+            model_requests: g(&self.model_requests),
+            ok: g(&self.ok),
+            client_errors: g(&self.client_errors),
+            server_errors: g(&self.server_errors),
+            rejected_queue_full: g(&self.rejected_queue_full),
+        }
+    }
+}
+
+/// A bound HTTP listener, not yet serving (bind first to learn the port of `:0`).
+pub struct Server {
+    http: tiny_http::Server,
+    addr: SocketAddr,
+    opts: ServeOptions,
+}
+
+impl Server {
+    /// Binds `listen` (`host:port`; port 0 picks a free one). A non-loopback address is
+    /// refused without a token unless `opts.insecure_no_token`; the save root must be an
+    /// existing directory; a token must be printable ASCII without spaces (it travels in a
+    /// header). All of it is checked before the port is taken.
+    pub fn bind(listen: &str, opts: ServeOptions) -> Result<Self> {
+        let addr: SocketAddr = listen
+            .parse()
+            .map_err(|e| Error::input(format!("--listen {listen:?} is not an address like 127.0.0.1:8470: {e}")))?;
+        if opts.queue == 0 || opts.workers == 0 || opts.max_body_bytes == 0 {
+            return Err(Error::input("the queue bound, worker count and maximum body size must be at least 1"));
+        }
+        if let Some(g) = &opts.guard {
+            g.validate()?;
+        }
+        if let Some(t) = &opts.token {
+            if t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(Error::input(format!("the token (--token or {TOKEN_ENV}) must be non-empty printable ASCII without spaces")));
+            }
+        }
+        if !addr.ip().is_loopback() {
+            match (&opts.token, opts.insecure_no_token) {
+                (None, false) => {
+                    return Err(Error::input(format!(
+                        "refusing to listen on {addr} without a token: anyone who can reach it could edit, read and save the model; \
+                         give --token (or {TOKEN_ENV}), or --insecure-no-token to run open anyway"
+                    )))
+                }
+                (None, true) => warn!(%addr, "listening beyond loopback without a token: anyone who can reach this address can use the model"),
+                (Some(_), _) => warn!(%addr, "listening beyond loopback without TLS: the token and requests travel in clear text (use a TLS proxy or an SSH tunnel)"),
+            }
+        }
+        if let Some(root) = &opts.save_root {
+            if !root.is_dir() {
+                return Err(Error::file(root, "--save-root must be an existing directory"));
+            }
+        }
+        if let Some(root) = &opts.image_root {
+            if !root.is_dir() {
+                return Err(Error::file(root, "--image-root must be an existing directory"));
+            }
+        }
+        let http = tiny_http::Server::http(addr).map_err(|e| Error::input(format!("cannot listen on {addr}: {e}")))?;
+        let addr = http.server_addr().to_ip().ok_or_else(|| Error::input(format!("{addr} is not an IP listener")))?;
+        Ok(Self { http, addr, opts })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves until `shutdown` becomes true (a signal handler sets it), then finishes the
+    /// model request in flight, answers those still queued with 503, and returns. The
+    /// calling thread becomes the model thread: the session never leaves it.
+    pub fn run(self, mut session: Session, shutdown: &AtomicBool) -> Result<ServeStats> {
+        let (tx, rx) = bounded::<Job>(self.opts.queue);
+        session.guard = self.opts.guard.clone();
+        let shared = Shared {
+            opts: &self.opts,
+            counters: Counters::default(),
+            health: Health::of(&session, &self.opts),
+            plan: session.engine().plan,
+            edits_total: AtomicUsize::new(session.edits_total()),
+            tx,
+            hidden: hidden_paths(&session, &self.opts),
+        };
+        info!(addr = %self.addr, queue = self.opts.queue, workers = self.opts.workers, guard = ?self.opts.guard, "serving on http://{}", self.addr);
+        // Requests accepted but not yet taken by a worker: at most `queue`, more are 503.
+        let (to_workers, from_acceptors) = bounded::<Request>(self.opts.queue);
+        std::thread::scope(|scope| {
+            let acceptors: Vec<_> = (0..ACCEPTORS).map(|_| scope.spawn(|| acceptor(&self.http, &shared, &to_workers, shutdown))).collect();
+            let workers: Vec<_> = (0..self.opts.workers).map(|_| scope.spawn(|| worker(&from_acceptors, &shared, shutdown))).collect();
+            model_loop(&mut session, &rx, &shared, shutdown);
+            info!("shutting down: the request in flight is finished, queued ones are answered 503");
+            for w in acceptors.into_iter().chain(workers) {
+                if w.join().is_err() {
+                    warn!("an HTTP thread panicked");
+                }
+            }
+            while let Ok(request) = from_acceptors.try_recv() {
+                respond(&shared, request, 503, error_body("server is shutting down", "shutting_down"));
+            }
+            while let Ok(job) = rx.try_recv() {
+                respond(&shared, job.request, 503, error_body("server is shutting down", "shutting_down"));
+            }
+        });
+        let stats = shared.counters.snapshot();
+        info!(?stats, "stopped");
+        Ok(stats)
+    }
+}
+
+/// Threads that accept requests and answer those that need no body (see [`acceptor`]).
+const ACCEPTORS: usize = 2;
+
+/// What workers and the model thread share.
+struct Shared<'a> {
+    opts: &'a ServeOptions,
+    counters: Counters,
+    health: Health,
+    plan: DevicePlan,
+    edits_total: AtomicUsize,
+    tx: Sender<Job>,
+    /// The server's own folders, as they may appear in a library message, with what a
+    /// client is told instead (see [`Shared::scrub`]).
+    hidden: Vec<(String, &'static str)>,
+}
+
+impl Shared<'_> {
+    /// `msg` without the server's folders (image and save roots, the temporary directory):
+    /// a client error names what the client sent, never where it is on the server.
+    fn scrub(&self, msg: &str) -> String {
+        let mut out = msg.to_string();
+        for (server, shown) in &self.hidden {
+            out = out.replace(server.as_str(), shown);
+        }
+        out
+    }
+}
+
+/// The folders [`Shared::scrub`] hides, as given and canonical, longest first.
+fn hidden_paths(session: &Session, opts: &ServeOptions) -> Vec<(String, &'static str)> {
+    let mut out = Vec::new();
+    let mut add = |p: &Path, shown: &'static str| {
+        for q in [Some(p.to_path_buf()), p.canonicalize().ok()].into_iter().flatten() {
+            let q = q.display().to_string();
+            if q.len() > 1 {
+                out.push((q, shown));
+            }
+        }
+    };
+    if let Some(r) = &opts.image_root {
+        add(r, "<image root>");
+    }
+    if let Some(r) = &opts.save_root {
+        add(r, "<save root>");
+    }
+    add(&std::env::temp_dir(), "<tmp>");
+    add(session.model_dir(), "<model>");
+    if let Some(d) = session.editor_dir() {
+        add(d, "<editor>");
+    }
+    out.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
+    out
+}
+
+/// The static part of `/health`, computed once.
+#[derive(Serialize)]
+struct Health {
+    model: String,
+    architecture: String,
+    editor: Option<String>,
+    max_positions: usize,
+    devices: Vec<String>,
+    queue_capacity: usize,
+}
+
+impl Health {
+    fn of(s: &Session, opts: &ServeOptions) -> Self {
+        let plan = s.engine().plan;
+        let mut devices = vec![crate::device::memory::device_name(plan.main)];
+        if plan.split {
+            devices.push(crate::device::memory::device_name(plan.sub));
+        }
+        Self {
+            model: s.model_dir().display().to_string(),
+            architecture: s.info().architecture,
+            editor: s.editor_dir().map(|d| d.display().to_string()),
+            max_positions: s.max_positions(),
+            devices,
+            queue_capacity: opts.queue,
+        }
+    }
+}
+
+/// A model request, parsed and validated by a worker.
+enum Op {
+    /// Text edit requests, guarded by `guard` (`None`: committed as the editor makes them).
+    Edit { records: Vec<EditRecord>, guard: Option<GuardConfig> },
+    /// E-VQA requests, their images confined to the image root and checked to be regular
+    /// files with a readable header. The uploads' temporary files live until the edit has run.
+    EditImages { records: Vec<MmRecord>, guard: Option<GuardConfig>, _uploads: Vec<TempImage> },
+    Score { text: String, image: Option<RequestImage> },
+    Generate { prompt: String, max_new_tokens: usize, image: Option<RequestImage> },
+    Reset,
+    Save { dir: PathBuf },
+}
+
+/// The image of a `/score` or `/generate` request.
+enum RequestImage {
+    /// A file under the image root, resolved and confined.
+    File(PathBuf),
+    /// A decoded `image_base64` upload, checked to be a PNG or JPEG, in a private
+    /// temporary file (removed when the request is done).
+    Upload(TempImage),
+}
+
+/// The files a request makes the server read or write, each with the name the client
+/// gave it (`val/a.png`, ``record 0: field `m_loc_base64` ``). An error about one of these
+/// files is the client's (400, or 422 for a save folder) and is reported under the
+/// client's name; the server's own paths (image root, temporary directory, model) never
+/// appear in a response.
+#[derive(Debug, Default)]
+struct ClientPaths(Vec<(PathBuf, String)>);
+
+impl ClientPaths {
+    fn add(&mut self, server: PathBuf, client: impl Into<String>) {
+        self.0.push((server, client.into()));
+    }
+
+    /// The client's name of `path`: one of the request's files, or a file inside one of
+    /// them (a save folder's `config.json`).
+    fn name_of(&self, path: &Path) -> Option<String> {
+        self.0.iter().find_map(|(server, client)| {
+            let rest = path.strip_prefix(server).ok()?;
+            Some(if rest.as_os_str().is_empty() { client.clone() } else { format!("{client}/{}", rest.display()) })
+        })
+    }
+
+    /// `msg` with each of the request's server paths replaced by the client's name.
+    fn redact(&self, msg: &str) -> String {
+        let mut out = msg.to_string();
+        let mut pairs: Vec<_> = self.0.iter().map(|(s, c)| (s.display().to_string(), c)).collect();
+        // Longest first, so a file inside a folder is replaced before the folder.
+        pairs.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
+        for (server, client) in pairs {
+            if !server.is_empty() {
+                out = out.replace(&server, client);
+            }
+        }
+        out
+    }
+}
+
+/// Who a failed request's fault is, which decides its status and what its body may say.
+#[derive(Debug)]
+enum Failure {
+    /// The request is wrong: a 4xx whose message names only what the client sent.
+    Client { status: u16, kind: &'static str, msg: String },
+    /// The server failed (a model or config file it cannot read, a libtorch error): 500,
+    /// the body says only what kind of failure it was; the details go to the log.
+    Internal { kind: &'static str, public: String, detail: String },
+}
+
+impl Failure {
+    fn bad(msg: impl Into<String>) -> Self {
+        Failure::Client { status: 400, kind: "bad_request", msg: msg.into() }
+    }
+
+    fn internal(detail: impl Into<String>) -> Self {
+        Failure::Internal { kind: "internal", public: "internal error; the server's log has the details".into(), detail: detail.into() }
+    }
+
+    /// Classifies a library error of a request whose files are `paths`: an error about one
+    /// of the request's files is the client's (`file_status`: 400 for images, 422 for a
+    /// save folder the server cannot write), input the model refuses is 422, running out
+    /// of memory is 500 `out_of_memory` (its message names no path), and anything else
+    /// (the model's own files, libtorch) is 500 `internal`.
+    /// Library messages pass through [`ClientPaths::redact`] and [`Shared::scrub`]: they
+    /// may name the server's own paths.
+    fn of(e: Error, paths: &ClientPaths, file_status: u16, shared: &Shared) -> Self {
+        let file_kind = if file_status == 400 { "bad_request" } else { "invalid_input" };
+        let clean = |m: &str| shared.scrub(&paths.redact(m));
+        match &e {
+            Error::File { path, msg } => match paths.name_of(path) {
+                Some(name) => Failure::Client { status: file_status, kind: file_kind, msg: format!("{name}: {}", clean(msg)) },
+                None => Failure::internal(e.to_string()),
+            },
+            Error::Io { path, err } => match paths.name_of(path) {
+                Some(name) => Failure::Client { status: file_status, kind: file_kind, msg: format!("{name}: {}", clean(&err.to_string())) },
+                None => Failure::internal(e.to_string()),
+            },
+            Error::Input(m) => Failure::Client { status: 422, kind: "invalid_input", msg: clean(m) },
+            Error::OutOfMemory(m) => Failure::Internal { kind: "out_of_memory", public: format!("out of memory: {m}"), detail: e.to_string() },
+            Error::Device { .. } | Error::Torch(_) => Failure::internal(e.to_string()),
+        }
+    }
+
+    /// The response; an internal failure is logged with its details first.
+    fn reply(self) -> Reply {
+        match self {
+            Failure::Client { status, kind, msg } => (status, error_body(msg, kind)),
+            Failure::Internal { kind, public, detail } => {
+                tracing::error!(kind, "{detail}");
+                (500, error_body(public, kind))
+            }
+        }
+    }
+}
+
+struct Job {
+    op: Op,
+    /// The request's files under the client's names, for its errors.
+    paths: ClientPaths,
+    request: Request,
+    enqueued: Instant,
+}
+
+/// Default of `/generate`'s `max_new_tokens`.
+pub const DEFAULT_MAX_NEW_TOKENS: usize = 16;
+
+/// A response before it is written: status and JSON body.
+type Reply = (u16, Value);
+
+fn error_body(msg: impl Into<String>, kind: &str) -> Value {
+    json!({ "error": msg.into(), "kind": kind })
+}
+
+fn json_header() -> Header {
+    Header::from_bytes(&b"Content-Type"[..], &b"application/json"[..]).expect("static header is valid")
+}
+
+fn respond(shared: &Shared, request: Request, status: u16, body: Value) {
+    shared.counters.count(status);
+    let mut response = Response::from_string(body.to_string()).with_status_code(status).with_header(json_header());
+    if status == 405 {
+        let allow = allowed_method(request.url()).unwrap_or("GET");
+        if let Ok(h) = Header::from_bytes(&b"Allow"[..], allow.as_bytes()) {
+            response.add_header(h);
+        }
+    }
+    if status == 401 {
+        if let Ok(h) = Header::from_bytes(&b"WWW-Authenticate"[..], &br#"Bearer realm="dualedit""#[..]) {
+            response.add_header(h);
+        }
+    }
+    // The client may have gone; nothing to do about it here.
+    let _ = request.respond(response);
+}
+
+const MODEL_ROUTES: [&str; 5] = ["/edit", "/score", "/generate", "/reset", "/save"];
+const READ_ROUTES: [&str; 2] = ["/health", "/memory"];
+
+fn route_path(url: &str) -> &str {
+    url.split(['?', '#']).next().unwrap_or(url)
+}
+
+/// The method a known route takes, `None` for an unknown route.
+fn allowed_method(url: &str) -> Option<&'static str> {
+    let path = route_path(url);
+    if MODEL_ROUTES.contains(&path) {
+        Some("POST")
+    } else if READ_ROUTES.contains(&path) {
+        Some("GET")
+    } else {
+        None
+    }
+}
+
+/// Accepts requests and answers at once everything that needs neither the body nor the
+/// model (401, 404, 405, `/health`, `/memory`); a model route's request goes to the
+/// workers that read and check bodies, or is answered 503 when `queue` requests already
+/// wait for one. An
+/// acceptor never reads a body or opens a file, so `/health` answers while every worker
+/// is stuck on a slow client.
+fn acceptor(http: &tiny_http::Server, shared: &Shared, to_workers: &Sender<Request>, shutdown: &AtomicBool) {
+    while !shutdown.load(Ordering::SeqCst) {
+        let request = match http.recv_timeout(Duration::from_millis(100)) {
+            Ok(Some(r)) => r,
+            Ok(None) => continue,
+            Err(e) => {
+                warn!(error = %e, "accepting a connection failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        shared.counters.requests.fetch_add(1, Ordering::Relaxed);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| route(request, shared, to_workers)));
+        if r.is_err() {
+            shared.counters.count(500);
+            warn!("routing a request panicked");
+        }
+    }
+}
+
+/// Reads, parses and checks model requests' bodies and queues them for the model thread.
+fn worker(from_acceptors: &Receiver<Request>, shared: &Shared, shutdown: &AtomicBool) {
+    while !shutdown.load(Ordering::SeqCst) {
+        let request = match from_acceptors.recv_timeout(Duration::from_millis(100)) {
+            Ok(r) => r,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        // A bug in request handling must not take a worker down with it; the dropped
+        // request is answered 500 by tiny_http.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle_model_request(request, shared)));
+        if r.is_err() {
+            shared.counters.count(500);
+            warn!("handling a request panicked");
+        }
+    }
+}
+
+/// Why a request is not authorised, or `None` when it is (or no token is required).
+fn unauthorised(request: &Request, token: Option<&str>) -> Option<&'static str> {
+    let token = token?;
+    let given = request.headers().iter().find(|h| h.field.equiv("Authorization")).map(|h| h.value.as_str());
+    let Some(given) = given else { return Some("this server needs `Authorization: Bearer <token>`") };
+    // The scheme is case-insensitive (RFC 7235); the token is compared exactly.
+    let bearer = given.get(..7).filter(|s| s.eq_ignore_ascii_case("bearer ")).map(|_| given[7..].trim());
+    match bearer {
+        Some(b) if same_token(b.as_bytes(), token.as_bytes()) => None,
+        Some(_) => Some("wrong bearer token"),
+        None => Some("the Authorization header must be `Bearer <token>`"),
+    }
+}
+
+/// Whether `given` equals `expected`, in a time that depends on `expected`'s length only,
+/// never on where the two first differ: a byte-by-byte comparison that stops early would
+/// let a client find the token one byte at a time from response times.
+fn same_token(given: &[u8], expected: &[u8]) -> bool {
+    let mut diff = u8::from(given.len() != expected.len());
+    for (i, e) in expected.iter().enumerate() {
+        diff |= given.get(i).copied().unwrap_or(0) ^ e;
+        // Keeps the optimiser from turning the loop into an early exit.
+        diff = std::hint::black_box(diff);
+    }
+    diff == 0
+}
+
+/// Routes one request: answers it here, or passes a model route's request to a worker.
+fn route(request: Request, shared: &Shared, to_workers: &Sender<Request>) {
+    // Before anything else, so that a client without the token learns nothing, not even
+    // which routes exist.
+    if let Some(why) = unauthorised(&request, shared.opts.token.as_deref()) {
+        return respond(shared, request, 401, error_body(why, "unauthorized"));
+    }
+    let path = route_path(request.url()).to_string();
+    let Some(allowed) = allowed_method(&path) else {
+        return respond(shared, request, 404, error_body(format!("no route {path}; routes: POST {}, GET {}", MODEL_ROUTES.join(" "), READ_ROUTES.join(" ")), "not_found"));
+    };
+    let method_ok = matches!((request.method(), allowed), (Method::Post, "POST") | (Method::Get, "GET"));
+    if !method_ok {
+        let msg = format!("{path} takes {allowed}, not {}", request.method());
+        return respond(shared, request, 405, error_body(msg, "method_not_allowed"));
+    }
+    match path.as_str() {
+        "/health" => {
+            let mut body = serde_json::to_value(&shared.health).unwrap_or_default();
+            body["status"] = json!("ok");
+            body["edits_total"] = json!(shared.edits_total.load(Ordering::Relaxed));
+            body["queue_waiting"] = json!(shared.tx.len());
+            body["workers_waiting"] = json!(to_workers.len());
+            respond(shared, request, 200, body)
+        }
+        "/memory" => match device_memory(&shared.plan) {
+            Ok(devices) => respond(shared, request, 200, json!({ "devices": devices })),
+            Err(e) => {
+                let (status, body) = Failure::of(e, &ClientPaths::default(), 500, shared).reply();
+                respond(shared, request, status, body)
+            }
+        },
+        _ => match to_workers.try_send(request) {
+            Ok(()) => {}
+            Err(TrySendError::Full(request)) => {
+                shared.counters.rejected_queue_full.fetch_add(1, Ordering::Relaxed);
+                let msg = format!("queue full: {} requests are already waiting for a worker to read them; retry later", shared.opts.queue);
+                respond(shared, request, 503, error_body(msg, "queue_full"))
+            }
+            Err(TrySendError::Disconnected(request)) => respond(shared, request, 503, error_body("server is shutting down", "shutting_down")),
+        },
+    }
+}
+
+/// Reads and checks a model route's body, then queues it for the model thread.
+fn handle_model_request(mut request: Request, shared: &Shared) {
+    let path = route_path(request.url()).to_string();
+    let parsed = read_body(&mut request, shared.opts.max_body_bytes).and_then(|body| parse_op(&path, &body, shared.opts).map_err(|f| f.reply()));
+    let (op, paths) = match parsed {
+        Ok(op) => op,
+        Err((status, body)) => return respond(shared, request, status, body),
+    };
+    match shared.tx.try_send(Job { op, paths, request, enqueued: Instant::now() }) {
+        Ok(()) => {}
+        Err(TrySendError::Full(job)) => {
+            shared.counters.rejected_queue_full.fetch_add(1, Ordering::Relaxed);
+            let msg = format!("queue full: {} model requests are already waiting; retry later", shared.opts.queue);
+            respond(shared, job.request, 503, error_body(msg, "queue_full"))
+        }
+        Err(TrySendError::Disconnected(job)) => respond(shared, job.request, 503, error_body("server is shutting down", "shutting_down")),
+    }
+}
+
+/// The body, refused with 413 beyond `max` bytes (by its declared length when it has one,
+/// without reading it).
+fn read_body(request: &mut Request, max: usize) -> std::result::Result<Vec<u8>, Reply> {
+    let too_large = || (413, error_body(format!("request body is larger than the limit of {max} bytes"), "too_large"));
+    if request.body_length().is_some_and(|n| n > max) {
+        return Err(too_large());
+    }
+    let mut body = Vec::new();
+    request
+        .as_reader()
+        .take(max as u64 + 1)
+        .read_to_end(&mut body)
+        .map_err(|e| (400, error_body(format!("cannot read the request body: {e}"), "bad_request")))?;
+    if body.len() > max {
+        return Err(too_large());
+    }
+    Ok(body)
+}
+
+/// The body as a JSON object with only the `allowed` keys. Fields are then read one by
+/// one, so that every 400 names the field at fault.
+fn json_object(path: &str, body: &[u8], allowed: &[&str]) -> std::result::Result<Map<String, Value>, Failure> {
+    let bad = |msg: String| Failure::bad(format!("{path}: {msg}"));
+    let value: Value = serde_json::from_slice(body).map_err(|e| bad(format!("malformed JSON: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(bad(format!("the body must be a JSON object with the fields {}", allowed.join(", "))));
+    };
+    if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+        return Err(bad(format!("unknown field `{k}` (expected: {})", allowed.join(", "))));
+    }
+    Ok(obj)
+}
+
+fn field<'a>(path: &str, obj: &'a Map<String, Value>, name: &str) -> std::result::Result<&'a Value, Failure> {
+    obj.get(name).ok_or_else(|| Failure::bad(format!("{path}: missing field `{name}`")))
+}
+
+fn string_field(path: &str, obj: &Map<String, Value>, name: &str) -> std::result::Result<String, Failure> {
+    field(path, obj, name)?.as_str().map(str::to_string).ok_or_else(|| Failure::bad(format!("{path}: field `{name}` must be a string")))
+}
+
+/// The guard of one `/edit`: the server's (`--no-guard` / `--guard-*`), changed by the
+/// body's optional `guard` field: `false` commits this request unguarded, `true` or an
+/// object of [`GuardOverrides`] (`min_agreement`, `max_drop`, `max_kl`, `refuse`,
+/// `shrink`) guards it with those changes to the server's settings (to the defaults when
+/// the server runs without a guard). Out-of-range values are 400 naming the key.
+fn edit_guard(path: &str, obj: &Map<String, Value>, opts: &ServeOptions) -> std::result::Result<Option<GuardConfig>, Failure> {
+    let bad = |msg: String| Failure::bad(format!("{path}: field `guard`: {msg}"));
+    let base = opts.guard.clone().unwrap_or_default();
+    match obj.get("guard") {
+        None => Ok(opts.guard.clone()),
+        Some(Value::Bool(false)) => Ok(None),
+        Some(Value::Bool(true)) => Ok(Some(base)),
+        Some(v @ Value::Object(_)) => {
+            let o: GuardOverrides = serde_json::from_value(v.clone()).map_err(|e| bad(e.to_string()))?;
+            o.apply(&base).map(Some).map_err(|e| bad(e.to_string()))
+        }
+        Some(_) => Err(bad("must be true, false or an object with min_agreement, max_drop, max_kl, refuse, shrink".into())),
+    }
+}
+
+/// Parses and validates a model request's body (all 400s are decided here), with the
+/// files it names under the client's names.
+fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result<(Op, ClientPaths), Failure> {
+    let bad = |msg: String| Failure::bad(format!("{path}: {msg}"));
+    let mut paths = ClientPaths::default();
+    let op = match path {
+        "/edit" => {
+            let obj = json_object(path, body, &["requests", "guard"])?;
+            let guard = edit_guard(path, &obj, opts)?;
+            let requests = field(path, &obj, "requests")?;
+            if !requests.is_array() {
+                return Err(bad("field `requests` must be an array of edit records".into()));
+            }
+            if is_image_request(requests) {
+                let (records, uploads) = image_edit(path, requests, opts, &mut paths)?;
+                return Ok((Op::EditImages { records, guard, _uploads: uploads }, paths));
+            }
+            let (records, report) =
+                parse_records(&requests.to_string(), Path::new("requests"), DatasetKind::Requests).map_err(|e| bad(e.to_string()))?;
+            if let Some((i, why)) = report.skipped.first() {
+                return Err(bad(format!("record {i}: {why}")));
+            }
+            Op::Edit { records, guard }
+        }
+        "/score" => {
+            let obj = json_object(path, body, &["text", "image", "image_base64"])?;
+            let text = string_field(path, &obj, "text")?;
+            Op::Score { text, image: request_image(path, &obj, opts, &mut paths)? }
+        }
+        "/generate" => {
+            let obj = json_object(path, body, &["prompt", "max_new_tokens", "image", "image_base64"])?;
+            let image = request_image(path, &obj, opts, &mut paths)?;
+            let max_new_tokens = match obj.get("max_new_tokens") {
+                None => DEFAULT_MAX_NEW_TOKENS,
+                Some(v) => v
+                    .as_u64()
+                    .map(|n| n.min(usize::MAX as u64) as usize)
+                    .ok_or_else(|| bad("field `max_new_tokens` must be a non-negative integer".into()))?,
+            };
+            Op::Generate { prompt: string_field(path, &obj, "prompt")?, max_new_tokens, image }
+        }
+        "/reset" => Op::Reset,
+        "/save" => {
+            let Some(root) = opts.save_root.as_deref() else {
+                let msg = "/save is disabled: start the server with --save-root DIR to allow saving models inside DIR";
+                return Err(Failure::Client { status: 403, kind: "forbidden", msg: msg.into() });
+            };
+            let dir = string_field(path, &json_object(path, body, &["dir"])?, "dir")?;
+            if dir.trim().is_empty() {
+                return Err(bad("field `dir` is empty".into()));
+            }
+            let resolved = confine(path, "field `dir`", &dir, root, "save root")?;
+            paths.add(resolved.clone(), dir);
+            Op::Save { dir: resolved }
+        }
+        other => return Err(Failure::Client { status: 404, kind: "not_found", msg: format!("no route {other}") }),
+    };
+    Ok((op, paths))
+}
+
+/// The optional image of a `/score` or `/generate` body: `image` (a path under the image
+/// root) or `image_base64` (an upload), not both.
+fn request_image(path: &str, obj: &Map<String, Value>, opts: &ServeOptions, paths: &mut ClientPaths) -> std::result::Result<Option<RequestImage>, Failure> {
+    Ok(match (obj.contains_key("image"), obj.contains_key("image_base64")) {
+        (true, true) => return Err(Failure::bad(format!("{path}: give `image` or `image_base64`, not both"))),
+        (true, false) => {
+            let name = string_field(path, obj, "image")?;
+            let resolved = image_path(path, "field `image`", &name, opts)?;
+            paths.add(resolved.clone(), name);
+            Some(RequestImage::File(resolved))
+        }
+        (false, true) => {
+            let what = "field `image_base64`";
+            let bytes = decode_image(path, what, &string_field(path, obj, "image_base64")?)?;
+            let tmp = TempImage::from_bytes(&bytes).map_err(|e| Failure::internal(format!("{path}: {what}: {e}")))?;
+            paths.add(tmp.path().to_path_buf(), what);
+            Some(RequestImage::Upload(tmp))
+        }
+        (false, false) => None,
+    })
+}
+
+/// Whether an `/edit` body's requests are E-VQA records (one of them names an `image`,
+/// by path or upload) rather than EasyEdit text records. A ZsRE-style text record (`src`
+/// without an image) stays a text request, and its error names the text fields it lacks.
+fn is_image_request(requests: &Value) -> bool {
+    requests.as_array().is_some_and(|a| a.iter().any(|r| r.get("image").is_some() || r.get("image_base64").is_some()))
+}
+
+fn forbidden(msg: String) -> Failure {
+    Failure::Client { status: 403, kind: "forbidden", msg }
+}
+
+/// The 403 for an image path without an image root.
+fn no_image_root(path: &str) -> Failure {
+    forbidden(format!("{path}: image paths are disabled: start the server with --image-root DIR to allow images inside DIR (or send `image_base64`)"))
+}
+
+/// `name` (a client's relative path, `what` names its field) resolved under `root` with
+/// [`crate::io::resolve_under`]: a NUL byte is 400; an absolute path, `..` or a symbolic
+/// link that leads out of the root (or cannot be resolved) is 403. The response names only
+/// `name` and the rule; the root, the link's target and any I/O error stay in the log.
+fn confine(path: &str, what: &str, name: &str, root: &Path, root_name: &str) -> std::result::Result<PathBuf, Failure> {
+    use std::path::Component;
+    if name.contains('\0') {
+        return Err(Failure::bad(format!("{path}: {what}: the path contains a NUL byte")));
+    }
+    if name.is_empty() {
+        return Err(Failure::bad(format!("{path}: {what}: the path is empty")));
+    }
+    let rule = format!("paths are relative to the {root_name} and stay inside it");
+    for c in Path::new(name).components() {
+        match c {
+            Component::RootDir | Component::Prefix(_) => return Err(forbidden(format!("{path}: {what} {name:?}: absolute paths are refused; {rule}"))),
+            Component::ParentDir => return Err(forbidden(format!("{path}: {what} {name:?}: \"..\" is refused; {rule}"))),
+            _ => {}
+        }
+    }
+    crate::io::resolve_under(root, Path::new(name)).map_err(|e| match e {
+        Error::Input(detail) => {
+            info!(request = path, "refused a path: {detail}");
+            forbidden(format!("{path}: {what} {name:?}: a symbolic link on this path leads out of the {root_name} or cannot be resolved; {rule}"))
+        }
+        e => Failure::internal(format!("{path}: resolving {name:?} under the {root_name}: {e}")),
+    })
+}
+
+/// An image named by a client (`what`: its field), resolved under the image root (403
+/// without one, or out of it) and required to be a regular file there (400): a FIFO or a
+/// device would block the reader that opens it, a directory is no image.
+fn image_path(path: &str, what: &str, name: &str, opts: &ServeOptions) -> std::result::Result<PathBuf, Failure> {
+    let Some(root) = opts.image_root.as_deref() else { return Err(no_image_root(path)) };
+    let resolved = confine(path, what, name, root, "image root")?;
+    // `resolve_under` resolved every link: this is the file itself.
+    match std::fs::metadata(&resolved) {
+        Ok(m) if m.is_file() => Ok(resolved),
+        Ok(_) => Err(Failure::bad(format!("{path}: {what}: image {name:?} is not a file under the image root: only a regular file is read, not a directory, FIFO or device"))),
+        Err(_) => Err(Failure::bad(format!("{path}: {what}: image {name:?} is not a file under the image root"))),
+    }
+}
+
+/// An upload (`image_base64`, an E-VQA record's `*_base64`; `field` names it in errors,
+/// e.g. ``record 1: field `m_loc_base64` ``):
+/// standard base64 (whitespace ignored) of a PNG or JPEG file; anything else is 400. Its
+/// size is bounded by the body limit.
+fn decode_image(path: &str, field: &str, b64: &str) -> std::result::Result<Vec<u8>, Failure> {
+    let bad = |msg: String| Failure::bad(format!("{path}: {field}: {msg}"));
+    let compact: String = b64.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+    if compact.is_empty() {
+        return Err(bad("empty".into()));
+    }
+    let bytes = base64::decode(&compact).map_err(|e| bad(format!("not valid base64: {e}")))?;
+    image_kind(&bytes).map_err(|e| bad(e.to_string()))?;
+    Ok(bytes)
+}
+
+/// An `/edit` of E-VQA records. Each image is a name under the image root (confined:
+/// 403 without a root or out of it; 400 unless a regular file) or a `*_base64` upload (400
+/// unless a PNG or JPEG; written to a private temporary file that lives until the edit
+/// has run), one or the other; then every record is parsed and its images' headers read
+/// (400). Every file is added to `paths` under the client's name.
+fn image_edit(path: &str, requests: &Value, opts: &ServeOptions, paths: &mut ClientPaths) -> std::result::Result<(Vec<MmRecord>, Vec<TempImage>), Failure> {
+    let bad = |msg: String| Failure::bad(format!("{path}: {msg}"));
+    let mut requests = requests.clone();
+    let mut uploads = Vec::new();
+    if let Value::Array(items) = &mut requests {
+        for (i, item) in items.iter_mut().enumerate() {
+            let Value::Object(obj) = item else { continue };
+            for (key, _) in IMAGE_KEYS {
+                let b64_key = format!("{key}_base64");
+                let resolved = match (obj.remove(key), obj.remove(&b64_key)) {
+                    (Some(_), Some(_)) => return Err(bad(format!("record {i}: give `{key}` or `{b64_key}`, not both"))),
+                    (None, Some(Value::String(b64))) => {
+                        let what = format!("record {i}: field `{b64_key}`");
+                        let bytes = decode_image(path, &what, &b64)?;
+                        let tmp = TempImage::from_bytes(&bytes).map_err(|e| Failure::internal(format!("{path}: {what}: {e}")))?;
+                        let p = tmp.path().to_path_buf();
+                        paths.add(p.clone(), what);
+                        uploads.push(tmp);
+                        p
+                    }
+                    (None, Some(_)) => return Err(bad(format!("record {i}: field `{b64_key}` must be a string of base64"))),
+                    (Some(Value::String(name)), None) => {
+                        let what = format!("record {i}: field `{key}`");
+                        let p = image_path(path, &what, &name, opts)?;
+                        paths.add(p.clone(), format!("{what} {name:?}"));
+                        p
+                    }
+                    // A missing or non-string key: left for the reader to name.
+                    (Some(v), None) => {
+                        obj.insert(key.to_string(), v);
+                        continue;
+                    }
+                    (None, None) => continue,
+                };
+                let p = resolved.to_str().ok_or_else(|| bad(format!("record {i}: field `{key}`: the path is not UTF-8")))?.to_string();
+                obj.insert(key.to_string(), Value::String(p));
+            }
+        }
+    }
+    // Every image path is absolute now, which the reader takes as it is (the root is only
+    // joined to it); it must still be a directory.
+    let roots = ImageRoots::new(opts.image_root.clone().unwrap_or_else(std::env::temp_dir), None);
+    let records = read_image_requests(&requests.to_string(), &roots).map_err(|e| bad(paths.redact(&e.to_string())))?;
+    Ok((records, uploads))
+}
+
+fn model_loop(session: &mut Session, rx: &Receiver<Job>, shared: &Shared, shutdown: &AtomicBool) {
+    while !shutdown.load(Ordering::SeqCst) {
+        let job = match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(j) => j,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        if job.enqueued.elapsed() > shared.opts.queue_timeout {
+            let msg = format!("timed out after waiting {:.0} s in the queue", job.enqueued.elapsed().as_secs_f64());
+            respond(shared, job.request, 503, error_body(msg, "timeout"));
+            continue;
+        }
+        shared.counters.model_requests.fetch_add(1, Ordering::Relaxed);
+        let paths = job.paths;
+        let (status, body) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_op(session, job.op, &paths, shared)))
+            .unwrap_or_else(|_| Failure::internal("a request panicked in the model thread").reply());
+        shared.edits_total.store(session.edits_total(), Ordering::Relaxed);
+        respond(shared, job.request, status, body);
+    }
+}
+
+fn run_op(session: &mut Session, op: Op, paths: &ClientPaths, shared: &Shared) -> Reply {
+    // A save folder the server cannot write is the caller's choice to fix (422); an image
+    // that fails to decode is the client's (400).
+    let file_status = if matches!(op, Op::Save { .. }) { 422 } else { 400 };
+    match run_session_op(session, op, paths) {
+        Ok(v) => (200, v),
+        Err(e) => {
+            let out_of_memory = matches!(e, Error::OutOfMemory(_));
+            let (status, mut body) = Failure::of(e, paths, file_status, shared).reply();
+            if out_of_memory {
+                // What was in use when it ran out, to size the next attempt.
+                body["memory"] = session.memory().map(|m| json!(m)).unwrap_or(Value::Null);
+            }
+            (status, body)
+        }
+    }
+}
+
+fn to_json<T: Serialize>(v: T) -> Result<Value> {
+    serde_json::to_value(v).map_err(|e| Error::Torch(format!("cannot serialise the response: {e}")))
+}
+
+/// An edit under `guard` (the session's guard is set for this call only); the response
+/// carries the settings it ran under as `guard_settings` (`null`: unguarded) next to the
+/// guard's decisions (`guard`, one per committed edit, as `edit --json` reports them).
+fn guarded_edit(session: &mut Session, guard: Option<GuardConfig>, f: impl FnOnce(&mut Session) -> Result<crate::edit::session::EditOutcome>) -> Result<Value> {
+    let settings = to_json(&guard)?;
+    let previous = std::mem::replace(&mut session.guard, guard);
+    let out = f(session);
+    session.guard = previous;
+    let mut v = to_json(out?)?;
+    v["guard_settings"] = settings;
+    Ok(v)
+}
+
+fn run_session_op(session: &mut Session, op: Op, paths: &ClientPaths) -> Result<Value> {
+    match op {
+        Op::Edit { records, guard } => guarded_edit(session, guard, |s| s.edit(&records)),
+        Op::EditImages { records, guard, _uploads } => guarded_edit(session, guard, |s| s.edit_images(&records)),
+        Op::Score { text, image: None } => to_json(session.score(&text)?),
+        Op::Score { text, image: Some(RequestImage::File(p)) } => to_json(session.score_image(&text, Some(&p))?),
+        Op::Score { text, image: Some(RequestImage::Upload(t)) } => to_json(session.score_image(&text, Some(t.path()))?),
+        Op::Generate { prompt, max_new_tokens, image: None } => to_json(session.generate(&prompt, max_new_tokens)?),
+        Op::Generate { prompt, max_new_tokens, image: Some(RequestImage::File(p)) } => to_json(session.generate_image(&prompt, Some(&p), max_new_tokens)?),
+        Op::Generate { prompt, max_new_tokens, image: Some(RequestImage::Upload(t)) } => {
+            to_json(session.generate_image(&prompt, Some(t.path()), max_new_tokens)?)
+        }
+        Op::Reset => {
+            let n = session.reset()?;
+            Ok(json!({ "restored_params": n, "edits_total": session.edits_total() }))
+        }
+        Op::Save { dir } => {
+            session.save(&dir)?;
+            // The folder as the client named it, not where it is on the server.
+            let name = paths.name_of(&dir).unwrap_or_default();
+            Ok(json!({ "dir": name, "edits_total": session.edits_total() }))
+        }
+    }
+}
