@@ -552,6 +552,10 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     let (net, lrs) = editor.trainables();
     // `--optimizer-device`: the moments and the update where the plan puts them.
     let groups = vec![(cfg.lr, net), (cfg.lr_lr, lrs)];
+    if engine.plan.optimizer == OptimizerDevice::Sub && !engine.plan.split {
+        // It used to fall back to the main device silently, which is not what was asked.
+        return Err(Error::input("--optimizer-device sub needs a --sub-device other than --device (this run has one device): drop the flag or give a sub-device"));
+    }
     let offload = engine.plan.optimizer != crate::device::OptimizerDevice::Main;
     let mut adam = crate::error::guard(|| Ok(if offload { Adam::offloaded(groups, engine.plan.optimizer_device()) } else { Adam::new(groups) }))
         .map_err(|e| crate::device::oom::diagnose(e, counters.step, "optimizer setup", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?;

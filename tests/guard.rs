@@ -93,3 +93,35 @@ fn harmless_edit_is_accepted_and_a_destructive_one_is_not_committed_as_is() {
     assert!(kept.is_none() && rep.decision == Decision::Refused);
     assert!(rep.message.contains("top-1 agreement"), "{}", rep.message);
 }
+
+/// Issue #33.7: thresholds that make no sense are one clear error naming the flag and the
+/// range (NaN or > 1 used to refuse every edit quietly); a request's changes are checked
+/// the same way.
+#[test]
+fn nonsense_thresholds_are_refused_naming_the_flag() {
+    use dualedit::mend::guard::GuardOverrides;
+    assert!(GuardConfig::default().validate().is_ok());
+    let d = GuardConfig::default;
+    for (c, flag, range) in [
+        (GuardConfig { min_agreement: f64::NAN, ..d() }, "--guard-min-agreement", "[0, 1]"),
+        (GuardConfig { min_agreement: f64::INFINITY, ..d() }, "--guard-min-agreement", "[0, 1]"),
+        (GuardConfig { min_agreement: 1.5, ..d() }, "--guard-min-agreement", "[0, 1]"),
+        (GuardConfig { min_agreement: -1.0, ..d() }, "--guard-min-agreement", "[0, 1]"),
+        (GuardConfig { max_drop: f64::NAN, ..d() }, "--guard-max-drop", "[0, 1]"),
+        (GuardConfig { max_drop: 2.0, ..d() }, "--guard-max-drop", "[0, 1]"),
+        (GuardConfig { max_drop: -0.1, ..d() }, "--guard-max-drop", "[0, 1]"),
+        (GuardConfig { max_kl: f64::NAN, ..d() }, "--guard-max-kl", "[0, ∞)"),
+        (GuardConfig { max_kl: -1.0, ..d() }, "--guard-max-kl", "[0, ∞)"),
+        (GuardConfig { max_kl: f64::INFINITY, ..d() }, "--guard-max-kl", "[0, ∞)"),
+    ] {
+        let err = c.validate().expect_err(flag).to_string();
+        assert!(err.contains(flag) && err.contains(range), "{err}");
+    }
+    // The ends of the ranges are fine.
+    assert!(GuardConfig { min_agreement: 0.0, max_drop: 1.0, max_kl: 0.0, ..d() }.validate().is_ok());
+    let o = GuardOverrides { max_drop: Some(3.0), ..Default::default() };
+    assert!(o.apply(&d()).unwrap_err().to_string().contains("max_drop"));
+    let o = GuardOverrides { refuse: Some(true), max_kl: Some(0.5), ..Default::default() };
+    let c = o.apply(&d()).unwrap();
+    assert!(!c.scale_back && c.max_kl == 0.5 && c.min_agreement == 0.9);
+}

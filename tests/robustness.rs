@@ -116,7 +116,8 @@ fn killed_while_checkpointing_leaves_a_loadable_checkpoint() {
         let lm = dualedit::model::load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
         let engine = dualedit::mend::Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
         dualedit::mend::checkpoint::load_editor(&out, &engine).expect("checkpoint loads after a kill");
-        let mut editor = dualedit::mend::Editor::new(&MendConfig { rank: 64, ..MendConfig::default() }, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
+        // The run's own config: --resume (and so load_state) refuses another one.
+        let mut editor = dualedit::mend::Editor::new(&MendConfig::from_file(&cfg).unwrap(), engine.edit_params.clone(), Device::Cpu, 0).unwrap();
         dualedit::mend::checkpoint::load_state(&out, &mut editor).expect("training state loads after a kill");
     }
 }
@@ -335,4 +336,121 @@ fn generalization_and_locality_only_where_measured() {
     assert_eq!(mixed["locality"], reqs[0]["locality"], "the mean is over requests with a locality prompt only");
     let none = run("none.json", r#"[{"prompt": "The capital of Italy is", "target_new": "Paris"}]"#);
     assert!(none["generalization"].is_null() && none["locality"].is_null() && none["reliability"].is_f64(), "{none}");
+}
+
+/// Issue #33.7: `--resume` continues the saved run only with its config: another
+/// learning rate or rank is refused naming the keys (it used to continue silently);
+/// how long it runs may change.
+#[test]
+fn resume_with_another_config_is_refused_naming_the_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    run_train(&options(dir.path(), "cfg", config(2), false)).unwrap();
+    let other = MendConfig { lr: 5e-3, val_every: 3, ..config(4) };
+    let err = run_train(&options(dir.path(), "cfg", other, true)).err().expect("refused").to_string();
+    assert!(err.contains("lr (saved 0.001, now 0.005)") && err.contains("val_every (saved 2, now 3)"), "{err}");
+    assert!(err.contains("train_state") && err.contains("--out"), "{err}");
+    assert!(!err.contains("max_steps (saved"), "max_steps may change: {err}");
+    let (rest, _) = run_train(&options(dir.path(), "cfg", config(3), true)).unwrap();
+    assert_eq!(rest.history.first().map(|h| h.step), Some(3));
+}
+
+/// Issue #33.7: `eval --sequential 100000` on a handful of records edits them all as one
+/// group and reports the group that ran (`n` = the records) and what was asked.
+#[test]
+fn a_group_larger_than_the_records_is_cut_to_them_and_reported() {
+    use dualedit::edit::capacity::{measure, Grouping};
+    let lm = dualedit::model::load_model(&fixture("gpt2"), Device::Cpu, Kind::Float).unwrap();
+    let engine = dualedit::mend::Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
+    let editor = dualedit::mend::Editor::new(&MendConfig { rank: 8, edit_lr: 1e-4, ..MendConfig::default() }, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
+    let mut session = dualedit::edit::session::Session::from_parts(engine, Some(editor));
+    let records = common::records();
+    let examples = dualedit::data::examples::prepare(&session.engine().lm.tokenizer, &records, 64, Path::new("inline.json")).unwrap();
+    let (metrics, report) = measure(&mut session, &records, &examples, Grouping::Sequential(100_000), &[], |_, _| {}).unwrap();
+    assert_eq!(metrics.len(), records.len());
+    assert_eq!((report.grouping, report.n_requested, report.groups), (Grouping::Sequential(records.len()), Some(100_000), 1));
+    let v = serde_json::to_value(&report).unwrap();
+    assert_eq!((v["n"].as_u64(), v["n_requested"].as_u64()), (Some(records.len() as u64), Some(100_000)), "{v}");
+    let (_, report) = measure(&mut session, &records, &examples, Grouping::Batch(2), &[], |_, _| {}).unwrap();
+    assert_eq!(report.n_requested, None);
+    assert!(serde_json::to_value(&report).unwrap().get("n_requested").is_none());
+    assert!(measure(&mut session, &[], &[], Grouping::Batch(2), &[], |_, _| {}).is_err());
+}
+
+/// Issue #33.10 / #33.5: a huge `--ls-keep-text` is capped with a warning, a FIFO is
+/// refused instead of blocking, and a 50 MB field is refused by its length before it is
+/// tokenised (it used to be encoded in full, then skipped).
+#[test]
+fn huge_inputs_are_refused_or_capped_before_the_expensive_part() {
+    use dualedit::data::examples::{prepare_with, OverLong};
+    use dualedit::mend::ls::{read_keep_text, MAX_KEEP_LINES};
+    let dir = tempfile::tempdir().unwrap();
+    let many = dir.path().join("keep.txt");
+    std::fs::write(&many, (0..MAX_KEEP_LINES + 5000).map(|i| format!("line {i}\n\n")).collect::<String>()).unwrap();
+    let lines = read_keep_text(&many).unwrap();
+    assert_eq!((lines.len(), lines[0].as_str()), (MAX_KEEP_LINES, "line 0"));
+    let fifo = dir.path().join("fifo.txt");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let err = read_keep_text(&fifo).unwrap_err().to_string();
+    assert!(err.contains("fifo.txt") && err.contains("regular file"), "{err}");
+    let spec = dualedit::edit::MethodSpec::MendLs { editor: dir.path().to_path_buf(), ls: Default::default(), unrelated: Some(fifo.clone()) };
+    assert!(spec.validate().unwrap_err().to_string().contains("regular file"));
+    let err = dualedit::edit::MethodSpec::FineTune { lr: f64::NAN }.validate().unwrap_err().to_string();
+    assert!(err.contains("--ft-lr"), "{err}");
+
+    let tok = dualedit::model::Tokenizer::from_file(&fixture("gpt2").join("tokenizer.json")).unwrap();
+    let mut records = common::records();
+    records[1].locality_prompt = Some("word ".repeat(10_000_000));
+    let index: Vec<usize> = (0..records.len()).collect();
+    let start = std::time::Instant::now();
+    let p = prepare_with(&tok, &records, &index, 64, OverLong::Skip, Path::new("big.json")).unwrap();
+    assert!(start.elapsed() < std::time::Duration::from_secs(5), "took {:?}", start.elapsed());
+    assert_eq!(p.skipped.len(), 1, "{:?}", p.skipped);
+    assert!(p.skipped[0].0 == 1 && p.skipped[0].1.contains("bytes"), "{:?}", p.skipped);
+    let err = prepare_with(&tok, &records, &index, 64, OverLong::Strict, Path::new("big.json")).unwrap_err().to_string();
+    assert!(err.contains("big.json") && err.contains("record 1") && err.contains("before tokenising"), "{err}");
+    // Truncating: the prompt is cut before tokenising and then to the context.
+    let p = prepare_with(&tok, &records, &index, 64, OverLong::Truncate, Path::new("big.json")).unwrap();
+    assert_eq!((p.examples.len(), p.truncated.as_slice()), (records.len(), &[1][..]));
+    assert!(p.examples[1].loc.as_ref().unwrap().ids.len() <= 64);
+}
+
+/// Issue #33.7 on the command line: nonsense guard thresholds, `--no-guard` with a guard
+/// flag, and `serve` with a bad threshold are one clear error naming the flag, before
+/// any model is loaded.
+#[test]
+fn nonsense_guard_flags_are_refused_by_the_cli() {
+    let model = fixture("gpt2").display().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let requests = dir.path().join("r.json");
+    std::fs::write(&requests, common::RECORDS).unwrap();
+    let requests = requests.display().to_string();
+    let missing_editor = dir.path().join("no-editor").display().to_string();
+    for (flag, value, needle) in [
+        ("--guard-min-agreement", "NaN", "[0, 1]"),
+        ("--guard-min-agreement", "1.5", "[0, 1]"),
+        ("--guard-min-agreement", "-1", "[0, 1]"),
+        ("--guard-max-drop", "2", "[0, 1]"),
+        ("--guard-max-kl", "-1", "[0, ∞)"),
+        ("--guard-max-kl", "inf", "[0, ∞)"),
+    ] {
+        // `--flag=value`: clap reads a separate `-1` as a flag.
+        let arg = format!("{flag}={value}");
+        let (ok, err) = cli(&["edit", "--model", &model, "--editor", &missing_editor, "--requests", &requests, &arg]);
+        assert!(!ok && err.contains(flag) && err.contains(needle), "{flag} {value}: {err}");
+        let (ok, err) = cli(&["serve", "--model", &model, &arg]);
+        assert!(!ok && err.contains(flag), "serve {flag} {value}: {err}");
+    }
+    let (ok, err) = cli(&["edit", "--model", &model, "--editor", &missing_editor, "--requests", &requests, "--no-guard", "--guard-refuse"]);
+    assert!(!ok && err.contains("--no-guard") && err.contains("--guard-refuse"), "{err}");
+}
+
+/// Issue #33.7: `--optimizer-device sub` on a run without a sub-device is refused naming
+/// the flag (it used to fall back to the main device silently).
+#[test]
+fn optimizer_on_a_missing_sub_device_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(dir.path(), "opt", config(2), false);
+    o.common.plan = o.common.plan.with_optimizer(dualedit::device::OptimizerDevice::Sub);
+    let err = run_train(&o).err().expect("refused").to_string();
+    assert!(err.contains("--optimizer-device sub") && err.contains("--sub-device"), "{err}");
 }

@@ -772,3 +772,196 @@ fn image_edits_and_generation_take_uploads_as_well_as_paths() {
     server.stop();
     assert_eq!(temp_images(), 0);
 }
+
+/// Issue #33.2: a FIFO (or any non-regular file) named as an image is refused (400) at
+/// once instead of blocking the worker that opens it; and `/health` answers while every
+/// worker is stuck on a client that never sends its body, the next model request being
+/// answered 503 `queue_full` at once rather than waiting.
+#[test]
+fn non_regular_images_are_refused_and_health_answers_while_workers_are_stuck() {
+    let _serial = serial();
+    let top = tempfile::tempdir().unwrap();
+    let root = top.path().join("images");
+    std::fs::create_dir_all(&root).unwrap();
+    png(&root.join("r.png"), 224, 28, 11);
+    png(&root.join("loc.png"), 50, 50, 9);
+    let fifo = root.join("fifo.png");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    std::os::unix::fs::symlink(&fifo, root.join("to-fifo.png")).unwrap();
+    let server = Running::start(vl_session(), ServeOptions { image_root: Some(root.clone()), workers: 2, queue: 2, ..ServeOptions::default() });
+    let a = server.addr;
+    let start = Instant::now();
+    for name in ["fifo.png", "to-fifo.png"] {
+        for _ in 0..6 {
+            let (st, v) = http(a, "POST", "/edit", Some(&json!({ "requests": [vqa_request(name)] }).to_string()));
+            assert_eq!((st, v["kind"].as_str()), (400, Some("bad_request")), "{name}: {v}");
+            assert!(v["error"].as_str().unwrap().contains("only a regular file"), "{v}");
+        }
+        let (st, v) = http(a, "POST", "/score", Some(&json!({ "text": "a", "image": name }).to_string()));
+        assert_eq!(st, 400, "{v}");
+    }
+    assert!(start.elapsed() < Duration::from_secs(20), "refusals took {:?}", start.elapsed());
+
+    // Clients that send headers and never their body (larger than tiny_http reads ahead,
+    // 1 KiB): each holds a worker (2), and two
+    // more wait for one (queue 2); then model routes are answered 503, /health 200, at once.
+    let stuck: Vec<TcpStream> = (0..4)
+        .map(|_| {
+            let mut s = TcpStream::connect(a).unwrap();
+            write!(s, "POST /score HTTP/1.1\r\nHost: {a}\r\nContent-Type: application/json\r\nContent-Length: 200000\r\n\r\n{{").unwrap();
+            // One at a time: tiny_http 0.12's connection pool can hand two connections
+            // that arrive within microseconds to one thread, the second waiting for the
+            // first to end (a limitation of the HTTP layer, not of the workers).
+            std::thread::sleep(Duration::from_millis(150));
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    let (st, h) = http(a, "GET", "/health", None);
+    assert_eq!((st, h["status"].as_str()), (200, Some("ok")), "{h}");
+    let (st, v) = http(a, "POST", "/score", Some(r#"{"text": "a b"}"#));
+    assert_eq!((st, v["kind"].as_str()), (503, Some("queue_full")), "{v}");
+    assert!(t.elapsed() < Duration::from_secs(5), "answers took {:?} with stuck workers", t.elapsed());
+    drop(stuck);
+    // The workers come back once those clients go.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (st, v) = http(a, "POST", "/score", Some(r#"{"text": "What is in the picture?"}"#));
+        if st == 200 {
+            break;
+        }
+        assert!(st == 503 && Instant::now() < deadline, "{st}: {v}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    server.stop();
+}
+
+/// Issue #33.6: responses name only what the client sent. A 403 for a link out of the
+/// root names neither the root nor the link's target; client-caused image failures (a
+/// truncated upload, a NUL in a path, an aspect ratio over 200:1, text too long with an
+/// image) are 400, not 500, and no body carries a server path.
+#[test]
+fn errors_name_only_the_clients_paths_and_client_faults_are_4xx() {
+    let _serial = serial();
+    let top = tempfile::tempdir().unwrap();
+    let (root, outside) = (top.path().join("images"), top.path().join("outside"));
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::create_dir_all(&outside).unwrap();
+    png(&root.join("a.png"), 40, 30, 3);
+    png(&root.join("r.png"), 224, 28, 11);
+    png(&root.join("loc.png"), 50, 50, 9);
+    png(&root.join("wide.png"), 1000, 4, 5);
+    png(&outside.join("secret.png"), 40, 30, 3);
+    std::os::unix::fs::symlink(outside.join("secret.png"), root.join("link.png")).unwrap();
+    std::os::unix::fs::symlink(outside.join("gone.png"), root.join("dangling.png")).unwrap();
+    // A PNG whose header reads but whose pixel data stops short.
+    let full = std::fs::read(root.join("a.png")).unwrap();
+    std::fs::write(root.join("truncated.png"), &full[..full.len() - 30]).unwrap();
+    let truncated_b64 = base64::encode(&full[..full.len() - 30]);
+    let wide_b64 = base64::encode(std::fs::read(root.join("wide.png")).unwrap());
+    let server = Running::start(vl_session(), ServeOptions { image_root: Some(root.clone()), ..ServeOptions::default() });
+    let a = server.addr;
+    let long = "word ".repeat(400);
+    let server_paths = [top.path().display().to_string(), std::env::temp_dir().display().to_string(), fixture("qwen2_vl").display().to_string()];
+    let check = |path: &str, body: Value, status: u16, needle: &str| {
+        let (st, v) = http(a, "POST", path, Some(&body.to_string()));
+        let err = v["error"].as_str().unwrap_or_default().to_string();
+        assert_eq!(st, status, "{path} {body}: {v}");
+        assert!(err.contains(needle), "{path}: {err:?} lacks {needle:?}");
+        for p in &server_paths {
+            assert!(!err.contains(p.as_str()), "{path}: {err:?} names the server path {p}");
+        }
+    };
+    let edit = |r: Value| json!({ "requests": [r] });
+    check("/score", json!({ "text": "a", "image": "link.png" }), 403, "link.png");
+    check("/edit", edit(vqa_request("link.png")), 403, "symbolic link");
+    check("/score", json!({ "text": "a", "image": "dangling.png" }), 403, "cannot be resolved");
+    check("/score", json!({ "text": "a", "image": "a\u{0}.png" }), 400, "NUL");
+    check("/edit", edit(vqa_request("a.png\u{0}")), 400, "NUL");
+    check("/score", json!({ "text": "a", "image": "truncated.png" }), 400, "truncated.png");
+    check("/score", json!({ "text": "a", "image_base64": truncated_b64 }), 400, "image_base64");
+    check("/generate", json!({ "prompt": "a", "image_base64": truncated_b64 }), 400, "image_base64");
+    check("/edit", edit(vqa_request("truncated.png")), 400, "truncated.png");
+    check("/score", json!({ "text": "a", "image": "wide.png" }), 400, "200:1");
+    check("/score", json!({ "text": "a", "image_base64": wide_b64 }), 400, "200:1");
+    // An edit takes the image through the same preprocessing as a request the model refuses: 422.
+    check("/edit", edit(vqa_request("wide.png")), 422, "200:1");
+    check("/score", json!({ "text": long, "image": "a.png" }), 400, "context");
+    check("/score", json!({ "text": "a", "image": "missing.png" }), 400, "missing.png");
+    let (_, h) = http(a, "GET", "/health", None);
+    assert_eq!(h["edits_total"], 0);
+    let stats = server.stop();
+    assert_eq!(stats.server_errors, 0, "{stats:?}");
+}
+
+/// Issue #34: `serve` guards commits as `edit` does (on by default), each `/edit` response
+/// lists the guard's decisions and the settings it ran under, a request may change the
+/// settings for itself (`guard`: false, true or an object), and out-of-range settings are
+/// 400 naming the key. A refused edit leaves the unrelated image's score exactly as it was.
+#[test]
+fn serve_guards_edits_and_reports_its_decisions() {
+    let _serial = serial();
+    let top = tempfile::tempdir().unwrap();
+    let root = top.path().join("images");
+    std::fs::create_dir_all(&root).unwrap();
+    png(&root.join("a.png"), 40, 30, 3);
+    png(&root.join("r.png"), 224, 28, 11);
+    png(&root.join("loc.png"), 50, 50, 9);
+    let server = Running::start(vl_session(), ServeOptions { image_root: Some(root.clone()), ..ServeOptions::default() });
+    let a = server.addr;
+    let edit = |extra: Option<Value>| {
+        let mut body = json!({ "requests": [vqa_request("a.png")] });
+        if let Some(g) = extra {
+            body["guard"] = g;
+        }
+        http(a, "POST", "/edit", Some(&body.to_string()))
+    };
+    let loc = json!({ "text": "What colour is the bus? red", "image": "loc.png" }).to_string();
+    let (_, loc_before) = http_text(a, "POST", "/score", Some(&loc));
+
+    for (g, needle) in [
+        (json!({ "min_agreement": 1.5 }), "min_agreement"),
+        (json!({ "max_drop": -0.1 }), "max_drop"),
+        (json!({ "max_kl": -1 }), "max_kl"),
+        (json!({ "bogus": 1 }), "bogus"),
+        (json!("yes"), "must be true, false or an object"),
+    ] {
+        let (st, v) = edit(Some(g.clone()));
+        assert_eq!((st, v["kind"].as_str()), (400, Some("bad_request")), "{g}: {v}");
+        assert!(v["error"].as_str().unwrap().contains(needle), "{needle}: {v}");
+    }
+    // So strict that any change to the probes fails, and refusing: nothing is committed.
+    let (st, v) = edit(Some(json!({ "min_agreement": 1.0, "max_drop": 0.0, "max_kl": 0.0, "refuse": true })));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["guard"][0]["decision"], "refused", "{v}");
+    assert_eq!(v["guard_settings"]["max_kl"], 0.0, "{v}");
+    assert_eq!(v["guard_settings"]["scale_back"], false, "{v}");
+    assert_eq!(http_text(a, "POST", "/score", Some(&loc)).1, loc_before, "a refused edit leaves the unrelated image's score exactly");
+    // The server's default guard: a decision is reported with its numbers.
+    let (st, v) = edit(None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["guard"].as_array().map(Vec::len), Some(1), "{v}");
+    assert!(v["guard"][0]["before"]["agreement"].is_number(), "{v}");
+    assert_eq!(v["guard_settings"]["min_agreement"], 0.9, "{v}");
+    http(a, "POST", "/reset", None);
+    // Unguarded on request: no decisions, and the edit is committed as made.
+    let (st, v) = edit(Some(json!(false)));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!((v["guard"].as_array().map(Vec::len), &v["guard_settings"]), (Some(0), &Value::Null), "{v}");
+    assert_ne!(http_text(a, "POST", "/score", Some(&loc)).1, loc_before, "the unguarded edit moved the unrelated image's score");
+    server.stop();
+
+    // Without a guard on the server, `guard: true` still guards that request.
+    let server = Running::start(vl_session(), ServeOptions { image_root: Some(root.clone()), guard: None, ..ServeOptions::default() });
+    let a = server.addr;
+    let (st, v) = http(a, "POST", "/edit", Some(&json!({ "requests": [vqa_request("a.png")] }).to_string()));
+    assert_eq!((st, v["guard"].as_array().map(Vec::len)), (200, Some(0)), "{v}");
+    let (st, v) = http(a, "POST", "/edit", Some(&json!({ "requests": [vqa_request("a.png")], "guard": true }).to_string()));
+    assert_eq!((st, v["guard"].as_array().map(Vec::len)), (200, Some(1)), "{v}");
+    server.stop();
+    let bad = dualedit::mend::guard::GuardConfig { max_drop: f64::NAN, ..Default::default() };
+    let err = Server::bind("127.0.0.1:0", ServeOptions { guard: Some(bad), ..ServeOptions::default() }).err().expect("refused").to_string();
+    assert!(err.contains("--guard-max-drop") && err.contains("[0, 1]"), "{err}");
+}

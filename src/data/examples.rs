@@ -139,20 +139,45 @@ pub fn prepare_with(
                 },
             }
         };
+        // A text longer in bytes than `max_len` tokens can be is refused (or, truncating, its
+        // prompt cut) before it is tokenised: a 50 MB field is not encoded to be skipped.
+        let sized = |what: &str, p: &'_ str, a: &str| -> Result<std::result::Result<String, String>> {
+            match bounded(what, p, a, max_len, policy) {
+                Ok(p) => Ok(Ok(p.to_string())),
+                Err(why) if policy == OverLong::Strict => Err(fail(Error::input(why))),
+                Err(why) => Ok(Err(why)),
+            }
+        };
         let example = (|| -> Result<std::result::Result<EditExample, String>> {
-            let inner = match fit("prompt + target", Example::new(tok, &r.prompt, &r.target_new).map_err(fail)?)? {
+            let prompt = match sized("prompt + target", &r.prompt, &r.target_new)? {
+                Ok(p) => p,
+                Err(why) => return Ok(Err(why)),
+            };
+            let inner = match fit("prompt + target", Example::new(tok, &prompt, &r.target_new).map_err(fail)?)? {
                 Ok(e) => e,
                 Err(why) => return Ok(Err(why)),
             };
             let outer = match &r.rephrase {
-                Some(rp) => match fit("rephrase + target", Example::new(tok, rp, &r.target_new).map_err(fail)?)? {
+                Some(rp) => match fit("rephrase + target", {
+                    let rp = match sized("rephrase + target", rp, &r.target_new)? {
+                        Ok(p) => p,
+                        Err(why) => return Ok(Err(why)),
+                    };
+                    Example::new(tok, &rp, &r.target_new).map_err(fail)?
+                })? {
                     Ok(e) => e,
                     Err(why) => return Ok(Err(why)),
                 },
                 None => inner.clone(),
             };
             let loc = match (&r.locality_prompt, &r.locality_ground_truth) {
-                (Some(p), Some(a)) => match fit("locality prompt + answer", Example::new(tok, p, a).map_err(fail)?)? {
+                (Some(p), Some(a)) => match fit("locality prompt + answer", {
+                    let p = match sized("locality prompt + answer", p, a)? {
+                        Ok(p) => p,
+                        Err(why) => return Ok(Err(why)),
+                    };
+                    Example::new(tok, &p, a).map_err(fail)?
+                })? {
                     Ok(e) => Some(e),
                     Err(why) => return Ok(Err(why)),
                 },
@@ -160,7 +185,11 @@ pub fn prepare_with(
             };
             let mut portability = Vec::with_capacity(r.portability.len());
             for (p, a) in &r.portability {
-                match fit("portability prompt + answer", Example::new(tok, p, a).map_err(fail)?)? {
+                let p = match sized("portability prompt + answer", p, a)? {
+                    Ok(p) => p,
+                    Err(why) => return Ok(Err(why)),
+                };
+                match fit("portability prompt + answer", Example::new(tok, &p, a).map_err(fail)?)? {
                     Ok(e) => portability.push(e),
                     Err(why) => return Ok(Err(why)),
                 }
@@ -202,6 +231,31 @@ pub fn prepare_with(
         tracing::info!(file = %path.display(), "cut the prompts of {} records from the left to fit {max_len} tokens ({}{more})", out.truncated.len(), first.join(", "));
     }
     Ok(out)
+}
+
+/// Bytes one token covers at most in any tokenizer dualedit loads (GPT-2's longest token
+/// is 128 bytes; Qwen2's and LLaMA's are shorter): a text of more than `max_len` times this
+/// many bytes has more than `max_len` tokens, whatever it says.
+pub const MAX_TOKEN_BYTES: usize = 1024;
+
+/// `prompt` when `prompt + answer` may fit in `max_len` tokens by its length in bytes;
+/// otherwise why not, or under [`OverLong::Truncate`] the prompt's last bytes (enough for
+/// `max_len` tokens, so truncation still cuts it from the left after tokenising). Checked
+/// before tokenising, which for a 50 MB field costs seconds.
+fn bounded<'t>(what: &str, prompt: &'t str, answer: &str, max_len: usize, policy: OverLong) -> std::result::Result<&'t str, String> {
+    let bound = max_len.saturating_mul(MAX_TOKEN_BYTES);
+    let bytes = prompt.len().saturating_add(answer.len());
+    if bytes <= bound {
+        return Ok(prompt);
+    }
+    if policy == OverLong::Truncate && answer.len() < bound {
+        let mut start = prompt.len() - (bound - answer.len()).min(prompt.len());
+        while !prompt.is_char_boundary(start) {
+            start += 1;
+        }
+        return Ok(&prompt[start..]);
+    }
+    Err(format!("{what} is {bytes} bytes, longer than {max_len} tokens can be (refused before tokenising)"))
 }
 
 /// "record 0: why; record 7: why, …" for the first few of `skipped`.

@@ -33,6 +33,14 @@ impl Grouping {
             Grouping::Batch(n) | Grouping::Sequential(n) => n,
         }
     }
+
+    /// The same grouping with groups of `n`.
+    fn with_size(self, n: usize) -> Self {
+        match self {
+            Grouping::Batch(_) => Grouping::Batch(n),
+            Grouping::Sequential(_) => Grouping::Sequential(n),
+        }
+    }
 }
 
 /// Mean NLL per token of the unrelated texts, before and after one group's edits.
@@ -47,8 +55,13 @@ pub struct Drift {
 /// What [`measure`] found, besides the per-record metrics.
 #[derive(Debug, Clone, Serialize)]
 pub struct CapacityReport {
+    /// The grouping that ran: `n` is at most the number of records.
     #[serde(flatten)]
     pub grouping: Grouping,
+    /// The group size asked for, when it was larger than the records and cut to them
+    /// (a group of 100000 on 50 records edits the 50: `n` says 50, this 100000).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_requested: Option<usize>,
     /// Groups edited (the last one may be smaller than `N`).
     pub groups: usize,
     /// Wall-clock seconds of the edits (commits and guard included, measuring excluded)
@@ -102,13 +115,23 @@ pub fn measure(
     unrelated: &[String],
     mut on_group: impl FnMut(usize, &[RecordMetrics]),
 ) -> Result<(Vec<RecordMetrics>, CapacityReport)> {
-    let n = grouping.size();
-    if n == 0 {
+    let requested = grouping.size();
+    if requested == 0 {
         return Err(Error::input("the group size (--edits-per-batch / --sequential) must be at least 1"));
     }
     if records.len() != examples.len() {
         return Err(Error::input("records and examples differ in number"));
     }
+    if examples.is_empty() {
+        return Err(Error::input("no records to edit (--edits-per-batch / --sequential)"));
+    }
+    // A group larger than the data edits all of it once: say so, and report what ran.
+    let n = requested.min(examples.len());
+    let n_requested = (n < requested).then(|| {
+        tracing::warn!(requested, records = examples.len(), "the group size is larger than the records: one group of all {} records is edited", examples.len());
+        requested
+    });
+    let grouping = grouping.with_size(n);
     let sequential = matches!(grouping, Grouping::Sequential(_));
     let (mut all, mut drifts, mut seconds) = (Vec::with_capacity(examples.len()), Vec::new(), 0.0);
     let (mut accepted, mut scaled, mut refused) = (0, 0, 0);
@@ -153,6 +176,7 @@ pub fn measure(
     });
     let report = CapacityReport {
         grouping,
+        n_requested,
         groups,
         seconds_per_edit: seconds / examples.len().max(1) as f64,
         drift,

@@ -126,6 +126,29 @@ impl MethodSpec {
         }
     }
 
+    /// Checks the settings a user gave before anything is loaded, naming the flag: a
+    /// fine-tuning rate that is not a finite positive number (`--ft-lr`), `--ls-*` values
+    /// out of range, an `--ls-keep-text` that is not a regular file (a FIFO would block),
+    /// an editor folder that does not exist. [`open`] calls it first.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            MethodSpec::Unedited | MethodSpec::FineTune { .. } => self.check(),
+            MethodSpec::Mend { editor } => editor_exists(editor),
+            MethodSpec::MendLs { editor, unrelated, .. } => {
+                self.check()?;
+                editor_exists(editor)?;
+                if let Some(path) = unrelated {
+                    match std::fs::metadata(path) {
+                        Ok(m) if m.is_file() => {}
+                        Ok(_) => return Err(Error::file(path, "--ls-keep-text must name a regular file of text lines (not a directory, FIFO or device)")),
+                        Err(e) => return Err(Error::io(path, e)),
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// The trained editor's directory, for both MEND methods.
     pub fn editor_dir(&self) -> Option<&Path> {
         match self {
@@ -151,6 +174,14 @@ impl Default for LoadOptions {
     }
 }
 
+fn editor_exists(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        Ok(())
+    } else {
+        Err(Error::file(dir, "editor directory not found (--editor)"))
+    }
+}
+
 /// The edited weight names a trained editor was made for, from its `editor.json`: the
 /// engine must capture exactly those before the editor itself can be loaded and checked.
 pub fn editor_params(dir: &Path) -> Result<Vec<String>> {
@@ -173,6 +204,7 @@ pub fn open_engine(model: &Path, opts: &LoadOptions, edit_names: &[String]) -> R
 /// Opens the engine and the method: with an editor, on the weights it was trained to edit
 /// (a model without them is another model than the editor's, and the error says so).
 pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engine, Method)> {
+    spec.validate()?;
     let names = match spec.editor_dir() {
         Some(editor) => editor_params(editor)?,
         None => Vec::new(),
@@ -198,14 +230,7 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
             ls.validate()?;
             info!(dir = %editor.display(), step = meta.step, lambda = ls.lambda, keep_weight = ls.cov_weight, rounds = ls.rounds, "editor loaded (least-squares aggregation)");
             let unrelated = match unrelated {
-                Some(path) => {
-                    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-                    let lines: Vec<String> = text.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
-                    if lines.is_empty() {
-                        return Err(Error::file(path, "the unrelated-keys text has no non-empty line"));
-                    }
-                    crate::mend::ls::unrelated_grams(&engine, &lines)?
-                }
+                Some(path) => crate::mend::ls::unrelated_grams(&engine, &crate::mend::ls::read_keep_text(path)?)?,
                 None => Vec::new(),
             };
             Method::MendLs(Box::new(LsEditor { editor: ed, config: ls, memory: KeyMemory::default(), unrelated }))

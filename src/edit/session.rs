@@ -379,9 +379,13 @@ impl Session {
             // Each step would remember the same edit again: mend-ls composes by re-solving.
             return Err(Error::input("stepwise edits are for --method mend; mend-ls re-solves over all edits instead"));
         }
+        if let Some(cfg) = &self.guard {
+            cfg.validate()?;
+        }
         let refs: Vec<&EditExample> = examples.iter().collect();
-        // The guard's probes: the requests' locality prompts, against the weights now.
-        let loc: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
+        // The guard's probes: the requests' locality prompts (text, and image + question
+        // for multimodal requests), against the weights now.
+        let loc: Vec<&Example> = examples.iter().flat_map(|e| e.loc.iter().chain(&e.loc_image)).collect();
         let probes = match &self.guard {
             Some(_) => guard::Probes::new(&self.engine, &loc)?,
             None => None,

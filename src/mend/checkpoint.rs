@@ -191,8 +191,28 @@ pub fn save_state(dir: &Path, editor: &Editor, adam: &super::optim::Adam, counte
     let mut tensors = editor.named_tensors();
     tensors.extend(stats);
     tensors.extend(adam.state());
-    let meta = serde_json::json!({ "counters": counters, "stats_counts": stats_counts });
+    // The config is kept so that `--resume` can refuse to continue with another one.
+    let meta = serde_json::json!({ "counters": counters, "stats_counts": stats_counts, "config": editor.config });
     write_safetensors(&dir.join(STATE_FILE), &tensors, meta_map(&meta)?)
+}
+
+/// The config keys a resumed run may change: how long it runs, how it selects and stops,
+/// and memory-only settings. Any other key changes what the saved steps meant.
+pub const RESUME_MAY_CHANGE: [&str; 6] = ["max_steps", "early_stop_patience", "select_by", "recompute", "max_bad_steps", "ls"];
+
+/// The keys of `now` that differ from `saved` (outside [`RESUME_MAY_CHANGE`]), each as
+/// `key (saved X, now Y)`.
+fn config_changes(saved: &MendConfig, now: &MendConfig) -> Vec<String> {
+    let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (serde_json::to_value(saved), serde_json::to_value(now)) else {
+        return Vec::new();
+    };
+    a.iter()
+        .filter(|(k, _)| !RESUME_MAY_CHANGE.contains(&k.as_str()))
+        .filter_map(|(k, v)| {
+            let w = b.get(k).unwrap_or(&serde_json::Value::Null);
+            (v != w).then(|| format!("{k} (saved {v}, now {w})"))
+        })
+        .collect()
 }
 
 /// Restores editor tensors and returns the saved tensors (for the optimiser) and counters.
@@ -203,8 +223,28 @@ pub fn load_state(dir: &Path, editor: &mut Editor) -> Result<(BTreeMap<String, T
     struct Meta {
         counters: TrainCounters,
         stats_counts: BTreeMap<String, f64>,
+        /// Absent in states saved before it was recorded (then nothing is compared).
+        #[serde(default)]
+        config: Option<MendConfig>,
     }
     let meta: Meta = read_meta(&path, &raw)?;
+    match &meta.config {
+        Some(saved) => {
+            let changed = config_changes(saved, &editor.config);
+            if !changed.is_empty() {
+                return Err(Error::file(
+                    &path,
+                    format!(
+                        "--resume continues the saved run, which had another config: {}; only {} may change. \
+                         Use the saved values, or train into another --out",
+                        changed.join(", "),
+                        RESUME_MAY_CHANGE.join(", ")
+                    ),
+                ));
+            }
+        }
+        None => tracing::warn!(path = %path.display(), "the saved training state does not record its config: resuming without checking it"),
+    }
     editor.load_tensors(&tensors, &meta.stats_counts).map_err(|e| {
         Error::file(&path, format!("{e}: the saved training state was made for another model or editor config (rank, n_hidden, mode, shared, edit_params), so --resume cannot continue it"))
     })?;

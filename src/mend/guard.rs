@@ -30,7 +30,7 @@
 //! ladder that still makes the edit: MEND's edits overshoot (a single one moves an MLP
 //! weight by 10–75 % of its norm on the embedded default), and a smaller edit leaves more
 //! room for the edits after it.
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::data::{Example, TokenBatch};
@@ -64,6 +64,62 @@ impl Default for GuardConfig {
     }
 }
 
+impl GuardConfig {
+    /// Refuses thresholds that make no sense, naming the setting by its command-line flag
+    /// and its JSON key (`serve`'s per-request `guard`): an agreement or a drop outside
+    /// [0, 1], a negative KL, a scale outside (0, 1], or NaN / infinity anywhere (NaN
+    /// compares false, so it would quietly refuse every edit). Checked before any edit is
+    /// made, wherever a guard is configured (`edit`, `eval`, `serve`, the library).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &str, flag: &str, range: &str, v: f64| {
+            Error::input(format!("guard {key} (--guard-{flag}) must be a number in {range}, got {v}"))
+        };
+        let unit = |v: f64| v.is_finite() && (0.0..=1.0).contains(&v);
+        if !unit(self.min_agreement) {
+            return Err(bad("min_agreement", "min-agreement", "[0, 1]", self.min_agreement));
+        }
+        if !unit(self.max_drop) {
+            return Err(bad("max_drop", "max-drop", "[0, 1]", self.max_drop));
+        }
+        if !(self.max_kl.is_finite() && self.max_kl >= 0.0) {
+            return Err(bad("max_kl", "max-kl", "[0, ∞) (nats, finite)", self.max_kl));
+        }
+        if !(self.min_scale.is_finite() && 0.0 < self.min_scale && self.min_scale <= 1.0) {
+            return Err(Error::input(format!("guard min_scale must be a number in (0, 1], got {}", self.min_scale)));
+        }
+        Ok(())
+    }
+}
+
+/// Changes to a [`GuardConfig`] one request asks for (`serve`'s `/edit` body field
+/// `guard`): each key given replaces the server's setting, the rest stay. `refuse` is
+/// the inverse of `scale_back` (as `--guard-refuse`). Unknown keys are refused.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GuardOverrides {
+    pub min_agreement: Option<f64>,
+    pub max_drop: Option<f64>,
+    pub max_kl: Option<f64>,
+    pub refuse: Option<bool>,
+    pub shrink: Option<bool>,
+}
+
+impl GuardOverrides {
+    /// `base` with these changes, validated ([`GuardConfig::validate`]).
+    pub fn apply(&self, base: &GuardConfig) -> Result<GuardConfig> {
+        let c = GuardConfig {
+            min_agreement: self.min_agreement.unwrap_or(base.min_agreement),
+            max_drop: self.max_drop.unwrap_or(base.max_drop),
+            max_kl: self.max_kl.unwrap_or(base.max_kl),
+            scale_back: self.refuse.map_or(base.scale_back, |r| !r),
+            shrink: self.shrink.unwrap_or(base.shrink),
+            min_scale: base.min_scale,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+}
+
 /// Prompts whose answers an edit should leave alone, with the reference model's view of them.
 pub struct Probes {
     batch: TokenBatch,
@@ -74,12 +130,14 @@ pub struct Probes {
 impl Probes {
     /// Probes from `examples` (prompt + answer; the answer positions are the ones scored),
     /// with the engine's current weights as the reference. `None` when there are none.
+    /// Examples may show images (an E-VQA request's `loc_image`: an unrelated image and
+    /// question); their features are computed once, here, by the frozen tower.
     pub fn new(engine: &Engine, examples: &[&Example]) -> Result<Option<Self>> {
         if examples.is_empty() {
             return Ok(None);
         }
         let _g = tch::no_grad_guard();
-        let batch = TokenBatch::collate(examples, engine.lm.tokenizer.pad_id(), engine.plan.main);
+        let batch = engine.collate(examples)?;
         let reference = engine.base_logits(&batch)?;
         Ok(Some(Self { batch, reference }))
     }
@@ -186,9 +244,7 @@ pub fn check_edit(
     edit: Option<&TokenBatch>,
     cfg: &GuardConfig,
 ) -> Result<(Option<Overrides>, GuardReport)> {
-    if !(0.0 < cfg.min_scale && cfg.min_scale <= 1.0) {
-        return Err(Error::input(format!("guard min_scale must be in (0, 1], got {}", cfg.min_scale)));
-    }
+    cfg.validate()?;
     let before = probes.measure(engine, &Overrides::new())?;
     let full = probes.measure(engine, overrides)?;
     let fmt = |p: &ProbeScore| format!("top-1 agreement {:.3}, KL {:.3}", p.agreement, p.kl);

@@ -89,12 +89,75 @@ impl LsChoice {
     }
 }
 
+/// Lines of `--ls-keep-text` used at most: the keys' Gram matrix converges long before
+/// (each line adds its tokens' keys to one `[d_in, d_in]` sum), and a 200k-line file took
+/// minutes to encode and run. Lines beyond are left out with a warning.
+pub const MAX_KEEP_LINES: usize = 20_000;
+
+/// Characters of one `--ls-keep-text` line read at most: a line is cut to the model's
+/// context in tokens anyway, so a longer one is cut before it is tokenised (a 50 MB line
+/// would otherwise be tokenised in full).
+pub const MAX_KEEP_LINE_CHARS: usize = 64 * 1024;
+
+/// The non-empty lines of a `--ls-keep-text` file (trimmed), at most [`MAX_KEEP_LINES`]
+/// of them, each cut to [`MAX_KEEP_LINE_CHARS`]; the rest is left out with a warning. A
+/// file that is not a regular file (a FIFO would block), cannot be read, is not UTF-8 or
+/// has no non-empty line is an error naming it.
+pub fn read_keep_text(path: &std::path::Path) -> Result<Vec<String>> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(Error::file(path, "--ls-keep-text must name a regular file of text lines (not a directory, FIFO or device)"));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let mut lines = Vec::new();
+    let (mut total, mut cut) = (0usize, 0usize);
+    for l in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        total += 1;
+        if lines.len() == MAX_KEEP_LINES {
+            continue;
+        }
+        let mut l = l.to_string();
+        if l.len() > MAX_KEEP_LINE_CHARS {
+            let mut end = MAX_KEEP_LINE_CHARS;
+            while !l.is_char_boundary(end) {
+                end -= 1;
+            }
+            l.truncate(end);
+            cut += 1;
+        }
+        lines.push(l);
+    }
+    if lines.is_empty() {
+        return Err(Error::file(path, "the unrelated-keys text (--ls-keep-text) has no non-empty line"));
+    }
+    if total > lines.len() {
+        tracing::warn!(file = %path.display(), lines = total, used = lines.len(), "--ls-keep-text has more lines than are used: the first {} are", lines.len());
+    }
+    if cut > 0 {
+        tracing::warn!(file = %path.display(), lines = cut, "--ls-keep-text lines longer than {MAX_KEEP_LINE_CHARS} bytes were cut (the model reads at most its context of each)");
+    }
+    Ok(lines)
+}
+
 /// `CᵀC` `[d_in, d_in]` of every edited weight's inputs at every token of `texts` (the
-/// unrelated keys), under the engine's current weights, in batches of 64.
+/// unrelated keys), under the engine's current weights, in batches of 64. Logs its
+/// progress (texts done, elapsed, estimated time left) every 10 % or 30 s.
 pub fn unrelated_grams(engine: &Engine, texts: &[String]) -> Result<Vec<Tensor>> {
     let max = (engine.lm.model.info().max_positions.max(2)) as usize;
     let mut examples = Vec::with_capacity(texts.len());
+    let start = std::time::Instant::now();
+    let mut progress = Progress::new(texts.len() * 2, "keys of the unrelated text (--ls-keep-text)");
     for t in texts {
+        progress.step(1, start);
+        let t = if t.len() > MAX_KEEP_LINE_CHARS {
+            let mut end = MAX_KEEP_LINE_CHARS;
+            while !t.is_char_boundary(end) {
+                end -= 1;
+            }
+            &t[..end]
+        } else {
+            t.as_str()
+        };
         let mut ids = engine.lm.tokenizer.encode(t)?;
         // The last token is a target, not an input, in a batch: add one so all are inputs.
         ids.truncate(max - 1);
@@ -107,7 +170,9 @@ pub fn unrelated_grams(engine: &Engine, texts: &[String]) -> Result<Vec<Tensor>>
         return Err(Error::input("no unrelated text to take keys from"));
     }
     let mut grams: Option<Vec<Tensor>> = None;
+    progress.done = texts.len();
     for chunk in examples.chunks(64) {
+        progress.step(chunk.len(), start);
         let refs: Vec<&Example> = chunk.iter().collect();
         let xs = engine.layer_inputs(&engine.collate(&refs)?)?;
         grams = Some(crate::error::guard(|| {
@@ -119,6 +184,34 @@ pub fn unrelated_grams(engine: &Engine, texts: &[String]) -> Result<Vec<Tensor>>
         })?);
     }
     grams.ok_or_else(|| Error::input("no unrelated text to take keys from"))
+}
+
+/// Log lines of a long loop (`done`/`total` units: tokenising counts one per text, the
+/// forwards one per example): one at every 10 % and at least every 30 s.
+struct Progress {
+    total: usize,
+    done: usize,
+    what: &'static str,
+    next_tenth: usize,
+    last: std::time::Instant,
+}
+
+impl Progress {
+    fn new(total: usize, what: &'static str) -> Self {
+        Self { total: total.max(1), done: 0, what, next_tenth: 1, last: std::time::Instant::now() }
+    }
+
+    fn step(&mut self, n: usize, start: std::time::Instant) {
+        self.done += n;
+        let tenth = self.done * 10 / self.total;
+        if tenth >= self.next_tenth || self.last.elapsed().as_secs() >= 30 {
+            self.next_tenth = tenth + 1;
+            self.last = std::time::Instant::now();
+            let elapsed = start.elapsed().as_secs_f64();
+            let eta = elapsed * (self.total.saturating_sub(self.done)) as f64 / self.done.max(1) as f64;
+            tracing::info!("{}: {}% ({:.0} s, about {:.0} s left)", self.what, self.done * 100 / self.total, elapsed, eta);
+        }
+    }
 }
 
 /// Per edited weight: every committed edit's keys `K` `[R, d_in]`, targets `T` `[R, d_out]`

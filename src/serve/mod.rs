@@ -16,13 +16,23 @@
 //! | `GET /health`    |                                        | `{"status": "ok", ...}`                  |
 //! | `GET /memory`    |                                        | per-device figures                       |
 //!
+//! `/edit` commits under the same guard as `dualedit edit` ([`ServeOptions::guard`], on by
+//! default); its body may carry `"guard": false | true | {"min_agreement", "max_drop",
+//! "max_kl", "refuse", "shrink"}` to change it for that request, and its answer lists the
+//! guard's decisions (`guard`) and the settings they were made under (`guard_settings`).
+//!
 //! Errors are JSON `{"error": message, "kind": ...}`: 400 malformed JSON or a missing /
-//! mistyped / unknown field (named), a bad `image_base64` or a named image that is not
-//! there, 401 a missing or wrong bearer token, 403 a `/save` or an image path the server
-//! does not allow (no save or image root, or a path that leaves it), 404 unknown route,
-//! 405 wrong method, 413 body too large, 422 a well-formed request the model refuses (a
-//! prompt longer than its context, an edit without an editor), 503 queue full or shutting
-//! down, 500 anything else.
+//! mistyped / unknown / out-of-range field (named), a bad upload or a named image that is
+//! not a regular file there or does not decode (truncated, over 200:1, too many tokens
+//! with the text), a NUL byte in a path, 401 a missing or wrong bearer token, 403 a
+//! `/save` or an image path the server does not allow (no save or image root, or a path
+//! that leaves it), 404 unknown route, 405 wrong method, 413 body too large, 422 a
+//! well-formed request the model refuses (a prompt longer than its context, an edit
+//! without an editor), 503 queue full or shutting down, 500 a failure on the server's
+//! side. Which is which is decided by `Failure`: an error about a file the request named
+//! is the client's, anything else from the model's side is the server's. A message names
+//! only what the client sent (its relative path, its field); a 500 says only its kind, and
+//! the details (paths, libtorch messages) go to the log.
 //!
 //! Security: anyone who can reach the port can edit the model, read its scores and, with a
 //! save root, write model folders. So by default the server listens on loopback only,
@@ -34,8 +44,10 @@
 //! `Authorization: Bearer <token>`; a non-loopback address without a token is refused
 //! unless [`ServeOptions::insecure_no_token`] says otherwise.
 //!
-//! Threads: a few HTTP workers read, parse and validate requests and answer those that
-//! need no model (health, memory, every 4xx); model requests go into one bounded queue
+//! Threads: two acceptors answer what needs no body (health, memory, 401/404/405) and
+//! pass model routes' requests to a few workers through a bounded queue (503 when full),
+//! so `/health` answers even while every worker waits on a slow client. Workers read,
+//! parse and validate bodies (every other 4xx); model requests go into one bounded queue
 //! that the model thread (the caller of [`Server::run`], which owns the session) runs in
 //! order and answers. Workers never wait on the model, so a full queue is answered 503 at
 //! once instead of letting waits grow without bound; a request that waited longer than
@@ -55,9 +67,10 @@ use tiny_http::{Header, Method, Request, Response};
 use tracing::{info, warn};
 
 use crate::data::easyedit::{parse_records, DatasetKind, EditRecord};
-use crate::data::multimodal::{confine_images, ImageRoots, MmRecord, IMAGE_KEYS};
+use crate::data::multimodal::{ImageRoots, MmRecord, IMAGE_KEYS};
 use crate::device::DevicePlan;
 use crate::edit::session::{device_memory, image_kind, read_image_requests, Session, TempImage};
+use crate::mend::guard::{GuardConfig, GuardOverrides};
 use crate::{Error, Result};
 
 /// The address `serve` listens on unless told otherwise: loopback only.
@@ -68,7 +81,8 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8470";
 pub struct ServeOptions {
     /// Model requests waiting beyond the one running; more are answered 503.
     pub queue: usize,
-    /// HTTP worker threads (parsing, validation, health, memory).
+    /// HTTP worker threads that read, parse and validate model requests' bodies (health
+    /// and memory are answered by two acceptor threads that never read a body).
     pub workers: usize,
     /// Largest request body accepted; larger ones are answered 413.
     pub max_body_bytes: usize,
@@ -87,6 +101,11 @@ pub struct ServeOptions {
     pub token: Option<String>,
     /// Allows a non-loopback address without a token (refused otherwise).
     pub insecure_no_token: bool,
+    /// The commit guard of every `/edit` ([`crate::mend::guard`]), as `edit` applies it:
+    /// on by default with `edit`'s defaults; `None` (`--no-guard`) commits edits as the
+    /// editor makes them. A request may change it for itself (its body's `guard`). It
+    /// replaces the session's own [`Session::guard`] while the server runs.
+    pub guard: Option<GuardConfig>,
 }
 
 impl Default for ServeOptions {
@@ -100,6 +119,7 @@ impl Default for ServeOptions {
             image_root: None,
             token: None,
             insecure_no_token: false,
+            guard: Some(GuardConfig::default()),
         }
     }
 }
@@ -173,6 +193,9 @@ impl Server {
         if opts.queue == 0 || opts.workers == 0 || opts.max_body_bytes == 0 {
             return Err(Error::input("the queue bound, worker count and maximum body size must be at least 1"));
         }
+        if let Some(g) = &opts.guard {
+            g.validate()?;
+        }
         if let Some(t) = &opts.token {
             if t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()) {
                 return Err(Error::input(format!("the token (--token or {TOKEN_ENV}) must be non-empty printable ASCII without spaces")));
@@ -214,6 +237,7 @@ impl Server {
     /// calling thread becomes the model thread: the session never leaves it.
     pub fn run(self, mut session: Session, shutdown: &AtomicBool) -> Result<ServeStats> {
         let (tx, rx) = bounded::<Job>(self.opts.queue);
+        session.guard = self.opts.guard.clone();
         let shared = Shared {
             opts: &self.opts,
             counters: Counters::default(),
@@ -221,18 +245,23 @@ impl Server {
             plan: session.engine().plan,
             edits_total: AtomicUsize::new(session.edits_total()),
             tx,
+            hidden: hidden_paths(&session, &self.opts),
         };
-        info!(addr = %self.addr, queue = self.opts.queue, workers = self.opts.workers, "serving on http://{}", self.addr);
+        info!(addr = %self.addr, queue = self.opts.queue, workers = self.opts.workers, guard = ?self.opts.guard, "serving on http://{}", self.addr);
+        // Requests accepted but not yet taken by a worker: at most `queue`, more are 503.
+        let (to_workers, from_acceptors) = bounded::<Request>(self.opts.queue);
         std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..self.opts.workers)
-                .map(|_| scope.spawn(|| worker(&self.http, &shared, shutdown)))
-                .collect();
+            let acceptors: Vec<_> = (0..ACCEPTORS).map(|_| scope.spawn(|| acceptor(&self.http, &shared, &to_workers, shutdown))).collect();
+            let workers: Vec<_> = (0..self.opts.workers).map(|_| scope.spawn(|| worker(&from_acceptors, &shared, shutdown))).collect();
             model_loop(&mut session, &rx, &shared, shutdown);
             info!("shutting down: the request in flight is finished, queued ones are answered 503");
-            for w in workers {
+            for w in acceptors.into_iter().chain(workers) {
                 if w.join().is_err() {
-                    warn!("an HTTP worker panicked");
+                    warn!("an HTTP thread panicked");
                 }
+            }
+            while let Ok(request) = from_acceptors.try_recv() {
+                respond(&shared, request, 503, error_body("server is shutting down", "shutting_down"));
             }
             while let Ok(job) = rx.try_recv() {
                 respond(&shared, job.request, 503, error_body("server is shutting down", "shutting_down"));
@@ -244,6 +273,9 @@ impl Server {
     }
 }
 
+/// Threads that accept requests and answer those that need no body (see [`acceptor`]).
+const ACCEPTORS: usize = 2;
+
 /// What workers and the model thread share.
 struct Shared<'a> {
     opts: &'a ServeOptions,
@@ -252,6 +284,47 @@ struct Shared<'a> {
     plan: DevicePlan,
     edits_total: AtomicUsize,
     tx: Sender<Job>,
+    /// The server's own folders, as they may appear in a library message, with what a
+    /// client is told instead (see [`Shared::scrub`]).
+    hidden: Vec<(String, &'static str)>,
+}
+
+impl Shared<'_> {
+    /// `msg` without the server's folders (image and save roots, the temporary directory):
+    /// a client error names what the client sent, never where it is on the server.
+    fn scrub(&self, msg: &str) -> String {
+        let mut out = msg.to_string();
+        for (server, shown) in &self.hidden {
+            out = out.replace(server.as_str(), shown);
+        }
+        out
+    }
+}
+
+/// The folders [`Shared::scrub`] hides, as given and canonical, longest first.
+fn hidden_paths(session: &Session, opts: &ServeOptions) -> Vec<(String, &'static str)> {
+    let mut out = Vec::new();
+    let mut add = |p: &Path, shown: &'static str| {
+        for q in [Some(p.to_path_buf()), p.canonicalize().ok()].into_iter().flatten() {
+            let q = q.display().to_string();
+            if q.len() > 1 {
+                out.push((q, shown));
+            }
+        }
+    };
+    if let Some(r) = &opts.image_root {
+        add(r, "<image root>");
+    }
+    if let Some(r) = &opts.save_root {
+        add(r, "<save root>");
+    }
+    add(&std::env::temp_dir(), "<tmp>");
+    add(session.model_dir(), "<model>");
+    if let Some(d) = session.editor_dir() {
+        add(d, "<editor>");
+    }
+    out.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
+    out
 }
 
 /// The static part of `/health`, computed once.
@@ -285,10 +358,11 @@ impl Health {
 
 /// A model request, parsed and validated by a worker.
 enum Op {
-    Edit(Vec<EditRecord>),
-    /// E-VQA requests, their images confined to the image root and checked readable.
-    /// The uploads' temporary files live until the edit has run.
-    EditImages { records: Vec<MmRecord>, _uploads: Vec<TempImage> },
+    /// Text edit requests, guarded by `guard` (`None`: committed as the editor makes them).
+    Edit { records: Vec<EditRecord>, guard: Option<GuardConfig> },
+    /// E-VQA requests, their images confined to the image root and checked to be regular
+    /// files with a readable header. The uploads' temporary files live until the edit has run.
+    EditImages { records: Vec<MmRecord>, guard: Option<GuardConfig>, _uploads: Vec<TempImage> },
     Score { text: String, image: Option<RequestImage> },
     Generate { prompt: String, max_new_tokens: usize, image: Option<RequestImage> },
     Reset,
@@ -299,12 +373,108 @@ enum Op {
 enum RequestImage {
     /// A file under the image root, resolved and confined.
     File(PathBuf),
-    /// A decoded `image_base64` upload, checked to be a PNG or JPEG.
-    Bytes(Vec<u8>),
+    /// A decoded `image_base64` upload, checked to be a PNG or JPEG, in a private
+    /// temporary file (removed when the request is done).
+    Upload(TempImage),
+}
+
+/// The files a request makes the server read or write, each with the name the client
+/// gave it (`val/a.png`, ``record 0: field `m_loc_base64` ``). An error about one of these
+/// files is the client's (400, or 422 for a save folder) and is reported under the
+/// client's name; the server's own paths (image root, temporary directory, model) never
+/// appear in a response.
+#[derive(Debug, Default)]
+struct ClientPaths(Vec<(PathBuf, String)>);
+
+impl ClientPaths {
+    fn add(&mut self, server: PathBuf, client: impl Into<String>) {
+        self.0.push((server, client.into()));
+    }
+
+    /// The client's name of `path`: one of the request's files, or a file inside one of
+    /// them (a save folder's `config.json`).
+    fn name_of(&self, path: &Path) -> Option<String> {
+        self.0.iter().find_map(|(server, client)| {
+            let rest = path.strip_prefix(server).ok()?;
+            Some(if rest.as_os_str().is_empty() { client.clone() } else { format!("{client}/{}", rest.display()) })
+        })
+    }
+
+    /// `msg` with each of the request's server paths replaced by the client's name.
+    fn redact(&self, msg: &str) -> String {
+        let mut out = msg.to_string();
+        let mut pairs: Vec<_> = self.0.iter().map(|(s, c)| (s.display().to_string(), c)).collect();
+        // Longest first, so a file inside a folder is replaced before the folder.
+        pairs.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
+        for (server, client) in pairs {
+            if !server.is_empty() {
+                out = out.replace(&server, client);
+            }
+        }
+        out
+    }
+}
+
+/// Who a failed request's fault is, which decides its status and what its body may say.
+#[derive(Debug)]
+enum Failure {
+    /// The request is wrong: a 4xx whose message names only what the client sent.
+    Client { status: u16, kind: &'static str, msg: String },
+    /// The server failed (a model or config file it cannot read, a libtorch error): 500,
+    /// the body says only what kind of failure it was; the details go to the log.
+    Internal { kind: &'static str, public: String, detail: String },
+}
+
+impl Failure {
+    fn bad(msg: impl Into<String>) -> Self {
+        Failure::Client { status: 400, kind: "bad_request", msg: msg.into() }
+    }
+
+    fn internal(detail: impl Into<String>) -> Self {
+        Failure::Internal { kind: "internal", public: "internal error; the server's log has the details".into(), detail: detail.into() }
+    }
+
+    /// Classifies a library error of a request whose files are `paths`: an error about one
+    /// of the request's files is the client's (`file_status`: 400 for images, 422 for a
+    /// save folder the server cannot write), input the model refuses is 422, running out
+    /// of memory is 500 `out_of_memory` (its message names no path), and anything else
+    /// (the model's own files, libtorch) is 500 `internal`.
+    /// Library messages pass through [`ClientPaths::redact`] and [`Shared::scrub`]: they
+    /// may name the server's own paths.
+    fn of(e: Error, paths: &ClientPaths, file_status: u16, shared: &Shared) -> Self {
+        let file_kind = if file_status == 400 { "bad_request" } else { "invalid_input" };
+        let clean = |m: &str| shared.scrub(&paths.redact(m));
+        match &e {
+            Error::File { path, msg } => match paths.name_of(path) {
+                Some(name) => Failure::Client { status: file_status, kind: file_kind, msg: format!("{name}: {}", clean(msg)) },
+                None => Failure::internal(e.to_string()),
+            },
+            Error::Io { path, err } => match paths.name_of(path) {
+                Some(name) => Failure::Client { status: file_status, kind: file_kind, msg: format!("{name}: {}", clean(&err.to_string())) },
+                None => Failure::internal(e.to_string()),
+            },
+            Error::Input(m) => Failure::Client { status: 422, kind: "invalid_input", msg: clean(m) },
+            Error::OutOfMemory(m) => Failure::Internal { kind: "out_of_memory", public: format!("out of memory: {m}"), detail: e.to_string() },
+            Error::Device { .. } | Error::Torch(_) => Failure::internal(e.to_string()),
+        }
+    }
+
+    /// The response; an internal failure is logged with its details first.
+    fn reply(self) -> Reply {
+        match self {
+            Failure::Client { status, kind, msg } => (status, error_body(msg, kind)),
+            Failure::Internal { kind, public, detail } => {
+                tracing::error!(kind, "{detail}");
+                (500, error_body(public, kind))
+            }
+        }
+    }
 }
 
 struct Job {
     op: Op,
+    /// The request's files under the client's names, for its errors.
+    paths: ClientPaths,
     request: Request,
     enqueued: Instant,
 }
@@ -360,7 +530,13 @@ fn allowed_method(url: &str) -> Option<&'static str> {
     }
 }
 
-fn worker(http: &tiny_http::Server, shared: &Shared, shutdown: &AtomicBool) {
+/// Accepts requests and answers at once everything that needs neither the body nor the
+/// model (401, 404, 405, `/health`, `/memory`); a model route's request goes to the
+/// workers that read and check bodies, or is answered 503 when `queue` requests already
+/// wait for one. An
+/// acceptor never reads a body or opens a file, so `/health` answers while every worker
+/// is stuck on a slow client.
+fn acceptor(http: &tiny_http::Server, shared: &Shared, to_workers: &Sender<Request>, shutdown: &AtomicBool) {
     while !shutdown.load(Ordering::SeqCst) {
         let request = match http.recv_timeout(Duration::from_millis(100)) {
             Ok(Some(r)) => r,
@@ -372,9 +548,25 @@ fn worker(http: &tiny_http::Server, shared: &Shared, shutdown: &AtomicBool) {
             }
         };
         shared.counters.requests.fetch_add(1, Ordering::Relaxed);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| route(request, shared, to_workers)));
+        if r.is_err() {
+            shared.counters.count(500);
+            warn!("routing a request panicked");
+        }
+    }
+}
+
+/// Reads, parses and checks model requests' bodies and queues them for the model thread.
+fn worker(from_acceptors: &Receiver<Request>, shared: &Shared, shutdown: &AtomicBool) {
+    while !shutdown.load(Ordering::SeqCst) {
+        let request = match from_acceptors.recv_timeout(Duration::from_millis(100)) {
+            Ok(r) => r,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
         // A bug in request handling must not take a worker down with it; the dropped
         // request is answered 500 by tiny_http.
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(request, shared)));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle_model_request(request, shared)));
         if r.is_err() {
             shared.counters.count(500);
             warn!("handling a request panicked");
@@ -409,8 +601,8 @@ fn same_token(given: &[u8], expected: &[u8]) -> bool {
     diff == 0
 }
 
-/// Routes one request: answers it here, or queues it for the model thread.
-fn handle(mut request: Request, shared: &Shared) {
+/// Routes one request: answers it here, or passes a model route's request to a worker.
+fn route(request: Request, shared: &Shared, to_workers: &Sender<Request>) {
     // Before anything else, so that a client without the token learns nothing, not even
     // which routes exist.
     if let Some(why) = unauthorised(&request, shared.opts.token.as_deref()) {
@@ -431,29 +623,44 @@ fn handle(mut request: Request, shared: &Shared) {
             body["status"] = json!("ok");
             body["edits_total"] = json!(shared.edits_total.load(Ordering::Relaxed));
             body["queue_waiting"] = json!(shared.tx.len());
+            body["workers_waiting"] = json!(to_workers.len());
             respond(shared, request, 200, body)
         }
         "/memory" => match device_memory(&shared.plan) {
             Ok(devices) => respond(shared, request, 200, json!({ "devices": devices })),
-            Err(e) => respond(shared, request, 500, error_body(e.to_string(), "internal")),
-        },
-        _ => {
-            let op = match read_body(&mut request, shared.opts.max_body_bytes).and_then(|body| parse_op(&path, &body, shared.opts)) {
-                Ok(op) => op,
-                Err((status, body)) => return respond(shared, request, status, body),
-            };
-            match shared.tx.try_send(Job { op, request, enqueued: Instant::now() }) {
-                Ok(()) => {}
-                Err(TrySendError::Full(job)) => {
-                    shared.counters.rejected_queue_full.fetch_add(1, Ordering::Relaxed);
-                    let msg = format!("queue full: {} model requests are already waiting; retry later", shared.opts.queue);
-                    respond(shared, job.request, 503, error_body(msg, "queue_full"))
-                }
-                Err(TrySendError::Disconnected(job)) => {
-                    respond(shared, job.request, 503, error_body("server is shutting down", "shutting_down"))
-                }
+            Err(e) => {
+                let (status, body) = Failure::of(e, &ClientPaths::default(), 500, shared).reply();
+                respond(shared, request, status, body)
             }
+        },
+        _ => match to_workers.try_send(request) {
+            Ok(()) => {}
+            Err(TrySendError::Full(request)) => {
+                shared.counters.rejected_queue_full.fetch_add(1, Ordering::Relaxed);
+                let msg = format!("queue full: {} requests are already waiting for a worker to read them; retry later", shared.opts.queue);
+                respond(shared, request, 503, error_body(msg, "queue_full"))
+            }
+            Err(TrySendError::Disconnected(request)) => respond(shared, request, 503, error_body("server is shutting down", "shutting_down")),
+        },
+    }
+}
+
+/// Reads and checks a model route's body, then queues it for the model thread.
+fn handle_model_request(mut request: Request, shared: &Shared) {
+    let path = route_path(request.url()).to_string();
+    let parsed = read_body(&mut request, shared.opts.max_body_bytes).and_then(|body| parse_op(&path, &body, shared.opts).map_err(|f| f.reply()));
+    let (op, paths) = match parsed {
+        Ok(op) => op,
+        Err((status, body)) => return respond(shared, request, status, body),
+    };
+    match shared.tx.try_send(Job { op, paths, request, enqueued: Instant::now() }) {
+        Ok(()) => {}
+        Err(TrySendError::Full(job)) => {
+            shared.counters.rejected_queue_full.fetch_add(1, Ordering::Relaxed);
+            let msg = format!("queue full: {} model requests are already waiting; retry later", shared.opts.queue);
+            respond(shared, job.request, 503, error_body(msg, "queue_full"))
         }
+        Err(TrySendError::Disconnected(job)) => respond(shared, job.request, 503, error_body("server is shutting down", "shutting_down")),
     }
 }
 
@@ -478,8 +685,8 @@ fn read_body(request: &mut Request, max: usize) -> std::result::Result<Vec<u8>, 
 
 /// The body as a JSON object with only the `allowed` keys. Fields are then read one by
 /// one, so that every 400 names the field at fault.
-fn json_object(path: &str, body: &[u8], allowed: &[&str]) -> std::result::Result<Map<String, Value>, Reply> {
-    let bad = |msg: String| (400, error_body(format!("{path}: {msg}"), "bad_request"));
+fn json_object(path: &str, body: &[u8], allowed: &[&str]) -> std::result::Result<Map<String, Value>, Failure> {
+    let bad = |msg: String| Failure::bad(format!("{path}: {msg}"));
     let value: Value = serde_json::from_slice(body).map_err(|e| bad(format!("malformed JSON: {e}")))?;
     let Value::Object(obj) = value else {
         return Err(bad(format!("the body must be a JSON object with the fields {}", allowed.join(", "))));
@@ -490,45 +697,66 @@ fn json_object(path: &str, body: &[u8], allowed: &[&str]) -> std::result::Result
     Ok(obj)
 }
 
-fn field<'a>(path: &str, obj: &'a Map<String, Value>, name: &str) -> std::result::Result<&'a Value, Reply> {
-    obj.get(name).ok_or_else(|| (400, error_body(format!("{path}: missing field `{name}`"), "bad_request")))
+fn field<'a>(path: &str, obj: &'a Map<String, Value>, name: &str) -> std::result::Result<&'a Value, Failure> {
+    obj.get(name).ok_or_else(|| Failure::bad(format!("{path}: missing field `{name}`")))
 }
 
-fn string_field(path: &str, obj: &Map<String, Value>, name: &str) -> std::result::Result<String, Reply> {
-    field(path, obj, name)?
-        .as_str()
-        .map(str::to_string)
-        .ok_or_else(|| (400, error_body(format!("{path}: field `{name}` must be a string"), "bad_request")))
+fn string_field(path: &str, obj: &Map<String, Value>, name: &str) -> std::result::Result<String, Failure> {
+    field(path, obj, name)?.as_str().map(str::to_string).ok_or_else(|| Failure::bad(format!("{path}: field `{name}` must be a string")))
 }
 
-/// Parses and validates a model request's body (all 400s are decided here).
-fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result<Op, Reply> {
-    let bad = |msg: String| (400, error_body(format!("{path}: {msg}"), "bad_request"));
-    Ok(match path {
+/// The guard of one `/edit`: the server's (`--no-guard` / `--guard-*`), changed by the
+/// body's optional `guard` field: `false` commits this request unguarded, `true` or an
+/// object of [`GuardOverrides`] (`min_agreement`, `max_drop`, `max_kl`, `refuse`,
+/// `shrink`) guards it with those changes to the server's settings (to the defaults when
+/// the server runs without a guard). Out-of-range values are 400 naming the key.
+fn edit_guard(path: &str, obj: &Map<String, Value>, opts: &ServeOptions) -> std::result::Result<Option<GuardConfig>, Failure> {
+    let bad = |msg: String| Failure::bad(format!("{path}: field `guard`: {msg}"));
+    let base = opts.guard.clone().unwrap_or_default();
+    match obj.get("guard") {
+        None => Ok(opts.guard.clone()),
+        Some(Value::Bool(false)) => Ok(None),
+        Some(Value::Bool(true)) => Ok(Some(base)),
+        Some(v @ Value::Object(_)) => {
+            let o: GuardOverrides = serde_json::from_value(v.clone()).map_err(|e| bad(e.to_string()))?;
+            o.apply(&base).map(Some).map_err(|e| bad(e.to_string()))
+        }
+        Some(_) => Err(bad("must be true, false or an object with min_agreement, max_drop, max_kl, refuse, shrink".into())),
+    }
+}
+
+/// Parses and validates a model request's body (all 400s are decided here), with the
+/// files it names under the client's names.
+fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result<(Op, ClientPaths), Failure> {
+    let bad = |msg: String| Failure::bad(format!("{path}: {msg}"));
+    let mut paths = ClientPaths::default();
+    let op = match path {
         "/edit" => {
-            let obj = json_object(path, body, &["requests"])?;
+            let obj = json_object(path, body, &["requests", "guard"])?;
+            let guard = edit_guard(path, &obj, opts)?;
             let requests = field(path, &obj, "requests")?;
             if !requests.is_array() {
                 return Err(bad("field `requests` must be an array of edit records".into()));
             }
             if is_image_request(requests) {
-                return image_edit(path, requests, opts);
+                let (records, uploads) = image_edit(path, requests, opts, &mut paths)?;
+                return Ok((Op::EditImages { records, guard, _uploads: uploads }, paths));
             }
             let (records, report) =
                 parse_records(&requests.to_string(), Path::new("requests"), DatasetKind::Requests).map_err(|e| bad(e.to_string()))?;
             if let Some((i, why)) = report.skipped.first() {
                 return Err(bad(format!("record {i}: {why}")));
             }
-            Op::Edit(records)
+            Op::Edit { records, guard }
         }
         "/score" => {
             let obj = json_object(path, body, &["text", "image", "image_base64"])?;
             let text = string_field(path, &obj, "text")?;
-            Op::Score { text, image: request_image(path, &obj, opts)? }
+            Op::Score { text, image: request_image(path, &obj, opts, &mut paths)? }
         }
         "/generate" => {
             let obj = json_object(path, body, &["prompt", "max_new_tokens", "image", "image_base64"])?;
-            let image = request_image(path, &obj, opts)?;
+            let image = request_image(path, &obj, opts, &mut paths)?;
             let max_new_tokens = match obj.get("max_new_tokens") {
                 None => DEFAULT_MAX_NEW_TOKENS,
                 Some(v) => v
@@ -542,30 +770,39 @@ fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::result::Result
         "/save" => {
             let Some(root) = opts.save_root.as_deref() else {
                 let msg = "/save is disabled: start the server with --save-root DIR to allow saving models inside DIR";
-                return Err((403, error_body(msg, "forbidden")));
+                return Err(Failure::Client { status: 403, kind: "forbidden", msg: msg.into() });
             };
             let dir = string_field(path, &json_object(path, body, &["dir"])?, "dir")?;
             if dir.trim().is_empty() {
                 return Err(bad("field `dir` is empty".into()));
             }
-            let dir = crate::io::resolve_under(root, Path::new(&dir)).map_err(|e| match e {
-                Error::Input(_) => (403, error_body(format!("{path}: {e}"), "forbidden")),
-                // The root itself is unreadable (removed since the start, say): the server's fault.
-                e => (500, error_body(format!("{path}: {e}"), "internal")),
-            })?;
-            Op::Save { dir }
+            let resolved = confine(path, "field `dir`", &dir, root, "save root")?;
+            paths.add(resolved.clone(), dir);
+            Op::Save { dir: resolved }
         }
-        other => return Err((404, error_body(format!("no route {other}"), "not_found"))),
-    })
+        other => return Err(Failure::Client { status: 404, kind: "not_found", msg: format!("no route {other}") }),
+    };
+    Ok((op, paths))
 }
 
 /// The optional image of a `/score` or `/generate` body: `image` (a path under the image
 /// root) or `image_base64` (an upload), not both.
-fn request_image(path: &str, obj: &Map<String, Value>, opts: &ServeOptions) -> std::result::Result<Option<RequestImage>, Reply> {
+fn request_image(path: &str, obj: &Map<String, Value>, opts: &ServeOptions, paths: &mut ClientPaths) -> std::result::Result<Option<RequestImage>, Failure> {
     Ok(match (obj.contains_key("image"), obj.contains_key("image_base64")) {
-        (true, true) => return Err((400, error_body(format!("{path}: give `image` or `image_base64`, not both"), "bad_request"))),
-        (true, false) => Some(RequestImage::File(image_path(path, &string_field(path, obj, "image")?, opts)?)),
-        (false, true) => Some(RequestImage::Bytes(decode_image(path, "field `image_base64`", &string_field(path, obj, "image_base64")?)?)),
+        (true, true) => return Err(Failure::bad(format!("{path}: give `image` or `image_base64`, not both"))),
+        (true, false) => {
+            let name = string_field(path, obj, "image")?;
+            let resolved = image_path(path, "field `image`", &name, opts)?;
+            paths.add(resolved.clone(), name);
+            Some(RequestImage::File(resolved))
+        }
+        (false, true) => {
+            let what = "field `image_base64`";
+            let bytes = decode_image(path, what, &string_field(path, obj, "image_base64")?)?;
+            let tmp = TempImage::from_bytes(&bytes).map_err(|e| Failure::internal(format!("{path}: {what}: {e}")))?;
+            paths.add(tmp.path().to_path_buf(), what);
+            Some(RequestImage::Upload(tmp))
+        }
         (false, false) => None,
     })
 }
@@ -577,41 +814,64 @@ fn is_image_request(requests: &Value) -> bool {
     requests.as_array().is_some_and(|a| a.iter().any(|r| r.get("image").is_some() || r.get("image_base64").is_some()))
 }
 
-fn forbidden(msg: String) -> Reply {
-    (403, error_body(msg, "forbidden"))
+fn forbidden(msg: String) -> Failure {
+    Failure::Client { status: 403, kind: "forbidden", msg }
 }
 
 /// The 403 for an image path without an image root.
-fn no_image_root(path: &str) -> Reply {
+fn no_image_root(path: &str) -> Failure {
     forbidden(format!("{path}: image paths are disabled: start the server with --image-root DIR to allow images inside DIR (or send `image_base64`)"))
 }
 
-/// A confinement error: 403 for a path that leaves the root, 500 when the root itself
-/// cannot be read (removed since the start, say: the server's fault).
-fn confinement_error(path: &str, e: Error) -> Reply {
-    match e {
-        Error::Input(m) => forbidden(format!("{path}: {m}")),
-        e => (500, error_body(format!("{path}: {e}"), "internal")),
+/// `name` (a client's relative path, `what` names its field) resolved under `root` with
+/// [`crate::io::resolve_under`]: a NUL byte is 400; an absolute path, `..` or a symbolic
+/// link that leads out of the root (or cannot be resolved) is 403. The response names only
+/// `name` and the rule; the root, the link's target and any I/O error stay in the log.
+fn confine(path: &str, what: &str, name: &str, root: &Path, root_name: &str) -> std::result::Result<PathBuf, Failure> {
+    use std::path::Component;
+    if name.contains('\0') {
+        return Err(Failure::bad(format!("{path}: {what}: the path contains a NUL byte")));
     }
+    if name.is_empty() {
+        return Err(Failure::bad(format!("{path}: {what}: the path is empty")));
+    }
+    let rule = format!("paths are relative to the {root_name} and stay inside it");
+    for c in Path::new(name).components() {
+        match c {
+            Component::RootDir | Component::Prefix(_) => return Err(forbidden(format!("{path}: {what} {name:?}: absolute paths are refused; {rule}"))),
+            Component::ParentDir => return Err(forbidden(format!("{path}: {what} {name:?}: \"..\" is refused; {rule}"))),
+            _ => {}
+        }
+    }
+    crate::io::resolve_under(root, Path::new(name)).map_err(|e| match e {
+        Error::Input(detail) => {
+            info!(request = path, "refused a path: {detail}");
+            forbidden(format!("{path}: {what} {name:?}: a symbolic link on this path leads out of the {root_name} or cannot be resolved; {rule}"))
+        }
+        e => Failure::internal(format!("{path}: resolving {name:?} under the {root_name}: {e}")),
+    })
 }
 
-/// `/score`'s `image`: resolved under the image root (403 without one, or out of it) and
-/// required to be a file there (400, named as the client gave it).
-fn image_path(path: &str, name: &str, opts: &ServeOptions) -> std::result::Result<PathBuf, Reply> {
+/// An image named by a client (`what`: its field), resolved under the image root (403
+/// without one, or out of it) and required to be a regular file there (400): a FIFO or a
+/// device would block the reader that opens it, a directory is no image.
+fn image_path(path: &str, what: &str, name: &str, opts: &ServeOptions) -> std::result::Result<PathBuf, Failure> {
     let Some(root) = opts.image_root.as_deref() else { return Err(no_image_root(path)) };
-    let resolved = crate::io::resolve_under(root, Path::new(name)).map_err(|e| confinement_error(path, e))?;
-    if !resolved.is_file() {
-        return Err((400, error_body(format!("{path}: image {name:?} is not a file under the image root"), "bad_request")));
+    let resolved = confine(path, what, name, root, "image root")?;
+    // `resolve_under` resolved every link: this is the file itself.
+    match std::fs::metadata(&resolved) {
+        Ok(m) if m.is_file() => Ok(resolved),
+        Ok(_) => Err(Failure::bad(format!("{path}: {what}: image {name:?} is not a file under the image root: only a regular file is read, not a directory, FIFO or device"))),
+        Err(_) => Err(Failure::bad(format!("{path}: {what}: image {name:?} is not a file under the image root"))),
     }
-    Ok(resolved)
 }
 
 /// An upload (`image_base64`, an E-VQA record's `*_base64`; `field` names it in errors,
 /// e.g. ``record 1: field `m_loc_base64` ``):
 /// standard base64 (whitespace ignored) of a PNG or JPEG file; anything else is 400. Its
 /// size is bounded by the body limit.
-fn decode_image(path: &str, field: &str, b64: &str) -> std::result::Result<Vec<u8>, Reply> {
-    let bad = |msg: String| (400, error_body(format!("{path}: {field}: {msg}"), "bad_request"));
+fn decode_image(path: &str, field: &str, b64: &str) -> std::result::Result<Vec<u8>, Failure> {
+    let bad = |msg: String| Failure::bad(format!("{path}: {field}: {msg}"));
     let compact: String = b64.chars().filter(|c| !c.is_ascii_whitespace()).collect();
     if compact.is_empty() {
         return Err(bad("empty".into()));
@@ -622,52 +882,54 @@ fn decode_image(path: &str, field: &str, b64: &str) -> std::result::Result<Vec<u
 }
 
 /// An `/edit` of E-VQA records. Each image is a name under the image root (confined:
-/// 403 without a root or out of it) or a `*_base64` upload (400 unless a PNG or JPEG;
-/// written to a private temporary file that lives until the edit has run), one or the
-/// other; then every record is parsed and its images checked readable (400).
-fn image_edit(path: &str, requests: &Value, opts: &ServeOptions) -> std::result::Result<Op, Reply> {
-    let bad = |msg: String| (400, error_body(format!("{path}: {msg}"), "bad_request"));
+/// 403 without a root or out of it; 400 unless a regular file) or a `*_base64` upload (400
+/// unless a PNG or JPEG; written to a private temporary file that lives until the edit
+/// has run), one or the other; then every record is parsed and its images' headers read
+/// (400). Every file is added to `paths` under the client's name.
+fn image_edit(path: &str, requests: &Value, opts: &ServeOptions, paths: &mut ClientPaths) -> std::result::Result<(Vec<MmRecord>, Vec<TempImage>), Failure> {
+    let bad = |msg: String| Failure::bad(format!("{path}: {msg}"));
     let mut requests = requests.clone();
-    // Uploads out of the records first: confinement sees only the names clients gave.
-    let mut uploads: Vec<(usize, &str, TempImage)> = Vec::new();
-    let mut named = false;
+    let mut uploads = Vec::new();
     if let Value::Array(items) = &mut requests {
         for (i, item) in items.iter_mut().enumerate() {
             let Value::Object(obj) = item else { continue };
             for (key, _) in IMAGE_KEYS {
                 let b64_key = format!("{key}_base64");
-                match (obj.contains_key(key), obj.remove(&b64_key)) {
-                    (true, Some(_)) => return Err(bad(format!("record {i}: give `{key}` or `{b64_key}`, not both"))),
-                    (_, Some(Value::String(b64))) => {
-                        let bytes = decode_image(path, &format!("record {i}: field `{b64_key}`"), &b64)?;
-                        let tmp = TempImage::from_bytes(&bytes).map_err(|e| (500, error_body(format!("{path}: record {i}: {b64_key}: {e}"), "internal")))?;
-                        uploads.push((i, key, tmp));
+                let resolved = match (obj.remove(key), obj.remove(&b64_key)) {
+                    (Some(_), Some(_)) => return Err(bad(format!("record {i}: give `{key}` or `{b64_key}`, not both"))),
+                    (None, Some(Value::String(b64))) => {
+                        let what = format!("record {i}: field `{b64_key}`");
+                        let bytes = decode_image(path, &what, &b64)?;
+                        let tmp = TempImage::from_bytes(&bytes).map_err(|e| Failure::internal(format!("{path}: {what}: {e}")))?;
+                        let p = tmp.path().to_path_buf();
+                        paths.add(p.clone(), what);
+                        uploads.push(tmp);
+                        p
                     }
-                    (_, Some(_)) => return Err(bad(format!("record {i}: field `{b64_key}` must be a string of base64"))),
-                    (true, None) => named = true,
-                    (false, None) => {}
-                }
+                    (None, Some(_)) => return Err(bad(format!("record {i}: field `{b64_key}` must be a string of base64"))),
+                    (Some(Value::String(name)), None) => {
+                        let what = format!("record {i}: field `{key}`");
+                        let p = image_path(path, &what, &name, opts)?;
+                        paths.add(p.clone(), format!("{what} {name:?}"));
+                        p
+                    }
+                    // A missing or non-string key: left for the reader to name.
+                    (Some(v), None) => {
+                        obj.insert(key.to_string(), v);
+                        continue;
+                    }
+                    (None, None) => continue,
+                };
+                let p = resolved.to_str().ok_or_else(|| bad(format!("record {i}: field `{key}`: the path is not UTF-8")))?.to_string();
+                obj.insert(key.to_string(), Value::String(p));
             }
         }
     }
-    let roots = match opts.image_root.as_deref() {
-        Some(root) => ImageRoots::new(root.to_path_buf(), None),
-        None if named => return Err(no_image_root(path)),
-        // Uploads only: every image path is an absolute temporary file, which the reader
-        // takes as it is; the root is only joined to it.
-        None => ImageRoots::new(std::env::temp_dir(), None),
-    };
-    confine_images(&mut requests, &roots).map_err(|e| confinement_error(path, e))?;
-    if let Value::Array(items) = &mut requests {
-        for (i, key, tmp) in &uploads {
-            if let Some(Value::Object(obj)) = items.get_mut(*i) {
-                let p = tmp.path().to_str().ok_or_else(|| (500, error_body(format!("{path}: the temporary directory's path is not UTF-8"), "internal")))?;
-                obj.insert(key.to_string(), Value::String(p.to_string()));
-            }
-        }
-    }
-    let records = read_image_requests(&requests.to_string(), &roots).map_err(|e| bad(e.to_string()))?;
-    Ok(Op::EditImages { records, _uploads: uploads.into_iter().map(|(_, _, t)| t).collect() })
+    // Every image path is absolute now, which the reader takes as it is (the root is only
+    // joined to it); it must still be a directory.
+    let roots = ImageRoots::new(opts.image_root.clone().unwrap_or_else(std::env::temp_dir), None);
+    let records = read_image_requests(&requests.to_string(), &roots).map_err(|e| bad(paths.redact(&e.to_string())))?;
+    Ok((records, uploads))
 }
 
 fn model_loop(session: &mut Session, rx: &Receiver<Job>, shared: &Shared, shutdown: &AtomicBool) {
@@ -683,57 +945,70 @@ fn model_loop(session: &mut Session, rx: &Receiver<Job>, shared: &Shared, shutdo
             continue;
         }
         shared.counters.model_requests.fetch_add(1, Ordering::Relaxed);
-        let (status, body) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_op(session, job.op)))
-            .unwrap_or_else(|_| (500, error_body("internal error while running the request", "internal")));
+        let paths = job.paths;
+        let (status, body) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_op(session, job.op, &paths, shared)))
+            .unwrap_or_else(|_| Failure::internal("a request panicked in the model thread").reply());
         shared.edits_total.store(session.edits_total(), Ordering::Relaxed);
         respond(shared, job.request, status, body);
     }
 }
 
-/// Status of a session error: 422 for input the model refuses, 500 for the rest.
-fn status_of(e: &Error) -> (u16, &'static str) {
-    match e {
-        Error::Input(_) => (422, "invalid_input"),
-        Error::OutOfMemory(_) => (500, "out_of_memory"),
-        _ => (500, "internal"),
-    }
-}
-
-fn reply<T: Serialize>(r: Result<T>) -> Reply {
-    match r {
-        Ok(v) => (200, serde_json::to_value(v).unwrap_or_default()),
+fn run_op(session: &mut Session, op: Op, paths: &ClientPaths, shared: &Shared) -> Reply {
+    // A save folder the server cannot write is the caller's choice to fix (422); an image
+    // that fails to decode is the client's (400).
+    let file_status = if matches!(op, Op::Save { .. }) { 422 } else { 400 };
+    match run_session_op(session, op, paths) {
+        Ok(v) => (200, v),
         Err(e) => {
-            let (status, kind) = status_of(&e);
-            (status, error_body(e.to_string(), kind))
+            let out_of_memory = matches!(e, Error::OutOfMemory(_));
+            let (status, mut body) = Failure::of(e, paths, file_status, shared).reply();
+            if out_of_memory {
+                // What was in use when it ran out, to size the next attempt.
+                body["memory"] = session.memory().map(|m| json!(m)).unwrap_or(Value::Null);
+            }
+            (status, body)
         }
     }
 }
 
-fn run_op(session: &mut Session, op: Op) -> Reply {
-    let (status, mut body) = run_session_op(session, op);
-    if body["kind"] == "out_of_memory" {
-        // What was in use when it ran out, to size the next attempt.
-        body["memory"] = session.memory().map(|m| json!(m)).unwrap_or(Value::Null);
-    }
-    (status, body)
+fn to_json<T: Serialize>(v: T) -> Result<Value> {
+    serde_json::to_value(v).map_err(|e| Error::Torch(format!("cannot serialise the response: {e}")))
 }
 
-fn run_session_op(session: &mut Session, op: Op) -> Reply {
+/// An edit under `guard` (the session's guard is set for this call only); the response
+/// carries the settings it ran under as `guard_settings` (`null`: unguarded) next to the
+/// guard's decisions (`guard`, one per committed edit, as `edit --json` reports them).
+fn guarded_edit(session: &mut Session, guard: Option<GuardConfig>, f: impl FnOnce(&mut Session) -> Result<crate::edit::session::EditOutcome>) -> Result<Value> {
+    let settings = to_json(&guard)?;
+    let previous = std::mem::replace(&mut session.guard, guard);
+    let out = f(session);
+    session.guard = previous;
+    let mut v = to_json(out?)?;
+    v["guard_settings"] = settings;
+    Ok(v)
+}
+
+fn run_session_op(session: &mut Session, op: Op, paths: &ClientPaths) -> Result<Value> {
     match op {
-        Op::Edit(records) => reply(session.edit(&records)),
-        Op::EditImages { records, _uploads } => reply(session.edit_images(&records)),
-        Op::Score { text, image: None } => reply(session.score(&text)),
-        Op::Score { text, image: Some(RequestImage::File(p)) } => reply(session.score_image(&text, Some(&p))),
-        Op::Score { text, image: Some(RequestImage::Bytes(b)) } => reply(session.score_image_bytes(&text, &b)),
-        Op::Generate { prompt, max_new_tokens, image: None } => reply(session.generate(&prompt, max_new_tokens)),
-        Op::Generate { prompt, max_new_tokens, image: Some(RequestImage::File(p)) } => reply(session.generate_image(&prompt, Some(&p), max_new_tokens)),
-        Op::Generate { prompt, max_new_tokens, image: Some(RequestImage::Bytes(b)) } => reply(session.generate_image_bytes(&prompt, &b, max_new_tokens)),
-        Op::Reset => reply(session.reset().map(|n| json!({ "restored_params": n, "edits_total": session.edits_total() }))),
-        Op::Save { dir } => match session.save(&dir) {
-            Ok(()) => (200, json!({ "dir": dir.display().to_string(), "edits_total": session.edits_total() })),
-            // The directory is the caller's choice: failing to write it is theirs to fix.
-            Err(e @ (Error::Io { .. } | Error::File { .. })) => (422, error_body(e.to_string(), "invalid_input")),
-            Err(e) => reply::<()>(Err(e)),
-        },
+        Op::Edit { records, guard } => guarded_edit(session, guard, |s| s.edit(&records)),
+        Op::EditImages { records, guard, _uploads } => guarded_edit(session, guard, |s| s.edit_images(&records)),
+        Op::Score { text, image: None } => to_json(session.score(&text)?),
+        Op::Score { text, image: Some(RequestImage::File(p)) } => to_json(session.score_image(&text, Some(&p))?),
+        Op::Score { text, image: Some(RequestImage::Upload(t)) } => to_json(session.score_image(&text, Some(t.path()))?),
+        Op::Generate { prompt, max_new_tokens, image: None } => to_json(session.generate(&prompt, max_new_tokens)?),
+        Op::Generate { prompt, max_new_tokens, image: Some(RequestImage::File(p)) } => to_json(session.generate_image(&prompt, Some(&p), max_new_tokens)?),
+        Op::Generate { prompt, max_new_tokens, image: Some(RequestImage::Upload(t)) } => {
+            to_json(session.generate_image(&prompt, Some(t.path()), max_new_tokens)?)
+        }
+        Op::Reset => {
+            let n = session.reset()?;
+            Ok(json!({ "restored_params": n, "edits_total": session.edits_total() }))
+        }
+        Op::Save { dir } => {
+            session.save(&dir)?;
+            // The folder as the client named it, not where it is on the server.
+            let name = paths.name_of(&dir).unwrap_or_default();
+            Ok(json!({ "dir": name, "edits_total": session.edits_total() }))
+        }
     }
 }

@@ -153,19 +153,30 @@ impl MethodArgs {
 /// The commit guard and stepwise flags of `edit` and of `eval --edits-per-batch / --sequential`.
 #[derive(Args)]
 pub struct GuardArgs {
+    #[command(flatten)]
+    pub flags: GuardFlags,
+    /// With --sequential: make each request in up to 8 committed steps of a centred,
+    /// clipped, capped edit at 1/4 scale (experimental; see src/mend/stepwise.rs).
+    #[arg(long, requires = "sequential")]
+    pub stepwise: bool,
+}
+
+/// The commit guard's flags, shared by `edit`, `eval` and `serve` (same defaults).
+#[derive(Args)]
+pub struct GuardFlags {
     /// Commit every edit as the editor makes it: no guard on the locality prompts.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["guard_min_agreement", "guard_max_drop", "guard_max_kl", "guard_refuse", "guard_shrink"])]
     pub no_guard: bool,
     /// Guard: the least top-1 agreement of the locality prompts with the unedited model
     /// (0 to 1; default 0.9).
-    #[arg(long, conflicts_with = "no_guard")]
+    #[arg(long)]
     pub guard_min_agreement: Option<f64>,
     /// Guard: the most one edit may lower that agreement (0 to 1; default 0.05).
-    #[arg(long, conflicts_with = "no_guard")]
+    #[arg(long)]
     pub guard_max_drop: Option<f64>,
     /// Guard: the largest KL(unedited || edited) per locality position, in nats (>= 0;
     /// default 1).
-    #[arg(long, conflicts_with = "no_guard")]
+    #[arg(long)]
     pub guard_max_kl: Option<f64>,
     /// Guard: refuse an edit that fails instead of scaling it back.
     #[arg(long, conflicts_with = "no_guard")]
@@ -173,39 +184,36 @@ pub struct GuardArgs {
     /// Guard: shrink each edit to the smallest scale (1, 1/2, 1/4, ...) that still makes it.
     #[arg(long, conflicts_with = "no_guard")]
     pub guard_shrink: bool,
-    /// With --sequential: make each request in up to 8 committed steps of a centred,
-    /// clipped, capped edit at 1/4 scale (experimental; see src/mend/stepwise.rs).
-    #[arg(long, requires = "sequential")]
-    pub stepwise: bool,
 }
 
-impl GuardArgs {
+impl GuardFlags {
     /// Whether any guard setting was given (eval uses them only with a capacity mode).
     pub fn given(&self) -> bool {
         self.no_guard || self.guard_refuse || self.guard_shrink || self.guard_min_agreement.is_some() || self.guard_max_drop.is_some() || self.guard_max_kl.is_some()
     }
 
-    /// The guard as configured (`None` with `--no-guard`); values out of range are refused.
+    /// The guard (`None` with --no-guard), its thresholds checked before anything loads.
     pub fn config(&self) -> anyhow::Result<Option<crate::mend::guard::GuardConfig>> {
+        if self.no_guard {
+            return Ok(None);
+        }
         let d = crate::mend::guard::GuardConfig::default();
-        let unit = |flag: &str, v: Option<f64>, default: f64| match v {
-            Some(x) if !(x.is_finite() && (0.0..=1.0).contains(&x)) => Err(anyhow::anyhow!("{flag} must be a number from 0 to 1, got {x}")),
-            v => Ok(v.unwrap_or(default)),
-        };
-        let min_agreement = unit("--guard-min-agreement", self.guard_min_agreement, d.min_agreement)?;
-        let max_drop = unit("--guard-max-drop", self.guard_max_drop, d.max_drop)?;
-        let max_kl = match self.guard_max_kl {
-            Some(x) if !(x.is_finite() && x >= 0.0) => anyhow::bail!("--guard-max-kl must be a number >= 0, got {x}"),
-            v => v.unwrap_or(d.max_kl),
-        };
-        Ok((!self.no_guard).then_some(crate::mend::guard::GuardConfig {
-            min_agreement,
-            max_drop,
-            max_kl,
+        let c = crate::mend::guard::GuardConfig {
+            min_agreement: self.guard_min_agreement.unwrap_or(d.min_agreement),
+            max_drop: self.guard_max_drop.unwrap_or(d.max_drop),
+            max_kl: self.guard_max_kl.unwrap_or(d.max_kl),
             scale_back: !self.guard_refuse,
             shrink: self.guard_shrink,
             ..d
-        }))
+        };
+        c.validate()?;
+        Ok(Some(c))
+    }
+}
+
+impl GuardArgs {
+    pub fn config(&self) -> anyhow::Result<Option<crate::mend::guard::GuardConfig>> {
+        self.flags.config()
     }
 
     pub fn stepwise(&self) -> Option<crate::mend::stepwise::Stepwise> {

@@ -16,7 +16,7 @@ mod train;
 mod world;
 
 pub use build_default::BuildDefaultArgs;
-pub use common::{dataset, parse_image_size, CommonArgs, GuardArgs, MethodArg, MethodArgs};
+pub use common::{dataset, parse_image_size, CommonArgs, GuardArgs, GuardFlags, MethodArg, MethodArgs};
 pub use compare::CompareCmd;
 pub use demo::DemoArgs;
 pub use device::DeviceArgs;

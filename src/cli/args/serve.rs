@@ -46,4 +46,7 @@ pub struct ServeArgs {
     /// read and (with --save-root) save the model.
     #[arg(long)]
     pub insecure_no_token: bool,
+    /// /edit's commit guard, as `edit`'s (a request may change it for itself).
+    #[command(flatten)]
+    pub guard: super::GuardFlags,
 }

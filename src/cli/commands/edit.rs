@@ -4,6 +4,8 @@ use crate::planner::Phase;
 use crate::run::{self, EditOptions};
 
 pub fn run(a: EditArgs) -> anyhow::Result<()> {
+    // Flags first: a bad threshold is named before any file is read.
+    let guard = a.guard.config()?;
     let opts = EditOptions {
         common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
         method: a.method.resolve()?,
@@ -12,7 +14,7 @@ pub fn run(a: EditArgs) -> anyhow::Result<()> {
         sequential: a.sequential,
         save: a.save,
         max_length: a.method.max_length,
-        guard: a.guard.config()?,
+        guard,
         stepwise: a.guard.stepwise(),
     };
     let (out, path) = run::run_edit(&opts)?;

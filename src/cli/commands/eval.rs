@@ -7,6 +7,8 @@ use crate::run::{self, EvalOptions};
 
 /// The run `eval` (and `compare eval`) makes of its flags.
 pub fn options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
+    // Flags first: a bad threshold is named before any file is read.
+    let capacity = capacity_options(a)?;
     Ok(EvalOptions {
         common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
         method: a.method.resolve()?,
@@ -14,7 +16,7 @@ pub fn options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
         ds: dataset(&a.ds)?,
         limit: a.limit,
         max_length: a.method.max_length,
-        capacity: capacity_options(a)?,
+        capacity,
     })
 }
 
@@ -23,7 +25,7 @@ fn capacity_options(a: &EvalArgs) -> anyhow::Result<Option<run::CapacityOptions>
         (Some(n), _) => Grouping::Batch(n),
         (None, Some(n)) => Grouping::Sequential(n),
         (None, None) => {
-            if a.drift_text.is_some() || a.guard.stepwise || a.guard.given() {
+            if a.drift_text.is_some() || a.guard.stepwise || a.guard.flags.given() {
                 anyhow::bail!("--drift-text, --stepwise and the guard flags of eval need --edits-per-batch N or --sequential N");
             }
             return Ok(None);

@@ -15,6 +15,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         image_root: a.image_root,
         token: signals::token(a.token),
         insecure_no_token: a.insecure_no_token,
+        guard: a.guard.config()?,
         ..Default::default()
     };
     let dtype = parse_dtype(&a.dtype)?;
