@@ -422,7 +422,7 @@ fn flags_that_would_be_ignored_are_refused() {
         (&edit, &["--no-guard", "--guard-refuse"], "--guard-refuse"),
         (&edit, &["--guard-min-agreement", "NaN"], "--guard-min-agreement"),
         (&edit, &["--guard-max-drop", "2"], "--guard-max-drop"),
-        (&edit, &["--guard-max-kl=-1"], "--guard-max-kl must be"),
+        (&edit, &["--guard-max-kl=-1"], "(--guard-max-kl) must be"),
         (&eval, &["--guard-max-kl", "0.5"], "guard flags of eval need"),
         (&eval, &["--image-root", "."], "--image-root"),
     ];
