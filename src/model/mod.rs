@@ -116,10 +116,11 @@ pub struct ForwardInput<'a> {
     /// Image features `[N, D]` placed, in order, at the N `<|image_pad|>` tokens of
     /// `input_ids` (vision-language models; see [`qwen2_vl::Qwen2Vl::image_features`]).
     pub image_embeds: Option<&'a Tensor>,
-    /// Under a layer split: this input's boundary activations, computed beforehand by
-    /// [`Model::prefix`]; the forward then starts at the boundary block instead of running
-    /// the embedding and the blocks below it again (their output does not depend on any
-    /// edited weight). `None`: from the embedding.
+    /// This input's activations entering a block, computed beforehand by
+    /// [`Model::prefix_to`] (under a layer split at or above its boundary, and already
+    /// crossed); the forward then starts at that block instead of running the embedding
+    /// and the blocks below it again (their output does not depend on any edited
+    /// weight). `None`: from the embedding.
     pub entry: Option<&'a Boundary>,
 }
 
@@ -262,15 +263,16 @@ impl BlockContext {
     }
 }
 
-/// A layer split's boundary activations of one batch: the output of the embedding and the
-/// blocks below the boundary (no grad, on the sub-device after one crossing), with what
-/// the blocks above share. The prefix depends on no edited weight (every edited block is
-/// at or above the boundary), so one `Boundary` serves the unedited forward, the capture
-/// and every edited forward of the same batch ([`ForwardInput::entry`]).
+/// A batch's prefix activations: the output of the embedding and the blocks below `at`
+/// (no grad; under a layer split on the sub-device after one crossing), with what the
+/// blocks above share. The prefix depends on no edited weight (every edited block is at
+/// or above `at`), so one `Boundary` serves the unedited forward, the capture and every
+/// edited forward of the same batch ([`ForwardInput::entry`]), in every placement.
 pub struct Boundary {
-    /// The first block on the sub-device.
+    /// The first block the forwards starting here run (under a layer split, at or above
+    /// the first block on the sub-device).
     pub at: usize,
-    /// Hidden states entering block `at`, `[B, T, D]`, on the sub-device.
+    /// Hidden states entering block `at`, `[B, T, D]`, where block `at` runs.
     pub x: Tensor,
     ctx: BlockContext,
 }
@@ -295,6 +297,14 @@ impl Boundary {
     /// New handles to the same tensors.
     pub fn shallow_clone(&self) -> Boundary {
         Boundary { at: self.at, x: self.x.shallow_clone(), ctx: self.ctx.shallow_clone() }
+    }
+
+    /// The same boundary on the other side of `c` (`[B, T, D]` through
+    /// [`Crossing::boundary_to_sub`], the mask and rotary tables through `to_sub`): the
+    /// replica placement computes a batch's prefix once on main and its edited forwards
+    /// start from this copy on the sub-device.
+    pub fn crossed(&self, c: &dyn Crossing) -> Boundary {
+        Boundary { at: self.at, x: c.boundary_to_sub(&self.x), ctx: self.ctx.crossed(c) }
     }
 
     /// The boundary of rows `[row, row + n)` of this batch, cut to their first `t` tokens:
@@ -411,19 +421,21 @@ impl Model {
         Ok((x, captures))
     }
 
-    /// That `e` is the boundary of this view's layer split for an input of this shape.
+    /// That `e` is a prefix of this input (same `[B, T]`) entering a block this view can
+    /// start at: any block of the model, at or above the layer split's boundary when
+    /// there is one (the crossing is part of the prefix).
     pub(crate) fn check_entry(&self, p: &ParamView, input: &ForwardInput, e: &Boundary) -> Result<()> {
         let (b, t) = input.dims()?;
-        match p.layer_split() {
-            Some(s) if s.at == e.at && e.x.size()[..2] == [b, t] => Ok(()),
-            Some(s) => Err(crate::Error::Torch(format!(
-                "boundary activations {:?} at block {} for a [{b}, {t}] input split at block {}",
-                e.x.size(),
-                e.at,
-                s.at
-            ))),
-            None => Err(crate::Error::Torch("boundary activations given to a forward without a layer split".into())),
+        let lowest = p.layer_split().map_or(0, |s| s.at);
+        if e.at >= lowest && e.at <= self.n_blocks() && e.x.size()[..2] == [b, t] {
+            return Ok(());
         }
+        Err(crate::Error::Torch(format!(
+            "boundary activations {:?} at block {} for a [{b}, {t}] input (the lowest block it may enter is {lowest}, the model has {})",
+            e.x.size(),
+            e.at,
+            self.n_blocks()
+        )))
     }
 
     /// The boundary activations of `input` under `p`'s layer split: the embedding and
@@ -432,16 +444,38 @@ impl Model {
     /// below the boundary (the engine checks that no edited weight is there).
     pub fn prefix(&self, p: &ParamView, input: &ForwardInput) -> Result<Boundary> {
         let split = p.layer_split().ok_or_else(|| crate::Error::Torch("boundary activations need a layer split".into()))?;
+        self.prefix_to(p, input, split.at)
+    }
+
+    /// The activations of `input` entering block `at` (`[B, T, D]`), without grad: the
+    /// embedding and blocks `[0, at)`, crossing to the sub-device at `p`'s layer split
+    /// when there is one (then `at` must be at or above its boundary). Every forward of
+    /// the same batch whose weights below `at` are the frozen ones may start there
+    /// ([`ForwardInput::entry`]): MEND's capture, unedited and edited forwards all do,
+    /// with `at` the first edited block. `p` must not override a weight below `at`.
+    pub fn prefix_to(&self, p: &ParamView, input: &ForwardInput, at: usize) -> Result<Boundary> {
+        let lowest = p.layer_split().map_or(0, |s| s.at);
+        if at < lowest || at > self.n_blocks() {
+            return Err(crate::Error::Torch(format!("a prefix to block {at} (the lowest block it may enter is {lowest}, the model has {})", self.n_blocks())));
+        }
         crate::error::guard(|| {
             tch::no_grad(|| {
                 let none = HashSet::new();
                 let mut scratch = BTreeMap::new();
-                let (mut x, ctx) = self.embed(p, input, 0)?;
-                for i in 0..split.at {
+                let (mut x, mut ctx) = self.embed(p, input, 0)?;
+                for i in 0..at {
+                    if let Some(c) = p.crossing_at(i) {
+                        x = c.boundary_to_sub(&x);
+                        ctx = ctx.crossed(c);
+                    }
                     x = self.block(p, i, &x, &ctx, &none, &mut scratch, None)?;
                 }
-                let c = split.cross.as_ref();
-                Ok(Boundary { at: split.at, x: c.boundary_to_sub(&x), ctx: ctx.crossed(c) })
+                // A split exactly at `at`: the crossing is the prefix's last step.
+                if let Some(c) = p.crossing_at(at) {
+                    x = c.boundary_to_sub(&x);
+                    ctx = ctx.crossed(c);
+                }
+                Ok(Boundary { at, x, ctx })
             })
         })
     }
