@@ -67,11 +67,13 @@ impl WeightLayout {
     /// picks a slow kernel for `x·Aᵀ` when `x` is skinny, and the transposed product
     /// measured 35 % faster for GPT-2-small's layers at 16–48 rows and still 10 % faster
     /// at 256, with the backward no slower (BENCHMARKS.md). Larger batches keep the
-    /// plain product, which wins there.
+    /// plain product, which wins there. In f32 the threshold is [`SKINNY_ROWS_F32`]:
+    /// Qwen2-VL's 188-row text forward (512 → 1408) measured 7–40 % slower that way (#35).
     pub fn apply(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
         let d_in = *x.size().last().unwrap_or(&0);
         let rows = x.numel() as i64 / d_in.max(1);
-        if x.device() == Device::Cpu && rows > 0 && rows <= SKINNY_ROWS {
+        let skinny = if x.kind() == tch::Kind::Float { SKINNY_ROWS_F32 } else { SKINNY_ROWS };
+        if x.device() == Device::Cpu && rows > 0 && rows <= skinny {
             let a = match self {
                 WeightLayout::Linear => w.shallow_clone(),
                 WeightLayout::Conv1d => w.tr(),
@@ -670,8 +672,14 @@ fn with_bias(h: Tensor, b: Option<&Tensor>) -> Tensor {
     }
 }
 
-/// Rows up to which [`WeightLayout::apply`] computes a CPU product as `(A·xᵀ)ᵀ`.
+/// Rows up to which [`WeightLayout::apply`] computes a CPU product as `(A·xᵀ)ᵀ` (bf16,
+/// f16: at or below par with `x·Aᵀ` at every shape measured up to 256 rows, BENCHMARKS.md #35).
 const SKINNY_ROWS: i64 = 256;
+
+/// [`SKINNY_ROWS`] for f32 products: at 188 rows `(A·xᵀ)ᵀ` was 4–42 % slower than `x·Aᵀ`
+/// at six layer shapes (GPT-2-small's, Qwen2-VL-small's), at 96 rows and below on par or
+/// faster (one thread, #35, BENCHMARKS.md).
+const SKINNY_ROWS_F32: i64 = 128;
 
 /// Rows up to which [`lm_head`] streams the embedding matrix instead of calling x·Wᵀ.
 const SKINNY_HEAD_ROWS: i64 = 64;
