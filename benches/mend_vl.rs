@@ -16,9 +16,9 @@
 //! - `adam_step`: clipping + Adam over the editor;
 //! - `edit`: the edit image's features, capture, the editor (`Engine::edit_low_rank`).
 //!
-//! - `train_microbatch (before #35)`: the same step with every forward from the embedding
-//!   and the four scored views in one padded forward, interleaved with the current one
-//!   (`--ab`: the A/B alone, medians of 5 alternating rounds).
+//! - first, the micro-step before #35 (every forward from the embedding, the four scored
+//!   views in one padded forward) and after, alternating: medians of 5 rounds after one
+//!   warm-up each (`--ab`: that alone).
 //!
 //! Then the arithmetic of a step (linear layers of the text blocks and the head, forward
 //! and the input-gradient backward, from the batches' shapes: before and after #35), the
@@ -189,9 +189,17 @@ fn main() {
     };
     let mut engine = engine;
     let (mut before_ms, mut after_ms) = (Vec::new(), Vec::new());
+    let mut once = |before: bool, engine: &mut Engine, editor: &mut Editor| {
+        let t = Instant::now();
+        step(engine, editor, before);
+        t.elapsed().as_secs_f64() * 1e3
+    };
+    // One warm-up of each, then 5 alternating rounds.
+    once(true, &mut engine, &mut editor);
+    once(false, &mut engine, &mut editor);
     for _ in 0..5 {
-        before_ms.push(timed("train_microbatch (before #35)", || step(&mut engine, &mut editor, true)));
-        after_ms.push(timed("train_microbatch", || step(&mut engine, &mut editor, false)));
+        before_ms.push(once(true, &mut engine, &mut editor));
+        after_ms.push(once(false, &mut engine, &mut editor));
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
