@@ -3,29 +3,21 @@
 // `t += x` on a tch `Tensor` is the in-place `add_`, which autograd cannot take where `t`
 // is saved for backward: the crate writes `t = t + x` on purpose.
 #![allow(clippy::assign_op_pattern)]
-pub mod capacity;
-pub mod chart;
-pub mod compare;
+pub mod bootstrap;
+pub mod cli;
 pub mod config;
 pub mod data;
-pub mod demo;
-pub mod demo_vl;
 pub mod device;
 pub mod edit;
 pub mod error;
-pub mod eval;
 pub mod io;
 pub mod model;
 pub mod planner;
-pub mod pretrain;
-pub mod pretrain_vl;
-pub mod report;
 pub mod rng;
 pub mod run;
-pub mod score;
 pub mod serve;
-pub mod session;
 pub mod train;
+pub mod world;
 
 pub use error::{Error, Result};
 pub mod mend;

@@ -70,3 +70,17 @@ fn modules_use_only_what_architecture_md_allows() {
     }
     assert!(violations.is_empty(), "uses that ARCHITECTURE.md does not allow:\n{}", violations.join("\n"));
 }
+
+/// The worlds are data generation only: they must build without libtorch (ARCHITECTURE.md:
+/// `world` uses io and rng), so no file under src/world names tch.
+#[test]
+fn the_worlds_need_no_libtorch() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/world");
+    let mut files = Vec::new();
+    rust_files(&dir, &mut files);
+    assert!(!files.is_empty(), "src/world has no Rust files");
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        assert!(!text.contains("tch::") && !text.contains("use tch"), "{} uses tch", f.display());
+    }
+}

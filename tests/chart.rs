@@ -3,10 +3,10 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use dualedit::chart::{render_timeline_png, render_timeline_png_without_text, HEIGHT, WIDTH};
+use dualedit::run::chart::{render_timeline_png, render_timeline_png_without_text, HEIGHT, WIDTH};
 use dualedit::device::memory::{MemorySample, MemoryTracker, PhaseSample};
 use dualedit::device::MoverStats;
-use dualedit::report::{DeviceInfo, RunReport};
+use dualedit::run::report::{DeviceInfo, RunReport};
 use tch::Device;
 
 const MIB: u64 = 1024 * 1024;

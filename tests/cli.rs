@@ -30,7 +30,7 @@ fn one_object(what: &str, o: &Output) -> Value {
 
 /// The shipped default (tiny model, its editor, its world's edit records).
 fn shipped(part: &str) -> String {
-    dualedit::demo::shipped_root().join(part).display().to_string()
+    dualedit::bootstrap::demo::shipped_root().join(part).display().to_string()
 }
 
 /// Subcommands (`compare` expanded into `compare train` / `compare eval`) whose help

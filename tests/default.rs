@@ -4,10 +4,10 @@ use std::path::Path;
 use std::process::Command;
 
 use dualedit::config::MendConfig;
-use dualedit::data::synthetic::WorldConfig;
-use dualedit::demo::{build_default, shipped_root, BuildSpec};
+use dualedit::world::text::WorldConfig;
+use dualedit::bootstrap::demo::{build_default, shipped_root, BuildSpec};
 use dualedit::device::DevicePlan;
-use dualedit::pretrain::PretrainConfig;
+use dualedit::bootstrap::pretrain::PretrainConfig;
 use dualedit::edit::MethodSpec;
 use dualedit::run::{run_eval, Common, EvalOptions};
 use tch::{Device, Kind};

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use common::{fixture, TRAIN_RECORDS};
 
-use dualedit::compare::{compare_eval, compare_train};
+use dualedit::run::compare::{compare_eval, compare_train};
 use dualedit::config::MendConfig;
 use dualedit::data::DatasetKind;
 use dualedit::device::{memory, DevicePlan};
@@ -53,7 +53,7 @@ fn split_training_and_evaluation_match_single_device() {
         assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{k}: single {a} vs dual {b}");
     }
     assert!(dir.path().join("train/compare.json").exists());
-    assert!(dualedit::compare::table(&c).contains("metrics agree: yes"));
+    assert!(dualedit::run::compare::table(&c).contains("metrics agree: yes"));
 
     // Evaluation with the editor just trained.
     let eval = EvalOptions {

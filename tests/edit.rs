@@ -7,11 +7,11 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use dualedit::session::{Session, SessionOptions};
+use dualedit::edit::session::{Session, SessionOptions};
 
 fn shipped() -> PathBuf {
     common::init();
-    dualedit::demo::shipped_root()
+    dualedit::bootstrap::demo::shipped_root()
 }
 
 /// The first `n` held-out records of the embedded default as a request file.

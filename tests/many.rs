@@ -10,7 +10,7 @@
 mod common;
 use std::path::{Path, PathBuf};
 
-use dualedit::capacity::Grouping;
+use dualedit::edit::capacity::Grouping;
 use dualedit::data::easyedit::{load_records, DatasetKind, EditRecord};
 use dualedit::data::examples::prepare;
 use dualedit::device::DevicePlan;
@@ -18,7 +18,7 @@ use dualedit::edit::{LoadOptions, MethodSpec};
 use dualedit::mend::guard::{Decision, GuardConfig};
 use dualedit::mend::ls::{LsChoice, LsConfig};
 use dualedit::run::{run_eval, CapacityOptions, Common, EvalOptions};
-use dualedit::session::Session;
+use dualedit::edit::session::Session;
 use tch::{Device, Kind};
 
 fn root() -> PathBuf {

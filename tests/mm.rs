@@ -5,7 +5,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::fixture;
-use dualedit::compare::{compare_eval, compare_train};
+use dualedit::run::compare::{compare_eval, compare_train};
 use dualedit::config::MendConfig;
 use dualedit::data::multimodal::{load_mm, parse_mm, ImageRoots};
 use dualedit::data::examples::DataCounts;
@@ -239,11 +239,11 @@ fn qwen2vl_7b_preset_names_resolve_in_both_layouts() {
 
 /// A session on the Qwen2-VL fixture with an untrained editor (a plain gradient step of
 /// size edit_lr), for the library and HTTP image edit paths.
-pub fn vl_session() -> dualedit::session::Session {
+pub fn vl_session() -> dualedit::edit::session::Session {
     let engine = engine(DevicePlan::single(Device::Cpu));
     let cfg = MendConfig { rank: 8, edit_lr: 1e-2, ..MendConfig::default() };
     let editor = dualedit::mend::Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
-    dualedit::session::Session::from_parts(engine, Some(editor))
+    dualedit::edit::session::Session::from_parts(engine, Some(editor))
 }
 
 /// Issue #22: a library user applies E-VQA requests with images through `Session`; the edit
@@ -251,7 +251,7 @@ pub fn vl_session() -> dualedit::session::Session {
 /// refuses image requests, and a bad request is an input error naming the record.
 #[test]
 fn session_edits_with_images_and_reset_restores_the_image_score() {
-    use dualedit::session::{read_image_requests, Session, SessionOptions};
+    use dualedit::edit::session::{read_image_requests, Session, SessionOptions};
     let dir = tempfile::tempdir().unwrap();
     let r = roots(dir.path());
     let text = serde_json::to_string(&[record("What is in the picture?", "a cat", "val/a.png"), record("What animal is this?", "a horse", "val/b.png")]).unwrap();
@@ -313,7 +313,7 @@ fn image_locality_compares_top_ten_lists_at_every_position() {
     let (engine, _, (_, ex, _)) = one_record(dir.path());
     let e = &ex[0];
     let li = e.loc_image.as_ref().unwrap();
-    let images = engine.images(&dualedit::eval::all_views(&[e])).unwrap();
+    let images = engine.images(&dualedit::edit::eval::all_views(&[e])).unwrap();
     // Every edited weight moved by noise: some top-10 lists change, not all.
     let mut ov = Overrides::new();
     dualedit::rng::torch_seeded(4, || {
@@ -322,8 +322,8 @@ fn image_locality_compares_top_ten_lists_at_every_position() {
             ov.insert(p.name.clone(), w + w.randn_like() * 0.5 * w.std(true));
         }
     });
-    let before = dualedit::eval::measure_before(&engine, &[e], images.as_ref()).unwrap();
-    let m = &dualedit::eval::measure_after(&engine, &ov, &[e], &before, 0.0, images.as_ref()).unwrap()[0];
+    let before = dualedit::edit::eval::measure_before(&engine, &[e], images.as_ref()).unwrap();
+    let m = &dualedit::edit::eval::measure_after(&engine, &ov, &[e], &before, 0.0, images.as_ref()).unwrap()[0];
 
     let mut ids = li.ids.clone();
     ids.push(0);

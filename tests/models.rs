@@ -85,8 +85,8 @@ fn check_family(name: &str) {
     // bf16 weights score close to f32.
     let lm16 = load_model(&fixture(name), Device::Cpu, Kind::BFloat16).unwrap();
     let text = r["texts"][2].as_str().unwrap();
-    let s32 = dualedit::score::score_text(&lm, &ParamView::frozen(&lm.params), text).unwrap();
-    let s16 = dualedit::score::score_text(&lm16, &ParamView::frozen(&lm16.params), text).unwrap();
+    let s32 = dualedit::edit::score::score_text(&lm, &ParamView::frozen(&lm.params), text).unwrap();
+    let s16 = dualedit::edit::score::score_text(&lm16, &ParamView::frozen(&lm16.params), text).unwrap();
     let mean_ref = r["mean_nll"][2].as_f64().unwrap();
     assert!((s32.mean_nll - mean_ref).abs() < 1e-4, "{name}: mean NLL {} vs {mean_ref}", s32.mean_nll);
     let rel16 = (s16.mean_nll - s32.mean_nll).abs() / s32.mean_nll;

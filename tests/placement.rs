@@ -5,7 +5,7 @@
 mod common;
 use common::{fixture, TRAIN_RECORDS};
 
-use dualedit::compare::{compare_eval, compare_train, Comparison};
+use dualedit::run::compare::{compare_eval, compare_train, Comparison};
 use dualedit::config::MendConfig;
 use dualedit::data::{DatasetKind, EditExample, Example};
 use dualedit::device::{DevicePlan, OptimizerDevice, Placement};

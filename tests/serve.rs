@@ -16,7 +16,7 @@ use common::{fixture, records, trained_editor_session};
 use dualedit::data::Example;
 use dualedit::model::Tokenizer;
 use dualedit::serve::{ServeOptions, ServeStats, Server};
-use dualedit::session::{Session, SessionOptions};
+use dualedit::edit::session::{Session, SessionOptions};
 use serde_json::{json, Value};
 
 /// The tests of this file run one at a time: the burst test reads the process's resident

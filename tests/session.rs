@@ -1,4 +1,4 @@
-//! The library API (`dualedit::session`): edit then generate returns the new target,
+//! The library API (`dualedit::edit::session`): edit then generate returns the new target,
 //! reset restores the original scores exactly, saved models and editors round-trip,
 //! typed errors for bad input, and greedy decoding with the KV cache equals recomputing
 //! the full prefix on every family.
@@ -11,7 +11,7 @@ use common::{fixture, records, trained_editor, trained_editor_session};
 use dualedit::data::Example;
 use dualedit::model::{load_model, ForwardInput, KvCache, LoadedModel, ParamView};
 use dualedit::edit::Finish;
-use dualedit::session::{Session, SessionOptions};
+use dualedit::edit::session::{Session, SessionOptions};
 use dualedit::Error;
 use tch::{Device, Kind, Tensor};
 

@@ -85,7 +85,7 @@ fn check_model(name: &str) {
         let all_png = images.iter().all(|i| i.ends_with(".png"));
         let got = if all_png {
             let refs: Vec<&Path> = paths.iter().map(|p| p.as_path()).collect();
-            dualedit::score::score_with_images(&lm, &params, text, &refs).unwrap()
+            dualedit::edit::score::score_with_images(&lm, &params, text, &refs).unwrap()
         } else {
             // Same computation from the processor's pixel values.
             let prepared: Vec<_> = paths.iter().map(|p| image::prepare(p, &proc).unwrap()).collect();
@@ -109,7 +109,7 @@ fn check_model(name: &str) {
             let lp: Vec<f64> = Vec::try_from(lp.to_kind(Kind::Double)).unwrap();
             let text_n = ids.len() - grids.iter().map(|g| vl.image_prompt(g).len()).sum::<usize>();
             assert_eq!(ids, want_ids, "{name} {images:?}: token ids");
-            dualedit::score::Score {
+            dualedit::edit::score::Score {
                 tokens: ids[ids.len() - text_n..].to_vec(),
                 logprobs: lp[lp.len() - text_n..].to_vec(),
                 mean_nll: 0.0,
@@ -129,7 +129,7 @@ fn check_model(name: &str) {
             // The whole pipeline from the JPEG file: the decoder's few-level pixel
             // differences move these random-weight log-probs by more than 1e-4, not by much.
             let refs: Vec<&Path> = paths.iter().map(|p| p.as_path()).collect();
-            let s = dualedit::score::score_with_images(&lm, &params, text, &refs).unwrap();
+            let s = dualedit::edit::score::score_with_images(&lm, &params, text, &refs).unwrap();
             let d = s.logprobs.iter().zip(expected).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
             jpeg_worst = jpeg_worst.max(d);
             assert!(d <= 0.2, "{name} {images:?}: from the JPEG file, max abs log-prob diff {d}");
@@ -155,7 +155,7 @@ fn bf16_scores_close_to_f32() {
     let img = fixture("vl_images").join("rgb.png");
     let s = |kind| {
         let lm = load_model(&dir, Device::Cpu, kind).unwrap();
-        dualedit::score::score_with_images(&lm, &ParamView::frozen(&lm.params), "The capital of France is Paris.", &[&img]).unwrap()
+        dualedit::edit::score::score_with_images(&lm, &ParamView::frozen(&lm.params), "The capital of France is Paris.", &[&img]).unwrap()
     };
     let (a, b) = (s(Kind::Float), s(Kind::BFloat16));
     let rel = (a.mean_nll - b.mean_nll).abs() / a.mean_nll;
@@ -366,7 +366,7 @@ fn plan_ds_vqa_plans_the_five_views() {
 /// The library: `Session::score_image` with and without an image.
 #[test]
 fn session_scores_with_an_optional_image() {
-    use dualedit::session::{Session, SessionOptions};
+    use dualedit::edit::session::{Session, SessionOptions};
     let dir = fixture("qwen2_vl");
     let session = Session::open(&dir, None, &SessionOptions::default()).unwrap();
     let img = fixture("vl_images").join("gray.png");

@@ -5,9 +5,9 @@ use std::path::Path;
 use std::process::Command;
 
 use dualedit::data::multimodal::{ImageFile, VlPrompt};
-use dualedit::data::visual_world::{write_visual_world, VisualWorld, VisualWorldConfig};
+use dualedit::world::visual::{write_visual_world, VisualWorld, VisualWorldConfig};
 use dualedit::model::{load_model, ParamView};
-use dualedit::pretrain_vl::{pretrain_vl, vl_accuracy, VlPretrainConfig};
+use dualedit::bootstrap::pretrain_vl::{pretrain_vl, vl_accuracy, VlPretrainConfig};
 use tch::{Device, Kind};
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -4,6 +4,7 @@ pub mod memory;
 pub mod mover;
 pub mod oom;
 pub mod placement;
+pub mod request;
 pub mod timeline;
 pub mod worker;
 
@@ -12,6 +13,7 @@ use tracing::info;
 
 pub use mover::{Mover, MoverStats};
 pub use placement::{MaxMemory, OptimizerDevice, Placement, PlacementRequest};
+pub use request::DeviceRequest;
 
 use crate::{Error, Result};
 

@@ -68,6 +68,27 @@ pub struct EditorMeta {
     pub dualedit_version: String,
 }
 
+/// Reads `dir/editor.json` (the readable copy of an editor's description): what a caller
+/// needs before the model is loaded (the edited weight names, the config it was trained
+/// with). Loading the editor itself trusts the safetensors header instead.
+pub fn read_editor_json(dir: &Path) -> Result<EditorMeta> {
+    if !dir.is_dir() {
+        return Err(Error::file(dir, "editor directory not found"));
+    }
+    let path = dir.join(EDITOR_JSON);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid editor description: {e}")))
+}
+
+/// The MEND config an editor in `dir` was trained with, its `edit_params` the weights it
+/// edits: what a placement for that editor is planned with.
+pub fn trained_config(dir: &Path) -> Result<MendConfig> {
+    let meta = read_editor_json(dir)?;
+    let mut cfg = meta.config;
+    cfg.edit_params = meta.params.into_iter().map(|p| p.name).collect();
+    Ok(cfg)
+}
+
 fn meta_map(json: &impl Serialize) -> Result<HashMap<String, String>> {
     let text = serde_json::to_string(json).map_err(|e| Error::Torch(e.to_string()))?;
     Ok(HashMap::from([(META_KEY.to_string(), text)]))

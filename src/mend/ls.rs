@@ -65,6 +65,20 @@ impl LsChoice {
         Self { lambda: Some(c.lambda), cov_weight: Some(c.cov_weight), rounds: Some(c.rounds) }
     }
 
+    /// The ranges the `--ls-*` flags must lie in: one error naming the flag.
+    pub fn check(&self) -> Result<()> {
+        if let Some(w) = self.cov_weight.filter(|w| !(w.is_finite() && *w >= 0.0)) {
+            return Err(Error::input(format!("--ls-keep-weight must be a number >= 0, got {w}")));
+        }
+        if let Some(l) = self.lambda.filter(|l| !(l.is_finite() && *l > 0.0)) {
+            return Err(Error::input(format!("--ls-lambda must be a positive number, got {l}")));
+        }
+        if let Some(r) = self.rounds.filter(|r| *r > crate::config::MAX_LS_ROUNDS) {
+            return Err(Error::input(format!("--ls-rounds must be at most {}, got {r}", crate::config::MAX_LS_ROUNDS)));
+        }
+        Ok(())
+    }
+
     /// The settings: what was chosen here, the rest from `editor`'s.
     pub fn resolve(&self, editor: &LsConfig) -> LsConfig {
         LsConfig {
@@ -156,7 +170,7 @@ pub struct KeyMemory {
 
 impl KeyMemory {
     /// The committed edits, sharing their tensors (a commit replaces them, never changes
-    /// them in place): what a failed edit call puts back ([`crate::session::Session::edit_examples`]).
+    /// them in place): what a failed edit call puts back ([`crate::edit::session::Session::edit_examples`]).
     pub fn snapshot(&self) -> KeyMemory {
         KeyMemory {
             layers: self.layers.iter().map(Layer::shallow).collect(),

@@ -301,14 +301,6 @@ impl Boundary {
         Boundary { at: self.at, x: self.x.shallow_clone(), ctx: self.ctx.shallow_clone() }
     }
 
-    /// The same boundary on the other side of `c` (`[B, T, D]` through
-    /// [`Crossing::boundary_to_sub`], the mask and rotary tables through `to_sub`): the
-    /// replica placement computes a batch's prefix once on main and its edited forwards
-    /// start from this copy on the sub-device.
-    pub fn crossed(&self, c: &dyn Crossing) -> Boundary {
-        Boundary { at: self.at, x: c.boundary_to_sub(&self.x), ctx: self.ctx.crossed(c) }
-    }
-
     /// The boundary of rows `[row, row + n)` of this batch, cut to their first `t` tokens:
     /// that of a batch of those examples alone, right-padded to `t` (attention is causal,
     /// so the first `t` positions never read the later ones). No copy, nothing crosses.

@@ -10,7 +10,7 @@ use dualedit::device::DevicePlan;
 use dualedit::mend::optim::Adam;
 use dualedit::mend::{checkpoint, Editor, Engine};
 use dualedit::model::load_model;
-use dualedit::session::Session;
+use dualedit::edit::session::Session;
 use dualedit::train::{meta_loss, EditBatches};
 use tch::{Device, Kind};
 

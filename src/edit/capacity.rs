@@ -11,10 +11,10 @@ use serde::Serialize;
 
 use crate::data::easyedit::EditRecord;
 use crate::data::{EditExample, Example};
-use crate::eval::RecordMetrics;
+use crate::edit::eval::RecordMetrics;
 use crate::mend::guard::Decision;
 use crate::mend::losses;
-use crate::session::Session;
+use crate::edit::session::Session;
 use crate::{Error, Result};
 
 /// How the records of one group are edited.

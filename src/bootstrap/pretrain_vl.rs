@@ -8,7 +8,7 @@
 //! view asks them. Unlike editing, the vision tower trains too: its features are computed
 //! with autograd ([`StepImages::compute_trainable`]). The tokenizer is a byte-level BPE
 //! trained on the corpus plus Qwen2-VL's special tokens; Adam and the cosine schedule are
-//! the text pretraining's ([`crate::pretrain`]). The result is a Hugging Face directory
+//! the text pretraining's ([`crate::bootstrap::pretrain`]). The result is a Hugging Face directory
 //! (config.json as `Qwen2VLForConditionalGeneration`, model.safetensors, tokenizer.json,
 //! preprocessor_config.json) that `load_model` and `score --image` read.
 use std::collections::HashSet;
@@ -19,13 +19,13 @@ use tch::{Device, Kind, Tensor};
 use tracing::info;
 
 use crate::data::multimodal::{ImageFile, StepImages, VlPrompt};
-use crate::data::visual_world::PretrainCorpus;
+use crate::world::visual::PretrainCorpus;
 use crate::data::Example;
 use crate::mend::losses;
 use crate::mend::optim::Adam;
 use crate::model::qwen2_vl::{ImageProcessorConfig, Qwen2Vl};
 use crate::model::{random_params, Model, ParamView, Tokenizer};
-use crate::pretrain::EOS;
+use crate::bootstrap::pretrain::EOS;
 use crate::rng::SplitMix64;
 use crate::{Error, Result};
 
@@ -208,7 +208,7 @@ fn build_data(corpus: &PretrainCorpus, world: &Path, tok: &Tokenizer, vp: VlProm
     let [w, h] = corpus.image_size;
     let mut train = Vec::with_capacity(corpus.vqa.len());
     let (mut probe_original, mut probe_rephrase) = (Vec::new(), Vec::new());
-    use crate::data::visual_world::QuestionKind;
+    use crate::world::visual::QuestionKind;
     // Each canonical phrasing's words around `{x}`.
     let canonical: Vec<(&str, &str)> = QuestionKind::ALL
         .iter()
@@ -218,7 +218,7 @@ fn build_data(corpus: &PretrainCorpus, world: &Path, tok: &Tokenizer, vp: VlProm
         let img = ImageFile { path: world.join(&t.image), height: h as i64, width: w as i64 };
         let e = vp.image_example(tok, &img, &t.question, &t.answer)?;
         if canonical.iter().any(|(pre, post)| t.question.starts_with(pre) && t.question.ends_with(post)) {
-            let rephrase = t.image.starts_with(crate::data::visual_world::Render::Rephrase.folder());
+            let rephrase = t.image.starts_with(crate::world::visual::Render::Rephrase.folder());
             if rephrase {
                 probe_rephrase.push(e.clone());
             } else {
@@ -306,7 +306,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     if !(cfg.vision_lr_scale.is_finite() && cfg.vision_lr_scale >= 0.0) {
         return Err(Error::input(format!("--vision-lr-scale {}: must be a finite number >= 0 (0 freezes the vision tower)", cfg.vision_lr_scale)));
     }
-    let tok = crate::pretrain::train_tokenizer_with(&tokenizer_corpus(&corpus), cfg.vocab_size, &SPECIALS, out)?;
+    let tok = crate::bootstrap::pretrain::train_tokenizer_with(&tokenizer_corpus(&corpus), cfg.vocab_size, &SPECIALS, out)?;
     let mut ids = [0i64; 7];
     for (slot, name) in ids.iter_mut().zip(SPECIALS) {
         *slot = tok.special_id(name).ok_or_else(|| Error::file(tok.path(), format!("trained tokenizer lacks {name}")))?;

@@ -8,10 +8,10 @@ use tracing::info;
 
 use crate::config::MendConfig;
 use crate::data::easyedit::DatasetKind;
-use crate::data::synthetic::{write_world, World, WorldConfig};
+use crate::world::text::{write_world, World, WorldConfig};
 use crate::device::DevicePlan;
-use crate::eval::Summary;
-use crate::pretrain::{pretrain, PretrainConfig, PretrainReport};
+use crate::edit::eval::Summary;
+use crate::bootstrap::pretrain::{pretrain, PretrainConfig, PretrainReport};
 use crate::edit::MethodSpec;
 use crate::run::{run_eval, run_train, Common, EvalOptions, TrainOptions};
 use crate::Result;
@@ -31,7 +31,7 @@ pub struct BuildSpec {
 impl BuildSpec {
     /// What ships in `data/`.
     pub fn shipped(mend: MendConfig, many: Option<MendConfig>) -> Self {
-        Self { world: WorldConfig { n_edit_train: 1000, ..WorldConfig::default() }, pretrain: PretrainConfig::default(), mend, many }
+        Self { world: WorldConfig::shipped(), pretrain: PretrainConfig::default(), mend, many }
     }
 }
 

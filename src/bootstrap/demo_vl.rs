@@ -10,12 +10,12 @@ use tracing::info;
 use crate::config::MendConfig;
 use crate::data::easyedit::DatasetKind;
 use crate::data::multimodal::ImageRoots;
-use crate::data::visual_world::{write_visual_world, VisualWorld, VisualWorldConfig};
-use crate::demo::{editor_dir, model_dir, world_dir};
+use crate::world::visual::{write_visual_world, VisualWorld, VisualWorldConfig};
+use crate::bootstrap::demo::{editor_dir, model_dir, world_dir};
 use crate::device::DevicePlan;
 use crate::edit::MethodSpec;
-use crate::eval::{EasyEditNames, Summary};
-use crate::pretrain_vl::{pretrain_vl, VlPretrainConfig, VlPretrainReport};
+use crate::edit::eval::{EasyEditNames, Summary};
+use crate::bootstrap::pretrain_vl::{pretrain_vl, VlPretrainConfig, VlPretrainReport};
 use crate::run::Common;
 use crate::Result;
 
@@ -76,7 +76,7 @@ pub fn build_default_vl(root: &Path, spec: &VlBuildSpec, device: Device) -> Resu
         }
     }
     let (train_steps, holdout) =
-        crate::demo::train_and_evaluate(root, common, ("vqa-train.json", "vqa-holdout.json"), DatasetKind::Vqa, &spec.mend, spec.mend.max_length)?;
+        crate::bootstrap::demo::train_and_evaluate(root, common, ("vqa-train.json", "vqa-holdout.json"), DatasetKind::Vqa, &spec.mend, spec.mend.max_length)?;
     Ok(VlBuildReport { pretrain: pre, train_steps, holdout, seconds: start.elapsed().as_secs_f64() })
 }
 

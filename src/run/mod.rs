@@ -1,5 +1,9 @@
 //! The train / edit / eval runs behind the CLI: load, place, run, report. Kept in the
 //! library so `compare`, tests and embedding programs run exactly what the CLI runs.
+pub mod chart;
+pub mod compare;
+pub mod report;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -8,7 +12,7 @@ use serde::Serialize;
 use tch::Kind;
 use tracing::info;
 
-use crate::capacity::{self, CapacityReport, Grouping};
+use crate::edit::capacity::{self, CapacityReport, Grouping};
 use crate::config::MendConfig;
 use crate::data::easyedit::{load_records, DatasetKind, EditRecord};
 use crate::data::multimodal::{load_mm, prepare_mm, ImageRoots, VlPrompt};
@@ -17,10 +21,10 @@ use crate::data::EditExample;
 use crate::device::memory::MemoryTracker;
 use crate::device::DevicePlan;
 use crate::edit::{self, LoadOptions, MethodSpec, RequestResult};
-use crate::eval::{RecordMetrics, Summary};
+use crate::edit::eval::{RecordMetrics, Summary};
 use crate::mend::{checkpoint, Editor, Engine};
-use crate::report::{DeviceInfo, RunReport};
-use crate::session::Session;
+use crate::run::report::{DeviceInfo, RunReport};
+use crate::edit::session::Session;
 use crate::train::{self, TrainReport, TrainSetup};
 use crate::{Error, Result};
 
@@ -49,6 +53,20 @@ fn dtype_name(k: Kind) -> &'static str {
 }
 
 impl Common {
+    /// `model` on the CPU in f32, seed 0, no report path, records over the maximum length
+    /// skipped, no images: what the programs that build defaults and the tests run with.
+    pub fn cpu(model: impl Into<PathBuf>) -> Self {
+        Self {
+            model: model.into(),
+            plan: DevicePlan::single(tch::Device::Cpu),
+            dtype: Kind::Float,
+            seed: 0,
+            report: None,
+            over_long: OverLong::default(),
+            image_roots: None,
+        }
+    }
+
     pub fn load_options(&self) -> LoadOptions {
         LoadOptions { plan: self.plan, dtype: self.dtype }
     }
@@ -290,7 +308,7 @@ pub struct EvalOptions {
     pub ds: DatasetKind,
     pub limit: Option<usize>,
     pub max_length: usize,
-    /// Capacity measurement ([`crate::capacity`]) instead of each record alone.
+    /// Capacity measurement ([`crate::edit::capacity`]) instead of each record alone.
     pub capacity: Option<CapacityOptions>,
 }
 
@@ -343,12 +361,12 @@ pub fn run_eval(o: &EvalOptions, mut on_record: impl FnMut(usize, &RecordMetrics
     tracker.mark("eval")?;
     let out = EvalOutput { method: method.name().into(), ls: method.ls_config(), capacity: None, summary: Summary::of(&records), records, data };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
-    let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("eval"));
+    let path = o.common.report.clone().unwrap_or_else(|| crate::run::report::default_path("eval"));
     let path = report("eval", &o.common, &engine, out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
     Ok((out, path))
 }
 
-/// [`run_eval`] with groups ([`crate::capacity::measure`]) through a [`Session`].
+/// [`run_eval`] with groups ([`crate::edit::capacity::measure`]) through a [`Session`].
 fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
     let unrelated: Vec<String> = match &c.drift_text {
         Some(p) => {
@@ -381,7 +399,7 @@ fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(
     tracker.mark("eval")?;
     let out = EvalOutput { method: session.method_name().into(), ls: session.ls_config(), capacity: Some(cap), summary: Summary::of(&records), records, data };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
-    let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("eval"));
+    let path = o.common.report.clone().unwrap_or_else(|| crate::run::report::default_path("eval"));
     let path = report("eval", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
     Ok((out, path))
 }
@@ -447,7 +465,7 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     };
     let out = EditOutput { sequential: o.sequential, guard: outcome.guard, summary: outcome.summary, requests: outcome.requests, saved, data };
     let seconds = BTreeMap::from([("load".to_string(), t1.duration_since(t0).as_secs_f64()), ("edit".to_string(), edit_s)]);
-    let path = o.common.report.clone().unwrap_or_else(|| crate::report::default_path("edit"));
+    let path = o.common.report.clone().unwrap_or_else(|| crate::run::report::default_path("edit"));
     let path = report("edit", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
     Ok((out, path))
 }

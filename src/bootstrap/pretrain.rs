@@ -56,6 +56,30 @@ impl Default for PretrainConfig {
     }
 }
 
+impl PretrainConfig {
+    /// `dualedit pretrain`'s model from scratch: wider than the embedded default's, with a
+    /// larger vocabulary and context, trained for a fixed number of steps (no early stop).
+    pub fn from_scratch() -> Self {
+        Self { vocab_size: 4096, n_embd: 256, n_layer: 4, n_head: 4, n_positions: 64, steps: 4000, batch_size: 32, lr: 2e-3, target_accuracy: None, ..Default::default() }
+    }
+
+    /// Sizes a run can train with: one error naming the flag.
+    pub fn check(&self) -> Result<()> {
+        if !(self.lr.is_finite() && self.lr > 0.0) || self.batch_size == 0 || self.steps == 0 {
+            return Err(Error::input(format!(
+                "--lr must be a positive number and --batch, --steps at least 1 (got {}, {}, {})",
+                self.lr, self.batch_size, self.steps
+            )));
+        }
+        if self.vocab_size < 257 {
+            // The byte-level BPE trainer always keeps its 256 byte symbols plus end-of-text, and
+            // would silently return a larger vocabulary than asked for.
+            return Err(Error::input(format!("--vocab must be at least 257 (256 byte-level symbols and end-of-text), got {}", self.vocab_size)));
+        }
+        Ok(())
+    }
+}
+
 /// Trains a GPT-2-style byte-level BPE on `corpus` and writes `tokenizer.json` into `dir`.
 pub fn train_tokenizer(corpus: &[String], vocab_size: usize, dir: &Path) -> Result<Tokenizer> {
     train_tokenizer_with(corpus, vocab_size, &[EOS], dir)

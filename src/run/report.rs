@@ -71,7 +71,7 @@ impl<M: Serialize> RunReport<M> {
         let timeline = path.with_file_name(format!("{stem}.timeline.json"));
         write_json_atomic(&timeline, &Timeline { samples: tracker.timeline() })?;
         let chart = path.with_file_name(format!("{stem}.timeline.png"));
-        if let Err(e) = crate::chart::render_timeline_png(tracker.timeline(), &chart) {
+        if let Err(e) = crate::run::chart::render_timeline_png(tracker.timeline(), &chart) {
             tracing::warn!(chart = %chart.display(), error = %e, "memory timeline chart not written");
         }
         self.timeline_file = Some(timeline);

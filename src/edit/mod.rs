@@ -2,8 +2,13 @@
 //! reading a trained editor, opening a model for it, an edit measured before and after,
 //! greedy answers (with a KV cache) and writing an edited model.
 //!
-//! [`crate::session::Session`] (and through it `dualedit edit` and `serve`), the demo and
-//! `eval` all edit through these functions; [`crate::eval`] keeps the metrics.
+//! [`crate::edit::session::Session`] (and through it `dualedit edit` and `serve`), the demo and
+//! `eval` all edit through these functions; [`crate::edit::eval`] keeps the metrics.
+pub mod capacity;
+pub mod eval;
+pub mod score;
+pub mod session;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -13,7 +18,7 @@ use tracing::info;
 
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::DevicePlan;
-use crate::eval::{self, RecordMetrics};
+use eval::RecordMetrics;
 use crate::mend::ls::{KeyMemory, LsChoice, LsEditor};
 use crate::mend::{checkpoint, Editor, Engine};
 use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
@@ -110,6 +115,17 @@ pub enum MethodSpec {
 }
 
 impl MethodSpec {
+    /// The ranges its settings must lie in (`--ls-*`, `--ft-lr`): one error naming the flag.
+    pub fn check(&self) -> Result<()> {
+        match self {
+            MethodSpec::MendLs { ls, .. } => ls.check(),
+            MethodSpec::FineTune { lr } if !(lr.is_finite() && *lr > 0.0) => {
+                Err(Error::input(format!("--ft-lr must be a positive number, got {lr}")))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The trained editor's directory, for both MEND methods.
     pub fn editor_dir(&self) -> Option<&Path> {
         match self {
@@ -138,14 +154,7 @@ impl Default for LoadOptions {
 /// The edited weight names a trained editor was made for, from its `editor.json`: the
 /// engine must capture exactly those before the editor itself can be loaded and checked.
 pub fn editor_params(dir: &Path) -> Result<Vec<String>> {
-    if !dir.is_dir() {
-        return Err(Error::file(dir, "editor directory not found"));
-    }
-    let path = dir.join(checkpoint::EDITOR_JSON);
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    let meta: checkpoint::EditorMeta =
-        serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid editor description: {e}")))?;
-    Ok(meta.params.into_iter().map(|p| p.name).collect())
+    Ok(checkpoint::read_editor_json(dir)?.params.into_iter().map(|p| p.name).collect())
 }
 
 /// Loads `model` on the main device (the replica on the sub-device when split) with the

@@ -40,6 +40,8 @@
 //! order and answers. Workers never wait on the model, so a full queue is answered 503 at
 //! once instead of letting waits grow without bound; a request that waited longer than
 //! the queue timeout is answered 503 without running.
+pub mod signals;
+
 use std::io::Read;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -55,7 +57,7 @@ use tracing::{info, warn};
 use crate::data::easyedit::{parse_records, DatasetKind, EditRecord};
 use crate::data::multimodal::{confine_images, ImageRoots, MmRecord, IMAGE_KEYS};
 use crate::device::DevicePlan;
-use crate::session::{device_memory, image_kind, read_image_requests, Session, TempImage};
+use crate::edit::session::{device_memory, image_kind, read_image_requests, Session, TempImage};
 use crate::{Error, Result};
 
 /// The address `serve` listens on unless told otherwise: loopback only.

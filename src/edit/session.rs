@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use std::path::Path;
-//! use dualedit::session::{Session, SessionOptions};
+//! use dualedit::edit::session::{Session, SessionOptions};
 //!
 //! let model = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gpt2"));
 //! let session = Session::open(model, None, &SessionOptions::default())?;
@@ -35,12 +35,12 @@ use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::memory::{self, MemorySample};
 use crate::device::DevicePlan;
 use crate::edit::{self, Finish, Method, MethodSpec, RequestResult};
-use crate::eval::{self, Summary};
+use crate::edit::eval::{self, Summary};
 use crate::mend::guard::{self, GuardConfig, GuardReport};
 use crate::mend::stepwise::{self, Stepwise};
 use crate::mend::{Editor, Engine};
 use crate::model::{ModelInfo, Overrides, ParamView};
-use crate::score::{check_length, image_prompt, score_text, score_with_images, ImagePrompt, Score};
+use crate::edit::score::{check_length, image_prompt, score_text, score_with_images, ImagePrompt, Score};
 use crate::{Error, Result};
 
 /// Where a session runs and in which dtype (the same options every edit path loads with).
@@ -229,7 +229,7 @@ impl Session {
     ///
     /// ```
     /// # use std::path::Path;
-    /// # use dualedit::session::{Session, SessionOptions};
+    /// # use dualedit::edit::session::{Session, SessionOptions};
     /// # use dualedit::mend::{Editor, Engine};
     /// # use dualedit::config::MendConfig;
     /// # use dualedit::data::EditRecord;

@@ -1,0 +1,214 @@
+//! Flags several commands share: the model and run settings (`CommonArgs`), the edit
+//! method (`MethodArgs`), the commit guard (`GuardArgs`), and the parsers of a dataset
+//! name and an image size.
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+
+use super::DeviceArgs;
+use crate::config::MendConfig;
+use crate::data::examples::OverLong;
+use crate::data::DatasetKind;
+use crate::edit::MethodSpec;
+use crate::model::parse_dtype;
+use crate::planner::{Phase, PlaceFor};
+use crate::run::Common;
+
+/// Model and placement flags shared by train, edit and eval.
+#[derive(Args, Clone)]
+pub struct CommonArgs {
+    /// Hugging Face model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub devices: DeviceArgs,
+    /// f32, bf16 or f16 for the model weights (editor maths is always f32).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    #[arg(long, default_value_t = 0)]
+    pub seed: i64,
+    /// Where to write the run report (JSON).
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Cut the prompts of records longer than the maximum length from the left until they
+    /// fit, instead of skipping those records.
+    #[arg(long, conflicts_with = "strict")]
+    pub truncate: bool,
+    /// Stop at the first record longer than the maximum length (or, with --ds vqa|caption,
+    /// whose image is missing or unreadable), instead of skipping it.
+    #[arg(long)]
+    pub strict: bool,
+    /// --ds vqa|caption: the folder `image` and `m_loc` are relative to (COCO).
+    #[arg(long)]
+    pub image_root: Option<PathBuf>,
+    /// --ds vqa|caption: the folder `image_rephrase` is relative to (default: --image-root).
+    #[arg(long, requires = "image_root")]
+    pub rephrase_image_root: Option<PathBuf>,
+}
+
+impl CommonArgs {
+    /// `config`, `tokens` and `phase`: what the placement is planned for.
+    pub fn resolve(&self, config: &MendConfig, tokens: usize, phase: Phase) -> anyhow::Result<Common> {
+        let dtype = parse_dtype(&self.dtype)?;
+        let place = PlaceFor { model: &self.model, config, dtype, tokens: tokens as i64, phase };
+        Ok(Common {
+            model: self.model.clone(),
+            plan: self.devices.placed(&place)?,
+            dtype,
+            seed: self.seed,
+            report: self.report.clone(),
+            over_long: match (self.truncate, self.strict) {
+                (true, _) => OverLong::Truncate,
+                (_, true) => OverLong::Strict,
+                _ => OverLong::Skip,
+            },
+            image_roots: self.image_root.clone().map(|r| crate::data::multimodal::ImageRoots::new(r, self.rephrase_image_root.clone())),
+        })
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MethodArg {
+    Mend,
+    /// MEND's per-edit updates combined by least squares over their keys (MALMEN-style).
+    MendLs,
+    Ft,
+    Unedited,
+}
+
+#[derive(Args)]
+pub struct MethodArgs {
+    /// Trained editor directory (for --method mend).
+    #[arg(long)]
+    pub editor: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "mend")]
+    pub method: MethodArg,
+    /// --method mend-ls: ridge weight of the least-squares solve, relative to the mean
+    /// squared norm of the edits' keys (default: the editor's `ls` settings in its
+    /// editor.json, else 0.01).
+    #[arg(long)]
+    pub ls_lambda: Option<f64>,
+    /// --method mend-ls: a text file whose lines' keys (layer inputs) the solve keeps,
+    /// MEMIT-style (the edit should not change what the edited layers do there).
+    #[arg(long, value_name = "FILE")]
+    pub ls_keep_text: Option<PathBuf>,
+    /// --method mend-ls: the weight of each kept key against each edit key (default: the
+    /// editor's, else 0.01).
+    #[arg(long)]
+    pub ls_keep_weight: Option<f64>,
+    /// --method mend-ls: re-solve rounds that push the edits whose prompts do not yet
+    /// answer their targets (default: the editor's, else 0; data/editor-many: 3).
+    #[arg(long)]
+    pub ls_rounds: Option<usize>,
+    /// Step size of the fine-tuning baseline (--method ft).
+    #[arg(long, default_value_t = 1e-3)]
+    pub ft_lr: f64,
+    /// Maximum tokens of any prompt + answer.
+    #[arg(long, default_value_t = 512)]
+    pub max_length: usize,
+}
+
+impl MethodArgs {
+    /// The MEND config the placement is planned with: the trained editor's (from its
+    /// editor.json), MEND's defaults for the baselines.
+    pub fn planning_config(&self) -> anyhow::Result<MendConfig> {
+        match self.editor.as_ref().filter(|_| matches!(self.method, MethodArg::Mend | MethodArg::MendLs)) {
+            Some(dir) => Ok(crate::mend::checkpoint::trained_config(dir)?),
+            None => Ok(MendConfig::default()),
+        }
+    }
+
+    /// The method the flags ask for; flags given to a method that does not use them, and
+    /// values out of range ([`MethodSpec::check`]), are errors.
+    pub fn resolve(&self) -> anyhow::Result<MethodSpec> {
+        if self.editor.is_some() && !matches!(self.method, MethodArg::Mend | MethodArg::MendLs) {
+            anyhow::bail!("--editor is only used with --method mend or mend-ls");
+        }
+        if self.ls_keep_text.is_some() && self.method != MethodArg::MendLs {
+            anyhow::bail!("--ls-keep-text is only used with --method mend-ls");
+        }
+        let ls_given = self.ls_lambda.is_some() || self.ls_keep_weight.is_some() || self.ls_rounds.is_some();
+        if ls_given && self.method != MethodArg::MendLs {
+            anyhow::bail!("--ls-lambda, --ls-keep-weight and --ls-rounds are only used with --method mend-ls");
+        }
+        let ls = crate::mend::ls::LsChoice { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight, rounds: self.ls_rounds };
+        ls.check()?;
+        // --ft-lr has a default, so it is checked whichever method runs.
+        MethodSpec::FineTune { lr: self.ft_lr }.check()?;
+        Ok(match self.method {
+            MethodArg::Mend => MethodSpec::Mend {
+                editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend needs --editor DIR"))?,
+            },
+            MethodArg::MendLs => MethodSpec::MendLs {
+                editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend-ls needs --editor DIR"))?,
+                ls,
+                unrelated: self.ls_keep_text.clone(),
+            },
+            MethodArg::Ft => MethodSpec::FineTune { lr: self.ft_lr },
+            MethodArg::Unedited => MethodSpec::Unedited,
+        })
+    }
+}
+
+/// The commit guard and stepwise flags of `edit` and of `eval --edits-per-batch / --sequential`.
+#[derive(Args)]
+pub struct GuardArgs {
+    /// Commit every edit as the editor makes it: no guard on the locality prompts.
+    #[arg(long)]
+    pub no_guard: bool,
+    /// Guard: the least top-1 agreement of the locality prompts with the unedited model.
+    #[arg(long, default_value_t = 0.9)]
+    pub guard_min_agreement: f64,
+    /// Guard: the most one edit may lower that agreement.
+    #[arg(long, default_value_t = 0.05)]
+    pub guard_max_drop: f64,
+    /// Guard: the largest KL(unedited || edited) per locality position, in nats.
+    #[arg(long, default_value_t = 1.0)]
+    pub guard_max_kl: f64,
+    /// Guard: refuse an edit that fails instead of scaling it back.
+    #[arg(long)]
+    pub guard_refuse: bool,
+    /// Guard: shrink each edit to the smallest scale (1, 1/2, 1/4, ...) that still makes it.
+    #[arg(long)]
+    pub guard_shrink: bool,
+    /// With --sequential: make each request in up to 8 committed steps of a centred,
+    /// clipped, capped edit at 1/4 scale (experimental; see src/mend/stepwise.rs).
+    #[arg(long, requires = "sequential")]
+    pub stepwise: bool,
+}
+
+impl GuardArgs {
+    pub fn config(&self) -> Option<crate::mend::guard::GuardConfig> {
+        (!self.no_guard).then(|| crate::mend::guard::GuardConfig {
+            min_agreement: self.guard_min_agreement,
+            max_drop: self.guard_max_drop,
+            max_kl: self.guard_max_kl,
+            scale_back: !self.guard_refuse,
+            shrink: self.guard_shrink,
+            ..Default::default()
+        })
+    }
+
+    pub fn stepwise(&self) -> Option<crate::mend::stepwise::Stepwise> {
+        self.stepwise.then(crate::mend::stepwise::Stepwise::default)
+    }
+}
+
+/// A `--ds` that names a dataset (not edit requests).
+pub fn dataset(ds: &str) -> anyhow::Result<DatasetKind> {
+    match ds.parse::<DatasetKind>()? {
+        DatasetKind::Requests => anyhow::bail!("--ds must be zsre, counterfact, vqa or caption"),
+        k => Ok(k),
+    }
+}
+
+/// `448x448` (or `448×448`) to `(width, height)`.
+pub fn parse_image_size(s: &str) -> Result<(i64, i64), String> {
+    let bad = || format!("{s:?} is not an image size WIDTHxHEIGHT (e.g. 448x448)");
+    let (w, h) = s.split_once(['x', 'X', '×']).ok_or_else(bad)?;
+    let (w, h) = (w.trim().parse::<i64>().map_err(|_| bad())?, h.trim().parse::<i64>().map_err(|_| bad())?);
+    if w < 1 || h < 1 {
+        return Err(bad());
+    }
+    Ok((w, h))
+}

@@ -1,0 +1,25 @@
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::DeviceArgs;
+
+#[derive(Args)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    pub devices: DeviceArgs,
+    /// Directory of the default (model/, editor/, world/); default: the shipped one.
+    #[arg(long)]
+    pub root: Option<PathBuf>,
+    /// How many edits to show in words.
+    #[arg(long, default_value_t = 3)]
+    pub show: usize,
+    /// The multimodal default (data/vl: a tiny Qwen2-VL on the visual world): one held-out
+    /// image edit before and after, on the rephrase image and an unrelated image, and the
+    /// five held-out metrics.
+    #[arg(long)]
+    pub multimodal: bool,
+    /// With --multimodal: one JSON object instead of text.
+    #[arg(long, requires = "multimodal")]
+    pub json: bool,
+}

@@ -1,0 +1,27 @@
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::{CommonArgs, GuardArgs, MethodArgs};
+
+#[derive(Args)]
+pub struct EditArgs {
+    #[command(flatten)]
+    pub common: CommonArgs,
+    #[command(flatten)]
+    pub method: MethodArgs,
+    /// EasyEdit-style request records (prompt, target_new, optional rephrase_prompt, locality_*, portability).
+    #[arg(long)]
+    pub requests: PathBuf,
+    /// Apply the requests one after another instead of as one batch.
+    #[arg(long)]
+    pub sequential: bool,
+    /// Write the edited model as a Hugging Face directory.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub guard: GuardArgs,
+}

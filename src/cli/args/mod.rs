@@ -1,0 +1,29 @@
+//! The flags of each command (clap derive), one file per command; the flags several
+//! commands share (`DeviceArgs`, `CommonArgs`, `MethodArgs`, `GuardArgs`) once.
+mod build_default;
+mod common;
+mod compare;
+mod demo;
+mod device;
+mod edit;
+mod eval;
+mod plan;
+mod pretrain;
+mod score;
+mod serve;
+mod train;
+mod world;
+
+pub use build_default::BuildDefaultArgs;
+pub use common::{dataset, parse_image_size, CommonArgs, GuardArgs, MethodArg, MethodArgs};
+pub use compare::CompareCmd;
+pub use demo::DemoArgs;
+pub use device::DeviceArgs;
+pub use edit::EditArgs;
+pub use eval::EvalArgs;
+pub use plan::PlanArgs;
+pub use pretrain::PretrainArgs;
+pub use score::ScoreArgs;
+pub use serve::ServeArgs;
+pub use train::TrainArgs;
+pub use world::WorldArgs;

@@ -1,0 +1,26 @@
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::DeviceArgs;
+
+#[derive(Args)]
+pub struct ScoreArgs {
+    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Text to score.
+    #[arg(long)]
+    pub text: String,
+    /// An image (PNG or JPEG) shown before the text; vision-language models only.
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+    #[command(flatten)]
+    pub devices: DeviceArgs,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}

@@ -1,0 +1,49 @@
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::DeviceArgs;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Hugging Face model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Trained editor directory (without one, /edit answers 422).
+    #[arg(long)]
+    pub editor: Option<PathBuf>,
+    #[command(flatten)]
+    pub devices: DeviceArgs,
+    /// f32, bf16 or f16 for the model weights.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Address to listen on; anything but loopback needs --token (or --insecure-no-token).
+    #[arg(long, default_value = crate::serve::DEFAULT_LISTEN)]
+    pub listen: String,
+    /// Model requests that may wait; more are answered 503.
+    #[arg(long, default_value_t = 64)]
+    pub queue: usize,
+    /// Largest request body in bytes (413 beyond).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// Seconds a model request may wait in the queue before it is answered 503.
+    #[arg(long, default_value_t = 60)]
+    pub queue_timeout: u64,
+    /// Allow POST /save, writing only to relative paths inside this existing directory
+    /// (without it, /save is refused with 403).
+    #[arg(long)]
+    pub save_root: Option<PathBuf>,
+    /// Allow image paths in requests (/score's `image`, E-VQA /edit requests), read only
+    /// at relative paths inside this existing directory (without it, they are refused
+    /// with 403; /score's `image_base64` needs no root).
+    #[arg(long)]
+    pub image_root: Option<PathBuf>,
+    /// Require `Authorization: Bearer TOKEN` on every request (401 otherwise). Default:
+    /// $DUALEDIT_TOKEN, which is better than the flag (the process list shows flags).
+    #[arg(long)]
+    pub token: Option<String>,
+    /// Listen beyond loopback without a token: anyone who can reach the address can edit,
+    /// read and (with --save-root) save the model.
+    #[arg(long)]
+    pub insecure_no_token: bool,
+}

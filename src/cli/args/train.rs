@@ -1,0 +1,35 @@
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::CommonArgs;
+
+#[derive(Args)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// EasyEdit-format training file.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// zsre, counterfact, vqa or caption (E-VQA / E-IC, with --image-root).
+    #[arg(long)]
+    pub ds: String,
+    /// MEND hyper-parameters (JSON, see configs/).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Directory for the editor checkpoint, training state and report.
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub max_steps: Option<usize>,
+    /// Use only the first N records of the file.
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub limit: Option<usize>,
+    /// Continue from the training state in --out.
+    #[arg(long)]
+    pub resume: bool,
+    /// Recompute the edited forwards' blocks in the backward instead of keeping their
+    /// activations (less memory, one more forward of the edited blocks; same losses).
+    #[arg(long)]
+    pub recompute: bool,
+}

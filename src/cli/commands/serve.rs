@@ -1,0 +1,35 @@
+//! `dualedit serve`: a session's operations as JSON over HTTP until SIGINT / SIGTERM.
+use crate::cli::args::ServeArgs;
+use crate::config::MendConfig;
+use crate::edit::LoadOptions;
+use crate::model::parse_dtype;
+use crate::planner::{Phase, PlaceFor};
+use crate::serve::{signals, ServeOptions, Server};
+
+pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    let opts = ServeOptions {
+        queue: a.queue,
+        max_body_bytes: a.max_body_bytes,
+        queue_timeout: std::time::Duration::from_secs(a.queue_timeout),
+        save_root: a.save_root,
+        image_root: a.image_root,
+        token: signals::token(a.token),
+        insecure_no_token: a.insecure_no_token,
+        ..Default::default()
+    };
+    let dtype = parse_dtype(&a.dtype)?;
+    let config = match &a.editor {
+        Some(dir) => crate::mend::checkpoint::trained_config(dir)?,
+        None => MendConfig::default(),
+    };
+    let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
+    let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype };
+    let server = Server::bind(&a.listen, opts)?;
+    let session = crate::edit::session::Session::open(&a.model, a.editor.as_deref(), &session_opts)?;
+    // First SIGINT/SIGTERM: finish the request in flight, then exit. A second one: now.
+    let stop = signals::stop_on_signals()?;
+    eprintln!("dualedit serving {} on http://{} (Ctrl-C to stop)", a.model.display(), server.local_addr());
+    let stats = server.run(session, &stop)?;
+    eprintln!("stopped after {} requests ({} ran on the model)", stats.requests, stats.model_requests);
+    Ok(())
+}

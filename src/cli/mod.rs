@@ -1,0 +1,49 @@
+//! The `dualedit` command line: the flags of each command (`args/`), one file per command
+//! that turns its flags into a library call (`commands/`), and the text a command prints
+//! (`render`). `src/main.rs` parses, sets up logging and calls [`Command::run`].
+pub mod args;
+pub mod commands;
+pub mod render;
+
+use clap::{Parser, Subcommand};
+
+use args::{
+    BuildDefaultArgs, CompareCmd, DemoArgs, EditArgs, EvalArgs, PlanArgs, PretrainArgs, ScoreArgs, ServeArgs, TrainArgs,
+    WorldArgs,
+};
+
+#[derive(Parser)]
+#[command(name = "dualedit", version, about = "MEND knowledge editing of causal LMs on one or two devices")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Print each next token's log-probability and the mean NLL of a text.
+    Score(ScoreArgs),
+    /// Meta-train a MEND editor on EasyEdit data.
+    Train(TrainArgs),
+    /// Apply edit requests with a trained editor and report their metrics.
+    Edit(EditArgs),
+    /// Edit each record of a dataset from the unedited model and report EasyEdit's metrics.
+    Eval(EvalArgs),
+    /// Run the same train or eval on the main device alone and split over main + sub,
+    /// and write one side-by-side report.
+    #[command(subcommand)]
+    Compare(CompareCmd),
+    /// Show the product on the embedded default: a few edits, held-out metrics, memory.
+    Demo(DemoArgs),
+    /// Pretrain a small GPT-2 from scratch on the facts of EasyEdit datasets.
+    Pretrain(PretrainArgs),
+    /// Rebuild the embedded default: synthetic world, tiny pretrained GPT-2, its editor.
+    BuildDefault(BuildDefaultArgs),
+    /// Write a synthetic world's files, training nothing: the text world (facts, corpus,
+    /// CounterFact-shaped edits) or, with --vl, the visual world (PNG scenes, E-VQA records).
+    World(WorldArgs),
+    /// Serve edit / score / generate / reset / save as JSON over HTTP (loopback by default).
+    Serve(ServeArgs),
+    /// Estimate each device's peak memory for training and editing from config.json alone.
+    Plan(PlanArgs),
+}

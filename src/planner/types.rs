@@ -1,0 +1,324 @@
+//! The plan's types: the options a plan is made for, its items, per-device totals and
+//! the shapes it was made from; dtype sizes and number formatting.
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use tch::Kind;
+
+use crate::device::{MaxMemory, OptimizerDevice, Placement};
+use crate::model::qwen2_vl::ImageProcessorConfig;
+use crate::{Error, Result};
+
+#[allow(unused_imports)]
+use super::{items::*, sizes::*, *};
+
+/// What is planned for: devices, weight dtype, sequence shape.
+#[derive(Debug, Clone)]
+pub struct PlanOptions {
+    /// Main device name (`cpu`, `cuda`, `cuda:N`); need not exist on this machine.
+    pub main: String,
+    /// Sub-device name.
+    pub sub: String,
+    /// Whether the sub-device holds a replica and the mover copies between the devices
+    /// (true whenever the names differ; can be forced for a split on one device).
+    pub split: bool,
+    /// Weight dtype (editor maths is always f32).
+    pub dtype: Kind,
+    /// Tokens per example (the padded sequence length); capped at the model's context,
+    /// as runs cap `max_length`.
+    pub tokens: i64,
+    /// Labelled positions per example (logits are computed only there); `None`: every
+    /// position but the first, an upper bound.
+    pub kept: Option<i64>,
+    /// Replica (the default) or the layer split ([`Placement::Balanced`], which needs
+    /// `split`).
+    pub placement: Placement,
+    /// With the layer split: the first block on the sub-device. `None`: the `k` that
+    /// balances the two devices' peaks in `balance_for` ([`balanced_boundary`]).
+    pub boundary: Option<i64>,
+    /// The phase whose peaks the layer split balances (train for `train`, edit otherwise).
+    pub balance_for: Phase,
+    /// Where the editor's Adam moments live.
+    pub optimizer: OptimizerDevice,
+    /// Per-device capacities (`--max-memory`): the layer split balances peak/capacity
+    /// instead of bytes, and [`choose`] keeps only placements that fit.
+    pub caps: MaxMemory,
+    /// Vision-language models: the image size `(width, height)` in pixels each example
+    /// shows; its tokens are added to `tokens`, and the vision tower's forward and the
+    /// image features are planned. `None`: text only.
+    pub image: Option<(i64, i64)>,
+    /// How images are resized and patched (the model directory's
+    /// `preprocessor_config.json`, or the processor's defaults).
+    pub image_processor: ImageProcessorConfig,
+    /// With an image: tokens of the text-only locality question (E-VQA's NQ `loc` view)
+    /// per example. `None`: `tokens` (the text part of the image views).
+    pub loc_tokens: Option<i64>,
+}
+
+impl PlanOptions {
+    /// Devices from their names (`sub` defaults to `main`).
+    pub fn new(main: &str, sub: Option<&str>, dtype: Kind, tokens: i64, kept: Option<i64>) -> Result<Self> {
+        let main = normalise_device(main)?;
+        let sub = match sub {
+            Some(s) => normalise_device(s)?,
+            None => main.clone(),
+        };
+        let split = main != sub;
+        Ok(Self {
+            main,
+            sub,
+            split,
+            dtype,
+            tokens,
+            kept,
+            placement: Placement::Replica,
+            boundary: None,
+            balance_for: Phase::Train,
+            optimizer: OptimizerDevice::Main,
+            caps: MaxMemory::default(),
+            image: None,
+            image_processor: ImageProcessorConfig::default(),
+            loc_tokens: None,
+        })
+    }
+
+    /// The same options for `placement` (the layer split needs two devices, or `split`
+    /// forced on one).
+    pub fn with_placement(&self, placement: Placement, optimizer: OptimizerDevice) -> Result<Self> {
+        if placement == Placement::Balanced && !self.split {
+            return Err(Error::input("--placement balanced divides the model between two devices: give --sub-device (a device other than --device)"));
+        }
+        Ok(Self { placement, optimizer, boundary: if placement == Placement::Balanced { self.boundary } else { None }, ..self.clone() })
+    }
+
+    /// The same devices as one device (main alone): the reference the placements are
+    /// compared with.
+    pub fn single(&self) -> Self {
+        Self { sub: self.main.clone(), split: false, placement: Placement::Replica, boundary: None, optimizer: OptimizerDevice::Main, ..self.clone() }
+    }
+
+    pub(super) fn optimizer_device(&self) -> String {
+        match self.optimizer {
+            OptimizerDevice::Main => self.main.clone(),
+            OptimizerDevice::Sub => if self.split { self.sub.clone() } else { self.main.clone() },
+            OptimizerDevice::Cpu => "cpu".into(),
+        }
+    }
+}
+
+/// The normalised name (`cuda` -> `cuda:0`), without checking the device exists here.
+pub(super) fn normalise_device(name: &str) -> Result<String> {
+    Ok(name.parse::<crate::device::DeviceName>()?.to_string())
+}
+
+/// What one image costs a vision-language model, as planned.
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageShape {
+    /// The image as given, `(width, height)`.
+    pub size: (i64, i64),
+    /// After `smart_resize`, `(width, height)`.
+    pub resized: (i64, i64),
+    /// Patches the vision tower runs over (`t·h·w`).
+    pub patches: i64,
+    /// Text tokens the image takes: merged patches + `<|vision_start|>` + `<|vision_end|>`.
+    pub tokens: i64,
+    /// Distinct images per edit example, each run through the tower once per step and
+    /// its features held: the edit image (shown by `edit_inner` and `edit_outer`), the
+    /// rephrase image (`edit_outer_image`) and the locality image (`loc_image`).
+    pub images_per_example: i64,
+}
+
+/// One view of an edit example as a meta-training step builds it (EasyEdit's
+/// `edit_inner`, `edit_outer`, `loc`, and with images `edit_outer_image`, `loc_image`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ViewShape {
+    pub name: &'static str,
+    /// Rows of the view's batch (`edit_outer` holds the edit prompts too with
+    /// `inner_in_edit_loss`).
+    pub rows: i64,
+    /// Tokens per row: text, plus the image's tokens for an image view.
+    pub tokens: i64,
+    /// Of `tokens`, those the image takes (0 for a text view).
+    pub image_tokens: i64,
+    /// Labelled positions per row (never an image token).
+    pub kept: i64,
+    /// Whether the edited model scores it (in the one edited forward of a step); the
+    /// others are the capture batch (`edit_inner`) and, for locality, the unedited
+    /// reference is scored too.
+    pub edited: bool,
+}
+
+/// Meta-training (`train`) or editing with a trained editor (`edit`, `eval`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Train,
+    Edit,
+}
+
+/// When an item is alive (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Group {
+    /// For the whole run.
+    Resident,
+    /// Forward + backward of the edit NLL on the frozen model (reads x and δ).
+    Capture,
+    /// End of the edited forwards (outer, locality): the largest set before backward.
+    EditedForward,
+    /// Backward of the meta-loss into the editor.
+    Backward,
+    /// Gradient clipping and Adam.
+    OptimizerStep,
+    /// Writing the editor and training state (host memory).
+    Checkpoint,
+    /// The frozen vision tower's forward, once per image, without grad (VL models).
+    VisionForward,
+}
+
+impl Group {
+    pub fn name(self) -> &'static str {
+        match self {
+            Group::Resident => "resident",
+            Group::Capture => "capture",
+            Group::EditedForward => "edited_forward",
+            Group::Backward => "backward",
+            Group::OptimizerStep => "optimizer_step",
+            Group::Checkpoint => "checkpoint",
+            Group::VisionForward => "vision_forward",
+        }
+    }
+}
+
+/// Where an item lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Main,
+    Sub,
+    /// Host memory outside both devices (counted on main when main is the CPU).
+    Host,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Main => "main",
+            Role::Sub => "sub",
+            Role::Host => "host",
+        }
+    }
+}
+
+/// One line of the plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanItem {
+    pub phase: Phase,
+    pub role: Role,
+    /// Device name the item is counted on (`None` for host memory on an accelerator run).
+    pub device: Option<String>,
+    /// Groups during which the item is alive.
+    pub groups: Vec<Group>,
+    pub item: String,
+    /// How the bytes are computed, as text.
+    pub formula: String,
+    pub bytes: u64,
+}
+
+/// Peak of one physical device in one phase: `resident + max(other groups)`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceTotal {
+    pub device: String,
+    /// Roles placed on this device (both on a single-device run).
+    pub roles: Vec<String>,
+    pub phase: Phase,
+    pub by_group: BTreeMap<Group, u64>,
+    /// The group whose bytes, added to the resident ones, give the peak.
+    pub peak_group: Group,
+    pub peak_bytes: u64,
+}
+
+/// One editor network (shared by all edited weights of one shape, or per weight).
+#[derive(Debug, Clone, Serialize)]
+pub struct EditorShape {
+    pub key: String,
+    pub d_in: i64,
+    pub d_out: i64,
+    /// Widths of its MLPs (one for combine, two for separate).
+    pub widths: Vec<i64>,
+    pub rank: i64,
+    pub n_modes: i64,
+    pub parameters: i64,
+}
+
+/// Everything the plan assumed.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanShape {
+    pub architecture: String,
+    pub n_params: i64,
+    pub dtype: String,
+    pub dtype_bytes: i64,
+    pub main: String,
+    pub sub: String,
+    pub split: bool,
+    pub placement: Placement,
+    /// Layer split: the first block on the sub-device.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boundary: Option<i64>,
+    pub optimizer_device: String,
+    pub batch_size: i64,
+    pub tokens_per_example: i64,
+    pub kept_per_example: i64,
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub n_layers: i64,
+    pub edited: Vec<String>,
+    pub first_edited_layer: i64,
+    pub editors: Vec<EditorShape>,
+    pub editor_parameters: i64,
+    /// The image each example shows (vision-language models with `--image-size`).
+    pub image: Option<ImageShape>,
+    /// The views of one micro-batch as planned: text (inner, outer, loc of one length)
+    /// or, with an image, EasyEdit's five multimodal views.
+    pub views: Vec<ViewShape>,
+    /// Tokens of the one edited forward of a training step: every edited view's rows,
+    /// padded to the longest.
+    pub edited_forward_tokens: i64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryPlan {
+    pub shape: PlanShape,
+    pub items: Vec<PlanItem>,
+    pub totals: Vec<DeviceTotal>,
+}
+
+/// Element size of a weight dtype.
+pub(super) fn dtype_bytes(k: Kind) -> i64 {
+    k.elt_size_in_bytes() as i64
+}
+
+pub(super) fn dtype_name(k: Kind) -> &'static str {
+    match k {
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        _ => "f32",
+    }
+}
+
+pub(super) fn num(n: i64) -> String {
+    // 124439808 -> 124,439,808
+    let s = n.abs().to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 {
+        format!("-{out}")
+    } else {
+        out
+    }
+}
