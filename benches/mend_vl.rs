@@ -16,7 +16,15 @@
 //! - `adam_step`: clipping + Adam over the editor;
 //! - `edit`: the edit image's features, capture, the editor (`Engine::edit_low_rank`).
 //!
-//! `./x bench --bench mend_vl`; results in BENCHMARKS.md ("Multimodal MEND").
+//! - first, the micro-step before #35 (every forward from the embedding, the four scored
+//!   views in one padded forward) and after, alternating: medians of 5 rounds after one
+//!   warm-up each (`--ab`: that alone).
+//!
+//! Then the arithmetic of a step (linear layers of the text blocks and the head, forward
+//! and the input-gradient backward, from the batches' shapes: before and after #35), the
+//! achieved GFLOP/s of a step, and a one-thread `Tensor::mm` peak of this machine beside it.
+//!
+//! `./x bench --bench mend_vl`; results in BENCHMARKS.md ("Multimodal MEND", "#35").
 use std::path::Path;
 use std::time::Instant;
 
@@ -27,7 +35,8 @@ use dualedit::mend::optim::Adam;
 use dualedit::mend::{Editor, Engine};
 use dualedit::model::qwen2_vl::Qwen2Vl;
 use dualedit::model::{load_model, random_params, Model};
-use dualedit::train::{meta_loss, EditBatches};
+use dualedit::data::TokenBatch;
+use dualedit::train::{meta_loss, EditBatches, EditedGroup, View};
 use tch::{Device, Kind, Tensor};
 
 const IMAGE_SIDE: u32 = 224;
@@ -96,8 +105,48 @@ fn timed(name: &str, mut f: impl FnMut()) -> f64 {
     median
 }
 
+/// One-thread GEMM peak: the best GFLOP/s of `[n, n]·[n, n]` products in f32.
+fn gemm_peak() -> f64 {
+    let n = 1024;
+    let (a, b) = (Tensor::randn([n, n], (Kind::Float, Device::Cpu)), Tensor::randn([n, n], (Kind::Float, Device::Cpu)));
+    let mut best = f64::MAX;
+    for _ in 0..8 {
+        let t = Instant::now();
+        std::hint::black_box(a.mm(&b));
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (n * n * n) as f64 / best / 1e9
+}
+
+/// Rows of a batch (`B·T`, padding included: what its forward computes).
+fn rows(b: &TokenBatch) -> f64 {
+    (b.batch_size() * b.input_ids.size()[1]) as f64
+}
+
+/// Linear-layer FLOPs of one micro-step's text side: `(prefix rows, rows above the
+/// prefix, grad rows)` times the per-row cost of the blocks below / above the first
+/// edited block, plus the head at the scored rows. `shared`: the #35 paths (prefix once
+/// per batch, views grouped); otherwise every forward from the embedding over the four
+/// views padded together. Grad rows (capture and edited backward, input gradients only:
+/// the frozen weights get none) pass through the blocks above the prefix once more.
+fn step_flops(b: &EditBatches, one: &TokenBatch, shared: bool, per_block: f64, blocks: (f64, f64), head: f64) -> f64 {
+    let (below, above) = blocks;
+    let (loc, loc_image) = (b.loc.as_ref().map_or(0.0, rows), b.loc_image.as_ref().map_or(0.0, rows));
+    let inner = rows(&b.inner);
+    let edited: f64 = if shared {
+        b.edited.iter().map(|g| g.batch.as_ref().map_or_else(|| rows(b.view(g.views[0]).expect("view")), rows)).sum()
+    } else {
+        rows(one)
+    };
+    let (prefix_rows, upper_rows) = if shared { (inner + edited, inner + edited + loc + loc_image) } else { (inner + edited + loc + loc_image, inner + edited + loc + loc_image) };
+    let kept = |t: &TokenBatch| t.keep.sum(Kind::Int64).int64_value(&[]) as f64;
+    let scored = kept(&b.inner) + [Some(&b.outer), b.outer_image.as_ref(), b.loc.as_ref(), b.loc_image.as_ref()].into_iter().flatten().map(kept).sum::<f64>();
+    per_block * (below * prefix_rows + above * upper_rows + above * (inner + edited)) + head * 2.0 * scored
+}
+
 fn main() {
     tch::set_num_threads(1);
+    let ab_only = std::env::args().any(|a| a == "--ab");
     let dir = model_dir();
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).expect("config")).expect("JSON");
     let lm = load_model(dir.path(), Device::Cpu, Kind::Float).expect("load");
@@ -125,11 +174,64 @@ fn main() {
 
     let (net, lrs) = editor.trainables();
     let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
-    timed("train_microbatch", || {
-        let b = EditBatches::for_config(&engine, &[&ex], &cfg).expect("batches");
-        let (loss, _) = meta_loss(&engine, &mut editor, &b, true).expect("meta loss");
+    let views = [View::Outer, View::OuterImage, View::Loc, View::LocImage];
+    let all = [&ex.outer, ex.outer_image.as_ref().expect("view"), ex.loc.as_ref().expect("view"), ex.loc_image.as_ref().expect("view")];
+    // The step as before #35: every forward from the embedding, one padded edited forward.
+    let mut step = |engine: &mut Engine, editor: &mut Editor, before: bool| {
+        engine.share_prefix = !before;
+        let mut b = EditBatches::for_config(engine, &[&ex], &cfg).expect("batches");
+        if before {
+            let batch = engine.collate(&all).expect("batch");
+            b.edited = vec![EditedGroup { views: views.to_vec(), batch: Some(batch) }];
+        }
+        let (loss, _) = meta_loss(engine, editor, &b, true).expect("meta loss");
         (loss / cfg.accumulate as f64).backward();
-    });
+    };
+    let mut engine = engine;
+    let (mut before_ms, mut after_ms) = (Vec::new(), Vec::new());
+    let mut once = |before: bool, engine: &mut Engine, editor: &mut Editor| {
+        let t = Instant::now();
+        step(engine, editor, before);
+        t.elapsed().as_secs_f64() * 1e3
+    };
+    // One warm-up of each, then 5 alternating rounds.
+    once(true, &mut engine, &mut editor);
+    once(false, &mut engine, &mut editor);
+    for _ in 0..5 {
+        before_ms.push(once(true, &mut engine, &mut editor));
+        after_ms.push(once(false, &mut engine, &mut editor));
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (before, after) = (median(&mut before_ms), median(&mut after_ms));
+    println!("A/B over 5 alternating rounds: before #35 {before:.1} ms, after {after:.1} ms ({:.2}×)", after / before);
+
+    // The arithmetic of the step, from the shapes.
+    let b = EditBatches::for_config(&engine, &[&ex], &cfg).expect("batches");
+    let one = engine.collate(&all).expect("batch");
+    let params = |prefix: &str| -> f64 {
+        engine.lm.params.iter().filter(|(n, t)| n.starts_with(prefix) && t.dim() == 2).map(|(_, t)| t.numel() as f64).sum()
+    };
+    let per_block = 2.0 * params("model.layers.0.");
+    let first = engine.edit_params.iter().filter_map(|p| engine.lm.model.block_of(&p.name)).min().unwrap_or(0) as f64;
+    let n_blocks = engine.lm.model.n_blocks() as f64;
+    let head = 2.0 * (json["vocab_size"].as_f64().expect("vocab") * json["hidden_size"].as_f64().expect("hidden"));
+    let f_before = step_flops(&b, &one, false, per_block, (first, n_blocks - first), head);
+    let f_after = step_flops(&b, &one, true, per_block, (first, n_blocks - first), head);
+    let peak = gemm_peak();
+    println!(
+        "text linear FLOPs of a micro-step: before #35 {:.2} GFLOP, after {:.2} GFLOP ({:.0} % avoided); {:.1} / {:.1} GFLOP/s achieved on them; one-thread mm peak {peak:.1} GFLOP/s",
+        f_before / 1e9,
+        f_after / 1e9,
+        100.0 * (1.0 - f_after / f_before),
+        f_before / before * 1e3 / 1e9,
+        f_after / after * 1e3 / 1e9
+    );
+    if ab_only {
+        return;
+    }
     timed("adam_step", || {
         adam.clip(cfg.grad_clip);
         adam.step();

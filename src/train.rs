@@ -78,11 +78,30 @@ pub struct EditBatches {
     pub outer_image: Option<TokenBatch>,
     /// Unrelated images and questions (multimodal).
     pub loc_image: Option<TokenBatch>,
-    /// Every view the edited model scores in one batch, rows in the order outer,
-    /// outer_image, loc, loc_image (those present), when there is more than `outer`: the
-    /// edited model runs one forward over all of them, so its weights are read (and the
-    /// edit crosses the mover) once per micro-batch.
-    pub edited: Option<TokenBatch>,
+    /// The views the edited model scores, grouped by length (see [`EditBatches::groups`]):
+    /// one forward per group, so the weights are read (and the edit crosses the mover)
+    /// once per group, and a short view (the text `loc`, ~16–44 tokens) is not padded to
+    /// an image view's ~80–290. Each group's views are in the order outer, outer_image,
+    /// loc, loc_image (those present); a group of one view holds no batch and runs that
+    /// view's own. Empty when `outer` is the only view.
+    pub edited: Vec<EditedGroup>,
+}
+
+/// The scored views an [`EditBatches`] can hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum View {
+    Outer,
+    OuterImage,
+    Loc,
+    LocImage,
+}
+
+/// Views the edited model scores in one forward: `batch` holds their rows in `views`'
+/// order (`None`: one view, whose own batch is run).
+#[derive(Debug)]
+pub struct EditedGroup {
+    pub views: Vec<View>,
+    pub batch: Option<TokenBatch>,
 }
 
 /// The edited model's logits of each scored view, split out of the one edited forward.
@@ -111,18 +130,59 @@ impl EditBatches {
             .collect();
         let images = engine.images(&all)?;
         let b = Self::build(examples, cfg.inner_in_edit_loss, |ex| engine.collate_with(ex, images.as_ref()))?;
-        // Under a layer split the scored views' boundary activations are computed once,
-        // for the batch of all of them, and each view's are its rows of those.
-        if let Some(all) = &b.edited {
-            let mut row = 0;
-            let mut parts = Vec::new();
-            for v in [Some(&b.outer), b.outer_image.as_ref(), b.loc.as_ref(), b.loc_image.as_ref()].into_iter().flatten() {
-                parts.push((v, row));
-                row += v.batch_size();
+        // The scored views' prefix activations are computed once per group, for the batch
+        // of all of its views, and each view's are its rows of those.
+        for g in &b.edited {
+            if let Some(all) = &g.batch {
+                let mut row = 0;
+                let mut parts = Vec::new();
+                for v in &g.views {
+                    let v = b.view(*v).ok_or_else(|| Error::Torch("an edited group names a missing view".into()))?;
+                    parts.push((v, row));
+                    row += v.batch_size();
+                }
+                engine.share_boundary(all, &parts)?;
             }
-            engine.share_boundary(all, &parts)?;
         }
         Ok(b)
+    }
+
+    /// The batch of a scored view, if present.
+    pub fn view(&self, v: View) -> Option<&TokenBatch> {
+        match v {
+            View::Outer => Some(&self.outer),
+            View::OuterImage => self.outer_image.as_ref(),
+            View::Loc => self.loc.as_ref(),
+            View::LocImage => self.loc_image.as_ref(),
+        }
+    }
+
+    /// The present views grouped for the edited forwards, from their `(rows, tokens)`
+    /// shapes (canonical order kept within a group). Longest first, a view joins the
+    /// current group when padding it to the group's length wastes at most half of its
+    /// padded tokens (`2·t ≥ T`); otherwise it starts the next group. Every row of a view
+    /// is computed exactly as alone (causal attention, right padding), so the grouping
+    /// changes the arithmetic, not the results. E-VQA (three image views of ~290 tokens,
+    /// a text `loc` of ~44): two forwards of 3×290 and 1×44 token-rows instead of 4×290.
+    pub fn groups(views: &[(View, i64, i64)]) -> Vec<Vec<View>> {
+        let mut order: Vec<usize> = (0..views.len()).collect();
+        // Stable: equal lengths stay in canonical order.
+        order.sort_by_key(|&i| std::cmp::Reverse(views[i].2));
+        let mut groups: Vec<(i64, Vec<usize>)> = Vec::new();
+        for i in order {
+            let t = views[i].2;
+            match groups.last_mut() {
+                Some((len, members)) if 2 * t >= *len => members.push(i),
+                _ => groups.push((t, vec![i])),
+            }
+        }
+        groups
+            .into_iter()
+            .map(|(_, mut m)| {
+                m.sort_unstable();
+                m.into_iter().map(|i| views[i].0).collect()
+            })
+            .collect()
     }
 
     fn build<E>(
@@ -138,37 +198,68 @@ impl EditBatches {
         let outer_image: Vec<&Example> = examples.iter().filter_map(|e| e.outer_image.as_ref()).collect();
         let loc: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
         let loc_image: Vec<&Example> = examples.iter().filter_map(|e| e.loc_image.as_ref()).collect();
-        let all: Vec<&Example> = outer.iter().chain(&outer_image).chain(&loc).chain(&loc_image).copied().collect();
         let inner_b = collate(&inner)?;
         let outer_b = collate(&outer)?;
         let mut some = |v: &[&Example]| (!v.is_empty()).then(|| collate(v)).transpose();
-        Ok(Self {
+        let mut b = Self {
             inner: inner_b,
             outer: outer_b,
             outer_image: some(&outer_image)?,
             loc: some(&loc)?,
             loc_image: some(&loc_image)?,
-            edited: some(if all.len() > outer.len() { &all } else { &[] })?,
-        })
+            edited: Vec::new(),
+        };
+        let shapes: Vec<(View, i64, i64)> = [View::Outer, View::OuterImage, View::Loc, View::LocImage]
+            .into_iter()
+            .filter_map(|v| b.view(v).map(|t| (v, t.batch_size(), t.input_ids.size()[1])))
+            .collect();
+        if shapes.len() > 1 {
+            let examples = |v: View| -> &[&Example] {
+                match v {
+                    View::Outer => &outer,
+                    View::OuterImage => &outer_image,
+                    View::Loc => &loc,
+                    View::LocImage => &loc_image,
+                }
+            };
+            for views in Self::groups(&shapes) {
+                let batch = if views.len() > 1 {
+                    let rows: Vec<&Example> = views.iter().flat_map(|v| examples(*v).iter().copied()).collect();
+                    Some(collate(&rows)?)
+                } else {
+                    None
+                };
+                b.edited.push(EditedGroup { views, batch });
+            }
+        }
+        Ok(b)
     }
 
     /// The edited logits of every scored view from one forward over `edited`.
     fn edited_posts(&self, engine: &Engine, overrides: &Overrides) -> Result<Posts> {
-        let Some(all) = &self.edited else {
+        if self.edited.is_empty() {
             return Ok(Posts { outer: engine.edited_logits_on_sub(overrides, &self.outer)?, outer_image: None, loc: None, loc_image: None });
-        };
-        let logits = engine.edited_logits_on_sub(overrides, all)?;
-        let mut at = 0i64;
-        let mut take = |b: Option<&TokenBatch>| {
-            b.map(|b| {
-                let n = b.keep.sum(tch::Kind::Int64).int64_value(&[]);
-                let t = logits.narrow(0, at, n);
-                at += n;
-                t
-            })
-        };
-        let outer = take(Some(&self.outer)).ok_or_else(|| Error::Torch("no edit_outer logits".into()))?;
-        Ok(Posts { outer, outer_image: take(self.outer_image.as_ref()), loc: take(self.loc.as_ref()), loc_image: take(self.loc_image.as_ref()) })
+        }
+        let mut posts: Vec<(View, Tensor)> = Vec::with_capacity(4);
+        for g in &self.edited {
+            let missing = || Error::Torch("an edited group names a missing view".into());
+            match (&g.batch, g.views.as_slice()) {
+                (None, [v]) => posts.push((*v, engine.edited_logits_on_sub(overrides, self.view(*v).ok_or_else(missing)?)?)),
+                (Some(all), views) => {
+                    let logits = engine.edited_logits_on_sub(overrides, all)?;
+                    let mut at = 0i64;
+                    for v in views {
+                        let n = self.view(*v).ok_or_else(missing)?.keep.sum(tch::Kind::Int64).int64_value(&[]);
+                        posts.push((*v, logits.narrow(0, at, n)));
+                        at += n;
+                    }
+                }
+                (None, _) => return Err(Error::Torch("an edited group of several views has no batch".into())),
+            }
+        }
+        let mut take = |v: View| posts.iter().position(|(w, _)| *w == v).map(|i| posts.swap_remove(i).1);
+        let outer = take(View::Outer).ok_or_else(|| Error::Torch("no edit_outer logits".into()))?;
+        Ok(Posts { outer, outer_image: take(View::OuterImage), loc: take(View::Loc), loc_image: take(View::LocImage) })
     }
 }
 

@@ -350,3 +350,64 @@ fn image_locality_compares_top_ten_lists_at_every_position() {
     // The answer's rows alone give another top-10 figure: the metric is not answer-only.
     assert_ne!(share(&rows(&pre), &rows(&post)), all);
 }
+
+/// #35: the scored views are forwarded in groups of similar length (E-VQA: the three
+/// image views together, the short text `loc` alone) and score exactly as the one padded
+/// forward over all four did, with the prefix shared or not, on one device and split.
+#[test]
+fn views_grouped_by_length_score_as_one_padded_forward() {
+    use dualedit::mend::Editor;
+    use dualedit::train::{meta_loss, EditBatches, EditedGroup, View};
+    let evqa = [(View::Outer, 1, 290), (View::OuterImage, 1, 290), (View::Loc, 1, 44), (View::LocImage, 1, 288)];
+    assert_eq!(EditBatches::groups(&evqa), vec![vec![View::Outer, View::OuterImage, View::LocImage], vec![View::Loc]]);
+    assert_eq!(EditBatches::groups(&[(View::Outer, 2, 20), (View::Loc, 2, 12)]), vec![vec![View::Outer, View::Loc]]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let (_, _, (_, ex, _)) = one_record(dir.path());
+    let e = &ex[0];
+    let names: Vec<String> = ["up_proj", "down_proj"].iter().map(|m| format!("model.layers.1.mlp.{m}.weight")).collect();
+    let cfg = MendConfig { rank: 8, edit_lr: 1e-3, max_length: 200, edit_params: names.clone(), ..MendConfig::default() };
+    for plan in [DevicePlan::single(Device::Cpu), DevicePlan::split_on(Device::Cpu, Device::Cpu)] {
+        for share in [false, true] {
+            let mut engine = open_engine(&fixture("qwen2_vl"), &LoadOptions { plan, ..LoadOptions::default() }, &names).unwrap();
+            engine.share_prefix = share;
+            let run = |one_forward: bool| {
+                let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
+                let mut b = EditBatches::for_config(&engine, &[e], &cfg).unwrap();
+                let groups: Vec<Vec<View>> = b.edited.iter().map(|g| g.views.clone()).collect();
+                if one_forward {
+                    // All four views in one batch padded to the longest, as before #35.
+                    let all = [&e.outer, e.outer_image.as_ref().unwrap(), e.loc.as_ref().unwrap(), e.loc_image.as_ref().unwrap()];
+                    let batch = engine.collate(&all).unwrap();
+                    let parts: Vec<(&dualedit::data::TokenBatch, i64)> =
+                        [View::Outer, View::OuterImage, View::Loc, View::LocImage].iter().enumerate().map(|(i, v)| (b.view(*v).unwrap(), i as i64)).collect();
+                    engine.share_boundary(&batch, &parts).unwrap();
+                    b.edited = vec![EditedGroup { views: vec![View::Outer, View::OuterImage, View::Loc, View::LocImage], batch: Some(batch) }];
+                }
+                let (loss, parts) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+                loss.backward();
+                let (net, _) = editor.trainables();
+                let g: f64 = net.iter().filter(|t| t.grad().defined()).map(|t| t.grad().square().sum(Kind::Double).double_value(&[])).sum();
+                (parts, g, groups)
+            };
+            let (p0, g0, _) = run(true);
+            let (p1, g1, groups) = run(false);
+            let what = format!("{plan:?}, share_prefix {share}");
+            let lens: Vec<i64> = [&e.outer, e.loc.as_ref().unwrap()].iter().map(|x| x.ids.len() as i64).collect();
+            assert_eq!(groups, vec![vec![View::Outer, View::OuterImage, View::LocImage], vec![View::Loc]], "{what}: view lengths {lens:?}");
+            let pairs = [
+                ("loss", p0.loss, p1.loss),
+                ("edit_nll", p0.edit_nll, p1.edit_nll),
+                ("loc_kl", p0.loc_kl, p1.loc_kl),
+                ("loc_acc", p0.loc_acc, p1.loc_acc),
+                ("image_edit_nll", p0.image_edit_nll.unwrap(), p1.image_edit_nll.unwrap()),
+                ("image_loc_kl", p0.image_loc_kl.unwrap(), p1.image_loc_kl.unwrap()),
+                ("image_loc_acc", p0.image_loc_acc.unwrap(), p1.image_loc_acc.unwrap()),
+            ];
+            for (k, a, b) in pairs {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()) + 1e-7, "{what}: {k}: one forward {a}, grouped {b}");
+            }
+            assert!(g0 > 0.0 && (g0 - g1).abs() <= 1e-4 * g0, "{what}: |grad|² {g0} vs {g1}");
+        }
+    }
+}

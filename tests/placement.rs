@@ -280,3 +280,63 @@ fn layer_split_refuses_bad_boundaries() {
     assert!(err.contains("--sub-device"), "{err}");
     assert_eq!(balanced(1).placement, Placement::Balanced);
 }
+
+/// The prefix once per batch in every placement (#35): with an editor of block 2 only,
+/// every forward of a batch (capture, unedited locality, edited views, recomputed passes)
+/// starts at block 2 from activations computed once, and the meta-loss, its parts and the
+/// editor's gradients equal those of forwards from the embedding (`share_prefix` off; a
+/// layer split then starts at its own boundary, block 1).
+#[test]
+fn shared_prefix_gives_the_same_step_in_every_placement() {
+    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
+    let example = EditExample {
+        inner: ex(&[5, 6, 7, 8, 9, 10], 2),
+        outer: ex(&[11, 12, 7, 8, 9, 10, 3], 3),
+        rephrased: true,
+        loc: Some(ex(&[20, 21, 22, 23], 2)),
+        portability: Vec::new(),
+        outer_image: None,
+        loc_image: None,
+    };
+    for model in ["gpt2", "llama"] {
+        let dir = fixture(model);
+        for recompute in [false, true] {
+            let cfg = config(model, recompute);
+            let run = |plan: DevicePlan, share: bool| {
+                let mut engine = Engine::new(load_model(&dir, Device::Cpu, Kind::Float).unwrap(), plan, &cfg.edit_params).unwrap();
+                engine.share_prefix = share;
+                let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
+                let b = EditBatches::for_config(&engine, &[&example], &cfg).unwrap();
+                let at = engine.boundary(b.loc.as_ref().unwrap()).unwrap().map(|e| e.at);
+                let (loss, parts) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+                loss.backward();
+                let (net, _) = editor.trainables();
+                let grads: Vec<tch::Tensor> = net.iter().filter(|t| t.grad().defined()).map(|t| t.grad().reshape([-1])).collect();
+                (parts, tch::Tensor::cat(&grads, 0), at)
+            };
+            for (name, plan, unshared_at) in [
+                ("single", DevicePlan::single(Device::Cpu), None),
+                ("replica", DevicePlan::split_on(Device::Cpu, Device::Cpu), None),
+                ("balanced", balanced(1), Some(1)),
+            ] {
+                let what = format!("{model}, recompute {recompute}, {name}");
+                let (p0, g0, at0) = run(plan, false);
+                let (p1, g1, at1) = run(plan, true);
+                assert_eq!((at0, at1), (unshared_at, Some(2)), "{what}");
+                for (k, a, b) in [
+                    ("loss", p0.loss, p1.loss),
+                    ("edit_nll", p0.edit_nll, p1.edit_nll),
+                    ("loc_kl", p0.loc_kl, p1.loc_kl),
+                    ("edit_acc", p0.edit_acc, p1.edit_acc),
+                    ("loc_acc", p0.loc_acc, p1.loc_acc),
+                ] {
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()) + 1e-7, "{what}: {k}: from the embedding {a}, from the prefix {b}");
+                }
+                assert!(p0.loc_kl > 0.0, "{what}: the edit must move the locality logits for the test to mean something");
+                let scale = g0.abs().max().double_value(&[]);
+                let diff = (&g0 - &g1).abs().max().double_value(&[]);
+                assert!(scale > 0.0 && diff <= 1e-4 * scale, "{what}: editor gradients differ by {diff} (largest {scale})");
+            }
+        }
+    }
+}

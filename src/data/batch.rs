@@ -81,41 +81,45 @@ pub struct TokenBatch {
     pub prefix: PrefixCache,
 }
 
-/// Which layer split a cached [`Boundary`] belongs to: the split's boundary block and the
-/// identity of its crossing (one per engine), so a batch used with two engines never
-/// reads the other's activations.
+/// Which engine and side a cached [`Boundary`] belongs to: the block it enters, the
+/// identity of the engine's crossing (its layer split's, else its mover; one per engine),
+/// so a batch used with two engines never reads the other's activations, and whether it
+/// is the replica placement's copy on the sub-device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefixKey {
     pub at: usize,
     pub crossing: usize,
+    pub sub: bool,
 }
 
-/// At most one cached [`Boundary`] per batch, with the key it was computed under.
+/// The cached [`Boundary`]s of a batch with the keys they were computed under (one per
+/// side: the replica placement keeps the main device's and the sub-device's copy).
 #[derive(Debug, Default)]
-pub struct PrefixCache(std::cell::RefCell<Option<(PrefixKey, Boundary)>>);
+pub struct PrefixCache(std::cell::RefCell<Vec<(PrefixKey, Boundary)>>);
 
 impl PrefixCache {
     /// The cached boundary for `key`, or the one `compute` makes (then cached, replacing
-    /// one of another key).
+    /// one of another engine).
     pub fn get_or(&self, key: PrefixKey, compute: impl FnOnce() -> Result<Boundary>) -> Result<Boundary> {
-        if let Some((k, b)) = self.0.borrow().as_ref() {
-            if *k == key {
-                return Ok(b.shallow_clone());
-            }
+        if let Some(b) = self.get(key) {
+            return Ok(b);
         }
         let b = compute()?;
-        *self.0.borrow_mut() = Some((key, b.shallow_clone()));
+        self.set(key, b.shallow_clone());
         Ok(b)
     }
 
-    /// Caches `b` for `key` (a boundary cut from a larger batch's, see [`Boundary::narrow`]).
+    /// Caches `b` for `key` (a boundary cut from a larger batch's, see [`Boundary::narrow`]),
+    /// dropping those of other engines.
     pub fn set(&self, key: PrefixKey, b: Boundary) {
-        *self.0.borrow_mut() = Some((key, b));
+        let mut v = self.0.borrow_mut();
+        v.retain(|(k, _)| k.crossing == key.crossing && k.at == key.at && k.sub != key.sub);
+        v.push((key, b));
     }
 
     /// The cached boundary, if one is cached under `key`.
     pub fn get(&self, key: PrefixKey) -> Option<Boundary> {
-        self.0.borrow().as_ref().filter(|(k, _)| *k == key).map(|(_, b)| b.shallow_clone())
+        self.0.borrow().iter().find(|(k, _)| *k == key).map(|(_, b)| b.shallow_clone())
     }
 }
 

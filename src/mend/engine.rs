@@ -51,6 +51,11 @@ pub struct Engine {
     pub fit_advisor: Option<Arc<dyn crate::device::oom::FitAdvisor>>,
     /// When each phase ran on which device (meta-training turns it on).
     pub timeline: Arc<Timeline>,
+    /// Whether every forward of a batch starts from its prefix up to the first edited
+    /// block, computed once ([`Engine::boundary`]); on by default. Off, forwards run from
+    /// the embedding, except under a layer split, which always starts at its boundary.
+    /// Exact either way (to float rounding); off is there to compare against.
+    pub share_prefix: bool,
 }
 
 /// How [`Engine::edit_low_rank_shaped`] reshapes the editor's edit (the default leaves it
@@ -145,7 +150,7 @@ impl Engine {
             Some(vl) => Some(vl.image_processor(&lm.dir)?),
             None => None,
         };
-        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc, fit_advisor: None, timeline })
+        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc, fit_advisor: None, timeline, share_prefix: true })
     }
 
     /// The layer split's boundary, checked: a split plan, within the model, at most the
@@ -170,39 +175,90 @@ impl Engine {
         self.lm.params.layer_split().is_some()
     }
 
-    /// The key under which a batch caches this engine's boundary activations.
-    fn prefix_key(&self) -> Option<PrefixKey> {
-        self.lm.params.layer_split().map(|s| PrefixKey { at: s.at, crossing: Arc::as_ptr(&s.cross) as *const () as usize })
+    /// The block every forward of a batch starts at, after the batch's prefix: the first
+    /// edited block (nothing below it depends on the edit; under a layer split it is at or
+    /// above the boundary, [`Engine::check_boundary`]), or the layer split's boundary
+    /// with [`Engine::share_prefix`] off. `None`: every forward runs from the embedding
+    /// (sharing off without a layer split, or an edited weight outside the blocks).
+    fn prefix_at(&self) -> Option<usize> {
+        let split = self.lm.params.layer_split().map(|s| s.at);
+        if !self.share_prefix {
+            return split;
+        }
+        let blocks: Option<Vec<usize>> = self.edit_params.iter().map(|p| self.lm.model.block_of(&p.name)).collect();
+        match blocks.and_then(|b| b.into_iter().min()) {
+            Some(first) => Some(split.map_or(first, |at| first.max(at))),
+            None => split,
+        }
     }
 
-    /// Under a layer split, `batch`'s boundary activations: the embedding and the blocks
-    /// below the boundary run once per batch (no grad) and their output crosses the mover
-    /// once; every later forward of the batch (the unedited one, the capture, the edited
-    /// ones) starts from it. `None` without a layer split.
+    /// The key under which a batch caches this engine's prefix (`sub`: the replica
+    /// placement's copy on the sub-device).
+    fn prefix_key(&self, sub: bool) -> Option<PrefixKey> {
+        let crossing = match self.lm.params.layer_split() {
+            Some(s) => Arc::as_ptr(&s.cross) as *const () as usize,
+            None => Arc::as_ptr(&self.mover) as usize,
+        };
+        self.prefix_at().map(|at| PrefixKey { at, crossing, sub })
+    }
+
+    /// `batch`'s prefix activations for the forwards over the main device's weights (under
+    /// a layer split, already crossed to the sub-device): the embedding and the blocks
+    /// below [`Engine::prefix_at`] run once per batch (no grad) and every later forward
+    /// of the batch (the unedited one, the capture, the edited ones) starts from them.
+    /// A Qwen2-VL-7B editor of blocks 25–27 skips 25 of 28 blocks in every forward but
+    /// the first. `None` when every forward runs from the embedding.
     pub fn boundary(&self, batch: &TokenBatch) -> Result<Option<Boundary>> {
-        let Some(key) = self.prefix_key() else {
+        let Some(key) = self.prefix_key(false) else {
             return Ok(None);
         };
         let none = HashSet::new();
         batch
             .prefix
-            .get_or(key, || self.timeline.span("main", "prefix", || self.lm.model.prefix(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none))))
+            .get_or(key, || {
+                self.timeline.span("main", "prefix", || self.lm.model.prefix_to(&ParamView::frozen(&self.lm.params), &batch.forward_input(&none), key.at))
+            })
             .map(Some)
     }
 
-    /// Under a layer split: computes `whole`'s boundary activations (one crossing) and
-    /// gives each of `parts` (a batch of rows `[row, row + B)` of `whole`'s examples, in
-    /// the same order, right-padded to its own length) its slice, so that their forwards
-    /// cross nothing more. Meta-training's edited forward runs over all the scored views
+    /// The replica placement's [`Engine::boundary`] on the sub-device (computed there once
+    /// per batch from the replica), where the edited and the unedited locality forwards
+    /// run; the main device's boundary elsewhere.
+    fn sub_boundary(&self, batch: &TokenBatch) -> Result<Option<Boundary>> {
+        let (Some(replica), Some(key)) = (&self.replica, self.prefix_key(true)) else {
+            return self.boundary(batch);
+        };
+        let none = HashSet::new();
+        // Computed again from the replica: only batches and factors cross in this placement.
+        batch
+            .prefix
+            .get_or(key, || {
+                let moved = self.mover.batch_to_sub(batch);
+                self.timeline.span("sub", "prefix", || self.lm.model.prefix_to(&ParamView::frozen(replica), &moved.forward_input(&none), key.at))
+            })
+            .map(Some)
+    }
+
+    /// Computes `whole`'s prefix activations (under a split, one crossing) and gives each
+    /// of `parts` (a batch of rows `[row, row + B)` of `whole`'s examples, in the same
+    /// order, right-padded to its own length) its slice, so that their forwards compute
+    /// and cross nothing more. Meta-training's edited forward runs over the scored views
     /// at once (`whole`), its unedited locality forward and recomputed passes over each.
-    /// Does nothing without a layer split.
+    /// Does nothing when forwards run from the embedding.
     pub fn share_boundary(&self, whole: &TokenBatch, parts: &[(&TokenBatch, i64)]) -> Result<()> {
-        let (Some(key), Some(b)) = (self.prefix_key(), self.boundary(whole)?) else {
+        let (Some(key), Some(b)) = (self.prefix_key(false), self.boundary(whole)?) else {
             return Ok(());
+        };
+        let sub = match self.prefix_key(true) {
+            Some(k) if self.replica.is_some() => self.sub_boundary(whole)?.map(|b| (k, b)),
+            _ => None,
         };
         for (part, row) in parts {
             let (n, t) = (part.batch_size(), part.input_ids.size()[1]);
             part.prefix.set(key, crate::error::guard(|| b.narrow(*row, n, t))?);
+            if let Some((k, s)) = &sub {
+                part.prefix.set(*k, crate::error::guard(|| s.narrow(*row, n, t))?);
+            }
         }
         Ok(())
     }
@@ -374,7 +430,8 @@ impl Engine {
     /// `[R, d_in]` f32 per edited weight, under the current weights, on the main device.
     pub fn layer_inputs(&self, batch: &TokenBatch) -> Result<Vec<Tensor>> {
         let _g = tch::no_grad_guard();
-        let out = self.lm.model.forward_hidden(&ParamView::frozen(&self.lm.params), &batch.forward_input(&self.capture_set))?;
+        let entry = self.boundary(batch)?;
+        let out = self.lm.model.forward_hidden(&ParamView::frozen(&self.lm.params), &Self::input_from(batch, &self.capture_set, entry.as_ref()))?;
         crate::error::guard(|| {
             let real = batch.attention_mask.reshape([-1]).ne(0).nonzero().squeeze_dim(1);
             self.edit_params
@@ -476,7 +533,7 @@ impl Engine {
         match &self.sub_worker {
             // Layer split: the prefix on main (once per batch), the rest on the worker.
             Some(w) if self.layer_split() => Ok(Pending::Waiting(w.submit(batch.shallow_clone(), self.boundary(batch)?, at)?)),
-            Some(w) => Ok(Pending::Waiting(w.submit(self.mover.batch_to_sub(batch), None, at)?)),
+            Some(w) => Ok(Pending::Waiting(w.submit(self.mover.batch_to_sub(batch), self.sub_boundary(batch)?, at)?)),
             None => Ok(Pending::Ready(self.timeline.span("main", "unedited forwards", || self.base_logits(batch))?)),
         }
     }
@@ -501,12 +558,20 @@ impl Engine {
                 let input = Self::input_from(batch, &none, entry.as_ref());
                 Ok(self.lm.model.forward_to_head_side(&ParamView::new(&self.lm.params, Some(overrides)), &input)?.logits)
             }
-            None => Ok(self.lm.model.forward(&ParamView::new(&self.lm.params, Some(overrides)), &batch.forward_input(&none))?.logits),
-            Some(replica) => crate::error::guard(|| {
-                let moved = overrides.map(|t| self.mover.to_sub(t));
-                let sub_batch = self.mover.batch_to_sub(batch);
-                Ok(self.lm.model.forward(&ParamView::new(replica, Some(&moved)), &sub_batch.forward_input(&none))?.logits)
-            }),
+            None => {
+                let entry = self.boundary(batch)?;
+                let input = Self::input_from(batch, &none, entry.as_ref());
+                Ok(self.lm.model.forward(&ParamView::new(&self.lm.params, Some(overrides)), &input)?.logits)
+            }
+            Some(replica) => {
+                let entry = self.sub_boundary(batch)?;
+                crate::error::guard(|| {
+                    let moved = overrides.map(|t| self.mover.to_sub(t));
+                    let sub_batch = self.mover.batch_to_sub(batch);
+                    let input = Self::input_from(&sub_batch, &none, entry.as_ref());
+                    Ok(self.lm.model.forward(&ParamView::new(replica, Some(&moved)), &input)?.logits)
+                })
+            }
         }
     }
 
@@ -553,7 +618,7 @@ impl Engine {
                 moved = self.mover.batch_to_sub(batch);
                 &moved
             };
-            let entry = if split { self.boundary(batch)? } else { None };
+            let entry = self.sub_boundary(batch)?;
             crate::model::recompute::grad_by_blocks(
                 &self.lm.model,
                 &view,

@@ -67,11 +67,13 @@ impl WeightLayout {
     /// picks a slow kernel for `x·Aᵀ` when `x` is skinny, and the transposed product
     /// measured 35 % faster for GPT-2-small's layers at 16–48 rows and still 10 % faster
     /// at 256, with the backward no slower (BENCHMARKS.md). Larger batches keep the
-    /// plain product, which wins there.
+    /// plain product, which wins there. In f32 the threshold is [`SKINNY_ROWS_F32`]:
+    /// Qwen2-VL's 188-row text forward (512 → 1408) measured 7–40 % slower that way (#35).
     pub fn apply(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
         let d_in = *x.size().last().unwrap_or(&0);
         let rows = x.numel() as i64 / d_in.max(1);
-        if x.device() == Device::Cpu && rows > 0 && rows <= SKINNY_ROWS {
+        let skinny = if x.kind() == tch::Kind::Float { SKINNY_ROWS_F32 } else { SKINNY_ROWS };
+        if x.device() == Device::Cpu && rows > 0 && rows <= skinny {
             let a = match self {
                 WeightLayout::Linear => w.shallow_clone(),
                 WeightLayout::Conv1d => w.tr(),
@@ -116,10 +118,11 @@ pub struct ForwardInput<'a> {
     /// Image features `[N, D]` placed, in order, at the N `<|image_pad|>` tokens of
     /// `input_ids` (vision-language models; see [`qwen2_vl::Qwen2Vl::image_features`]).
     pub image_embeds: Option<&'a Tensor>,
-    /// Under a layer split: this input's boundary activations, computed beforehand by
-    /// [`Model::prefix`]; the forward then starts at the boundary block instead of running
-    /// the embedding and the blocks below it again (their output does not depend on any
-    /// edited weight). `None`: from the embedding.
+    /// This input's activations entering a block, computed beforehand by
+    /// [`Model::prefix_to`] (under a layer split at or above its boundary, and already
+    /// crossed); the forward then starts at that block instead of running the embedding
+    /// and the blocks below it again (their output does not depend on any edited
+    /// weight). `None`: from the embedding.
     pub entry: Option<&'a Boundary>,
 }
 
@@ -262,15 +265,16 @@ impl BlockContext {
     }
 }
 
-/// A layer split's boundary activations of one batch: the output of the embedding and the
-/// blocks below the boundary (no grad, on the sub-device after one crossing), with what
-/// the blocks above share. The prefix depends on no edited weight (every edited block is
-/// at or above the boundary), so one `Boundary` serves the unedited forward, the capture
-/// and every edited forward of the same batch ([`ForwardInput::entry`]).
+/// A batch's prefix activations: the output of the embedding and the blocks below `at`
+/// (no grad; under a layer split on the sub-device after one crossing), with what the
+/// blocks above share. The prefix depends on no edited weight (every edited block is at
+/// or above `at`), so one `Boundary` serves the unedited forward, the capture and every
+/// edited forward of the same batch ([`ForwardInput::entry`]), in every placement.
 pub struct Boundary {
-    /// The first block on the sub-device.
+    /// The first block the forwards starting here run (under a layer split, at or above
+    /// the first block on the sub-device).
     pub at: usize,
-    /// Hidden states entering block `at`, `[B, T, D]`, on the sub-device.
+    /// Hidden states entering block `at`, `[B, T, D]`, where block `at` runs.
     pub x: Tensor,
     ctx: BlockContext,
 }
@@ -411,19 +415,21 @@ impl Model {
         Ok((x, captures))
     }
 
-    /// That `e` is the boundary of this view's layer split for an input of this shape.
+    /// That `e` is a prefix of this input (same `[B, T]`) entering a block this view can
+    /// start at: any block of the model, at or above the layer split's boundary when
+    /// there is one (the crossing is part of the prefix).
     pub(crate) fn check_entry(&self, p: &ParamView, input: &ForwardInput, e: &Boundary) -> Result<()> {
         let (b, t) = input.dims()?;
-        match p.layer_split() {
-            Some(s) if s.at == e.at && e.x.size()[..2] == [b, t] => Ok(()),
-            Some(s) => Err(crate::Error::Torch(format!(
-                "boundary activations {:?} at block {} for a [{b}, {t}] input split at block {}",
-                e.x.size(),
-                e.at,
-                s.at
-            ))),
-            None => Err(crate::Error::Torch("boundary activations given to a forward without a layer split".into())),
+        let lowest = p.layer_split().map_or(0, |s| s.at);
+        if e.at >= lowest && e.at <= self.n_blocks() && e.x.size()[..2] == [b, t] {
+            return Ok(());
         }
+        Err(crate::Error::Torch(format!(
+            "boundary activations {:?} at block {} for a [{b}, {t}] input (the lowest block it may enter is {lowest}, the model has {})",
+            e.x.size(),
+            e.at,
+            self.n_blocks()
+        )))
     }
 
     /// The boundary activations of `input` under `p`'s layer split: the embedding and
@@ -432,16 +438,38 @@ impl Model {
     /// below the boundary (the engine checks that no edited weight is there).
     pub fn prefix(&self, p: &ParamView, input: &ForwardInput) -> Result<Boundary> {
         let split = p.layer_split().ok_or_else(|| crate::Error::Torch("boundary activations need a layer split".into()))?;
+        self.prefix_to(p, input, split.at)
+    }
+
+    /// The activations of `input` entering block `at` (`[B, T, D]`), without grad: the
+    /// embedding and blocks `[0, at)`, crossing to the sub-device at `p`'s layer split
+    /// when there is one (then `at` must be at or above its boundary). Every forward of
+    /// the same batch whose weights below `at` are the frozen ones may start there
+    /// ([`ForwardInput::entry`]): MEND's capture, unedited and edited forwards all do,
+    /// with `at` the first edited block. `p` must not override a weight below `at`.
+    pub fn prefix_to(&self, p: &ParamView, input: &ForwardInput, at: usize) -> Result<Boundary> {
+        let lowest = p.layer_split().map_or(0, |s| s.at);
+        if at < lowest || at > self.n_blocks() {
+            return Err(crate::Error::Torch(format!("a prefix to block {at} (the lowest block it may enter is {lowest}, the model has {})", self.n_blocks())));
+        }
         crate::error::guard(|| {
             tch::no_grad(|| {
                 let none = HashSet::new();
                 let mut scratch = BTreeMap::new();
-                let (mut x, ctx) = self.embed(p, input, 0)?;
-                for i in 0..split.at {
+                let (mut x, mut ctx) = self.embed(p, input, 0)?;
+                for i in 0..at {
+                    if let Some(c) = p.crossing_at(i) {
+                        x = c.boundary_to_sub(&x);
+                        ctx = ctx.crossed(c);
+                    }
                     x = self.block(p, i, &x, &ctx, &none, &mut scratch, None)?;
                 }
-                let c = split.cross.as_ref();
-                Ok(Boundary { at: split.at, x: c.boundary_to_sub(&x), ctx: ctx.crossed(c) })
+                // A split exactly at `at`: the crossing is the prefix's last step.
+                if let Some(c) = p.crossing_at(at) {
+                    x = c.boundary_to_sub(&x);
+                    ctx = ctx.crossed(c);
+                }
+                Ok(Boundary { at, x, ctx })
             })
         })
     }
@@ -636,8 +664,14 @@ fn with_bias(h: Tensor, b: Option<&Tensor>) -> Tensor {
     }
 }
 
-/// Rows up to which [`WeightLayout::apply`] computes a CPU product as `(A·xᵀ)ᵀ`.
+/// Rows up to which [`WeightLayout::apply`] computes a CPU product as `(A·xᵀ)ᵀ` (bf16,
+/// f16: at or below par with `x·Aᵀ` at every shape measured up to 256 rows, BENCHMARKS.md #35).
 const SKINNY_ROWS: i64 = 256;
+
+/// [`SKINNY_ROWS`] for f32 products: at 188 rows `(A·xᵀ)ᵀ` was 4–42 % slower than `x·Aᵀ`
+/// at six layer shapes (GPT-2-small's, Qwen2-VL-small's), at 96 rows and below on par or
+/// faster (one thread, #35, BENCHMARKS.md).
+const SKINNY_ROWS_F32: i64 = 128;
 
 /// Rows up to which [`lm_head`] streams the embedding matrix instead of calling x·Wᵀ.
 const SKINNY_HEAD_ROWS: i64 = 64;

@@ -75,6 +75,9 @@ pub fn grad_by_blocks(
             let (start, mut x, mut ctx) = match input.entry {
                 Some(e) => {
                     model.check_entry(p, input, e)?;
+                    if e.at > first {
+                        return Err(Error::Torch(format!("a prefix to block {} skips block {first}, which is differentiated", e.at)));
+                    }
                     (e.at, e.x.shallow_clone(), e.context())
                 }
                 None => {

@@ -237,6 +237,30 @@ pub(super) fn capture(z: &Sizes, it: &mut Items, phase: Phase) {
             format!("B·T·d·s = {n}·{d}·{s}"),
             n * d * s,
         );
+    } else if first_layer > 0 {
+        // Every other placement (#35): each batch's prefix up to the first edited block runs
+        // once without grad and is kept for the batch's later forwards: the capture's and
+        // the edited forward's are alive together (the replica crosses the latter's copy).
+        let d = z.dm.d;
+        let fwd_n = z.fwd_n;
+        it.add(
+            phase,
+            Role::Main,
+            &[Capture, EditedForward],
+            "prefix activations below the first edited block, kept per batch",
+            format!("(B·T + edited tokens)·d·s = ({n} + {fwd_n})·{d}·{s} [blocks < {first_layer}]"),
+            (n + fwd_n) * d * s,
+        );
+        if z.o.split {
+            it.add(
+                phase,
+                Role::Sub,
+                &[EditedForward],
+                "prefix activations of the edited forward, crossed (replica)",
+                format!("edited tokens·d·s = {fwd_n}·{d}·{s}"),
+                fwd_n * d * s,
+            );
+        }
     }
     it.add(
         phase,

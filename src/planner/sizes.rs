@@ -203,15 +203,36 @@ pub(super) fn plan_views(b: i64, tokens: i64, kept: i64, image_tokens: Option<i6
         }
     };
     let edited: Vec<&ViewShape> = views.iter().filter(|v| v.edited).collect();
-    let rows: i64 = edited.iter().map(|v| v.rows).sum();
-    let longest = edited.iter().map(|v| v.tokens).max().unwrap_or(0);
     let fwd_kept = edited.iter().map(|v| v.rows * v.kept).sum();
     let base_kept = views.iter().filter(|v| v.name.starts_with("loc")).map(|v| v.rows * v.kept).sum();
     let pass_n = views.iter().map(|v| v.rows * v.tokens).max().unwrap_or(0);
     let img_rows = |vs: &mut dyn Iterator<Item = &ViewShape>| vs.filter(|v| v.image_tokens > 0).map(|v| v.rows).sum::<i64>();
     let edited_img_rows = img_rows(&mut edited.iter().copied());
     let batch_img_rows = img_rows(&mut views.iter()) + edited_img_rows;
-    Views { fwd_n: rows * longest, fwd_kept, base_kept, pass_n, batch_img_rows, edited_img_rows, views }
+    Views { fwd_n: grouped_rows(&edited), fwd_kept, base_kept, pass_n, batch_img_rows, edited_img_rows, views }
+}
+
+/// Token rows of the edited forwards: the views grouped as `train::EditBatches::groups`
+/// groups them (longest first, a view joins the current group while `2·tokens ≥` the
+/// group's length; #35), each group padded to its longest view. E-VQA: the short text
+/// `loc` view is a forward of its own instead of padded to the image views' length.
+fn grouped_rows(edited: &[&ViewShape]) -> i64 {
+    let mut shapes: Vec<(i64, i64)> = edited.iter().map(|v| (v.rows, v.tokens)).collect();
+    shapes.sort_by_key(|&(_, t)| std::cmp::Reverse(t));
+    let mut total = 0;
+    let mut group: Option<(i64, i64)> = None;
+    for (rows, tokens) in shapes {
+        match &mut group {
+            Some((len, n)) if 2 * tokens >= *len => *n += rows,
+            _ => {
+                if let Some((len, n)) = group {
+                    total += len * n;
+                }
+                group = Some((tokens, rows));
+            }
+        }
+    }
+    total + group.map_or(0, |(len, n)| len * n)
 }
 
 /// What a phase of the run does with the edit.
