@@ -167,7 +167,7 @@ impl EditBatches {
                 t
             })
         };
-        let outer = take(Some(&self.outer)).ok_or_else(|| Error::Torch("no edit_outer logits".into()))?;
+        let outer = take(Some(&self.outer)).ok_or_else(|| Error::Internal("no edit_outer logits".into()))?;
         Ok(Posts { outer, outer_image: take(self.outer_image.as_ref()), loc: take(self.loc.as_ref()), loc_image: take(self.loc_image.as_ref()) })
     }
 }
@@ -327,7 +327,7 @@ fn recomputed_meta_loss(
         }
         engine.edited_grads(overrides, passes)?
     };
-    let (post_outer, l_edit) = outer.ok_or_else(|| Error::Torch("the edited forward of edit_outer did not run".into()))?;
+    let (post_outer, l_edit) = outer.ok_or_else(|| Error::Internal("the edited forward of edit_outer did not run".into()))?;
     crate::error::guard(|| {
         let (loss, parts) = weigh(cfg, b, targets, (&post_outer, &l_edit), image_edit, loc, loc_image);
         let inner = grads
