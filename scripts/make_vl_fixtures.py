@@ -53,7 +53,10 @@ from transformers import (  # noqa: E402
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
 )
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+try:  # transformers >= 5 (the PIL backend); scripts/make_vl_version_fixtures.py also runs on 4.x
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+except ImportError:  # pragma: no cover
+    Qwen2VLImageProcessorPil = None
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -118,15 +121,101 @@ def make_images() -> dict[str, Path]:
     out["photo.jpg"] = Image.fromarray(field(90, 120, 3), "RGB")
     out["big.png"] = Image.fromarray(field(300, 400, 3), "RGB")
     out["tall.jpg"] = Image.fromarray(field(150, 41, 3), "RGB")
+    out.update(hostile_images(rng))
     paths = {}
     for name, im in out.items():
         p = IMAGES / name
-        if name.endswith(".jpg"):
-            im.save(p, quality=90)
+        if isinstance(im, bytes):
+            p.write_bytes(im)
+        elif name.endswith(".jpg"):
+            im.save(p, quality=90, **({"exif": im.info["exif"]} if "exif" in im.info else {}))
         else:
-            im.save(p)
+            im.save(p, **({"transparency": im.info["transparency"]} if "transparency" in im.info else {}))
         paths[name] = p
     return paths
+
+
+def hostile_images(rng) -> dict:
+    """What photos and odd files have and smooth test images do not: uniform noise and
+    flat blocks (the bicubic overshoots and clips after each pass), saturated colours
+    with hard edges, sizes whose resize runs the vertical pass first (Pillow 13: the
+    height shrinks by more than twice as many pixels as the width), and every mode a PNG
+    or JPEG opens as in Pillow: 1, L, LA, P with and without transparency, RGB with a
+    colour key, RGBA, I;16, CMYK JPEG, a JPEG with an EXIF orientation, a JPEG named .png."""
+    out = {}
+
+    def noise(h, w, c=3):
+        a = rng.integers(0, 256, (h, w, c), dtype=np.uint8)
+        a[h // 5: h // 2, w // 6: w // 2] = [255, 0, 40, 255][:c]  # a flat saturated block
+        return a
+
+    out["noise_block.png"] = Image.fromarray(noise(60, 100), "RGB")        # up in width, down in height: vertical first
+    out["noise_big.png"] = Image.fromarray(noise(118, 120), "RGB")        # down in both, vertical first
+    out["noise_odd.png"] = Image.fromarray(noise(113, 57), "RGB")         # odd sizes, horizontal first
+    sat = np.zeros((41, 97, 3), np.uint8)
+    for i, col in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (255, 0, 255), (255, 255, 255)]):
+        sat[:, i * 14:(i + 1) * 14] = col
+    sat[::2, ::3] = 0
+    out["saturated.png"] = Image.fromarray(sat, "RGB")
+    out["mode1.png"] = Image.fromarray(noise(45, 70, 1)[..., 0] > 127).convert("1")
+    la = np.stack([noise(50, 38, 1)[..., 0], rng.integers(0, 256, (50, 38), dtype=np.uint8)], -1)
+    out["la.png"] = Image.fromarray(la, "LA")
+    pt = Image.fromarray(noise(39, 66), "RGB").quantize(colors=16)
+    pt.info["transparency"] = 3
+    out["palette_trns.png"] = pt
+    key = noise(44, 52)
+    key[5:20, 5:30] = [10, 20, 30]
+    rk = Image.fromarray(key, "RGB")
+    rk.info["transparency"] = (10, 20, 30)
+    out["rgb_key.png"] = rk
+    g16 = (rng.integers(0, 65536, (48, 64), dtype=np.uint32)).astype(np.uint16)
+    g16[:, :20] = rng.integers(0, 256, (48, 20))  # below 256: grey levels in Pillow's conversion
+    out["gray16.png"] = Image.fromarray(g16)  # uint16 → mode I;16
+    out["rgba_noise.png"] = Image.fromarray(noise(70, 90, 4), "RGBA")
+    out["cmyk.jpg"] = Image.fromarray(noise(50, 80, 4), "CMYK")
+    ex = Image.fromarray(noise(40, 96), "RGB")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90° CW to display; not applied by the processor
+    ex.info["exif"] = exif.tobytes()
+    out["exif_rotated.jpg"] = ex
+    import io
+    buf = io.BytesIO()
+    Image.fromarray(noise(36, 52), "RGB").save(buf, format="JPEG", quality=90)
+    out["jpeg_named.png"] = buf.getvalue()
+    return out
+
+
+# Pillow's bicubic resize alone, on noise (clipping in both passes), for sizes in either
+# direction: (source height, width, target height, width). Which pass runs first in
+# Pillow 13 is noted; the order matters bit for bit.
+RESIZE_CASES = [
+    (60, 100, 56, 112),   # height down, width up: vertical first
+    (113, 57, 112, 56),   # both down by one pixel: horizontal first
+    (90, 120, 56, 112),   # dy 34 > 2·dx 16: vertical first
+    (90, 120, 70, 80),    # dy 20 < 2·dx 40: horizontal first
+    (23, 17, 61, 45),     # up in both
+    (41, 37, 5, 33),      # height far down: vertical first
+    (37, 41, 33, 5),      # width far down: horizontal first
+    (7, 120, 28, 28),     # wide strip: down in width, up in height
+    (120, 3, 28, 28),     # tall strip: dy 92 > 2·dx (−50): vertical first
+    (51, 49, 51, 23),     # width only
+    (51, 49, 19, 49),     # height only
+]
+
+
+def resize_reference() -> None:
+    """resize.safetensors: the noise sources and Pillow's bicubic results (uint8)."""
+    rng = np.random.default_rng(11)
+    tensors, cases = {}, []
+    for i, (h, w, th, tw) in enumerate(RESIZE_CASES):
+        src = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        src[h // 4: h // 2, w // 4: w // 2] = [255, 255, 0]
+        out = np.array(Image.fromarray(src, "RGB").resize((tw, th), Image.Resampling.BICUBIC))
+        tensors[f"src{i}"] = torch.from_numpy(src.copy())
+        tensors[f"out{i}"] = torch.from_numpy(out.copy())
+        cases.append([h, w, th, tw])
+    save_file(tensors, str(IMAGES / "resize.safetensors"))
+    mf.dump_json({"pillow": Image.__version__, "cases": cases}, IMAGES / "resize.json")
 
 
 def processor() -> Qwen2VLImageProcessorPil:
@@ -143,6 +232,7 @@ def image_reference(paths: dict[str, Path]) -> dict:
         pixels[name] = pv.to(torch.float32).contiguous()
         meta[name] = {
             "mode": im.mode,
+            "format": im.format,
             "size": [im.height, im.width],
             "grid_thw": grid,
             "image_tokens": grid[0] * grid[1] * grid[2] // 4,
@@ -233,6 +323,18 @@ CASES = [
     (["tall.jpg"], 0),
     (["rgb.png", "gray.png"], 1),
     ([], 1),
+    # Hostile images (noise, saturated edges, every Pillow mode): log-probs through the
+    # whole pipeline, from the file, must agree as the smooth ones do.
+    (["noise_block.png"], 0),
+    (["noise_big.png"], 1),
+    (["noise_odd.png"], 2),
+    (["saturated.png"], 0),
+    (["mode1.png"], 1),
+    (["la.png"], 2),
+    (["palette_trns.png"], 0),
+    (["rgb_key.png"], 1),
+    (["gray16.png"], 2),
+    (["rgba_noise.png"], 0),
 ]
 
 
@@ -320,6 +422,7 @@ def main() -> None:
     tok = make_tokenizer()
     assert tok.get_vocab_size() == VOCAB
     paths = make_images()
+    resize_reference()
     img_ref = image_reference(paths)
     for name, seed, cls in [("qwen2_vl", 2001, Qwen2VLForConditionalGeneration),
                             ("qwen2_5_vl", 2002, Qwen2_5_VLForConditionalGeneration)]:

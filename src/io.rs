@@ -45,6 +45,39 @@ pub fn read_text(path: &Path) -> Result<String> {
     })
 }
 
+/// Reads a file a user named (an image, say) whole, refusing before any read what would
+/// hang or never end: the file is opened non-blocking (a FIFO or a device then cannot
+/// block in `open`), and anything that is not a regular file (FIFO, socket, device,
+/// directory) is an error naming it; a regular file longer than `max_bytes` is refused
+/// from its size, and the read itself stops at `max_bytes + 1` bytes (a file that grows
+/// while being read cannot make it unbounded).
+pub fn read_regular_capped(path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::file(path, "file not found"),
+            _ => Error::io(path, e),
+        })?;
+    let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        let what = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device?)" };
+        return Err(Error::file(path, format!("is {what}, expected a regular file")));
+    }
+    if meta.len() > max_bytes {
+        return Err(Error::file(path, format!("is {} bytes, more than the {max_bytes} bytes allowed", meta.len())));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(max_bytes + 1).read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(Error::file(path, format!("grew past the {max_bytes} bytes allowed while being read")));
+    }
+    Ok(bytes)
+}
+
 /// Writes `bytes` to `path` atomically.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     replace_atomically(path, |tmp| std::fs::File::create(tmp)?.write_all(bytes))

@@ -13,7 +13,7 @@ use crate::train::TrainReport;
 /// `score`: one line per scored token, then the mean NLL.
 pub fn score(s: &Score, tokenizer: &Tokenizer) {
     if s.image_tokens > 0 {
-        println!("image: {} tokens before the text", s.image_tokens);
+        println!("image: {} image tokens (and a start and an end marker) before the text", s.image_tokens);
     }
     // Without an image the first token has nothing before it and is not scored.
     let first = s.tokens.len() - s.logprobs.len();

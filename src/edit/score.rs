@@ -17,8 +17,9 @@ pub struct Score {
     pub logprobs: Vec<f64>,
     /// Mean negative log-probability over `logprobs`.
     pub mean_nll: f64,
-    /// Tokens the image(s) took before the text (`<|vision_start|>`, the `<|image_pad|>`
-    /// tokens, `<|vision_end|>` per image); 0 without an image. With an image every text
+    /// The `<|image_pad|>` tokens of the image(s) before the text (one per merged patch;
+    /// the `<|vision_start|>` / `<|vision_end|>` markers around each image are not
+    /// counted); 0 without an image. With an image every text
     /// token has something before it, so `logprobs[t]` is `log p(tokens[t] | image,
     /// tokens[..t])` for all `t = 0..n`.
     pub image_tokens: usize,
@@ -70,7 +71,7 @@ pub fn score_with_images(lm: &LoadedModel, params: &ParamView, text: &str, image
         return Err(Error::input(format!("text {text:?} encodes to no tokens")));
     }
     let ImagePrompt { vl, mut ids, feats, grids } = image_prompt(lm, params, images, tokens.len())?;
-    let image_tokens = ids.len();
+    let image_tokens = ids.iter().filter(|&&t| t == vl.config.tokens.image_pad).count();
     ids.extend_from_slice(&tokens);
     let logprobs = crate::error::guard(|| {
         let _guard = tch::no_grad_guard();
@@ -115,9 +116,10 @@ pub fn image_prompt<'a>(lm: &'a LoadedModel, params: &ParamView, images: &[&Path
             lm.model.info().architecture
         )));
     };
-    let proc = vl.image_processor(&lm.dir)?;
     let v = &vl.config.vision;
     let max = lm.model.info().max_positions;
+    // Bounded before any image is resized: no image may take more than the context.
+    let proc = vl.image_processor(&lm.dir)?.with_max_tokens(max - 2);
     let mut ids = Vec::new();
     let mut prepared = Vec::with_capacity(images.len());
     for path in images {
@@ -142,6 +144,8 @@ pub fn image_prompt<'a>(lm: &'a LoadedModel, params: &ParamView, images: &[&Path
         let pixels = Tensor::cat(&prepared.iter().map(|p| &p.pixel_values).collect::<Vec<_>>(), 0);
         vl.image_features(params, &pixels, &grids)
     })?;
+    let paths: Vec<&Path> = prepared.iter().map(|p| p.path.as_path()).collect();
+    crate::model::qwen2_vl::vision::check_finite_features(&feats, &grids, v.spatial_merge_size, &paths)?;
     Ok(ImagePrompt { vl, ids, feats, grids })
 }
 

@@ -70,10 +70,13 @@ pub const FAMILIES: &[(&str, Build)] = &[
 pub fn read_config(dir: &Path) -> Result<(Model, serde_json::Value)> {
     let path = dir.join("config.json");
     let json = read_json(&path)?;
-    let arch = json
-        .get("architectures")
-        .and_then(|a| a.get(0))
-        .and_then(|a| a.as_str())
+    // transformers 4.5x saving a VL model loaded from a flat config writes `architectures`
+    // into `text_config` only (its config forwards attributes the text config has).
+    fn first(v: Option<&serde_json::Value>) -> Option<&str> {
+        v.and_then(|v| v.get("architectures")).and_then(|a| a.get(0)).and_then(|a| a.as_str())
+    }
+    let arch = first(Some(&json))
+        .or_else(|| first(json.get("text_config")))
         .ok_or_else(|| Error::file(&path, "no \"architectures\" entry naming the model class"))?
         .to_string();
     let Some((_, build)) = FAMILIES.iter().find(|(name, _)| *name == arch) else {

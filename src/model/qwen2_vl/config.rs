@@ -93,7 +93,7 @@ struct Qwen2VlVisionRaw {
     num_heads: i64,
     #[serde(default = "d_quick_gelu")]
     hidden_act: VisionAct,
-    #[serde(default = "d_in_channels", alias = "in_chans")]
+    #[serde(default = "d_in_channels")]
     in_channels: i64,
     #[serde(default = "d_patch")]
     patch_size: i64,
@@ -117,7 +117,7 @@ struct Qwen25VlVisionRaw {
     out_hidden_size: i64,
     #[serde(default = "d_silu")]
     hidden_act: VisionAct,
-    #[serde(default = "d_in_channels", alias = "in_chans")]
+    #[serde(default = "d_in_channels")]
     in_channels: i64,
     #[serde(default = "d_patch")]
     patch_size: i64,
@@ -197,11 +197,82 @@ fn get_i64(v: &Value, key: &str) -> Option<i64> {
     v.get(key).and_then(Value::as_i64)
 }
 
+/// Names of one vision-config field that configs write under two names: the one read,
+/// and the other spelling. transformers keeps an unknown spelling as an extra attribute
+/// and writes both (a released config's `in_chans` comes back as `in_chans` *and*
+/// `in_channels`), and its `attribute_map` accepts `num_attention_heads` /
+/// `num_hidden_layers` for `num_heads` / `depth`.
+const VISION_ALIASES: &[(&str, &str)] = &[
+    ("in_channels", "in_chans"),
+    ("num_heads", "num_attention_heads"),
+    ("depth", "num_hidden_layers"),
+    ("patch_size", "spatial_patch_size"),
+];
+
+/// Qwen2.5-VL's tower width is `hidden_size`; a config that also writes `embed_dim`
+/// (Qwen2-VL's name for it) must agree. (In Qwen2-VL the two are different fields.)
+const QWEN25_VISION_ALIASES: &[(&str, &str)] = &[("hidden_size", "embed_dim")];
+
+/// Folds each `(name, other)` pair of `obj` into `name`: either spelling alone is taken,
+/// both are accepted when equal, and an error names both values when they differ.
+fn merge_aliases(obj: &mut serde_json::Map<String, Value>, section: &str, pairs: &[(&str, &str)]) -> Result<()> {
+    for &(name, other) in pairs {
+        let Some(v) = obj.remove(other) else { continue };
+        match obj.get(name) {
+            None => {
+                obj.insert(name.to_string(), v);
+            }
+            Some(w) if same_value(w, &v) => {}
+            Some(w) => {
+                return Err(Error::input(format!(
+                    "{section}.{name} = {w} and {section}.{other} = {v} disagree (two names of one field; they must be equal or only one given)"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// JSON equality with numbers compared by value (`3` and `3.0` agree).
+fn same_value(a: &Value, b: &Value) -> bool {
+    match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    }
+}
+
+/// Fields of the text model that a nested config may also carry at its top level (old
+/// transformers kept them there; hand-edited configs do): they must agree with
+/// `text_config`, which is what transformers reads.
+const TEXT_DUPLICATES: &[&str] = &[
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+];
+
 impl Qwen2VlConfig {
     /// Parses either layout. Errors are plain messages; the caller names the file.
     pub fn from_json(json: &Value, family: VlFamily) -> Result<Self> {
         // Nested layout: the text fields live in text_config; the flat one has them at the top.
         let nested = json.get("text_config").filter(|t| t.is_object());
+        if let Some(n) = nested {
+            for key in TEXT_DUPLICATES {
+                if let (Some(a), Some(b)) = (json.get(*key), n.get(*key)) {
+                    if !a.is_null() && !b.is_null() && !same_value(a, b) {
+                        return Err(Error::input(format!(
+                            "{key} = {a} at the top level and text_config.{key} = {b} disagree"
+                        )));
+                    }
+                }
+            }
+        }
         let mut text_json = nested.cloned().unwrap_or_else(|| json.clone());
         // rope_scaling {type: mrope} / rope_parameters {rope_type: default, mrope_section} is
         // M-RoPE, which this module applies itself: hide it from the plain-RoPE checks.
@@ -219,9 +290,19 @@ impl Qwen2VlConfig {
             if let Some(s) = r.get("mrope_section") {
                 let s: Vec<i64> = serde_json::from_value(s.clone())
                     .map_err(|e| Error::input(format!("mrope_section is not a list of integers: {e}")))?;
+                if let Some(prev) = section.as_ref().filter(|p| **p != s) {
+                    return Err(Error::input(format!(
+                        "mrope_section is given twice and disagrees: {prev:?} (rope_scaling) and {s:?} (rope_parameters)"
+                    )));
+                }
                 section = Some(s);
             }
-            theta = theta.or_else(|| r.get("rope_theta").and_then(Value::as_f64));
+            if let Some(t) = r.get("rope_theta").and_then(Value::as_f64) {
+                if let Some(prev) = theta.filter(|&p| p != t) {
+                    return Err(Error::input(format!("rope_theta = {prev} and rope_parameters.rope_theta = {t} disagree")));
+                }
+                theta = Some(t);
+            }
         }
         if let Some(obj) = text_json.as_object_mut() {
             obj.remove("rope_scaling");
@@ -255,9 +336,16 @@ impl Qwen2VlConfig {
             )));
         }
 
-        let vc = json.get("vision_config").filter(|v| v.is_object()).ok_or_else(|| {
+        let mut vc = json.get("vision_config").filter(|v| v.is_object()).cloned().ok_or_else(|| {
             Error::input("no \"vision_config\" object: a vision-language config needs the vision tower's description")
         })?;
+        if let Some(obj) = vc.as_object_mut() {
+            merge_aliases(obj, "vision_config", VISION_ALIASES)?;
+            if family == VlFamily::Qwen25Vl {
+                merge_aliases(obj, "vision_config", QWEN25_VISION_ALIASES)?;
+            }
+        }
+        let vc = &vc;
         let bad = |e: serde_json::Error| Error::input(format!("invalid vision_config: {e}"));
         let rope_theta_of = |r: &Option<Value>| {
             r.as_ref().and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).unwrap_or(10_000.0)
@@ -338,15 +426,35 @@ impl Qwen2VlConfig {
         if let Some(&b) = v.fullatt_block_indexes.iter().find(|&&b| b < 0 || b >= v.depth) {
             return Err(Error::input(format!("fullatt_block_indexes names block {b}, but depth is {}", v.depth)));
         }
-        let top = |k: &str, d: i64| get_i64(json, k).or_else(|| nested.and_then(|n| get_i64(n, k))).unwrap_or(d);
-        let tokens = VisionTokens {
-            image_pad: top("image_token_id", 151655),
-            vision_start: top("vision_start_token_id", 151652),
-            vision_end: top("vision_end_token_id", 151653),
+        let top = |k: &str| -> Result<Option<i64>> {
+            match (get_i64(json, k), nested.and_then(|n| get_i64(n, k))) {
+                (Some(a), Some(b)) if a != b => {
+                    Err(Error::input(format!("{k} = {a} at the top level and text_config.{k} = {b} disagree")))
+                }
+                (a, b) => Ok(a.or(b)),
+            }
         };
-        for (name, id) in [("image_token_id", tokens.image_pad), ("vision_start_token_id", tokens.vision_start), ("vision_end_token_id", tokens.vision_end)] {
+        let tokens = VisionTokens {
+            image_pad: top("image_token_id")?.unwrap_or(151655),
+            vision_start: top("vision_start_token_id")?.unwrap_or(151652),
+            vision_end: top("vision_end_token_id")?.unwrap_or(151653),
+        };
+        let mut named = vec![("image_token_id", tokens.image_pad), ("vision_start_token_id", tokens.vision_start), ("vision_end_token_id", tokens.vision_end)];
+        // The video pad is never put in a prompt here, but an image pad equal to it would
+        // make transformers read image tokens as video ones.
+        if let Some(v) = top("video_token_id")? {
+            named.push(("video_token_id", v));
+        }
+        for &(name, id) in &named {
             if !(0..text.vocab_size).contains(&id) {
                 return Err(Error::input(format!("{name} = {id} is outside the vocabulary of {}", text.vocab_size)));
+            }
+        }
+        for (i, &(a, ia)) in named.iter().enumerate() {
+            if let Some(&(b, _)) = named[i + 1..].iter().find(|(_, ib)| *ib == ia) {
+                return Err(Error::input(format!(
+                    "{a} and {b} are both {ia}: the image markers must be distinct tokens (a prompt would be malformed)"
+                )));
             }
         }
         Ok(Self { family, text, vision, mrope_section, rope_theta: theta, tokens })
