@@ -28,6 +28,11 @@ pub enum Error {
     /// Any other libtorch error.
     #[error("libtorch: {0}")]
     Torch(String),
+
+    /// A broken internal invariant (a bug, not bad input and not a libtorch failure): a
+    /// worker that stopped, a view or capture that should exist and does not.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl From<tch::TchError> for Error {

@@ -418,7 +418,7 @@ fn recomputed_meta_loss(
         }
         engine.edited_grads(overrides, passes)?
     };
-    let (post_outer, l_edit) = outer.ok_or_else(|| Error::Torch("the edited forward of edit_outer did not run".into()))?;
+    let (post_outer, l_edit) = outer.ok_or_else(|| Error::Internal("the edited forward of edit_outer did not run".into()))?;
     crate::error::guard(|| {
         let (loss, parts) = weigh(cfg, b, targets, (&post_outer, &l_edit), image_edit, loc, loc_image);
         let inner = grads

@@ -265,3 +265,19 @@ fn world_writes_the_visual_world() {
     one_object("world", &dualedit(&["world", "--out", &out("text")]));
     assert!(dir.path().join("text/edits-train.json").is_file());
 }
+
+/// docs/cli.md is the clap definitions rendered (`dualedit::cli::reference`): a flag added,
+/// renamed or re-documented without regenerating it fails here.
+#[test]
+fn docs_cli_md_is_generated_from_the_flags() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/cli.md");
+    let now = dualedit::cli::reference::markdown();
+    if std::env::var_os("DUALEDIT_WRITE_DOCS").is_some() {
+        std::fs::write(&path, &now).unwrap();
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(committed == now, "docs/cli.md is stale: regenerate it with DUALEDIT_WRITE_DOCS=1 ./x test --test cli");
+    for command in ["score", "train", "edit", "eval", "compare train", "compare eval", "demo", "pretrain", "build-default", "world", "serve", "plan"] {
+        assert!(now.contains(&format!("## `dualedit {command}`")), "docs/cli.md has no section for {command}");
+    }
+}

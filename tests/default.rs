@@ -6,11 +6,10 @@ use std::process::Command;
 use dualedit::config::MendConfig;
 use dualedit::world::text::WorldConfig;
 use dualedit::bootstrap::demo::{build_default, shipped_root, BuildSpec};
-use dualedit::device::DevicePlan;
 use dualedit::bootstrap::pretrain::PretrainConfig;
 use dualedit::edit::MethodSpec;
 use dualedit::run::{run_eval, Common, EvalOptions};
-use tch::{Device, Kind};
+use tch::Device;
 
 /// The tests of this file run one at a time: the demo's time limit is about the demo, not
 /// about sharing two cores with a pretraining run.
@@ -84,15 +83,7 @@ fn shipped_default_meets_its_targets() {
     let _serial = serial();
     let root = shipped_root();
     let opts = EvalOptions {
-        common: Common {
-            model: root.join("model"),
-            plan: DevicePlan::single(Device::Cpu),
-            dtype: Kind::Float,
-            seed: 0,
-            report: Some(std::env::temp_dir().join(format!("dualedit-default-{}.json", std::process::id()))),
-            over_long: Default::default(),
-            image_roots: None,
-        },
+        common: Common { report: Some(std::env::temp_dir().join(format!("dualedit-default-{}.json", std::process::id()))), ..Common::single(root.join("model"), Device::Cpu) },
         method: MethodSpec::Mend { editor: root.join("editor") },
         data: root.join("world/edits-holdout.json"),
         ds: dualedit::data::DatasetKind::Counterfact,

@@ -12,10 +12,10 @@ use dualedit::data::DatasetKind;
 use dualedit::device::{memory, DevicePlan};
 use dualedit::edit::MethodSpec;
 use dualedit::run::{Common, EvalOptions, TrainOptions};
-use tch::{Device, Kind};
+use tch::Device;
 
 fn common(report: PathBuf) -> Common {
-    Common { model: fixture("gpt2"), plan: DevicePlan::single(Device::Cpu), dtype: Kind::Float, seed: 5, report: Some(report), over_long: Default::default(), image_roots: None }
+    Common { seed: 5, report: Some(report), ..Common::single(fixture("gpt2"), Device::Cpu) }
 }
 
 #[test]

@@ -13,13 +13,12 @@ use std::path::{Path, PathBuf};
 use dualedit::edit::capacity::Grouping;
 use dualedit::data::easyedit::{load_records, DatasetKind, EditRecord};
 use dualedit::data::examples::prepare;
-use dualedit::device::DevicePlan;
 use dualedit::edit::{LoadOptions, MethodSpec};
 use dualedit::mend::guard::{Decision, GuardConfig};
 use dualedit::mend::ls::{LsChoice, LsConfig};
 use dualedit::run::{run_eval, CapacityOptions, Common, EvalOptions};
 use dualedit::edit::session::Session;
-use tch::{Device, Kind};
+use tch::Device;
 
 fn root() -> PathBuf {
     common::init();
@@ -156,15 +155,7 @@ fn capacity(grouping: Grouping, keep: PathBuf, report: PathBuf) -> dualedit::run
 
 fn capacity_of(method: MethodSpec, data: PathBuf, grouping: Grouping, report: PathBuf) -> dualedit::run::EvalOutput {
     let opts = EvalOptions {
-        common: Common {
-            model: root().join("data/model"),
-            plan: DevicePlan::single(Device::Cpu),
-            dtype: Kind::Float,
-            seed: 0,
-            report: Some(report),
-            over_long: Default::default(),
-            image_roots: None,
-        },
+        common: Common { report: Some(report), ..Common::single(root().join("data/model"), Device::Cpu) },
         method,
         data,
         ds: DatasetKind::Counterfact,

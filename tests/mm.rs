@@ -177,15 +177,7 @@ fn image_training_and_evaluation_match_between_single_and_dual_on_cpu() {
     let alts = ["a cat", "a horse", "a bird", "a lamp", "a boat"];
     let recs: Vec<_> = qs.iter().zip(alts).enumerate().map(|(i, (q, a))| record(q, a, if i % 2 == 0 { "val/a.png" } else { "val/b.png" })).collect();
     let data = write_data(dir.path(), &recs);
-    let common = Common {
-        model: fixture("qwen2_vl"),
-        plan: DevicePlan::single(Device::Cpu),
-        dtype: Kind::Float,
-        seed: 3,
-        report: None,
-        over_long: Default::default(),
-        image_roots: Some(r.clone()),
-    };
+    let common = Common { seed: 3, image_roots: Some(r.clone()), ..Common::single(fixture("qwen2_vl"), Device::Cpu) };
     let config = MendConfig { rank: 8, lr: 1e-3, edit_lr: 1e-3, accumulate: 1, max_steps: 3, val_every: 3, val_records: 1, max_length: 200, ..MendConfig::default() };
     let opts = TrainOptions { common: common.clone(), data: data.clone(), ds: DatasetKind::Vqa, config, out: dir.path().join("train"), limit: None, resume: false, progress: false };
     let split = DevicePlan::split_on(Device::Cpu, Device::Cpu);

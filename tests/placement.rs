@@ -44,15 +44,7 @@ fn train_options(dir: &std::path::Path, model: &str, cfg: MendConfig, name: &str
     let data = dir.join("cf.json");
     std::fs::write(&data, TRAIN_RECORDS).unwrap();
     TrainOptions {
-        common: Common {
-            model: fixture(model),
-            plan: DevicePlan::single(Device::Cpu),
-            dtype: Kind::Float,
-            seed: 3,
-            report: None,
-            over_long: Default::default(),
-            image_roots: None,
-        },
+        common: Common { seed: 3, ..Common::single(fixture(model), Device::Cpu) },
         data,
         ds: DatasetKind::Counterfact,
         config: cfg,

@@ -19,15 +19,7 @@ fn options(dir: &Path, out: &str, config: MendConfig, resume: bool) -> TrainOpti
         std::fs::write(&data, TRAIN_RECORDS).unwrap();
     }
     TrainOptions {
-        common: Common {
-            model: fixture("gpt2"),
-            plan: DevicePlan::single(Device::Cpu),
-            dtype: Kind::Float,
-            seed: 11,
-            report: Some(dir.join(format!("{out}-report.json"))),
-            over_long: Default::default(),
-            image_roots: None,
-        },
+        common: Common { seed: 11, report: Some(dir.join(format!("{out}-report.json"))), ..Common::single(fixture("gpt2"), Device::Cpu) },
         data,
         ds: DatasetKind::Counterfact,
         config,

@@ -72,15 +72,7 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
     info!(facts = world.facts.len(), "pretraining the default model");
     let pre = pretrain(&world.corpus(), &probe, &spec.pretrain, &model_dir(root), device, true)?;
     info!(accuracy = pre.fact_accuracy, steps = pre.steps, "pretrained");
-    let common = Common {
-        model: model_dir(root),
-        plan: DevicePlan::single(device),
-        dtype: tch::Kind::Float,
-        seed: 0,
-        report: None,
-        over_long: Default::default(),
-        image_roots: None,
-    };
+    let common = Common::single(model_dir(root), device);
     let (steps, holdout) = train_and_evaluate(root, common.clone(), ("edits-train.json", "edits-holdout.json"), DatasetKind::Counterfact, &spec.mend, spec.pretrain.n_positions as usize)?;
     let many_train_steps = match &spec.many {
         Some(cfg) => Some(train_many_editor(root, common, cfg)?),

@@ -58,15 +58,7 @@ pub fn build_default_vl(root: &Path, spec: &VlBuildSpec, device: Device) -> Resu
     info!(scenes = written.scenes, train = written.train_records, holdout = written.holdout_records, "visual world written");
     let pre = pretrain_vl(&world_dir(root), &spec.pretrain, &model_dir(root), device, true)?;
     info!(accuracy = ?pre.accuracy, steps = pre.steps, "pretrained the VL model");
-    let common = Common {
-        model: model_dir(root),
-        plan: DevicePlan::single(device),
-        dtype: tch::Kind::Float,
-        seed: 0,
-        report: None,
-        over_long: Default::default(),
-        image_roots: Some(ImageRoots::new(world_dir(root), None)),
-    };
+    let common = Common { image_roots: Some(ImageRoots::new(world_dir(root), None)), ..Common::single(model_dir(root), device) };
     // A rebuild replaces the editor an earlier build wrote here (`run_train` refuses an
     // existing editor, which protects a user's `--out`; this folder is the build's own).
     for f in [crate::mend::checkpoint::EDITOR_FILE, crate::mend::checkpoint::STATE_FILE, crate::mend::checkpoint::EDITOR_JSON] {

@@ -175,7 +175,7 @@ pub fn pretrain(
     let eos = tok.pad_id();
     let vocab = tok.vocab_size();
     let config = hf_config(cfg, vocab, eos);
-    let model = Model::new(Gpt2::new(serde_json::from_value::<Gpt2Config>(config.clone()).map_err(|e| Error::Torch(e.to_string()))?)?);
+    let model = Model::new(Gpt2::new(serde_json::from_value::<Gpt2Config>(config.clone()).map_err(|e| Error::Internal(e.to_string()))?)?);
     let store = random_params(&model, device, Kind::Float, cfg.seed as i64);
     // The shipped text default (`data/model`) was pretrained from LayerNorm biases at 1, an
     // init defect `random_params` no longer has; kept here (it draws no random numbers) so

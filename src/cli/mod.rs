@@ -3,6 +3,7 @@
 //! (`render`). `src/main.rs` parses, sets up logging and calls [`Command::run`].
 pub mod args;
 pub mod commands;
+pub mod reference;
 pub mod render;
 
 use clap::{Parser, Subcommand};

@@ -367,7 +367,7 @@ pub fn prepare_mm(tok: &Tokenizer, vp: VlPrompt, load: &MmLoad, max_len: usize, 
                 }
             }
             let mut it = views.into_iter();
-            let mut next = || it.next().ok_or_else(|| Error::Torch("a view was not built".into()));
+            let mut next = || it.next().ok_or_else(|| Error::Internal("a view was not built".into()));
             let (inner, outer, outer_image, loc, loc_image) = (next()?, next()?, next()?, next()?, next()?);
             Ok(Ok(EditExample {
                 inner,

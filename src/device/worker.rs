@@ -53,7 +53,7 @@ impl Worker {
                     let _ = reply.send(out);
                 }
             })
-            .map_err(|e| Error::Torch(format!("cannot start the {name} worker thread: {e}")))?;
+            .map_err(|e| Error::Internal(format!("cannot start the {name} worker thread: {e}")))?;
         Ok(Self { jobs: Some(tx), handle: Some(handle) })
     }
 
@@ -63,9 +63,9 @@ impl Worker {
         let (tx, rx) = bounded(1);
         self.jobs
             .as_ref()
-            .ok_or_else(|| Error::Torch("worker stopped".into()))?
+            .ok_or_else(|| Error::Internal("worker stopped".into()))?
             .send((batch, entry, at, tx))
-            .map_err(|_| Error::Torch("worker thread has stopped".into()))?;
+            .map_err(|_| Error::Internal("worker thread has stopped".into()))?;
         Ok(rx)
     }
 }
@@ -82,5 +82,5 @@ impl Drop for Worker {
 
 /// Waits for a submitted job's answer.
 pub fn wait(rx: Receiver<Result<Tensor>>) -> Result<Tensor> {
-    rx.recv().map_err(|_| Error::Torch("worker thread ended without an answer".into()))?
+    rx.recv().map_err(|_| Error::Internal("worker thread ended without an answer".into()))?
 }

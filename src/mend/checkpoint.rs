@@ -90,7 +90,7 @@ pub fn trained_config(dir: &Path) -> Result<MendConfig> {
 }
 
 fn meta_map(json: &impl Serialize) -> Result<HashMap<String, String>> {
-    let text = serde_json::to_string(json).map_err(|e| Error::Torch(e.to_string()))?;
+    let text = serde_json::to_string(json).map_err(|e| Error::Internal(e.to_string()))?;
     Ok(HashMap::from([(META_KEY.to_string(), text)]))
 }
 

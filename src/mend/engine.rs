@@ -399,7 +399,7 @@ impl Engine {
                 .iter()
                 .map(|p| out.captures.get(&p.name).map(|c| &c.h))
                 .collect::<Option<_>>()
-                .ok_or_else(|| Error::Torch("an edited layer was not captured".into()))?;
+                .ok_or_else(|| Error::Internal("an edited layer was not captured".into()))?;
             let deltas = Tensor::f_run_backward(&[&loss], &hs, false, false)?;
             let mut examples = Vec::with_capacity(self.edit_params.len());
             let factors = self
@@ -438,7 +438,7 @@ impl Engine {
                 .iter()
                 .map(|p| {
                     let (d_in, _) = p.in_out();
-                    let x = out.captures.get(&p.name).ok_or_else(|| Error::Torch("an edited layer was not captured".into()))?;
+                    let x = out.captures.get(&p.name).ok_or_else(|| Error::Internal("an edited layer was not captured".into()))?;
                     let x = self.weight_side_to_main(&x.x.reshape([-1, d_in]).to_kind(Kind::Float));
                     Ok(x.index_select(0, &real.to_device(x.device())))
                 })
@@ -628,7 +628,7 @@ impl Engine {
                 |logits| loss(logits),
             )?;
         }
-        let total: Vec<Tensor> = total.into_iter().collect::<Option<_>>().ok_or_else(|| Error::Torch("an edited weight got no gradient".into()))?;
+        let total: Vec<Tensor> = total.into_iter().collect::<Option<_>>().ok_or_else(|| Error::Internal("an edited weight got no gradient".into()))?;
         if split {
             return Ok(wrt.into_iter().zip(total).collect());
         }

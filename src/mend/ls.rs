@@ -385,7 +385,7 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch) -> Result<Ov
         for (i, (p, (a, b))) in engine.edit_params.iter().zip(terms).enumerate() {
             let k = &factors[i].x;
             if a.size()[0] != k.size()[0] {
-                return Err(Error::Torch(format!("{}: the editor gave {} rows for {} keys", p.name, a.size()[0], k.size()[0])));
+                return Err(Error::Internal(format!("{}: the editor gave {} rows for {} keys", p.name, a.size()[0], k.size()[0])));
             }
             let edit = positions[i].divide_scalar_mode(t_len, "floor") + first;
             // Targets relative to W0, where the keys were captured; remembered rows first.

@@ -233,7 +233,7 @@ impl Family for Llama {
         let (b, t) = (ctx.batch, ctx.tokens);
         let (nh, nkv, hd) = (c.num_attention_heads, self.kv_heads(), self.head_dim());
         let lin = WeightLayout::Linear;
-        let (cos, sin) = ctx.rope.as_ref().ok_or_else(|| Error::Torch("block context without rotary tables".into()))?;
+        let (cos, sin) = ctx.rope.as_ref().ok_or_else(|| Error::Internal("block context without rotary tables".into()))?;
         let rotate = |q: &Tensor| {
             let halves = q.chunk(2, -1);
             let rotated = Tensor::cat(&[&(-&halves[1]), &halves[0]], -1);

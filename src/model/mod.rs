@@ -307,7 +307,7 @@ impl Boundary {
     pub fn narrow(&self, row: i64, n: i64, t: i64) -> Result<Boundary> {
         let size = self.x.size();
         if row < 0 || n < 1 || row + n > size[0] || t < 1 || t > size[1] {
-            return Err(crate::Error::Torch(format!("boundary rows {row}..{} and {t} tokens of a {size:?} batch", row + n)));
+            return Err(crate::Error::Internal(format!("boundary rows {row}..{} and {t} tokens of a {size:?} batch", row + n)));
         }
         Ok(Boundary { at: self.at, x: self.x.narrow(0, row, n).narrow(1, 0, t), ctx: self.ctx.narrow(row, n, t) })
     }
@@ -395,7 +395,7 @@ impl Model {
         let (start, mut x, mut ctx) = match input.entry {
             Some(e) => {
                 if cache.is_some() {
-                    return Err(crate::Error::Torch("a forward from boundary activations cannot extend a KV cache".into()));
+                    return Err(crate::Error::Internal("a forward from boundary activations cannot extend a KV cache".into()));
                 }
                 self.check_entry(p, input, e)?;
                 (e.at, e.x.shallow_clone(), e.ctx.shallow_clone())
@@ -437,7 +437,7 @@ impl Model {
     /// (and the mask / rotary tables) to the sub-device. `p` must not override a weight
     /// below the boundary (the engine checks that no edited weight is there).
     pub fn prefix(&self, p: &ParamView, input: &ForwardInput) -> Result<Boundary> {
-        let split = p.layer_split().ok_or_else(|| crate::Error::Torch("boundary activations need a layer split".into()))?;
+        let split = p.layer_split().ok_or_else(|| crate::Error::Internal("boundary activations need a layer split".into()))?;
         self.prefix_to(p, input, split.at)
     }
 
@@ -450,7 +450,7 @@ impl Model {
     pub fn prefix_to(&self, p: &ParamView, input: &ForwardInput, at: usize) -> Result<Boundary> {
         let lowest = p.layer_split().map_or(0, |s| s.at);
         if at < lowest || at > self.n_blocks() {
-            return Err(crate::Error::Torch(format!("a prefix to block {at} (the lowest block it may enter is {lowest}, the model has {})", self.n_blocks())));
+            return Err(crate::Error::Internal(format!("a prefix to block {at} (the lowest block it may enter is {lowest}, the model has {})", self.n_blocks())));
         }
         crate::error::guard(|| {
             tch::no_grad(|| {

@@ -290,7 +290,7 @@ impl<'a> ParamView<'a> {
         }
         self.store
             .get(name)
-            .ok_or_else(|| Error::Torch(format!("parameter {name:?} is not loaded")))
+            .ok_or_else(|| Error::Internal(format!("parameter {name:?} is not loaded")))
     }
 
     /// The weight the head reads under `name`: under a layer split with a tied embedding,

@@ -44,7 +44,7 @@ pub fn grad_by_blocks(
     loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
 ) -> Result<()> {
     if grads.len() != wrt.len() {
-        return Err(Error::Torch(format!("{} gradient slots for {} weights", grads.len(), wrt.len())));
+        return Err(Error::Internal(format!("{} gradient slots for {} weights", grads.len(), wrt.len())));
     }
     let blocks: Vec<usize> = wrt
         .iter()
@@ -114,7 +114,7 @@ pub fn grad_by_blocks(
 
         // 3. Blocks from the top down: recompute, backpropagate `g`.
         for i in (first..n).rev() {
-            let x = inputs.pop().ok_or_else(|| Error::Torch("recomputation lost a block input".into()))?;
+            let x = inputs.pop().ok_or_else(|| Error::Internal("recomputation lost a block input".into()))?;
             let mine: Vec<usize> = (0..wrt.len()).filter(|&k| blocks[k] == i).collect();
             // The lowest block's input does not depend on anything differentiated.
             let need_input = i > first;
@@ -139,7 +139,7 @@ pub fn grad_by_blocks(
             }
             for (&k, grad) in mine.iter().zip(out) {
                 if !grad.defined() {
-                    return Err(Error::Torch(format!("{:?} does not reach the loss", wrt[k])));
+                    return Err(Error::Internal(format!("{:?} does not reach the loss", wrt[k])));
                 }
                 match &mut grads[k] {
                     Some(sum) => *sum += &grad,

@@ -353,7 +353,7 @@ pub(super) fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOption
     let boundary = match o.placement {
         Placement::Replica => None,
         Placement::Balanced => {
-            let k = o.boundary.ok_or_else(|| Error::Torch("layer split planned without a boundary".into()))?;
+            let k = o.boundary.ok_or_else(|| Error::Internal("layer split planned without a boundary".into()))?;
             if !(0..=first_layer).contains(&k) {
                 return Err(Error::input(format!(
                     "the layer split's boundary must be between 0 and the first edited block ({first_layer}), got {k}: the blocks that need gradients run on the sub-device"

@@ -54,12 +54,13 @@ fn dtype_name(k: Kind) -> &'static str {
 }
 
 impl Common {
-    /// `model` on the CPU in f32, seed 0, no report path, records over the maximum length
-    /// skipped, no images: what the programs that build defaults and the tests run with.
-    pub fn cpu(model: impl Into<PathBuf>) -> Self {
+    /// `model` on `device` alone in f32, seed 0, no report path, records over the maximum
+    /// length skipped, no images: what the programs that build defaults and the tests run
+    /// with (set the rest with `Common { seed: 5, ..Common::single(dir, device) }`).
+    pub fn single(model: impl Into<PathBuf>, device: tch::Device) -> Self {
         Self {
             model: model.into(),
-            plan: DevicePlan::single(tch::Device::Cpu),
+            plan: DevicePlan::single(device),
             dtype: Kind::Float,
             seed: 0,
             report: None,

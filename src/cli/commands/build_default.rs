@@ -6,7 +6,7 @@ use crate::config::MendConfig;
 
 pub fn run(a: BuildDefaultArgs) -> anyhow::Result<()> {
     if a.only.as_deref() == Some("many") {
-        let common = crate::run::Common::cpu(demo::model_dir(&a.out));
+        let common = crate::run::Common::single(demo::model_dir(&a.out), tch::Device::Cpu);
         let steps = demo::train_many_editor(&a.out, common, &MendConfig::from_file(&a.many_config)?)?;
         println!("{}", serde_json::json!({"editor": demo::many_editor_dir(&a.out), "train_steps": steps}));
         return Ok(());
