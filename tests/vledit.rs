@@ -6,7 +6,7 @@
 //! Python. transformers is found in the venv, or on `DUALEDIT_PYTHONPATH` (default: the
 //! shared `/work/pyenv/{tf-5.23.0,common,torchvision-0.28.0}` folders that exist; with
 //! torchvision, `AutoProcessor` itself builds the references); without it those
-//! checks are skipped with a message, unless `DUALEDIT_REQUIRE_SHARED=1` makes that a
+//! checks are skipped with a message, unless `DUALEDIT_REQUIRE_TRANSFORMERS=1` makes that a
 //! failure.
 mod common;
 use std::path::{Path, PathBuf};
@@ -97,7 +97,7 @@ fn model_copy(dir: &Path, template: Option<&str>) -> PathBuf {
 }
 
 /// The venv's Python with transformers importable, or `None` (with a message; a failure
-/// under `DUALEDIT_REQUIRE_SHARED=1`).
+/// under `DUALEDIT_REQUIRE_TRANSFORMERS=1`).
 fn python() -> Option<(PathBuf, Option<String>)> {
     let py = Path::new(ROOT).join(".venv/bin/python");
     let path = std::env::var("DUALEDIT_PYTHONPATH").ok().or_else(|| {
@@ -114,7 +114,7 @@ fn python() -> Option<(PathBuf, Option<String>)> {
         return Some((py, path));
     }
     let msg = "transformers is not importable from .venv/bin/python (set DUALEDIT_PYTHONPATH): transformers comparison skipped";
-    assert!(std::env::var("DUALEDIT_REQUIRE_SHARED").as_deref() != Ok("1"), "{msg}");
+    assert!(std::env::var("DUALEDIT_REQUIRE_TRANSFORMERS").as_deref() != Ok("1"), "{msg}");
     eprintln!("{msg}");
     None
 }

@@ -455,7 +455,7 @@ impl Failure {
             },
             Error::Input(m) => Failure::Client { status: 422, kind: "invalid_input", msg: clean(m) },
             Error::OutOfMemory(m) => Failure::Internal { kind: "out_of_memory", public: format!("out of memory: {m}"), detail: e.to_string() },
-            Error::Device { .. } | Error::Torch(_) => Failure::internal(e.to_string()),
+            Error::Device { .. } | Error::Torch(_) | Error::Internal(_) => Failure::internal(e.to_string()),
         }
     }
 
