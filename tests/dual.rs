@@ -146,7 +146,7 @@ fn logical_cpu_device_runs_the_split_from_the_command_line() {
                 "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "--device", "cpu", "--sub-device", "cpu:1",
                 "--placement", placement,
             ],
-            &[("DUALEDIT_PROGRESS_SECS", "3600")],
+            &[("DUALEDIT_PROGRESS_SECS", "3600"), ("DUALEDIT_SAMPLE_MS", "10")],
         );
         let stderr = String::from_utf8_lossy(&o.stderr);
         let stdout = String::from_utf8_lossy(&o.stdout);

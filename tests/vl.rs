@@ -343,8 +343,9 @@ fn plan_ds_vqa_plans_the_five_views() {
         .collect();
     let img = |name: &str, edited| (name.to_string(), 1, 128 + 393, 393, 127, edited);
     assert_eq!(views, vec![img("edit_inner", false), img("edit_outer", true), img("edit_outer_image", true), ("loc".into(), 1, 32, 0, 31, true), img("loc_image", true)]);
-    // Padded to the longest: the short loc row costs an image row's tokens.
-    assert_eq!(shape["edited_forward_tokens"].as_i64().unwrap(), 4 * 521);
+    // Grouped by length (#35): the three image views in one forward, the short loc row alone,
+    // so it no longer costs an image row's tokens.
+    assert_eq!(shape["edited_forward_tokens"].as_i64().unwrap(), 3 * 521 + 32);
     let item = |v: &Value, prefix: &str| -> u64 {
         let items = v["items"].as_array().unwrap();
         items.iter().find(|i| i["phase"] == "train" && i["item"].as_str().unwrap().starts_with(prefix)).unwrap_or_else(|| panic!("no {prefix}"))["bytes"].as_u64().unwrap()
@@ -353,7 +354,7 @@ fn plan_ds_vqa_plans_the_five_views() {
     let text = json(&["--ds", "zsre"]);
     assert_eq!(text["shape"]["edited_forward_tokens"].as_i64().unwrap(), 2 * 128);
     let acts = "edited forwards: activations kept";
-    assert_eq!(item(&v, acts) * 256, item(&text, acts) * 2084);
+    assert_eq!(item(&v, acts) * 256, item(&text, acts) * (3 * 521 + 32));
     // Logits at labelled positions: 3 image views × 127 + loc 31 edited, loc 31 + loc_image 127 unedited.
     assert_eq!(item(&v, "logits at labelled positions"), (3 * 127 + 31 + 31 + 127) * 152_064 * 2);
     // Three distinct images per example through the tower; 7 image rows gathered into batches.

@@ -27,6 +27,7 @@ from ._errors import (
     NotFoundError,
     OutOfMemoryError,
     TorchError,
+    InternalError,
 )
 from ._session import Score, Session
 from ._easyedit import Editor, MultimodalEditor
@@ -51,4 +52,5 @@ __all__ = [
     "DeviceError",
     "OutOfMemoryError",
     "TorchError",
+    "InternalError",
 ]

@@ -50,6 +50,10 @@ class TorchError(Error, RuntimeError):
     """Any other libtorch error."""
 
 
+class InternalError(Error, RuntimeError):
+    """A broken internal invariant of dualedit (a bug to report, not a bad input)."""
+
+
 __all__ = [
     "Error",
     "InputError",
@@ -59,4 +63,5 @@ __all__ = [
     "DeviceError",
     "OutOfMemoryError",
     "TorchError",
+    "InternalError",
 ]

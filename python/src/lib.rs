@@ -46,6 +46,7 @@ fn py_err(e: Error) -> PyErr {
         Error::Device { .. } => "DeviceError",
         Error::OutOfMemory(_) => "OutOfMemoryError",
         Error::Torch(_) => "TorchError",
+        Error::Internal(_) => "InternalError",
     };
     raise(class, e.to_string())
 }
@@ -297,7 +298,8 @@ fn image_examples(
     };
     let load = MmLoad { records: records.to_vec(), file_index: (0..records.len()).collect(), in_file: records.len(), ..MmLoad::default() };
     let context = s.max_positions();
-    let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc }, &load, max_length.min(context), context, OverLong::Strict, Path::new("requests"))
+    let template = dualedit::data::multimodal::ChatTemplate::load(&engine.lm.dir)?;
+    let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc, template: &template }, &load, max_length.min(context), context, OverLong::Strict, Path::new("requests"))
         .map_err(|e| Error::input(e.to_string()))?;
     Ok((records.iter().map(|r| r.as_edit_record()).collect(), prepared.examples))
 }

@@ -424,8 +424,10 @@ impl MemoryTracker {
     /// A tracker that also samples every [`SAMPLE_INTERVAL`] (thinned out past
     /// [`MAX_SAMPLED_PER_ROLE`]) from a thread, until it is dropped. A sampler that cannot
     /// start or read a device is logged and stops; the phase marks go on.
+    /// `DUALEDIT_SAMPLE_MS` changes the interval (tests of sub-second runs use it).
     pub fn sampled(roles: &[(&str, Device)]) -> Self {
-        Self::sampled_every(roles, SAMPLE_INTERVAL)
+        let ms = std::env::var("DUALEDIT_SAMPLE_MS").ok().and_then(|v| v.parse::<u64>().ok()).filter(|&ms| ms > 0);
+        Self::sampled_every(roles, ms.map_or(SAMPLE_INTERVAL, Duration::from_millis))
     }
 
     /// [`MemoryTracker::sampled`] with another first interval.
