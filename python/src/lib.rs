@@ -872,57 +872,39 @@ fn plan(
     ds: Option<&str>,
     loc_length: Option<i64>,
 ) -> PyResult<String> {
-    use dualedit::planner::{choose, plan_model, PlacementTable, PlanOptions};
-    let cfg = MendConfig::from_file(&config).py()?;
-    let tokens = max_length.unwrap_or(cfg.max_length) as i64;
-    let mut opts = PlanOptions::new(device, sub_device, parse_dtype(dtype)?, tokens, kept_tokens).py()?;
-    if let Some(m) = max_memory {
-        opts.caps = m.parse().py()?;
-    }
-    if let Some(o) = optimizer_device {
-        opts.optimizer = parse_enum("optimizer_device", o, "main, sub or cpu")?;
-    }
-    if let Some((w, h)) = image_size {
-        if w < 1 || h < 1 {
-            return Err(input_err(format!("image_size must be (width, height) in pixels, got ({w}, {h})")));
+    // The CLI's own flags and code path (`cli::commands::plan::answer`), so the object is
+    // the one `plan --json` prints, verdicts included.
+    let mut argv: Vec<String> = ["dualedit", "plan", "--json", "--device", device].iter().map(|s| s.to_string()).collect();
+    argv.push("--model".into());
+    argv.push(model.display().to_string());
+    argv.push("--config".into());
+    argv.push(config.display().to_string());
+    let mut flag = |name: &str, v: Option<String>| {
+        if let Some(v) = v {
+            argv.push(format!("--{name}={v}"));
         }
-    }
-    opts.image = image_size;
-    opts.loc_tokens = loc_length;
-    if let Some(ds) = ds {
-        match (dataset(ds)?.is_multimodal(), image_size) {
-            (true, None) => return Err(input_err(format!("ds {ds:?} plans images: give image_size=(width, height)"))),
-            (false, Some(_)) => return Err(input_err(format!("ds {ds:?} is text-only: image_size plans the multimodal views (ds vqa or caption)"))),
-            _ => {}
-        }
-    }
-    if loc_length.is_some() && image_size.is_none() {
-        return Err(input_err("loc_length is the text-only locality view of ds vqa|caption: give image_size"));
-    }
-    if !model.is_dir() {
-        return Err(py_err(Error::file(&model, "model directory not found")));
-    }
-    let request: Option<PlacementRequest> = match placement {
-        Some(p) => Some(parse_enum("placement", p, "auto, replica or balanced")?),
-        None => None,
     };
-    py.allow_threads(|| {
-        let (m, _) = dualedit::model::loader::read_config(&model)?;
-        if image_size.is_some() && m.family().vision_language().is_some() {
-            opts.image_processor = dualedit::model::qwen2_vl::ImageProcessorConfig::load(&model.join("preprocessor_config.json"))?;
-        }
-        let plan = match request {
-            Some(PlacementRequest::Auto) => choose(&m, &cfg, &opts, Phase::Train)?,
-            Some(p) => plan_model(&m, &cfg, &opts.with_placement(p.fixed().unwrap_or(dualedit::device::Placement::Replica), opts.optimizer)?)?,
-            None if opts.split => {
-                let table = PlacementTable::new(&m, &cfg, &opts)?;
-                return serde_json::to_string(&table).map_err(|e| Error::input(e.to_string()));
-            }
-            None => plan_model(&m, &cfg, &opts)?,
-        };
-        serde_json::to_string(&plan).map_err(|e| Error::input(e.to_string()))
-    })
-    .py()
+    flag("sub-device", sub_device.map(str::to_string));
+    flag("dtype", dtype.map(str::to_string));
+    flag("placement", placement.map(str::to_string));
+    flag("optimizer-device", optimizer_device.map(str::to_string));
+    flag("max-memory", max_memory.map(str::to_string));
+    flag("max-length", max_length.map(|v| v.to_string()));
+    flag("kept-tokens", kept_tokens.map(|v| v.to_string()));
+    flag("image-size", image_size.map(|(w, h)| format!("{w}x{h}")));
+    flag("ds", ds.map(str::to_string));
+    flag("loc-length", loc_length.map(|v| v.to_string()));
+    let args = match <dualedit::cli::Cli as clap::Parser>::try_parse_from(&argv) {
+        Ok(dualedit::cli::Cli { command: dualedit::cli::Command::Plan(a), .. }) => a,
+        Ok(_) => return Err(input_err("plan: internal argument error")),
+        Err(e) => return Err(input_err(e.to_string().lines().next().unwrap_or("invalid plan options").trim_start_matches("error: ").to_string())),
+    };
+    py.allow_threads(|| dualedit::cli::commands::plan::answer(&args))
+        .map(|(out, _)| out)
+        .map_err(|e| match e.downcast::<Error>() {
+            Ok(e) => py_err(e),
+            Err(e) => input_err(e.to_string()),
+        })
 }
 
 /// Keeps the module's logs on stderr at `warn` (or `DUALEDIT_LOG`, an env-filter string).

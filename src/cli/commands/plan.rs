@@ -7,6 +7,18 @@ use crate::config::MendConfig;
 use crate::planner::{verdict, PlanOptions};
 
 pub fn run(a: PlanArgs) -> anyhow::Result<()> {
+    let (out, nothing_fits) = answer(&a)?;
+    print!("{out}");
+    if let Some(line) = nothing_fits {
+        anyhow::bail!(line);
+    }
+    Ok(())
+}
+
+/// The answer `plan` prints (text, or the `--json` object) and, when no placement fits the
+/// caps, the one line it exits non-zero with. The Python package's `plan` calls this too,
+/// so both give the same object.
+pub fn answer(a: &PlanArgs) -> anyhow::Result<(String, Option<String>)> {
     let config = MendConfig::from_file(&a.config)?;
     let tokens = a.max_length.unwrap_or(config.max_length) as i64;
     let d = &a.devices;
@@ -53,10 +65,5 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         data,
         json: a.json,
     };
-    let (out, nothing_fits) = verdict::answer(&model, &config, &opts, &question)?;
-    print!("{out}");
-    if let Some(line) = nothing_fits {
-        anyhow::bail!(line);
-    }
-    Ok(())
+    Ok(verdict::answer(&model, &config, &opts, &question)?)
 }
