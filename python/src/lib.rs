@@ -20,7 +20,7 @@ use dualedit::edit::capacity::Grouping;
 use dualedit::config::MendConfig;
 use dualedit::data::easyedit::{parse_records, DatasetKind};
 use dualedit::data::examples::OverLong;
-use dualedit::data::multimodal::{prepare_mm, ImageRoots, MmLoad, VlPrompt};
+use dualedit::data::multimodal::ImageRoots;
 use dualedit::device::{DevicePlan, MaxMemory, OptimizerDevice, PlacementRequest};
 use dualedit::edit::{LoadOptions, MethodSpec};
 use dualedit::mend::guard::GuardConfig;
@@ -288,20 +288,7 @@ fn image_examples(
     records: &[dualedit::data::multimodal::MmRecord],
     max_length: usize,
 ) -> dualedit::Result<(Vec<dualedit::data::EditRecord>, Vec<dualedit::data::EditExample>)> {
-    let engine = s.engine();
-    let (Some(vl), Some(proc)) = (engine.lm.model.family().vision_language(), engine.image_proc.as_ref()) else {
-        return Err(Error::input(format!(
-            "{} is a text-only model ({}); image edit requests need a Qwen2-VL or Qwen2.5-VL model",
-            engine.lm.dir.display(),
-            engine.lm.model.info().architecture
-        )));
-    };
-    let load = MmLoad { records: records.to_vec(), file_index: (0..records.len()).collect(), in_file: records.len(), ..MmLoad::default() };
-    let context = s.max_positions();
-    let template = dualedit::data::multimodal::ChatTemplate::load(&engine.lm.dir)?;
-    let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc, template: &template }, &load, max_length.min(context), context, OverLong::Strict, Path::new("requests"))
-        .map_err(|e| Error::input(e.to_string()))?;
-    Ok((records.iter().map(|r| r.as_edit_record()).collect(), prepared.examples))
+    s.image_examples(records, max_length)
 }
 
 /// EasyEdit's `pre` figures: each request measured on the current weights, unedited.

@@ -281,6 +281,16 @@ impl Session {
         if records.is_empty() {
             return Err(Error::input("no edit requests"));
         }
+        // Strict: a request that does not fit is refused, never silently dropped.
+        let (text, examples) = self.image_examples(records, usize::MAX)?;
+        self.edit_examples(&text, &examples, false)
+    }
+
+    /// The five views of E-VQA / E-IC records as this session's model prepares them (its
+    /// chat template and image processor), prompt + target at most `max_length` tokens
+    /// (capped by the context; longer is an [`Error::Input`]), with the records as text
+    /// (`src` → `alt`).
+    pub fn image_examples(&self, records: &[MmRecord], max_length: usize) -> Result<(Vec<EditRecord>, Vec<EditExample>)> {
         let engine = &self.engine;
         let (Some(vl), Some(proc)) = (engine.lm.model.family().vision_language(), engine.image_proc.as_ref()) else {
             return Err(Error::input(format!(
@@ -291,13 +301,11 @@ impl Session {
         };
         let load = MmLoad { records: records.to_vec(), file_index: (0..records.len()).collect(), in_file: records.len(), ..MmLoad::default() };
         let context = self.max_positions();
-        // Strict: a request that does not fit is refused, never silently dropped.
         let template = ChatTemplate::load(&engine.lm.dir)?;
         let vp = VlPrompt { vl, proc, template: &template };
-        let prepared = prepare_mm(&engine.lm.tokenizer, vp, &load, context, context, OverLong::Strict, Path::new("requests"))
+        let prepared = prepare_mm(&engine.lm.tokenizer, vp, &load, max_length.min(context), context, OverLong::Strict, Path::new("requests"))
             .map_err(|e| Error::input(e.to_string()))?;
-        let text: Vec<EditRecord> = records.iter().map(MmRecord::as_edit_record).collect();
-        self.edit_examples(&text, &prepared.examples, false)
+        Ok((records.iter().map(MmRecord::as_edit_record).collect(), prepared.examples))
     }
 
     /// [`Session::edit_images`] on the text of a JSON array of E-VQA records, whose image
