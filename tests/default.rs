@@ -68,6 +68,12 @@ fn pipeline_runs_end_to_end_at_small_scale() {
     assert!(!dir.path().join("editor-many/train_state.safetensors").exists());
     let meta = std::fs::read_to_string(dir.path().join("editor-many/editor.json")).unwrap();
     assert!(meta.contains(r#""rounds": 3"#), "{meta}");
+    // ... its key statistics over the world's corpus, and the first editor names it, so
+    // that `--method auto` (the default) edits several requests with it (issue #36).
+    assert!(meta.contains(r#""key_stats": "key-stats.safetensors""#), "{meta}");
+    assert!(dir.path().join("editor-many/key-stats.safetensors").is_file());
+    let first = std::fs::read_to_string(dir.path().join("editor/editor.json")).unwrap();
+    assert!(first.contains(r#""many_editor": "../editor-many""#), "{first}");
     assert_eq!(rep.holdout.n, 10);
     // Forty steps of meta-training at this scale make no promise about quality (the shipped
     // default's test does); the evaluation must still produce sane numbers.

@@ -259,3 +259,144 @@ fn later_calls_keep_the_earlier_edits_and_a_reset_forgets_them() {
     let alone = fresh.edit_examples(&records[..1], &examples[..1], true).unwrap();
     assert_eq!(again.requests[0].answer_after, alone.requests[0].answer_after);
 }
+
+/// Requests no editor was meta-trained on (issue #36): `scripts/seq_requests.py
+/// tests/fixtures/many --fresh-targets 50`, one record per fact, each fact given an object
+/// of its relation that no training or held-out record gives it.
+fn fresh() -> PathBuf {
+    root().join("tests/fixtures/many/fresh-50.json")
+}
+
+/// What `dualedit edit` / `eval` run without `--method`: `--method auto` with the embedded
+/// default's `data/editor`, whose editor.json names `data/editor-many` for many edits.
+fn default_spec(many: bool) -> MethodSpec {
+    MethodSpec::Auto { editor: root().join("data/editor"), ls: LsChoice::default(), unrelated: None, many }
+}
+
+/// Issue #36, item 1: a batch the guard refuses commits nothing and is an error with the
+/// guard's numbers, never a success with `nll_post == nll_pre`.
+#[test]
+fn a_batch_the_guard_refuses_is_an_error_with_its_numbers() {
+    let (records, _) = load_records(&requests(), DatasetKind::Requests).unwrap();
+    // Ten summed MEND edits break the probes (part 2 of the notebook), and without scaling
+    // back the guard refuses them.
+    let mut s = session(&MethodSpec::Mend { editor: root().join("data/editor") });
+    s.guard = Some(GuardConfig { scale_back: false, ..GuardConfig::default() });
+    let examples = prepare(&s.engine().lm.tokenizer, &records, 32, &requests()).unwrap();
+    let before = s.score("The capital of Vacorp is").unwrap();
+    let err = s.edit_examples(&records, &examples, false).expect_err("a refused batch is an error").to_string();
+    assert!(err.contains("refused the batch of 10 edits") && err.contains("nothing was committed"), "{err}");
+    assert!(err.contains("agreement") && err.contains("--no-guard"), "the numbers and the way out: {err}");
+    assert_eq!(s.edits_total(), 0);
+    assert_eq!(s.score("The capital of Vacorp is").unwrap().logprobs, before.logprobs, "nothing committed");
+    // Every edit of a sequential call refused: the same error; some refused: counted.
+    let err = s.edit_examples(&records[..1], &examples[..1], true);
+    if let Err(e) = err {
+        assert!(e.to_string().contains("every one of the 1 edits"), "{e}");
+    }
+}
+
+/// Issue #36, item 2: statistics computed over a text, written whole into an editor's
+/// folder and named in its editor.json, read back equal; an editor of other weights and
+/// an empty text are errors naming the file.
+#[test]
+fn key_statistics_round_trip_and_refuse_what_does_not_fit() {
+    use dualedit::mend::stats::{KeyStats, KEY_STATS_FILE};
+    let dir = tempfile::tempdir().unwrap();
+    let editor = dir.path().join("editor");
+    std::fs::create_dir(&editor).unwrap();
+    for f in ["editor.json", "editor.safetensors"] {
+        std::fs::copy(root().join("data/editor-many").join(f), editor.join(f)).unwrap();
+    }
+    let text = dir.path().join("text.txt");
+    std::fs::write(&text, "Vikica does business in mining.\n\nKremmum works as a sailor.\n").unwrap();
+    let opts = LoadOptions::default();
+    let names = dualedit::edit::editor_params(&editor).unwrap();
+    let engine = dualedit::edit::open_engine(&root().join("data/model"), &opts, &names).unwrap();
+    let stats = KeyStats::compute(&engine, &text, 1_000_000, false).unwrap();
+    assert_eq!(stats.meta.lines, 2);
+    assert_eq!(stats.sums.len(), names.len());
+    let path = stats.write_for_editor(&editor).unwrap();
+    assert_eq!(path, editor.join(KEY_STATS_FILE));
+    let meta = dualedit::mend::checkpoint::read_editor_json(&editor).unwrap();
+    assert_eq!(meta.key_stats.as_deref(), Some(KEY_STATS_FILE));
+    let back = KeyStats::load(&path, &engine).unwrap();
+    assert_eq!(back.meta, stats.meta);
+    for (a, b) in back.sums.iter().zip(&stats.sums) {
+        // Stored in f32.
+        let rel = (a - b).norm().double_value(&[]) / b.norm().double_value(&[]);
+        assert!(rel < 1e-6, "{rel}");
+    }
+    // `--max-tokens` stops the pass: fewer tokens than the whole text.
+    let capped = KeyStats::compute(&engine, &text, 5, false).unwrap();
+    assert!(capped.meta.tokens <= 6.0 && capped.meta.tokens < stats.meta.tokens, "{:?}", capped.meta);
+    // Statistics of other weights (data/editor edits the input projections too).
+    let other = dualedit::edit::open_engine(&root().join("data/model"), &opts, &dualedit::edit::editor_params(&root().join("data/editor")).unwrap()).unwrap();
+    let err = KeyStats::load(&path, &other).err().expect("other weights").to_string();
+    assert!(err.contains(KEY_STATS_FILE) && err.contains("edits"), "{err}");
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "\n  \n").unwrap();
+    let err = KeyStats::compute(&engine, &empty, 1000, false).err().expect("empty text").to_string();
+    assert!(err.contains("empty.txt"), "{err}");
+}
+
+/// Issue #36, item 4: the default method picks by the number of requests, and the
+/// shipped editor for many edits carries its statistics.
+#[test]
+fn the_default_method_is_mend_for_one_request_and_mend_ls_for_several() {
+    let (one, single) = default_spec(false).resolved().unwrap();
+    assert!(matches!(one, MethodSpec::Mend { .. }) && !single);
+    let (many, single) = default_spec(true).resolved().unwrap();
+    match many {
+        MethodSpec::MendLs { editor, unrelated: None, .. } => assert!(editor.ends_with("editor-many"), "{editor:?}"),
+        other => panic!("several edits: {other:?}"),
+    }
+    assert!(single, "a session opened for many edits makes a single request with plain mend");
+    assert!(dualedit::mend::stats::editor_stats_path(&root().join("data/editor-many")).unwrap().is_some_and(|p| p.is_file()));
+    // A session opened for many edits: one request is a plain MEND edit of editor-many;
+    // two are a solve.
+    let (records, _) = load_records(&fresh(), DatasetKind::Requests).unwrap();
+    let mut s = session(&default_spec(true));
+    let examples = prepare(&s.engine().lm.tokenizer, &records[..3], 32, &fresh()).unwrap();
+    assert_eq!(s.edit_examples(&records[..1], &examples[..1], false).unwrap().method, "mend");
+    s.reset().unwrap();
+    assert_eq!(s.edit_examples(&records[..2], &examples[..2], false).unwrap().method, "mend-ls");
+    assert_eq!(s.edit_examples(&records[2..3], &examples[2..3], false).unwrap().method, "mend-ls", "after mend-ls edits, one more joins the solve");
+}
+
+/// Issue #36, item 5: the default command (`--method auto`, no keep text, the guard on)
+/// on 50 requests in one batch and 20 one after another, measured after the last edit.
+#[test]
+fn the_default_command_holds_fifty_in_one_batch_and_twenty_in_a_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |g: Grouping, limit: usize| {
+        let opts = EvalOptions {
+            common: Common { report: Some(dir.path().join("report.json")), ..Common::single(root().join("data/model"), Device::Cpu) },
+            method: default_spec(true),
+            data: fresh(),
+            ds: DatasetKind::Counterfact,
+            limit: Some(limit),
+            max_length: 32,
+            capacity: Some(CapacityOptions { grouping: g, guard: Some(GuardConfig::default()), stepwise: None, drift_text: Some(root().join("data/world/corpus.txt")) }),
+        };
+        let out = run_eval(&opts, |_, _| {}).unwrap().0;
+        let _ = std::fs::remove_file(dir.path().join("report.json"));
+        assert_eq!((out.summary.n, out.method.as_str()), (limit, "mend-ls"));
+        let s = &out.summary;
+        println!("{g:?}: reliability {}, generalization {:?}, locality {:?}", s.reliability, s.generalization, s.locality);
+        (s.reliability, s.generalization.unwrap(), s.locality.unwrap(), out.capacity.unwrap().drift.unwrap())
+    };
+    let (rel, gen, loc, drift) = run(Grouping::Batch(50), 50);
+    assert!(rel >= BATCH.0 && gen >= BATCH.1 && loc >= BATCH.2, "50 in one batch: {rel} / {gen} / {loc}");
+    assert!(drift.nll_after - drift.nll_before < 0.1, "unrelated-text NLL {} -> {}", drift.nll_before, drift.nll_after);
+    let (rel, gen, loc, _) = run(Grouping::Sequential(20), 20);
+    assert!(rel >= SEQUENTIAL.0 && gen >= SEQUENTIAL.1 && loc >= SEQUENTIAL.2, "20 one after another: {rel} / {gen} / {loc}");
+}
+
+/// What the default command reaches (reliability, generalisation, locality) less a margin:
+/// measured 0.94 / 0.35 / 1.00 in one batch of 50 and 0.81 / 0.29 / 1.00 for 20 in a row.
+/// The issue's targets are 0.95 / 0.80 / 0.90 and 0.90 / 0.75 / 0.90: reliability in one
+/// batch is near, sequential reliability and generalisation are not met
+/// (docs/notebook.md, "Many edits by default").
+const BATCH: (f64, f64, f64) = (0.9, 0.3, 0.9);
+const SEQUENTIAL: (f64, f64, f64) = (0.75, 0.22, 0.9);

@@ -132,7 +132,10 @@ class Session:
         dtype: ``f32`` (default), ``bf16``, ``f16`` or a ``torch.dtype``.
         placement: ``replica`` (default), ``balanced`` or ``auto`` (the planner picks).
         max_memory: per-device caps, ``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``.
-        method: ``mend`` (default with an editor), ``mend-ls``, ``ft`` or ``unedited``.
+        method: ``auto`` (default with an editor: one request per call with ``mend``,
+            several, or one after another, with ``mend-ls`` and the editor for many edits
+            the editor's ``editor.json`` names), ``mend``, ``mend-ls``, ``ft`` or
+            ``unedited``.
         guard: the commit guard on the requests' locality prompts (on by default, as in
             ``dualedit edit``); ``guard_*`` keyword arguments as the CLI's flags.
         **options: ``optimizer_device``, ``ft_lr``, ``ls_lambda``, ``ls_keep_weight``,
@@ -195,7 +198,10 @@ class Session:
         ``image_root``, default the working folder) or PIL images.
 
         All requests form one batch edit, or with ``sequential`` are applied one after
-        another. All or nothing: if anything fails, the weights are as before the call.
+        another. All or nothing: if anything fails, the weights are as before the call
+        (a batch the commit guard refuses is an ``InputError`` with its numbers).
+        ``method``: ``auto`` (as the session was opened), ``mend`` or ``mend-ls`` (which
+        needs a session opened with ``auto`` and an editor for many edits, or ``mend-ls``).
 
         Returns:
             ``dualedit edit --json``'s report as a dict (``sequential``, ``guard``, the
@@ -204,9 +210,9 @@ class Session:
             ``edits_total`` and ``seconds.edit`` (the library's edit call, the span the
             CLI's run report calls ``seconds.edit``).
         """
-        if method is not None and method.replace("_", "-") != self.method:
+        if method is not None and method.replace("_", "-") not in ("auto", "mend", "mend-ls"):
             raise InputError(
-                f"this session edits with method {self.method!r} (chosen when it was opened); "
+                f"an edit's method is 'auto' (as the session was opened), 'mend' or 'mend-ls', not {method!r}; "
                 f"open a Session with method={method!r} to edit with it"
             )
         records = _records(requests)
@@ -229,7 +235,7 @@ class Session:
         else:
             if image_root is not None or rephrase_image_root is not None:
                 raise InputError("image_root is for image requests (E-VQA records), and these are text requests")
-            out = self._s.edit(json.dumps(records), sequential=sequential, guard=guard, stepwise=stepwise)
+            out = self._s.edit(json.dumps(records), sequential=sequential, guard=guard, stepwise=stepwise, method=method)
         return json.loads(out)
 
     def measure(

@@ -171,18 +171,21 @@ struct MethodChoice<'a> {
     ls_keep_weight: Option<f64>,
     ls_rounds: Option<usize>,
     ls_keep_text: Option<&'a Path>,
+    /// `auto` (the default with an editor) is for several edits: a session edits any
+    /// number, `evaluate` groups of more than one.
+    many: bool,
 }
 
 impl MethodChoice<'_> {
     fn spec(&self) -> PyResult<MethodSpec> {
-        let method = self.method.unwrap_or(if self.editor.is_some() { "mend" } else { "unedited" });
+        let method = self.method.unwrap_or(if self.editor.is_some() { "auto" } else { "unedited" });
         let needs_editor = |m: &str| self.editor.map(Path::to_path_buf).ok_or_else(|| input_err(format!("method {m:?} needs an editor directory")));
         let ls_given = self.ls_lambda.is_some() || self.ls_keep_weight.is_some() || self.ls_rounds.is_some() || self.ls_keep_text.is_some();
-        if ls_given && method != "mend-ls" {
-            return Err(input_err("ls_lambda, ls_keep_weight, ls_rounds and ls_keep_text are only used with method=\"mend-ls\""));
+        if ls_given && !matches!(method, "mend-ls" | "mend_ls" | "auto") {
+            return Err(input_err("ls_lambda, ls_keep_weight, ls_rounds and ls_keep_text are only used with method=\"mend-ls\" (or \"auto\")"));
         }
-        if self.editor.is_some() && !matches!(method, "mend" | "mend-ls") {
-            return Err(input_err(format!("an editor is only used with method \"mend\" or \"mend-ls\", not {method:?}")));
+        if self.editor.is_some() && !matches!(method, "auto" | "mend" | "mend-ls" | "mend_ls") {
+            return Err(input_err(format!("an editor is only used with method \"auto\", \"mend\" or \"mend-ls\", not {method:?}")));
         }
         if let Some(w) = self.ls_keep_weight.filter(|w| !(w.is_finite() && *w >= 0.0)) {
             return Err(input_err(format!("ls_keep_weight must be a number >= 0, got {w}")));
@@ -194,6 +197,12 @@ impl MethodChoice<'_> {
             return Err(input_err(format!("ls_rounds must be at most {}, got {r}", dualedit::config::MAX_LS_ROUNDS)));
         }
         Ok(match method {
+            "auto" => MethodSpec::Auto {
+                editor: needs_editor(method)?,
+                ls: dualedit::mend::ls::LsChoice { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight, rounds: self.ls_rounds },
+                unrelated: self.ls_keep_text.map(Path::to_path_buf),
+                many: self.many,
+            },
             "mend" => MethodSpec::Mend { editor: needs_editor(method)? },
             "mend-ls" | "mend_ls" => MethodSpec::MendLs {
                 editor: needs_editor(method)?,
@@ -207,7 +216,7 @@ impl MethodChoice<'_> {
                 MethodSpec::FineTune { lr: self.ft_lr }
             }
             "unedited" | "none" => MethodSpec::Unedited,
-            other => return Err(input_err(format!("method must be \"mend\", \"mend-ls\", \"ft\" or \"unedited\", got {other:?}"))),
+            other => return Err(input_err(format!("method must be \"auto\", \"mend\", \"mend-ls\", \"ft\" or \"unedited\", got {other:?}"))),
         })
     }
 }
@@ -270,6 +279,8 @@ fn edit_report((out, edit_s): (dualedit::edit::session::EditOutcome, f64), seque
         obj.extend(s);
         obj.insert("requests".into(), serde_json::to_value(&out.requests).map_err(|e| input_err(e.to_string()))?);
         obj.insert("edits_total".into(), serde_json::Value::from(out.edits_total));
+        obj.insert("method".into(), serde_json::Value::from(out.method));
+        obj.insert("refused".into(), serde_json::Value::from(out.refused));
     }
     Ok(v.to_string())
 }
@@ -332,7 +343,7 @@ impl PySession {
         if max_length == 0 {
             return Err(input_err("max_length must be at least 1"));
         }
-        let choice = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref() };
+        let choice = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many: true };
         let spec = choice.spec()?;
         let kind = parse_dtype(dtype)?;
         let placing = Placing { device, sub_device, placement, optimizer_device, max_memory };
@@ -354,11 +365,13 @@ impl PySession {
 
     /// Applies EasyEdit request records (a JSON array, the `--requests` file's format) as
     /// one batch edit, or one after another with `sequential`; returns the report as JSON.
-    #[pyo3(signature = (requests, sequential=false, guard=None, stepwise=false))]
-    fn edit(&mut self, py: Python<'_>, requests: &str, sequential: bool, guard: Option<bool>, stepwise: bool) -> PyResult<String> {
+    /// `method`: `auto` (as the session was opened), `mend` or `mend-ls` for this call.
+    #[pyo3(signature = (requests, sequential=false, guard=None, stepwise=false, method=None))]
+    fn edit(&mut self, py: Python<'_>, requests: &str, sequential: bool, guard: Option<bool>, stepwise: bool, method: Option<&str>) -> PyResult<String> {
         if stepwise && !sequential {
             return Err(input_err("stepwise edits need sequential=True"));
         }
+        let call = dualedit::edit::CallMethod::parse(method.unwrap_or("auto")).py()?;
         // The caller's records, not a file: a bad one is an input error (ValueError).
         let (records, load) = parse_records(requests, Path::new("requests"), DatasetKind::Requests).map_err(|e| input_err(e.to_string()))?;
         if let Some((i, why)) = load.skipped.first() {
@@ -374,8 +387,11 @@ impl PySession {
             let examples = text_examples(s, &records, max_length)?;
             s.guard = guard_cfg;
             s.stepwise = stepwise.then(dualedit::mend::stepwise::Stepwise::default);
+            s.call_method = call;
             let t = std::time::Instant::now();
-            Ok((s.edit_examples(&records, &examples, sequential)?, t.elapsed().as_secs_f64()))
+            let out = s.edit_examples(&records, &examples, sequential);
+            s.call_method = dualedit::edit::CallMethod::Auto;
+            Ok((out?, t.elapsed().as_secs_f64()))
         })?;
         edit_report(out, sequential)
     }
@@ -752,7 +768,8 @@ fn evaluate(
     if max_length == 0 {
         return Err(input_err("max_length must be at least 1"));
     }
-    let spec = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref() }.spec()?;
+    let many = edits_per_batch.or(sequential).is_some_and(|n| n > 1);
+    let spec = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many }.spec()?;
     let kind = parse_dtype(dtype)?;
     let plan = Placing { device, sub_device, placement, optimizer_device, max_memory }.plan(
         &model,

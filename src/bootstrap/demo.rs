@@ -78,6 +78,7 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
         Some(cfg) => Some(train_many_editor(root, common, cfg)?),
         None => None,
     };
+    link_many_editor(root)?;
     Ok(BuildReport { pretrain: pre, train_steps: steps, holdout, many_train_steps, seconds: start.elapsed().as_secs_f64() })
 }
 
@@ -95,6 +96,7 @@ pub fn train_many_editor(root: &Path, common: Common, mend: &MendConfig) -> Resu
     // One thread: the build is reproducible byte for byte only when libtorch's reductions
     // run in the same order.
     tch::set_num_threads(1);
+    let opts = common_plan(&common);
     let (train, _) = run_train(&TrainOptions {
         common: Common { report: Some(root.join("runs").join("train-many.json")), ..common },
         data: world_dir(root).join("edits-train.json"),
@@ -110,7 +112,38 @@ pub fn train_many_editor(root: &Path, common: Common, mend: &MendConfig) -> Resu
     if state.exists() {
         std::fs::remove_file(&state).map_err(|e| crate::Error::io(&state, e))?;
     }
+    many_editor_stats(root, &opts)?;
     Ok(train.steps)
+}
+
+fn common_plan(common: &Common) -> crate::edit::LoadOptions {
+    crate::edit::LoadOptions { plan: common.plan, dtype: tch::Kind::Float }
+}
+
+/// The key statistics of the editor for many edits over the world's corpus (what
+/// `mend-ls` solves against without a keep text), and its name in `root/editor`'s
+/// editor.json (`many_editor`), so that `--method auto` (the default) edits several
+/// requests with it: `dualedit stats --model data/model --editor data/editor-many --text
+/// data/world/corpus.txt`, then the first editor pointed at the second.
+pub fn many_editor_stats(root: &Path, opts: &crate::edit::LoadOptions) -> Result<()> {
+    let many = many_editor_dir(root);
+    let engine = crate::edit::open_engine(&model_dir(root), opts, &crate::edit::editor_params(&many)?)?;
+    let stats = crate::mend::stats::KeyStats::compute(&engine, &world_dir(root).join("corpus.txt"), usize::MAX, true)?;
+    stats.write_for_editor(&many)?;
+    link_many_editor(root)
+}
+
+/// Names `root/editor-many` in `root/editor`'s editor.json (`many_editor`) when both
+/// exist (a retrained first editor is written without the name).
+pub fn link_many_editor(root: &Path) -> Result<()> {
+    let single = editor_dir(root);
+    let json = single.join(crate::mend::checkpoint::EDITOR_JSON);
+    if json.is_file() && many_editor_dir(root).join(crate::mend::checkpoint::EDITOR_JSON).is_file() {
+        let mut meta = crate::mend::checkpoint::read_editor_json(&single)?;
+        meta.many_editor = Some("../editor-many".into());
+        crate::io::write_json_atomic(&json, &meta)?;
+    }
+    Ok(())
 }
 
 /// The second half of a default's build: meta-trains the editor into `root/editor` on the

@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 
 use args::{
     BuildDefaultArgs, CompareCmd, DemoArgs, EditArgs, EvalArgs, PlanArgs, PretrainArgs, ReportCmd, ScoreArgs, ServeArgs,
-    TrainArgs, WorldArgs,
+    StatsArgs, TrainArgs, WorldArgs,
 };
 
 #[derive(Parser)]
@@ -45,6 +45,9 @@ pub enum Command {
     World(WorldArgs),
     /// Serve edit / score / generate / reset / save as JSON over HTTP (loopback by default).
     Serve(ServeArgs),
+    /// Compute the key statistics `mend-ls` solves against (each edited layer's Σ k kᵀ over
+    /// a text file), once per model, into the editor's folder.
+    Stats(StatsArgs),
     /// Estimate each device's peak memory for training and editing from config.json alone.
     Plan(PlanArgs),
     /// Work with run reports: `report merge` puts many in one table.

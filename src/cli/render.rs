@@ -56,6 +56,7 @@ pub fn edited(out: &EditOutput, report: &Path) {
     if refused + scaled > 0 {
         println!("guard: {refused} edit(s) refused, {scaled} scaled back, of {} (see the report's \"guard\")", out.guard.len());
     }
+    println!("method {}", out.method);
     summary(&out.summary);
     if let Some(dir) = &out.saved {
         println!("edited model saved to {}", dir.display());

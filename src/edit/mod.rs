@@ -40,6 +40,17 @@ pub enum Method {
 }
 
 impl Method {
+    /// The method a call of `requests` requests (`sequential`: one after another) runs as
+    /// `call` asks: [`Method::name`], except `mend` where a `mend-ls` session makes plain
+    /// MEND edits (`--method auto`'s single request, or asked for).
+    pub fn name_for(&self, call: CallMethod, requests: usize, sequential: bool) -> &'static str {
+        if call.plain_mend(self, requests as i64, sequential) {
+            "mend"
+        } else {
+            self.name()
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Method::Unedited => "unedited",
@@ -109,8 +120,23 @@ pub enum MethodSpec {
         editor: PathBuf,
         /// The `--ls-*` settings given; the rest are the editor's (`MendConfig::ls`).
         ls: LsChoice,
-        /// Lines of unrelated text whose keys the solve keeps (none: λ only).
+        /// Lines of unrelated text whose keys the solve keeps (none: the editor's key
+        /// statistics, [`crate::mend::stats`]; neither: λ only).
         unrelated: Option<PathBuf>,
+    },
+    /// The default (`--method auto`): `mend` with `editor` for one request; for several,
+    /// or one after another (`many`), `mend-ls` with the editor for many edits that
+    /// `editor`'s editor.json names (`many_editor`), or with `editor` itself when it has
+    /// key statistics or a keep text is given, and plain `mend` (with a warning) when it
+    /// has neither. Resolved by [`MethodSpec::resolved`] when the model is opened.
+    Auto {
+        editor: PathBuf,
+        ls: LsChoice,
+        unrelated: Option<PathBuf>,
+        /// The run edits several requests or one after another, or cannot know (a
+        /// server, a library session): a `mend-ls` session then makes a single request
+        /// in one call with plain `mend` of the same editor.
+        many: bool,
     },
 }
 
@@ -118,7 +144,7 @@ impl MethodSpec {
     /// The ranges its settings must lie in (`--ls-*`, `--ft-lr`): one error naming the flag.
     pub fn check(&self) -> Result<()> {
         match self {
-            MethodSpec::MendLs { ls, .. } => ls.check(),
+            MethodSpec::MendLs { ls, .. } | MethodSpec::Auto { ls, .. } => ls.check(),
             MethodSpec::FineTune { lr } if !(lr.is_finite() && *lr > 0.0) => {
                 Err(Error::input(format!("--ft-lr must be a positive number, got {lr}")))
             }
@@ -134,7 +160,7 @@ impl MethodSpec {
         match self {
             MethodSpec::Unedited | MethodSpec::FineTune { .. } => self.check(),
             MethodSpec::Mend { editor } => editor_exists(editor),
-            MethodSpec::MendLs { editor, unrelated, .. } => {
+            MethodSpec::MendLs { editor, unrelated, .. } | MethodSpec::Auto { editor, unrelated, .. } => {
                 self.check()?;
                 editor_exists(editor)?;
                 if let Some(path) = unrelated {
@@ -152,10 +178,55 @@ impl MethodSpec {
     /// The trained editor's directory, for both MEND methods.
     pub fn editor_dir(&self) -> Option<&Path> {
         match self {
-            MethodSpec::Mend { editor } | MethodSpec::MendLs { editor, .. } => Some(editor),
+            MethodSpec::Mend { editor } | MethodSpec::MendLs { editor, .. } | MethodSpec::Auto { editor, .. } => Some(editor),
             _ => None,
         }
     }
+
+    /// `Auto` resolved to the method it runs (see [`MethodSpec::Auto`]), and whether that
+    /// `mend-ls` makes a single-request call with plain `mend`; any other spec as it is.
+    pub fn resolved(&self) -> Result<(MethodSpec, bool)> {
+        let MethodSpec::Auto { editor, ls, unrelated, many } = self else { return Ok((self.clone(), false)) };
+        editor_exists(editor)?;
+        if !many {
+            return Ok((MethodSpec::Mend { editor: editor.clone() }, false));
+        }
+        match many_editor(editor, unrelated.is_some())? {
+            Some(dir) => Ok((MethodSpec::MendLs { editor: dir, ls: *ls, unrelated: unrelated.clone() }, true)),
+            None => Ok((MethodSpec::Mend { editor: editor.clone() }, false)),
+        }
+    }
+}
+
+/// How many records a JSON request file holds (the length of its top-level array), before
+/// any is read or checked: what `edit --method auto` chooses its method by. `None` when
+/// the file is not a JSON array (the reader then names what is wrong with it).
+pub fn request_count(path: &Path) -> Option<usize> {
+    // Only a regular file is read here: a FIFO would block (the reader refuses it).
+    if !std::fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
+    let text = std::fs::read_to_string(path).ok()?;
+    match serde_json::from_str::<serde_json::Value>(&text).ok()? {
+        serde_json::Value::Array(a) => Some(a.len()),
+        _ => None,
+    }
+}
+
+/// The editor `--method auto` makes several edits with: the folder `dir`'s editor.json
+/// names as `many_editor` (relative to `dir`), else `dir` itself when it has key
+/// statistics (or `keep_text`: a keep text is given), else none. A named folder that does
+/// not exist is an error naming the editor.json.
+pub fn many_editor(dir: &Path, keep_text: bool) -> Result<Option<PathBuf>> {
+    let meta = checkpoint::read_editor_json(dir)?;
+    if let Some(rel) = &meta.many_editor {
+        let many = dir.join(rel);
+        if !many.join(checkpoint::EDITOR_JSON).is_file() {
+            return Err(Error::file(dir.join(checkpoint::EDITOR_JSON), format!("names {rel:?} as its editor for many edits (many_editor), which holds no editor.json")));
+        }
+        return Ok(Some(many));
+    }
+    Ok((meta.key_stats.is_some() || keep_text).then(|| dir.to_path_buf()))
 }
 
 /// Where a model runs and how it is loaded.
@@ -205,12 +276,25 @@ pub fn open_engine(model: &Path, opts: &LoadOptions, edit_names: &[String]) -> R
 /// (a model without them is another model than the editor's, and the error says so).
 pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engine, Method)> {
     spec.validate()?;
+    let (resolved, single_mend) = spec.resolved()?;
+    match (spec, &resolved) {
+        (MethodSpec::Auto { .. }, MethodSpec::MendLs { editor, .. }) => {
+            info!(editor = %editor.display(), "several edits: mend-ls (least squares over the edits' keys; a single request: mend)")
+        }
+        (MethodSpec::Auto { many: true, editor, .. }, _) => tracing::warn!(
+            editor = %editor.display(),
+            "several edits with plain mend: the editor names no editor for many edits (many_editor) and has no key statistics; \
+             summed MEND edits interfere (compute statistics with `dualedit stats`, or pass --method mend-ls --ls-keep-text FILE)"
+        ),
+        _ => {}
+    }
+    let spec = &resolved;
     let names = match spec.editor_dir() {
         Some(editor) => editor_params(editor)?,
         None => Vec::new(),
     };
     let engine = open_engine(model, opts, &names).map_err(|e| match (spec, e) {
-        (MethodSpec::Mend { editor } | MethodSpec::MendLs { editor, .. }, Error::Input(msg)) => Error::file(
+        (MethodSpec::Mend { editor } | MethodSpec::MendLs { editor, .. } | MethodSpec::Auto { editor, .. }, Error::Input(msg)) => Error::file(
             editor.join(checkpoint::EDITOR_JSON),
             format!("editor was trained for another model than {}: {msg}", model.display()),
         ),
@@ -229,20 +313,98 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
             let ls = ls.resolve(&ed.config.ls);
             ls.validate()?;
             info!(dir = %editor.display(), step = meta.step, lambda = ls.lambda, keep_weight = ls.cov_weight, rounds = ls.rounds, "editor loaded (least-squares aggregation)");
-            let unrelated = match unrelated {
-                Some(path) => crate::mend::ls::unrelated_grams(&engine, &crate::mend::ls::read_keep_text(path)?)?,
-                None => Vec::new(),
+            let unrelated = match (unrelated, crate::mend::stats::editor_stats_path(editor)?) {
+                (Some(path), _) => crate::mend::ls::unrelated_grams(&engine, &crate::mend::ls::read_keep_text(path)?)?,
+                (None, Some(stats)) => {
+                    let st = crate::mend::stats::KeyStats::load(&stats, &engine)?;
+                    info!(file = %stats.display(), tokens = st.meta.tokens, "mend-ls solves against the editor's key statistics");
+                    st.grams()?
+                }
+                (None, None) => {
+                    tracing::warn!(
+                        editor = %editor.display(),
+                        "mend-ls without key statistics or a keep text: nothing holds the unrelated text's answers (locality suffers); \
+                         compute them once with `dualedit stats --model M --editor E --text FILE`"
+                    );
+                    Vec::new()
+                }
             };
-            Method::MendLs(Box::new(LsEditor { editor: ed, config: ls, memory: KeyMemory::default(), unrelated }))
+            Method::MendLs(Box::new(LsEditor { editor: ed, config: ls, memory: KeyMemory::default(), unrelated, single_mend }))
         }
+        MethodSpec::Auto { .. } => return Err(Error::Internal("--method auto was not resolved".into())),
     };
     Ok((engine, method))
+}
+
+/// The method one edit call asks for, among those its session's method can make (the
+/// library's `Session.edit(method=...)`): as opened (`Auto`), plain MEND with the
+/// session's editor, or `mend-ls`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CallMethod {
+    #[default]
+    Auto,
+    Mend,
+    MendLs,
+}
+
+impl CallMethod {
+    /// `"auto"`, `"mend"` or `"mend-ls"`; anything else is an error naming the choices.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "mend" => Ok(Self::Mend),
+            "mend-ls" | "mend_ls" => Ok(Self::MendLs),
+            other => Err(Error::input(format!("an edit's method must be \"auto\", \"mend\" or \"mend-ls\", got {other:?}"))),
+        }
+    }
+
+    /// Whether `method` can make edits this way: `mend-ls` needs a session opened for it
+    /// (`auto` with an editor for many edits, or `mend-ls`), `mend` an editor.
+    pub fn check(&self, method: &Method) -> Result<()> {
+        match (self, method) {
+            (CallMethod::MendLs, m) if !matches!(m, Method::MendLs(_)) => Err(Error::input(format!(
+                "method \"mend-ls\" needs a session opened with method \"mend-ls\", or \"auto\" with an editor that names an editor for many edits or has key statistics (this one: {:?})",
+                m.name()
+            ))),
+            (CallMethod::Mend, Method::Unedited | Method::FineTune { .. }) => {
+                Err(Error::input(format!("method \"mend\" needs a session opened with an editor (this one: {:?})", method.name())))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether a call of `requests` requests (`sequential`: one after another) on
+    /// `method` is plain MEND with the `mend-ls` session's editor: asked for, or `auto`'s
+    /// single request while no `mend-ls` edit is remembered.
+    fn plain_mend(&self, method: &Method, requests: i64, sequential: bool) -> bool {
+        match (self, method) {
+            (CallMethod::Mend, Method::MendLs(_)) => true,
+            (CallMethod::Auto, Method::MendLs(ls)) => ls.single_mend && requests == 1 && !sequential && ls.memory.edits() == 0,
+            _ => false,
+        }
+    }
 }
 
 /// Computes the edited weights for the edit examples in `inner` (one batch; the update is
 /// the sum over its examples).
 pub fn make_edit(engine: &Engine, method: &mut Method, inner: &TokenBatch) -> Result<Overrides> {
+    make_edit_as(engine, method, inner, CallMethod::Auto, false)
+}
+
+/// [`make_edit`] as `call` asks, for an edit of a batch or (`sequential`) for one edit of
+/// a run of them, where `mend-ls` always solves, even for a single request, so that the
+/// run is the batch of its edits.
+pub fn make_edit_as(engine: &Engine, method: &mut Method, inner: &TokenBatch, call: CallMethod, sequential: bool) -> Result<Overrides> {
     let _g = tch::no_grad_guard();
+    call.check(method)?;
+    if call.plain_mend(method, inner.batch_size(), sequential) {
+        if let Method::MendLs(ls) = method {
+            // `--method auto`'s one request: plain MEND with the same editor (a single
+            // edit is better made so: docs/notebook.md, "Many edits, part 3").
+            let (_, factors) = engine.capture(inner)?;
+            return engine.edit_low_rank(&mut ls.editor, &factors, false);
+        }
+    }
     match method {
         Method::Unedited => Ok(Overrides::new()),
         Method::FineTune { lr } => {

@@ -73,6 +73,23 @@ pub struct EditOutcome {
     /// The commit guard's decision on each edit (one per request, or per step with
     /// `stepwise`, when sequential; one for a batch); empty without a guard.
     pub guard: Vec<GuardReport>,
+    /// Edits of this call the guard refused (nothing of them was committed). A batch the
+    /// guard refuses, or a sequential call whose every edit it refuses, is an error
+    /// instead; this counts the refused ones of a sequential call that committed others.
+    pub refused: usize,
+    /// The method this call ran: the session's, except `mend` for a single request of
+    /// a session opened with `--method auto` ([`crate::edit::MethodSpec::Auto`]).
+    pub method: &'static str,
+}
+
+/// The error of an edit call whose every edit the guard refused: nothing was committed,
+/// so the call failed, with the guard's numbers and the flags that loosen it.
+fn refused_error(what: &str, report: Option<&GuardReport>) -> Error {
+    let why = report.map_or_else(String::new, |r| format!(": {}", r.message));
+    Error::input(format!(
+        "the commit guard refused {what}, so nothing was committed{why}. Loosen it (--guard-min-agreement, \
+         --guard-max-drop, --guard-max-kl), edit fewer requests at once, or turn it off (--no-guard)"
+    ))
 }
 
 /// Memory figures of one device the session uses.
@@ -122,6 +139,11 @@ pub struct Session {
     /// Test builds (`fault-injection`): fail an edit call after this many of its commits,
     /// to show that a failed call leaves the weights as they were.
     fault_after_commits: Option<usize>,
+    /// A capacity measurement ([`crate::edit::capacity`]) runs the calls: a refused batch
+    /// is measured as it is (nothing committed, counted in its report) instead of failing.
+    pub(crate) measuring: bool,
+    /// The method the next edit calls ask for ([`edit::CallMethod`]; `Auto`: as opened).
+    pub call_method: edit::CallMethod,
 }
 
 impl std::fmt::Debug for Session {
@@ -151,7 +173,8 @@ impl Session {
     pub fn open_method(model: &Path, spec: &MethodSpec, opts: &SessionOptions) -> Result<Self> {
         let (engine, method) = edit::open(model, opts, spec)?;
         let mut s = Self::with_method(engine, Some(method));
-        s.editor_dir = spec.editor_dir().map(Path::to_path_buf);
+        // `--method auto` may have opened the editor for many edits its editor names.
+        s.editor_dir = spec.resolved()?.0.editor_dir().map(Path::to_path_buf);
         Ok(s)
     }
 
@@ -173,6 +196,8 @@ impl Session {
             guard: None,
             stepwise: None,
             fault_after_commits: None,
+            measuring: false,
+            call_method: edit::CallMethod::Auto,
         }
     }
 
@@ -421,23 +446,44 @@ impl Session {
             eval::measure_before(&self.engine, &refs, images.as_ref())?
         };
         let start = Instant::now();
+        let call = self.call_method;
+        call.check(method)?;
+        let method_name = method.name_for(call, examples.len(), sequential);
+        let mut refused = 0usize;
         let metrics = if sequential {
+            let mut committed_any = false;
             for e in examples {
                 let inner = self.engine.collate(&[&e.inner])?;
                 let steps = self.stepwise.as_ref().map_or(1, |s| s.steps);
+                let mut request_committed = false;
                 for _ in 0..steps {
                     let overrides = match (&self.stepwise, &mut *method) {
                         (Some(sw), Method::Mend(editor)) => stepwise::step(&self.engine, editor, &inner, sw)?,
-                        (_, m) => edit::make_edit(&self.engine, m, &inner)?,
+                        (_, m) => edit::make_edit_as(&self.engine, m, &inner, call, true)?,
                     };
-                    if let Some(ov) = checked(&self.engine, overrides, &inner, &mut reports)? {
-                        commit(&mut self.engine, &mut self.originals, &ov)?;
-                        method.committed(if guarded { reports.last().map_or(1.0, |r| r.scale) } else { 1.0 });
+                    match checked(&self.engine, overrides, &inner, &mut reports)? {
+                        Some(ov) => {
+                            commit(&mut self.engine, &mut self.originals, &ov)?;
+                            method.committed(if guarded { reports.last().map_or(1.0, |r| r.scale) } else { 1.0 });
+                            request_committed = true;
+                        }
+                        None => method.committed(0.0),
                     }
                     if self.stepwise.is_none() || guard::makes_edit(&self.engine, &Overrides::new(), &inner)? {
                         break;
                     }
                 }
+                refused += usize::from(!request_committed);
+                committed_any |= request_committed;
+            }
+            if !committed_any && !self.measuring {
+                return Err(refused_error(&format!("every one of the {} edits made one after another", examples.len()), reports.last()));
+            }
+            if refused > 0 {
+                tracing::warn!(
+                    "the commit guard refused {refused} of {} edits (nothing of them was committed; the report's `guard` has each decision)",
+                    examples.len()
+                );
             }
             let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
             let images = self.engine.images(&eval::all_views(&refs))?;
@@ -445,8 +491,16 @@ impl Session {
         } else {
             let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
             let batch = self.engine.collate(&inner)?;
-            let overrides = edit::make_edit(&self.engine, method, &batch)?;
+            let overrides = edit::make_edit_as(&self.engine, method, &batch, call, false)?;
             let kept = checked(&self.engine, overrides, &batch, &mut reports)?;
+            if kept.is_none() && guarded {
+                refused = examples.len();
+            }
+            if kept.is_none() && !self.measuring {
+                method.committed(0.0);
+                let what = if examples.len() == 1 { "the edit".to_string() } else { format!("the batch of {} edits", examples.len()) };
+                return Err(refused_error(&what, reports.last()));
+            }
             method.committed(match (&kept, guarded) {
                 (None, _) => 0.0,
                 (Some(_), true) => reports.last().map_or(1.0, |r| r.scale),
@@ -472,7 +526,7 @@ impl Session {
             });
         }
         let summary = Summary::of(&out.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
-        Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total, guard: reports })
+        Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total, guard: reports, refused, method: method_name })
     }
 
     /// Next-token log-probabilities of `text` under the current (edited) weights.

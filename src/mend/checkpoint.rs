@@ -66,6 +66,15 @@ pub struct EditorMeta {
     /// Optimiser steps taken when this editor was written.
     pub step: usize,
     pub dualedit_version: String,
+    /// The key statistics `mend-ls` solves against, a file in the editor's folder
+    /// ([`crate::mend::stats`]; written by `dualedit stats`, not by training).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_stats: Option<String>,
+    /// The editor for many edits at once or one after another, a folder relative to this
+    /// one (`../editor-many` for the embedded default): what `--method auto` edits several
+    /// requests with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub many_editor: Option<String>,
 }
 
 /// Reads `dir/editor.json` (the readable copy of an editor's description): what a caller
@@ -106,6 +115,8 @@ pub fn save_editor(dir: &Path, editor: &Editor, engine: &Engine, step: usize) ->
         stats_counts,
         step,
         dualedit_version: env!("CARGO_PKG_VERSION").into(),
+        key_stats: None,
+        many_editor: None,
     };
     let mut tensors = editor.named_tensors();
     tensors.extend(stats);

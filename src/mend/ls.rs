@@ -329,8 +329,12 @@ pub struct LsEditor {
     pub editor: Editor,
     pub config: LsConfig,
     pub memory: KeyMemory,
-    /// [`unrelated_grams`] of the unedited model, per edited weight (empty: none).
+    /// [`unrelated_grams`] of the unedited model, or the editor's key statistics
+    /// ([`crate::mend::stats::KeyStats::grams`]), per edited weight (empty: none).
     pub unrelated: Vec<Tensor>,
+    /// `--method auto`: a call with a single request and no edit remembered is plain MEND
+    /// with this editor ([`crate::edit::make_edit`]), not a solve.
+    pub single_mend: bool,
 }
 
 /// One edited weight's rows for a solve: keys, targets, the edit of each row.

@@ -4,6 +4,7 @@ pub mod checkpoint;
 pub mod editor;
 pub mod guard;
 pub mod ls;
+pub mod stats;
 pub mod stepwise;
 pub mod losses;
 pub mod optim;

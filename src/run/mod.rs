@@ -471,10 +471,15 @@ pub struct EditOptions {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EditOutput {
+    /// The method the edit ran (`--method auto` picks `mend` or `mend-ls`).
+    pub method: &'static str,
     pub sequential: bool,
     /// The guard's decision on each edit committed (one per request when sequential, one
     /// for the batch); empty without a guard or without locality prompts.
     pub guard: Vec<crate::mend::guard::GuardReport>,
+    /// Edits the guard refused, nothing of them committed (a sequential run that committed
+    /// others; a refused batch is an error).
+    pub refused: usize,
     #[serde(flatten)]
     pub summary: Summary,
     pub requests: Vec<RequestResult>,
@@ -513,7 +518,7 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
         }
         None => None,
     };
-    let out = EditOutput { sequential: o.sequential, guard: outcome.guard, summary: outcome.summary, requests: outcome.requests, saved, data };
+    let out = EditOutput { method: outcome.method, refused: outcome.refused, sequential: o.sequential, guard: outcome.guard, summary: outcome.summary, requests: outcome.requests, saved, data };
     let seconds = BTreeMap::from([("load".to_string(), t1.duration_since(t0).as_secs_f64()), ("edit".to_string(), edit_s)]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::run::report::default_path("edit"));
     let path = report("edit", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;

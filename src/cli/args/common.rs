@@ -69,6 +69,9 @@ impl CommonArgs {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum MethodArg {
+    /// One request: mend; several, or one after another: mend-ls with the editor for many
+    /// edits the editor's editor.json names (or the editor itself, with its key statistics).
+    Auto,
     Mend,
     /// MEND's per-edit updates combined by least squares over their keys (MALMEN-style).
     MendLs,
@@ -78,10 +81,10 @@ pub enum MethodArg {
 
 #[derive(Args)]
 pub struct MethodArgs {
-    /// Trained editor directory (for --method mend).
+    /// Trained editor directory (for --method auto, mend, mend-ls).
     #[arg(long)]
     pub editor: Option<PathBuf>,
-    #[arg(long, value_enum, default_value = "mend")]
+    #[arg(long, value_enum, default_value = "auto")]
     pub method: MethodArg,
     /// --method mend-ls: ridge weight of the least-squares solve, relative to the mean
     /// squared norm of the edits' keys (default: the editor's `ls` settings in its
@@ -112,7 +115,7 @@ impl MethodArgs {
     /// The MEND config the placement is planned with: the trained editor's (from its
     /// editor.json), MEND's defaults for the baselines.
     pub fn planning_config(&self) -> anyhow::Result<MendConfig> {
-        match self.editor.as_ref().filter(|_| matches!(self.method, MethodArg::Mend | MethodArg::MendLs)) {
+        match self.editor.as_ref().filter(|_| matches!(self.method, MethodArg::Auto | MethodArg::Mend | MethodArg::MendLs)) {
             Some(dir) => Ok(crate::mend::checkpoint::trained_config(dir)?),
             None => Ok(MendConfig::default()),
         }
@@ -120,22 +123,32 @@ impl MethodArgs {
 
     /// The method the flags ask for; flags given to a method that does not use them, and
     /// values out of range ([`MethodSpec::check`]), are errors.
-    pub fn resolve(&self) -> anyhow::Result<MethodSpec> {
-        if self.editor.is_some() && !matches!(self.method, MethodArg::Mend | MethodArg::MendLs) {
-            anyhow::bail!("--editor is only used with --method mend or mend-ls");
+    ///
+    /// `many`: the run edits several requests or one after another, which `--method
+    /// auto` (the default) makes with `mend-ls` ([`MethodSpec::Auto`]).
+    pub fn resolve(&self, many: bool) -> anyhow::Result<MethodSpec> {
+        if self.editor.is_some() && !matches!(self.method, MethodArg::Auto | MethodArg::Mend | MethodArg::MendLs) {
+            anyhow::bail!("--editor is only used with --method auto, mend or mend-ls");
         }
-        if self.ls_keep_text.is_some() && self.method != MethodArg::MendLs {
-            anyhow::bail!("--ls-keep-text is only used with --method mend-ls");
+        let ls_method = matches!(self.method, MethodArg::MendLs | MethodArg::Auto);
+        if self.ls_keep_text.is_some() && !ls_method {
+            anyhow::bail!("--ls-keep-text is only used with --method mend-ls (or auto)");
         }
         let ls_given = self.ls_lambda.is_some() || self.ls_keep_weight.is_some() || self.ls_rounds.is_some();
-        if ls_given && self.method != MethodArg::MendLs {
-            anyhow::bail!("--ls-lambda, --ls-keep-weight and --ls-rounds are only used with --method mend-ls");
+        if ls_given && !ls_method {
+            anyhow::bail!("--ls-lambda, --ls-keep-weight and --ls-rounds are only used with --method mend-ls (or auto)");
         }
         let ls = crate::mend::ls::LsChoice { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight, rounds: self.ls_rounds };
         ls.check()?;
         // --ft-lr has a default, so it is checked whichever method runs.
         MethodSpec::FineTune { lr: self.ft_lr }.check()?;
         Ok(match self.method {
+            MethodArg::Auto => MethodSpec::Auto {
+                editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("editing needs --editor DIR (a trained editor; the embedded default's is data/editor)"))?,
+                ls,
+                unrelated: self.ls_keep_text.clone(),
+                many,
+            },
             MethodArg::Mend => MethodSpec::Mend {
                 editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend needs --editor DIR"))?,
             },

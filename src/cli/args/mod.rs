@@ -12,6 +12,7 @@ mod pretrain;
 mod report;
 mod score;
 mod serve;
+mod stats;
 mod train;
 mod world;
 
@@ -27,5 +28,6 @@ pub use pretrain::PretrainArgs;
 pub use report::ReportCmd;
 pub use score::ScoreArgs;
 pub use serve::ServeArgs;
+pub use stats::StatsArgs;
 pub use train::TrainArgs;
 pub use world::WorldArgs;

@@ -8,7 +8,7 @@ pub fn run(a: EditArgs) -> anyhow::Result<()> {
     let guard = a.guard.config()?;
     let opts = EditOptions {
         common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
-        method: a.method.resolve()?,
+        method: a.method.resolve(a.sequential || crate::edit::request_count(&a.requests) != Some(1))?,
         requests: a.requests,
         ds: a.ds.parse()?,
         sequential: a.sequential,

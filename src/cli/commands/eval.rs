@@ -9,9 +9,11 @@ use crate::run::{self, EvalOptions};
 pub fn options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
     // Flags first: a bad threshold is named before any file is read.
     let capacity = capacity_options(a)?;
+    // Groups of several edits are what `--method auto` makes with mend-ls.
+    let many = capacity.as_ref().is_some_and(|c| c.grouping.size() > 1);
     Ok(EvalOptions {
         common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
-        method: a.method.resolve()?,
+        method: a.method.resolve(many)?,
         data: a.data.clone(),
         ds: dataset(&a.ds)?,
         limit: a.limit,

@@ -10,6 +10,7 @@ pub mod pretrain;
 pub mod report;
 pub mod score;
 pub mod serve;
+pub mod stats;
 pub mod train;
 pub mod world;
 
@@ -30,6 +31,7 @@ impl Command {
             Command::World(a) => world::run(a),
             Command::Serve(a) => serve::run(a),
             Command::Plan(a) => plan::run(a),
+            Command::Stats(a) => stats::run(a),
             Command::Report(c) => report::run(c),
         }
     }

@@ -26,7 +26,15 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
     let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype };
     let server = Server::bind(&a.listen, opts)?;
-    let session = crate::edit::session::Session::open(&a.model, a.editor.as_deref(), &session_opts)?;
+    // `--method auto`: requests of several edits (or after earlier ones) go to mend-ls
+    // with the editor for many edits, when the editor names one; one request to mend.
+    let session = match &a.editor {
+        Some(editor) => {
+            let spec = crate::edit::MethodSpec::Auto { editor: editor.clone(), ls: Default::default(), unrelated: None, many: true };
+            crate::edit::session::Session::open_method(&a.model, &spec, &session_opts)?
+        }
+        None => crate::edit::session::Session::open(&a.model, None, &session_opts)?,
+    };
     // First SIGINT/SIGTERM: finish the request in flight, then exit. A second one: now.
     let stop = signals::stop_on_signals()?;
     eprintln!("dualedit serving {} on http://{} (Ctrl-C to stop)", a.model.display(), server.local_addr());
