@@ -81,12 +81,20 @@ fn every_json_command_prints_one_json_object() {
     std::fs::write(&requests, Value::from(records[..2].to_vec()).to_string()).unwrap();
     let requests = requests.display().to_string();
     let eval = ["--model", &model, "--editor", &editor, "--data", &holdout, "--ds", "counterfact", "--limit", "2", "--json"];
+    // `stats` writes into the editor's folder: a copy of the editor for many edits.
+    let many = dir.path().join("editor-many");
+    std::fs::create_dir(&many).unwrap();
+    for f in ["editor.json", "editor.safetensors"] {
+        std::fs::copy(Path::new(&shipped("editor-many")).join(f), many.join(f)).unwrap();
+    }
+    let (many, corpus) = (many.display().to_string(), shipped("world/corpus.txt"));
     let runs: Vec<(&str, Vec<&str>, &str)> = vec![
         ("score", vec!["score", "--model", &model, "--text", "Vacorp was founded by", "--json"], "mean_nll"),
         ("demo", vec!["demo", "--multimodal", "--json"], "easyedit"),
         ("plan", vec!["plan", "--model", &model, "--config", "configs/world.json", "--json"], "totals"),
         ("edit", vec!["edit", "--model", &model, "--editor", &editor, "--requests", &requests, "--json", "--report", &edit_report], "requests"),
         ("eval", [&["eval"][..], &eval, &["--report", &eval_report]].concat(), "reliability"),
+        ("stats", vec!["stats", "--model", &model, "--editor", &many, "--text", &corpus, "--max-tokens", "300", "--json"], "tokens"),
         // The eval report just written, merged.
         ("report merge", vec!["report", "merge", &eval_report, "--json"], "rows"),
         (

@@ -273,27 +273,41 @@ fn default_spec(many: bool) -> MethodSpec {
     MethodSpec::Auto { editor: root().join("data/editor"), ls: LsChoice::default(), unrelated: None, many }
 }
 
-/// Issue #36, item 1: a batch the guard refuses commits nothing and is an error with the
-/// guard's numbers, never a success with `nll_post == nll_pre`.
+/// Issue #36, item 1: a batch the guard refuses commits nothing, says so in `refused`,
+/// and `dualedit edit` (`run_edit`) fails with the guard's numbers after writing its
+/// report, never a success with `nll_post == nll_pre`.
 #[test]
 fn a_batch_the_guard_refuses_is_an_error_with_its_numbers() {
     let (records, _) = load_records(&requests(), DatasetKind::Requests).unwrap();
     // Ten summed MEND edits break the probes (part 2 of the notebook), and without scaling
     // back the guard refuses them.
+    let strict = GuardConfig { scale_back: false, ..GuardConfig::default() };
     let mut s = session(&MethodSpec::Mend { editor: root().join("data/editor") });
-    s.guard = Some(GuardConfig { scale_back: false, ..GuardConfig::default() });
+    s.guard = Some(strict.clone());
     let examples = prepare(&s.engine().lm.tokenizer, &records, 32, &requests()).unwrap();
     let before = s.score("The capital of Vacorp is").unwrap();
-    let err = s.edit_examples(&records, &examples, false).expect_err("a refused batch is an error").to_string();
-    assert!(err.contains("refused the batch of 10 edits") && err.contains("nothing was committed"), "{err}");
-    assert!(err.contains("agreement") && err.contains("--no-guard"), "the numbers and the way out: {err}");
-    assert_eq!(s.edits_total(), 0);
+    let out = s.edit_examples(&records, &examples, false).unwrap();
+    assert_eq!((out.refused, s.edits_total()), (10, 0));
     assert_eq!(s.score("The capital of Vacorp is").unwrap().logprobs, before.logprobs, "nothing committed");
-    // Every edit of a sequential call refused: the same error; some refused: counted.
-    let err = s.edit_examples(&records[..1], &examples[..1], true);
-    if let Err(e) = err {
-        assert!(e.to_string().contains("every one of the 1 edits"), "{e}");
-    }
+    let err = out.refused_error().expect("all refused").to_string();
+    assert!(err.contains("refused all 10 edits") && err.contains("nothing was committed"), "{err}");
+    assert!(err.contains("agreement") && err.contains("--no-guard"), "the numbers and the way out: {err}");
+    // The CLI's run: an error naming its report, which is written; nothing saved.
+    let dir = tempfile::tempdir().unwrap();
+    let opts = dualedit::run::EditOptions {
+        common: Common { report: Some(dir.path().join("edit.json")), ..Common::single(root().join("data/model"), Device::Cpu) },
+        method: MethodSpec::Mend { editor: root().join("data/editor") },
+        requests: requests(),
+        ds: DatasetKind::Requests,
+        sequential: false,
+        save: Some(dir.path().join("saved")),
+        max_length: 32,
+        guard: Some(strict),
+        stepwise: None,
+    };
+    let err = dualedit::run::run_edit(&opts).err().expect("a refused batch fails the run").to_string();
+    assert!(err.contains("refused all 10 edits") && err.contains("edit.json"), "{err}");
+    assert!(dir.path().join("edit.json").is_file() && !dir.path().join("saved").exists());
 }
 
 /// Issue #36, item 2: statistics computed over a text, written whole into an editor's

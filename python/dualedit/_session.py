@@ -199,7 +199,8 @@ class Session:
 
         All requests form one batch edit, or with ``sequential`` are applied one after
         another. All or nothing: if anything fails, the weights are as before the call
-        (a batch the commit guard refuses is an ``InputError`` with its numbers).
+        (edits the commit guard refuses are counted in the report's ``refused``; when it
+        equals the number of requests, nothing was committed).
         ``method``: ``auto`` (as the session was opened), ``mend`` or ``mend-ls`` (which
         needs a session opened with ``auto`` and an editor for many edits, or ``mend-ls``).
 

@@ -135,10 +135,6 @@ pub fn measure(
     let sequential = matches!(grouping, Grouping::Sequential(_));
     let (mut all, mut drifts, mut seconds) = (Vec::with_capacity(examples.len()), Vec::new(), 0.0);
     let (mut accepted, mut scaled, mut refused) = (0, 0, 0);
-    // A group the guard refuses is measured as it is (the report counts it) rather than
-    // failing the measurement, as a user's `edit` call fails.
-    let measuring = std::mem::replace(&mut session.measuring, true);
-    let result = (|| -> Result<()> {
     for (g, (recs, exs)) in records.chunks(n).zip(examples.chunks(n)).enumerate() {
         session.reset()?;
         let texts: Vec<String> = if unrelated.is_empty() {
@@ -168,10 +164,6 @@ pub fn measure(
         on_group(g, &metrics);
         all.extend(metrics);
     }
-    Ok(())
-    })();
-    session.measuring = measuring;
-    result?;
     session.reset()?;
     let groups = examples.len().div_ceil(n);
     let drift = (!drifts.is_empty()).then(|| {

@@ -73,23 +73,34 @@ pub struct EditOutcome {
     /// The commit guard's decision on each edit (one per request, or per step with
     /// `stepwise`, when sequential; one for a batch); empty without a guard.
     pub guard: Vec<GuardReport>,
-    /// Edits of this call the guard refused (nothing of them was committed). A batch the
-    /// guard refuses, or a sequential call whose every edit it refuses, is an error
-    /// instead; this counts the refused ones of a sequential call that committed others.
+    /// Edits of this call the guard refused (nothing of them was committed). When it
+    /// equals the number of requests nothing was committed at all: `dualedit edit` turns
+    /// that into an error ([`EditOutcome::refused_error`]); a server and the library
+    /// answer with it here and a warning in the log.
     pub refused: usize,
     /// The method this call ran: the session's, except `mend` for a single request of
     /// a session opened with `--method auto` ([`crate::edit::MethodSpec::Auto`]).
     pub method: &'static str,
 }
 
-/// The error of an edit call whose every edit the guard refused: nothing was committed,
-/// so the call failed, with the guard's numbers and the flags that loosen it.
-fn refused_error(what: &str, report: Option<&GuardReport>) -> Error {
-    let why = report.map_or_else(String::new, |r| format!(": {}", r.message));
-    Error::input(format!(
-        "the commit guard refused {what}, so nothing was committed{why}. Loosen it (--guard-min-agreement, \
-         --guard-max-drop, --guard-max-kl), edit fewer requests at once, or turn it off (--no-guard)"
-    ))
+impl EditOutcome {
+    /// When the guard refused every edit of the call (nothing committed): the error that
+    /// says so, with the guard's numbers and the flags that loosen it.
+    pub fn refused_error(&self) -> Option<Error> {
+        let n = self.requests.len();
+        if n == 0 || self.refused < n {
+            return None;
+        }
+        let what = match n {
+            1 => "the edit".to_string(),
+            n => format!("all {n} edits"),
+        };
+        let why = self.guard.iter().rev().find(|r| r.decision == guard::Decision::Refused).map_or_else(String::new, |r| format!(": {}", r.message));
+        Some(Error::input(format!(
+            "the commit guard refused {what}, so nothing was committed{why}. Loosen it (--guard-min-agreement, \
+             --guard-max-drop, --guard-max-kl), edit fewer requests at once, or turn it off (--no-guard)"
+        )))
+    }
 }
 
 /// Memory figures of one device the session uses.
@@ -139,9 +150,6 @@ pub struct Session {
     /// Test builds (`fault-injection`): fail an edit call after this many of its commits,
     /// to show that a failed call leaves the weights as they were.
     fault_after_commits: Option<usize>,
-    /// A capacity measurement ([`crate::edit::capacity`]) runs the calls: a refused batch
-    /// is measured as it is (nothing committed, counted in its report) instead of failing.
-    pub(crate) measuring: bool,
     /// The method the next edit calls ask for ([`edit::CallMethod`]; `Auto`: as opened).
     pub call_method: edit::CallMethod,
 }
@@ -196,7 +204,6 @@ impl Session {
             guard: None,
             stepwise: None,
             fault_after_commits: None,
-            measuring: false,
             call_method: edit::CallMethod::Auto,
         }
     }
@@ -476,13 +483,11 @@ impl Session {
                 refused += usize::from(!request_committed);
                 committed_any |= request_committed;
             }
-            if !committed_any && !self.measuring {
-                return Err(refused_error(&format!("every one of the {} edits made one after another", examples.len()), reports.last()));
-            }
             if refused > 0 {
                 tracing::warn!(
-                    "the commit guard refused {refused} of {} edits (nothing of them was committed; the report's `guard` has each decision)",
-                    examples.len()
+                    "the commit guard refused {refused} of {} edits one after another{} (the report's `guard` has each decision)",
+                    examples.len(),
+                    if committed_any { "" } else { ": nothing was committed" }
                 );
             }
             let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
@@ -495,11 +500,7 @@ impl Session {
             let kept = checked(&self.engine, overrides, &batch, &mut reports)?;
             if kept.is_none() && guarded {
                 refused = examples.len();
-            }
-            if kept.is_none() && !self.measuring {
-                method.committed(0.0);
-                let what = if examples.len() == 1 { "the edit".to_string() } else { format!("the batch of {} edits", examples.len()) };
-                return Err(refused_error(&what, reports.last()));
+                tracing::warn!("the commit guard refused the batch of {} edits: nothing was committed ({})", examples.len(), reports.last().map_or("", |r| r.message.as_str()));
             }
             method.committed(match (&kept, guarded) {
                 (None, _) => 0.0,
@@ -515,7 +516,7 @@ impl Session {
             commit(&mut self.engine, &mut self.originals, &overrides)?;
             m
         };
-        self.edits_total += examples.len();
+        self.edits_total += examples.len() - refused;
         let mut out = Vec::with_capacity(examples.len());
         for ((r, e), m) in records.iter().zip(examples).zip(metrics) {
             out.push(RequestResult {

@@ -511,7 +511,11 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     let outcome = session.edit_examples(&records, &examples, o.sequential)?;
     let edit_s = t1.elapsed().as_secs_f64();
     tracker.mark("edit")?;
+    // Everything refused, nothing committed: an error (after the report is written),
+    // never a run that exits 0 having changed nothing; and nothing is saved.
+    let refused = outcome.refused_error();
     let saved = match &o.save {
+        Some(_) if refused.is_some() => None,
         Some(dir) => {
             session.save(dir)?;
             Some(dir.clone())
@@ -522,6 +526,9 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     let seconds = BTreeMap::from([("load".to_string(), t1.duration_since(t0).as_secs_f64()), ("edit".to_string(), edit_s)]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::run::report::default_path("edit"));
     let path = report("edit", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
+    if let Some(e) = refused {
+        return Err(Error::input(format!("{e} (report: {})", path.display())));
+    }
     Ok((out, path))
 }
 
