@@ -132,10 +132,10 @@ class Session:
         dtype: ``f32`` (default), ``bf16``, ``f16`` or a ``torch.dtype``.
         placement: ``replica`` (default), ``balanced`` or ``auto`` (the planner picks).
         max_memory: per-device caps, ``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``.
-        method: ``auto`` (default with an editor: one request per call with ``mend``,
-            several, or one after another, with ``mend-ls`` and the editor for many edits
-            the editor's ``editor.json`` names), ``mend``, ``mend-ls``, ``ft`` or
-            ``unedited``.
+        method: ``mend`` (default with an editor), ``auto`` (one request per call with
+            ``mend``, several, or one after another, with ``mend-ls`` and the editor for
+            many edits the editor's ``editor.json`` names; a single request uses that
+            editor's ``mend``), ``mend-ls``, ``ft`` or ``unedited``.
         guard: the commit guard on the requests' locality prompts (on by default, as in
             ``dualedit edit``); ``guard_*`` keyword arguments as the CLI's flags.
         **options: ``optimizer_device``, ``ft_lr``, ``ls_lambda``, ``ls_keep_weight``,

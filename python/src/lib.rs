@@ -171,14 +171,18 @@ struct MethodChoice<'a> {
     ls_keep_weight: Option<f64>,
     ls_rounds: Option<usize>,
     ls_keep_text: Option<&'a Path>,
-    /// `auto` (the default with an editor) is for several edits: a session edits any
-    /// number, `evaluate` groups of more than one.
+    /// `auto` is for several edits: a session edits any number, `evaluate` groups of
+    /// more than one.
     many: bool,
+    /// The method with an editor when none is named: `evaluate`'s is `auto` (as the
+    /// CLI's `eval`), a `Session`'s `mend` (a session cannot know how many requests it
+    /// will edit; `method="auto"` opens it for many).
+    default: &'static str,
 }
 
 impl MethodChoice<'_> {
     fn spec(&self) -> PyResult<MethodSpec> {
-        let method = self.method.unwrap_or(if self.editor.is_some() { "auto" } else { "unedited" });
+        let method = self.method.unwrap_or(if self.editor.is_some() { self.default } else { "unedited" });
         let needs_editor = |m: &str| self.editor.map(Path::to_path_buf).ok_or_else(|| input_err(format!("method {m:?} needs an editor directory")));
         let ls_given = self.ls_lambda.is_some() || self.ls_keep_weight.is_some() || self.ls_rounds.is_some() || self.ls_keep_text.is_some();
         if ls_given && !matches!(method, "mend-ls" | "mend_ls" | "auto") {
@@ -343,7 +347,7 @@ impl PySession {
         if max_length == 0 {
             return Err(input_err("max_length must be at least 1"));
         }
-        let choice = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many: true };
+        let choice = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many: true, default: "mend" };
         let spec = choice.spec()?;
         let kind = parse_dtype(dtype)?;
         let placing = Placing { device, sub_device, placement, optimizer_device, max_memory };
@@ -769,7 +773,7 @@ fn evaluate(
         return Err(input_err("max_length must be at least 1"));
     }
     let many = edits_per_batch.or(sequential).is_some_and(|n| n > 1);
-    let spec = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many }.spec()?;
+    let spec = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many, default: "auto" }.spec()?;
     let kind = parse_dtype(dtype)?;
     let plan = Placing { device, sub_device, placement, optimizer_device, max_memory }.plan(
         &model,

@@ -87,15 +87,16 @@ def test_score_tensor_equals_the_cli_json(session, tmp_path):
 
 
 @pytest.mark.parametrize("sequential", [False, True])
-def test_session_edit_is_the_cli_edit_report(session, tmp_path, sequential):
+def test_session_edit_is_the_cli_edit_report(tmp_path, sequential):
     records = holdout(3, start=2)
     f = tmp_path / "requests.json"
     f.write_text(json.dumps(records))
     want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f),
                *(["--sequential"] if sequential else []), tmp=tmp_path)
-    session.reset()
+    # The CLI's default (--method auto): several requests with mend-ls and data/editor-many.
+    session = dualedit.Session(MODEL, EDITOR, method="auto")
     got = session.edit(records, sequential=sequential)
-    session.reset()
+    assert got["method"] == "mend-ls"
     for k in ("data", "report", "saved"):
         want.pop(k)
     assert got.pop("edits_total") == 3
@@ -135,7 +136,8 @@ def test_easyedit_form_metrics_equal_the_cli(tmp_path):
     metrics, edited, _ = editor.edit(**args, sequential_edit=True)
     f = tmp_path / "both.json"
     f.write_text(json.dumps(records))
-    want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f), "--sequential", tmp=tmp_path)
+    want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f), "--sequential",
+               "--method", "mend", tmp=tmp_path)
     assert edited.edits_total == 2
     for m, w in zip(metrics, want["requests"]):
         assert m["post"]["rewrite_acc"] == [w["reliability"]]

@@ -81,9 +81,9 @@ fn every_json_command_prints_one_json_object() {
     let many = dir.path().join("editor-many");
     std::fs::create_dir(&many).unwrap();
     for f in ["editor.json", "editor.safetensors"] {
-        std::fs::copy(Path::new(&shipped("editor-many")).join(f), many.join(f)).unwrap();
+        std::fs::copy(common::shipped("editor-many").join(f), many.join(f)).unwrap();
     }
-    let (many, corpus) = (many.display().to_string(), shipped("world/corpus.txt"));
+    let (many, corpus) = (many.display().to_string(), common::shipped("world/corpus.txt").display().to_string());
     let runs: Vec<(&str, Vec<&str>, &str)> = vec![
         ("score", vec!["score", "--model", &model, "--text", "Vacorp was founded by", "--json"], "mean_nll"),
         ("demo", vec!["demo", "--multimodal", "--json"], "easyedit"),

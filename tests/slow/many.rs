@@ -259,13 +259,13 @@ fn later_calls_keep_the_earlier_edits_and_a_reset_forgets_them() {
 /// tests/fixtures/many --fresh-targets 50`, one record per fact, each fact given an object
 /// of its relation that no training or held-out record gives it.
 fn fresh() -> PathBuf {
-    root().join("tests/fixtures/many/fresh-50.json")
+    common::root().join("tests/fixtures/many/fresh-50.json")
 }
 
 /// What `dualedit edit` / `eval` run without `--method`: `--method auto` with the embedded
 /// default's `data/editor`, whose editor.json names `data/editor-many` for many edits.
 fn default_spec(many: bool) -> MethodSpec {
-    MethodSpec::Auto { editor: root().join("data/editor"), ls: LsChoice::default(), unrelated: None, many }
+    MethodSpec::Auto { editor: common::root().join("data/editor"), ls: LsChoice::default(), unrelated: None, many }
 }
 
 /// Issue #36, item 1: a batch the guard refuses commits nothing, says so in `refused`,
@@ -277,7 +277,7 @@ fn a_batch_the_guard_refuses_is_an_error_with_its_numbers() {
     // Ten summed MEND edits break the probes (part 2 of the notebook), and without scaling
     // back the guard refuses them.
     let strict = GuardConfig { scale_back: false, ..GuardConfig::default() };
-    let mut s = session(&MethodSpec::Mend { editor: root().join("data/editor") });
+    let mut s = session(&MethodSpec::Mend { editor: common::root().join("data/editor") });
     s.guard = Some(strict.clone());
     let examples = prepare(&s.engine().lm.tokenizer, &records, 32, &requests()).unwrap();
     let before = s.score("The capital of Vacorp is").unwrap();
@@ -290,8 +290,8 @@ fn a_batch_the_guard_refuses_is_an_error_with_its_numbers() {
     // The CLI's run: an error naming its report, which is written; nothing saved.
     let dir = tempfile::tempdir().unwrap();
     let opts = dualedit::run::EditOptions {
-        common: Common { report: Some(dir.path().join("edit.json")), ..Common::single(root().join("data/model"), Device::Cpu) },
-        method: MethodSpec::Mend { editor: root().join("data/editor") },
+        common: Common { report: Some(dir.path().join("edit.json")), ..Common::single(common::root().join("data/model"), Device::Cpu) },
+        method: MethodSpec::Mend { editor: common::root().join("data/editor") },
         requests: requests(),
         ds: DatasetKind::Requests,
         sequential: false,
@@ -315,13 +315,13 @@ fn key_statistics_round_trip_and_refuse_what_does_not_fit() {
     let editor = dir.path().join("editor");
     std::fs::create_dir(&editor).unwrap();
     for f in ["editor.json", "editor.safetensors"] {
-        std::fs::copy(root().join("data/editor-many").join(f), editor.join(f)).unwrap();
+        std::fs::copy(common::root().join("data/editor-many").join(f), editor.join(f)).unwrap();
     }
     let text = dir.path().join("text.txt");
     std::fs::write(&text, "Vikica does business in mining.\n\nKremmum works as a sailor.\n").unwrap();
     let opts = LoadOptions::default();
     let names = dualedit::edit::editor_params(&editor).unwrap();
-    let engine = dualedit::edit::open_engine(&root().join("data/model"), &opts, &names).unwrap();
+    let engine = dualedit::edit::open_engine(&common::root().join("data/model"), &opts, &names).unwrap();
     let stats = KeyStats::compute(&engine, &text, 1_000_000, false).unwrap();
     assert_eq!(stats.meta.lines, 2);
     assert_eq!(stats.sums.len(), names.len());
@@ -340,7 +340,7 @@ fn key_statistics_round_trip_and_refuse_what_does_not_fit() {
     let capped = KeyStats::compute(&engine, &text, 5, false).unwrap();
     assert!(capped.meta.tokens <= 6.0 && capped.meta.tokens < stats.meta.tokens, "{:?}", capped.meta);
     // Statistics of other weights (data/editor edits the input projections too).
-    let other = dualedit::edit::open_engine(&root().join("data/model"), &opts, &dualedit::edit::editor_params(&root().join("data/editor")).unwrap()).unwrap();
+    let other = dualedit::edit::open_engine(&common::root().join("data/model"), &opts, &dualedit::edit::editor_params(&common::root().join("data/editor")).unwrap()).unwrap();
     let err = KeyStats::load(&path, &other).err().expect("other weights").to_string();
     assert!(err.contains(KEY_STATS_FILE) && err.contains("edits"), "{err}");
     let empty = dir.path().join("empty.txt");
@@ -361,7 +361,7 @@ fn the_default_method_is_mend_for_one_request_and_mend_ls_for_several() {
         other => panic!("several edits: {other:?}"),
     }
     assert!(single, "a session opened for many edits makes a single request with plain mend");
-    assert!(dualedit::mend::stats::editor_stats_path(&root().join("data/editor-many")).unwrap().is_some_and(|p| p.is_file()));
+    assert!(dualedit::mend::stats::editor_stats_path(&common::root().join("data/editor-many")).unwrap().is_some_and(|p| p.is_file()));
     // A session opened for many edits: one request is a plain MEND edit of editor-many;
     // two are a solve.
     let (records, _) = load_records(&fresh(), DatasetKind::Requests).unwrap();
@@ -380,13 +380,13 @@ fn the_default_command_holds_fifty_in_one_batch_and_twenty_in_a_row() {
     let dir = tempfile::tempdir().unwrap();
     let run = |g: Grouping, limit: usize| {
         let opts = EvalOptions {
-            common: Common { report: Some(dir.path().join("report.json")), ..Common::single(root().join("data/model"), Device::Cpu) },
+            common: Common { report: Some(dir.path().join("report.json")), ..Common::single(common::root().join("data/model"), Device::Cpu) },
             method: default_spec(true),
             data: fresh(),
             ds: DatasetKind::Counterfact,
             limit: Some(limit),
             max_length: 32,
-            capacity: Some(CapacityOptions { grouping: g, guard: Some(GuardConfig::default()), stepwise: None, drift_text: Some(root().join("data/world/corpus.txt")) }),
+            capacity: Some(CapacityOptions { grouping: g, guard: Some(GuardConfig::default()), stepwise: None, drift_text: Some(common::root().join("data/world/corpus.txt")) }),
         };
         let out = run_eval(&opts, |_, _| {}).unwrap().0;
         let _ = std::fs::remove_file(dir.path().join("report.json"));
