@@ -5,11 +5,9 @@
 //! memory planner (sizes, and what a block's forward keeps for the backward). Adding a
 //! family is one new file implementing this trait plus its entry in
 //! [`super::loader::FAMILIES`].
-use std::collections::{BTreeMap, HashSet};
-
 use tch::Tensor;
 
-use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
+use super::{BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
 use crate::Result;
 
 /// The sizes of a decoder that the memory planner needs.
@@ -75,19 +73,10 @@ pub trait Family: std::fmt::Debug + Send + Sync {
     /// `past` is the number of tokens already in a KV cache (0 without one).
     fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)>;
 
-    /// Block `i` (0-based) applied to its input `x` `[B, T, D]`; records `(x, h)` of the
-    /// layers whose weights are in `capture`, and extends `cache` when there is one.
-    #[allow(clippy::too_many_arguments)]
-    fn block(
-        &self,
-        p: &ParamView,
-        i: usize,
-        x: &Tensor,
-        ctx: &BlockContext,
-        capture: &HashSet<String>,
-        captures: &mut BTreeMap<String, Capture>,
-        cache: Option<&mut KvCache>,
-    ) -> Result<Tensor>;
+    /// Block `io.layer` (0-based) applied to its input `io.x` `[B, T, D]`; records `(x, h)`
+    /// of the layers whose weights are in `io.capture`, and extends `io.cache` when there
+    /// is one.
+    fn block(&self, io: BlockIo) -> Result<Tensor>;
 
     /// The final norm over the last block's output, `[.., D]` -> `[.., D]`.
     fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor>;

@@ -1,12 +1,11 @@
 //! GPT-2 (`GPT2LMHeadModel`), matching Hugging Face transformers numerically.
-use std::collections::{BTreeMap, HashSet};
 
 use serde::Deserialize;
 use tch::Tensor;
 
 use super::family::{BlockSaved, Dims, Family, MatmulSaves};
 use super::{attend, check_sizes, linear_captured, position_ids, Activation, AttnMask, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH};
-use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
+use super::{BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
@@ -166,16 +165,8 @@ impl Family for Gpt2 {
     }
 
     /// Block `i`: attention and MLP, each behind a pre-norm and a residual connection.
-    fn block(
-        &self,
-        p: &ParamView,
-        i: usize,
-        x: &Tensor,
-        ctx: &BlockContext,
-        capture: &HashSet<String>,
-        captures: &mut BTreeMap<String, Capture>,
-        cache: Option<&mut KvCache>,
-    ) -> Result<Tensor> {
+    fn block(&self, io: BlockIo) -> Result<Tensor> {
+        let BlockIo { params: p, layer: i, x, ctx, capture, captures, cache } = io;
         let c = &self.config;
         let (b, t) = (ctx.batch, ctx.tokens);
         let (nh, hd) = (c.n_head, c.n_embd / c.n_head);

@@ -3,14 +3,13 @@
 //! One implementation covers them: RMSNorm, rotary embeddings (Hugging Face's
 //! rotate-half convention), grouped-query attention and a gated SiLU MLP. Qwen2 differs
 //! only in its q/k/v biases and its config defaults.
-use std::collections::{BTreeMap, HashSet};
 
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
 use super::family::{BlockSaved, Dims, Family, MatmulSaves};
 use super::{attend, check_sizes, linear_captured, position_ids, Activation, AttnMask, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH};
-use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
+use super::{BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
@@ -219,16 +218,8 @@ impl Family for Llama {
 
     /// Block `i`: grouped-query attention with rotary positions and a gated MLP, each
     /// behind an RMSNorm and a residual connection.
-    fn block(
-        &self,
-        p: &ParamView,
-        i: usize,
-        x: &Tensor,
-        ctx: &BlockContext,
-        cap: &HashSet<String>,
-        captures: &mut BTreeMap<String, Capture>,
-        cache: Option<&mut KvCache>,
-    ) -> Result<Tensor> {
+    fn block(&self, io: BlockIo) -> Result<Tensor> {
+        let BlockIo { params: p, layer: i, x, ctx, capture: cap, captures, cache } = io;
         let c = &self.config;
         let (b, t) = (ctx.batch, ctx.tokens);
         let (nh, nkv, hd) = (c.num_attention_heads, self.kv_heads(), self.head_dim());

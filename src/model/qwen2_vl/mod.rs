@@ -25,7 +25,6 @@ pub mod config;
 pub mod image;
 pub mod vision;
 
-use std::collections::{BTreeMap, HashSet};
 
 use tch::{Kind, Tensor};
 
@@ -36,7 +35,7 @@ pub use vision::Grid;
 
 use super::family::{BlockSaved, Dims, Family};
 use super::llama::Llama;
-use super::{position_ids, AttnMask, BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
+use super::{position_ids, AttnMask, BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 #[derive(Debug, Clone)]
@@ -270,18 +269,8 @@ impl Family for Qwen2Vl {
         Ok((x, BlockContext { batch: b, tokens: t, mask, rope: Some(rope) }))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn block(
-        &self,
-        p: &ParamView,
-        i: usize,
-        x: &Tensor,
-        ctx: &BlockContext,
-        cap: &HashSet<String>,
-        captures: &mut BTreeMap<String, Capture>,
-        cache: Option<&mut KvCache>,
-    ) -> Result<Tensor> {
-        self.text.block(p, i, x, ctx, cap, captures, cache)
+    fn block(&self, io: BlockIo) -> Result<Tensor> {
+        self.text.block(io)
     }
 
     fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
