@@ -5,9 +5,13 @@
 //! memory planner (sizes, and what a block's forward keeps for the backward). Adding a
 //! family is one new file implementing this trait plus its entry in
 //! [`super::loader::FAMILIES`].
+use std::path::Path;
+
 use tch::Tensor;
 
 use super::{BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
+use super::qwen2_vl::config::VisionTokens;
+use super::qwen2_vl::{Grid, ImageProcessorConfig};
 use crate::Result;
 
 /// The sizes of a decoder that the memory planner needs.
@@ -133,9 +137,57 @@ pub trait Family: std::fmt::Debug + Send + Sync {
 
     /// The image side of a vision-language family (vision tower, prompt layout, M-RoPE
     /// positions); `None` for text-only families.
-    fn vision_language(&self) -> Option<&super::qwen2_vl::Qwen2Vl> {
+    fn vision_language(&self) -> Option<&dyn VisionLanguage> {
         None
     }
+}
+
+/// The image side of a vision-language family: everything the rest of the crate needs to
+/// put images into a prompt and a forward, so that callers outside `model/` never name a
+/// concrete family. A second VL family implements this next to [`Family`] and returns
+/// itself from [`Family::vision_language`].
+///
+/// Image features are inputs of a forward like token ids ([`ForwardInput::image_embeds`],
+/// positions in [`ForwardInput::position_ids`]); the tower is frozen, so they are computed
+/// once per image.
+pub trait VisionLanguage: std::fmt::Debug + Send + Sync {
+    /// The special tokens an image prompt is made of.
+    fn tokens(&self) -> VisionTokens;
+
+    /// Patches per side merged into one text token (`spatial_merge_size`).
+    fn merge_size(&self) -> i64;
+
+    /// Patches merged into one text token (`merge_size²`).
+    fn merge_unit(&self) -> i64 {
+        self.merge_size() * self.merge_size()
+    }
+
+    /// Merged image tokens `[N, D]` for the images' pixel values `[P, patch_dim]` and
+    /// grids (`P = Σ t·h·w`, `N = P / merge_unit`), in the weights' dtype, without
+    /// autograd: compute once per image and pass as [`ForwardInput::image_embeds`].
+    fn image_features(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor>;
+
+    /// [`VisionLanguage::image_features`] under the caller's autograd mode: pretraining
+    /// trains the vision tower, so its features must keep the graph back to the tower's
+    /// weights. Editing never calls this.
+    fn image_features_trainable(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor>;
+
+    /// The token ids an image of `grid` takes in a prompt (start marker, one pad per
+    /// merged patch, end marker).
+    fn image_prompt(&self, grid: &Grid) -> Vec<i64>;
+
+    /// Rotary position ids `[3, T]` (temporal, height, width) for one unpadded sequence
+    /// whose image runs show `grids` in order.
+    fn mrope_positions(&self, ids: &[i64], grids: &[Grid]) -> Result<Tensor>;
+
+    /// The image processor of the model in `dir` (`preprocessor_config.json`, its
+    /// defaults when absent), checked against the model's vision tower.
+    fn image_processor(&self, dir: &Path) -> Result<ImageProcessorConfig>;
+
+    /// Bytes alive at the peak of the tower's forward (without grad) over one image of
+    /// `grid` at `s` bytes per element, and the formula as text for the plan: the
+    /// planner's image cost, described by the family that knows its tower.
+    fn vision_forward_bytes(&self, grid: &Grid, s: i64) -> (i64, String);
 }
 
 /// What a block's matmuls save, for [`Family::block_saved`]: a matmul saves its input when

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use tch::{Device, Tensor};
 
-pub use family::Family;
+pub use family::{Family, VisionLanguage};
 pub use loader::{load_model, load_model_split, parse_dtype, random_params, LoadedModel};
 pub use params::{Crossing, LayerSplit, LowRank, Overrides, ParamStore, ParamView};
 pub use tokenizer::Tokenizer;
@@ -116,7 +116,7 @@ pub struct ForwardInput<'a> {
     /// models; `None`: positions from the padding mask, equal on all three streams.
     pub position_ids: Option<&'a Tensor>,
     /// Image features `[N, D]` placed, in order, at the N `<|image_pad|>` tokens of
-    /// `input_ids` (vision-language models; see [`qwen2_vl::Qwen2Vl::image_features`]).
+    /// `input_ids` (vision-language models; see [`VisionLanguage::image_features`]).
     pub image_embeds: Option<&'a Tensor>,
     /// This input's activations entering a block, computed beforehand by
     /// [`Model::prefix_to`] (under a layer split at or above its boundary, and already

@@ -12,7 +12,7 @@
 //!   has the three streams equal, which is plain RoPE.
 //!
 //! The vision tower is frozen by default (its weights are never in the edited set), so an
-//! image's features are computed once, under `no_grad`, by [`Qwen2Vl::image_features`]
+//! image's features are computed once, under `no_grad`, by [`VisionLanguage::image_features`]
 //! and reused by every forward that shows the image: they are an input of the forward,
 //! like the token ids, and live on the device that runs the embedding (the main device in
 //! a split plan, which holds the embedding and the vision tower's weights).
@@ -29,11 +29,11 @@ pub mod vision;
 use tch::{Kind, Tensor};
 
 pub use chat_template::ChatTemplate;
-pub use config::{Qwen2VlConfig, VisionConfig, VlFamily};
+pub use config::{Qwen2VlConfig, VisionConfig, VisionTokens, VlFamily};
 pub use image::{ImageProcessorConfig, PreparedImage};
 pub use vision::Grid;
 
-use super::family::{BlockSaved, Dims, Family};
+use super::family::{BlockSaved, Dims, Family, VisionLanguage};
 use super::llama::Llama;
 use super::{position_ids, AttnMask, BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
@@ -78,109 +78,15 @@ impl Qwen2Vl {
         vision::expected_params(&self.config.vision)
     }
 
-    /// Merged image tokens `[N, D]` for the images' pixel values `[P, patch_dim]` and
-    /// grids (`P = Σ t·h·w`, `N = P / merge²`), in the weights' dtype, without autograd:
-    /// compute once per image and pass as [`ForwardInput::image_embeds`].
-    pub fn image_features(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor> {
-        let _g = tch::no_grad_guard();
-        self.image_features_trainable(p, pixels, grids)
-    }
-
-    /// [`Qwen2Vl::image_features`] under the caller's autograd mode: pretraining
-    /// (`dualedit pretrain --vl`) trains the vision tower, so its features must keep the
-    /// graph back to the `visual.*` weights. Editing never calls this.
-    pub fn image_features_trainable(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor> {
-        crate::error::guard(|| vision::VisionTower { config: &self.config.vision }.forward(p, pixels, grids))
-    }
-
-    /// The token ids an image takes in a prompt: `<|vision_start|>`, one `<|image_pad|>`
-    /// per merged patch, `<|vision_end|>`.
-    pub fn image_prompt(&self, grid: &Grid) -> Vec<i64> {
-        let t = &self.config.tokens;
-        let n = grid.iter().product::<i64>() / self.config.vision.merge_unit();
-        let mut ids = Vec::with_capacity(n as usize + 2);
-        ids.push(t.vision_start);
-        ids.extend(std::iter::repeat_n(t.image_pad, n as usize));
-        ids.push(t.vision_end);
-        ids
-    }
-
     /// Qwen2-VL's default chat template (transformers' `apply_chat_template` with
     /// `add_generation_prompt`; a checkpoint's own template is [`ChatTemplate::load`]'s) for one user turn: the image placeholder, then `text`. The
-    /// one `<|image_pad|>` stands for the image's run ([`Qwen2Vl::image_prompt`]), which
+    /// one `<|image_pad|>` stands for the image's run ([`VisionLanguage::image_prompt`]), which
     /// the caller expands once it has the image's grid.
     pub fn chat_image_prompt(text: &str) -> String {
         format!(
             "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n",
             text.trim()
         )
-    }
-
-    /// The image processor of the model in `dir` (`preprocessor_config.json`, its
-    /// defaults when absent), checked against `config.json`'s vision tower.
-    pub fn image_processor(&self, dir: &std::path::Path) -> Result<ImageProcessorConfig> {
-        let path = dir.join("preprocessor_config.json");
-        let proc = ImageProcessorConfig::load(&path)?;
-        let v = &self.config.vision;
-        if proc.patch_size != v.patch_size || proc.merge_size != v.spatial_merge_size || proc.temporal_patch_size != v.temporal_patch_size {
-            return Err(Error::file(
-                &path,
-                format!(
-                    "patch_size {} / merge_size {} / temporal_patch_size {} do not match config.json's vision_config ({} / {} / {})",
-                    proc.patch_size, proc.merge_size, proc.temporal_patch_size, v.patch_size, v.spatial_merge_size, v.temporal_patch_size
-                ),
-            ));
-        }
-        Ok(proc)
-    }
-
-    /// M-RoPE position ids `[3, T]` for one unpadded sequence: text tokens count up on all
-    /// three streams; each run of `<|image_pad|>` tokens (one image, `grids` in order)
-    /// gets (temporal, row, column) offsets from the position where it starts, and the
-    /// text after it continues from that start plus the image's larger merged side.
-    pub fn mrope_positions(&self, ids: &[i64], grids: &[Grid]) -> Result<Tensor> {
-        let pad = self.config.tokens.image_pad;
-        let m = self.config.vision.spatial_merge_size;
-        let mut streams: [Vec<i64>; 3] = Default::default();
-        let (mut pos, mut i, mut next_grid) = (0i64, 0usize, 0usize);
-        while i < ids.len() {
-            if ids[i] != pad {
-                for s in &mut streams {
-                    s.push(pos);
-                }
-                pos += 1;
-                i += 1;
-                continue;
-            }
-            let run = ids[i..].iter().take_while(|&&t| t == pad).count();
-            let g = grids.get(next_grid).ok_or_else(|| {
-                Error::input(format!("the prompt has more image runs than the {} image(s) given", grids.len()))
-            })?;
-            let (lt, lh, lw) = (g[0], g[1] / m, g[2] / m);
-            if (lt * lh * lw) as usize != run {
-                return Err(Error::input(format!(
-                    "image {next_grid} has {} merged patches but the prompt has {run} <|image_pad|> tokens for it",
-                    lt * lh * lw
-                )));
-            }
-            for t in 0..lt {
-                for h in 0..lh {
-                    for w in 0..lw {
-                        streams[0].push(pos + t);
-                        streams[1].push(pos + h);
-                        streams[2].push(pos + w);
-                    }
-                }
-            }
-            pos += lh.max(lw);
-            i += run;
-            next_grid += 1;
-        }
-        if next_grid != grids.len() {
-            return Err(Error::input(format!("{} image(s) given but the prompt has {next_grid} image run(s)", grids.len())));
-        }
-        let flat: Vec<i64> = streams.concat();
-        Ok(Tensor::from_slice(&flat).reshape([3, ids.len() as i64]))
     }
 
     /// M-RoPE cos/sin tables `[B, 1, T, head_dim]` for position ids `[3, B, T]`.
@@ -202,7 +108,7 @@ impl Qwen2Vl {
 
 /// The text side is [`Llama`]'s Qwen2 decoder in everything but the embedding step;
 /// the planner's per-block description is therefore the decoder's too (the vision tower
-/// runs once per image, without grad; see [`Qwen2Vl::vision_forward_bytes`]).
+/// runs once per image, without grad; see [`VisionLanguage::vision_forward_bytes`]).
 impl Family for Qwen2Vl {
     fn info(&self) -> ModelInfo {
         let n_params = self.expected_params().iter().map(|(_, s)| s.iter().product::<i64>()).sum();
@@ -305,7 +211,132 @@ impl Family for Qwen2Vl {
         self.text.inference_working_set(s)
     }
 
-    fn vision_language(&self) -> Option<&Qwen2Vl> {
+    fn vision_language(&self) -> Option<&dyn VisionLanguage> {
         Some(self)
+    }
+}
+
+/// The image side: the vision tower, the `<|vision_start|>` / `<|image_pad|>` /
+/// `<|vision_end|>` runs and the M-RoPE positions.
+impl VisionLanguage for Qwen2Vl {
+    fn tokens(&self) -> VisionTokens {
+        self.config.tokens
+    }
+
+    fn merge_size(&self) -> i64 {
+        self.config.vision.spatial_merge_size
+    }
+
+    /// Merged image tokens `[N, D]` for the images' pixel values `[P, patch_dim]` and
+    /// grids (`P = Σ t·h·w`, `N = P / merge²`), in the weights' dtype, without autograd:
+    /// compute once per image and pass as [`ForwardInput::image_embeds`].
+    fn image_features(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor> {
+        let _g = tch::no_grad_guard();
+        self.image_features_trainable(p, pixels, grids)
+    }
+
+    /// [`VisionLanguage::image_features`] under the caller's autograd mode: pretraining
+    /// (`dualedit pretrain --vl`) trains the vision tower, so its features must keep the
+    /// graph back to the `visual.*` weights. Editing never calls this.
+    fn image_features_trainable(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor> {
+        crate::error::guard(|| vision::VisionTower { config: &self.config.vision }.forward(p, pixels, grids))
+    }
+
+    /// The token ids an image takes in a prompt: `<|vision_start|>`, one `<|image_pad|>`
+    /// per merged patch, `<|vision_end|>`.
+    fn image_prompt(&self, grid: &Grid) -> Vec<i64> {
+        let t = &self.config.tokens;
+        let n = grid.iter().product::<i64>() / self.config.vision.merge_unit();
+        let mut ids = Vec::with_capacity(n as usize + 2);
+        ids.push(t.vision_start);
+        ids.extend(std::iter::repeat_n(t.image_pad, n as usize));
+        ids.push(t.vision_end);
+        ids
+    }
+
+    /// The image processor of the model in `dir` (`preprocessor_config.json`, its
+    /// defaults when absent), checked against `config.json`'s vision tower.
+    fn image_processor(&self, dir: &std::path::Path) -> Result<ImageProcessorConfig> {
+        let path = dir.join("preprocessor_config.json");
+        let proc = ImageProcessorConfig::load(&path)?;
+        let v = &self.config.vision;
+        if proc.patch_size != v.patch_size || proc.merge_size != v.spatial_merge_size || proc.temporal_patch_size != v.temporal_patch_size {
+            return Err(Error::file(
+                &path,
+                format!(
+                    "patch_size {} / merge_size {} / temporal_patch_size {} do not match config.json's vision_config ({} / {} / {})",
+                    proc.patch_size, proc.merge_size, proc.temporal_patch_size, v.patch_size, v.spatial_merge_size, v.temporal_patch_size
+                ),
+            ));
+        }
+        Ok(proc)
+    }
+
+    /// M-RoPE position ids `[3, T]` for one unpadded sequence: text tokens count up on all
+    /// three streams; each run of `<|image_pad|>` tokens (one image, `grids` in order)
+    /// gets (temporal, row, column) offsets from the position where it starts, and the
+    /// text after it continues from that start plus the image's larger merged side.
+    fn mrope_positions(&self, ids: &[i64], grids: &[Grid]) -> Result<Tensor> {
+        let pad = self.config.tokens.image_pad;
+        let m = self.config.vision.spatial_merge_size;
+        let mut streams: [Vec<i64>; 3] = Default::default();
+        let (mut pos, mut i, mut next_grid) = (0i64, 0usize, 0usize);
+        while i < ids.len() {
+            if ids[i] != pad {
+                for s in &mut streams {
+                    s.push(pos);
+                }
+                pos += 1;
+                i += 1;
+                continue;
+            }
+            let run = ids[i..].iter().take_while(|&&t| t == pad).count();
+            let g = grids.get(next_grid).ok_or_else(|| {
+                Error::input(format!("the prompt has more image runs than the {} image(s) given", grids.len()))
+            })?;
+            let (lt, lh, lw) = (g[0], g[1] / m, g[2] / m);
+            if (lt * lh * lw) as usize != run {
+                return Err(Error::input(format!(
+                    "image {next_grid} has {} merged patches but the prompt has {run} <|image_pad|> tokens for it",
+                    lt * lh * lw
+                )));
+            }
+            for t in 0..lt {
+                for h in 0..lh {
+                    for w in 0..lw {
+                        streams[0].push(pos + t);
+                        streams[1].push(pos + h);
+                        streams[2].push(pos + w);
+                    }
+                }
+            }
+            pos += lh.max(lw);
+            i += run;
+            next_grid += 1;
+        }
+        if next_grid != grids.len() {
+            return Err(Error::input(format!("{} image(s) given but the prompt has {next_grid} image run(s)", grids.len())));
+        }
+        let flat: Vec<i64> = streams.concat();
+        Ok(Tensor::from_slice(&flat).reshape([3, ids.len() as i64]))
+    }
+
+    /// The forward runs without grad, so one block's working set is alive at a time: the
+    /// residual stream, the norm's output, q/k/v, the rotary f32 copies of q and k, the
+    /// attention output, the MLP's hidden layer (twice: activation and product), and the
+    /// attention scores of the largest segment (the whole image in full-attention blocks;
+    /// a fused kernel does not form them, so this is an upper bound); plus the f32 pixel
+    /// rows and their cast, the rotary tables, and the merged output.
+    fn vision_forward_bytes(&self, grid: &Grid, s: i64) -> (i64, String) {
+        let v = &self.config.vision;
+        let n = grid.iter().product::<i64>();
+        let merged = n / v.merge_unit();
+        let (e, f, heads, pd, u) = (v.width, v.mlp_hidden, v.num_heads, v.patch_dim(), v.merge_unit());
+        let per_block = n * (e * 6 + 2 * f) * s + n * 2 * e * 4 + heads * n * n * s;
+        let fixed = n * pd * (4 + s) + n * v.head_dim() * 2 * 4 + merged * (2 * e * u + v.out_dim) * s;
+        let formula = format!(
+            "N·(patch·(4+s) + 2·hd·4) + N·((6E+2F)·s + 2E·4) + H·N²·s + N/{u}·(2·{u}E+D)·s, N={n} E={e} F={f} H={heads}"
+        );
+        (fixed + per_block, formula)
     }
 }
