@@ -9,6 +9,8 @@ use std::path::Path;
 
 use tch::Tensor;
 
+use super::layers::Linear;
+use super::params::Prefix;
 use super::{BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
 use super::qwen2_vl::config::VisionTokens;
 use super::qwen2_vl::{Grid, ImageProcessorConfig};
@@ -66,6 +68,12 @@ pub trait Family: std::fmt::Debug + Send + Sync {
 
     /// Prefix of per-block parameter names, up to the block index (`model.layers.`).
     fn block_prefix(&self) -> &'static str;
+
+    /// The module path of block `i` (`model.layers.3`), under which the block's layers
+    /// name their tensors.
+    fn block_path(&self, i: usize) -> Prefix {
+        Prefix::new(format!("{}{i}", self.block_prefix()))
+    }
 
     /// The name this family reads a checkpoint tensor under (older writers dropped or
     /// changed prefixes); identity by default.
@@ -217,6 +225,12 @@ impl<'a> MatmulSaves<'a> {
         }
         input_rg || edited
     }
+}
+
+/// The layout of `name` when it is the weight of one of a block's `linears` (`<prefix><i>.<linear>.weight`).
+pub fn block_layout(prefix: &str, name: &str, linears: &[&Linear]) -> Option<WeightLayout> {
+    let (_, m) = split_block_name(prefix, name)?;
+    linears.iter().find(|l| l.name == m).map(|l| l.layout)
 }
 
 /// Block index and matrix (`mlp.c_fc`) of a weight named `<prefix><i>.<matrix>.weight`.

@@ -5,6 +5,7 @@
 //! MEND reads its gradient factors from exactly those two tensors.
 pub mod family;
 pub mod gpt2;
+pub mod layers;
 pub mod llama;
 pub mod loader;
 pub mod params;
@@ -19,7 +20,7 @@ use tch::{Device, Tensor};
 
 pub use family::{Family, VisionLanguage};
 pub use loader::{load_model, load_model_split, parse_dtype, random_params, LoadedModel};
-pub use params::{Crossing, LayerSplit, LowRank, Overrides, ParamStore, ParamView};
+pub use params::{Crossing, LayerSplit, LowRank, Overrides, ParamStore, ParamView, Prefix, Scope};
 pub use tokenizer::Tokenizer;
 
 use crate::Result;
@@ -762,29 +763,6 @@ pub(crate) fn keep_rows(hidden: Tensor, keep: Option<&Tensor>) -> Tensor {
             flat.index_select(0, &idx)
         }
     }
-}
-
-/// Applies a linear layer and records `(x, h)` if its weight is in `capture`.
-pub(crate) fn linear_captured(
-    p: &ParamView,
-    capture: &HashSet<String>,
-    captures: &mut BTreeMap<String, Capture>,
-    layout: WeightLayout,
-    prefix: &str,
-    x: &Tensor,
-    bias: bool,
-) -> Result<Tensor> {
-    let w_name = format!("{prefix}.weight");
-    let w = p.get(&w_name)?;
-    let b = if bias { Some(p.get(&format!("{prefix}.bias"))?) } else { None };
-    let mut h = layout.apply(x, w, b);
-    if let Some(delta) = p.low_rank(&w_name) {
-        h = h + delta.apply(x);
-    }
-    if capture.contains(&w_name) {
-        captures.insert(w_name, Capture { x: x.shallow_clone(), h: h.shallow_clone() });
-    }
-    Ok(h)
 }
 
 /// Bounds for a config.json's size fields: far beyond any released model, small enough

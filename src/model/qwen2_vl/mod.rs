@@ -137,7 +137,7 @@ impl Family for Qwen2Vl {
         let ids = input.input_ids;
         let (b, t) = input.dims()?;
         let mask = AttnMask::new(input.attention_mask, t, past, ids.device());
-        let mut x = Tensor::embedding(p.get("model.embed_tokens.weight")?, ids, -1, false, false);
+        let mut x = Tensor::embedding(p.get(super::llama::EMBED)?, ids, -1, false, false);
         let is_image = ids.eq(self.config.tokens.image_pad);
         let n_image = is_image.sum(Kind::Int64).int64_value(&[]);
         match input.image_embeds {
