@@ -2,9 +2,10 @@
 //!
 //! Everything the rest of the crate knows about an architecture comes through [`Family`]:
 //! the forward dispatcher ([`super::Model`]), the loader (tensor names and shapes) and the
-//! memory planner (sizes, and what a block's forward keeps for the backward). Adding a
-//! family is one new file implementing this trait plus its entry in
-//! [`super::loader::FAMILIES`].
+//! memory planner (sizes, and what a block's forward keeps for the backward); the image
+//! side of a vision-language family comes through [`VisionLanguage`]. Adding a family is
+//! one new file (or folder) implementing them, its `pub mod` line and its entry in
+//! [`super::loader::FAMILIES`] (ARCHITECTURE.md, "How to add a model family").
 use std::path::Path;
 
 use tch::Tensor;
