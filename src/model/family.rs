@@ -135,7 +135,7 @@ pub trait Family: std::fmt::Debug + Send + Sync {
     /// What block `matrices`' forward keeps for the backward at `s` bytes per element,
     /// given whether its input requires grad and which of its matrices are edited (names
     /// relative to the block, without `.weight`: `mlp.up_proj`). Must follow
-    /// [`Family::block`] op by op; `tests/planner.rs` measures it against the real forward.
+    /// [`Family::block`] op by op; `tests/slow/planner.rs` measures it against the real forward.
     fn block_saved(&self, s: i64, input_requires_grad: bool, edited: &[String]) -> BlockSaved;
 
     /// Bytes per token the final norm saves when its input requires grad.
