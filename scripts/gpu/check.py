@@ -316,7 +316,7 @@ class Check:
         c = json.loads((out / "compare.json").read_text())
         rep = json.loads((out / "dual" / "report.json").read_text())
         peaks = {role: m.get("peak_allocated_bytes") for role, m in c["dual"]["memory"].items()}
-        rec.update(model=key, dtype=self.models[key]["dtype"], chain=self.args.chain, devices=c["dual"]["devices"],
+        rec.update(model=key, dtype=self.models[key]["dtype"], chain=self.args.chain, devices=rep["devices"],
                    metrics_agree=c["metrics_agree"], max_relative_difference=c["max_relative_difference"],
                    peak_bytes=peaks, crossings=rep["moved"].get("crossings", []),
                    wall_ratio=round(c["dual"]["wall_seconds"] / max(c["single"]["wall_seconds"], 1e-9), 3))
