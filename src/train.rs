@@ -1,5 +1,6 @@
 //! MEND meta-training: edit on `edit_inner`, score the edited model on the rephrase
 //! (`edit_outer`) and on unrelated locality text, update the editor.
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -440,21 +441,14 @@ fn example_at(n: usize, seed: i64, g: usize) -> usize {
     order[g % n]
 }
 
+/// One optimiser step in the report's history: its losses (the means over its
+/// micro-batches, the same fields at the top level of the JSON) and the gradient norm.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepLog {
     pub step: usize,
-    pub loss: f64,
-    pub edit_nll: f64,
-    pub loc_kl: f64,
-    pub edit_acc: f64,
-    pub loc_acc: f64,
+    #[serde(flatten)]
+    pub losses: StepLosses,
     pub grad_norm: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub image_edit_acc: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub image_loc_kl: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub image_loc_acc: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -609,50 +603,8 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         return Err(Error::input("no training examples"));
     }
     let out = setup.out;
-    let mut counters = TrainCounters {
-        step: 0,
-        adam_step: 0,
-        best_val: f64::INFINITY,
-        best_val_by: Some(cfg.select_by),
-        stale_validations: 0,
-        skipped_steps: 0,
-        seed: setup.seed,
-    };
-    let mut saved_adam = None;
-    if setup.resume && out.join(checkpoint::STATE_FILE).exists() {
-        let (tensors, c) = checkpoint::load_state(out, editor)?;
-        if c.seed != setup.seed {
-            warn!(saved = c.seed, given = setup.seed, "resuming with the saved seed");
-        }
-        info!(step = c.step, "resuming");
-        counters = c;
-        if let Some(by) = counters.best_val_by.filter(|&by| by != cfg.select_by) {
-            warn!(
-                saved = ?by,
-                now = ?cfg.select_by,
-                "select_by changed since the saved run: the best editor so far was picked by the other criterion, so selection and early stopping start over"
-            );
-            counters.best_val = f64::INFINITY;
-            counters.stale_validations = 0;
-        }
-        counters.best_val_by = Some(cfg.select_by);
-        saved_adam = Some(tensors);
-    } else if setup.resume {
-        warn!(dir = %out.display(), "--resume given but no training state found; starting afresh");
-    }
-    let (net, lrs) = editor.trainables();
-    // `--optimizer-device`: the moments and the update where the plan puts them.
-    let groups = vec![(cfg.lr, net), (cfg.lr_lr, lrs)];
-    if engine.plan.optimizer == OptimizerDevice::Sub && !engine.plan.split {
-        // It used to fall back to the main device silently, which is not what was asked.
-        return Err(Error::input("--optimizer-device sub needs a --sub-device other than --device (this run has one device): drop the flag or give a sub-device"));
-    }
-    let offload = engine.plan.optimizer != crate::device::OptimizerDevice::Main;
-    let mut adam = crate::error::guard(|| Ok(if offload { Adam::offloaded(groups, engine.plan.optimizer_device()) } else { Adam::new(groups) }))
-        .map_err(|e| crate::device::oom::diagnose(e, counters.step, "optimizer setup", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?;
-    if let Some(t) = &saved_adam {
-        adam.load_state(t, counters.adam_step)?;
-    }
+    let (mut counters, saved_adam) = start_or_resume(editor, setup)?;
+    let mut adam = optimiser(engine, editor, cfg, &counters, saved_adam.as_ref(), tracker, out)?;
     let bar = progress_bar("train", cfg.max_steps, setup.progress);
     bar.set_position(counters.step as u64);
     let mut history = Vec::new();
@@ -668,61 +620,11 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         engine.timeline.set_on(step < first_step + TIMELINE_STEPS);
         let mark = step < first_step + 2 || step.is_multiple_of(cfg.val_every);
         let mut phase = "start";
-        let acc = match accumulate(engine, editor, setup, step, counters.seed, mark.then_some(&mut *tracker), &mut phase, fault) {
-            Ok(acc) => acc,
-            Err(e @ (Error::OutOfMemory(_) | Error::Torch(_))) => {
-                // Keep what was learned: the editor has not been touched by this step.
-                adam.zero_grad();
-                checkpoint::save_state(out, editor, &adam, &counters)?;
-                if !out.join(checkpoint::EDITOR_FILE).exists() {
-                    checkpoint::save_editor(out, editor, engine, counters.step)?;
-                }
-                return Err(crate::device::oom::diagnose(e, step, phase, &engine.placement(), cfg, tracker, checkpoint::saved_state(out)));
-            }
-            Err(e) => {
-                // Any other error ends the run too (a data error, say): keep what was
-                // learned so that --resume continues from here, not from the last
-                // validation. The editor has not been touched by this step.
-                adam.zero_grad();
-                let saved = checkpoint::save_state(out, editor, &adam, &counters).and_then(|()| {
-                    if out.join(checkpoint::EDITOR_FILE).exists() {
-                        Ok(())
-                    } else {
-                        checkpoint::save_editor(out, editor, engine, counters.step).map(|_| ())
-                    }
-                });
-                match saved {
-                    Ok(()) => warn!(dir = %out.display(), step, "the run stopped on an error; the training state is saved: --resume continues from step {step}"),
-                    Err(se) => warn!(dir = %out.display(), step, "the run stopped on an error, and saving the training state failed too: {se}"),
-                }
-                return Err(e);
-            }
-        };
+        let acc = accumulate(engine, editor, setup, step, counters.seed, mark.then_some(&mut *tracker), &mut phase, fault)
+            .map_err(|e| keep_after_failed_step(e, engine, editor, &mut adam, &counters, phase, cfg, tracker, out))?;
         // A failure in the optimiser step may leave the editor half-updated: nothing is
         // saved then, and the state from the last validation (if any) stays the resume point.
-        let decay = cfg.lr_schedule.factor(step, cfg.max_steps);
-        adam.groups[0].lr = cfg.lr * decay;
-        adam.groups[1].lr = cfg.lr_lr * decay;
-        engine.timeline.at(step, cfg.accumulate);
-        let opt_on = match engine.plan.optimizer {
-            OptimizerDevice::Main => "main",
-            OptimizerDevice::Sub if engine.plan.split => "sub",
-            OptimizerDevice::Sub => "main",
-            OptimizerDevice::Cpu => "cpu",
-        };
-        let grad_norm = engine
-            .timeline
-            .span(opt_on, "optimiser", || {
-                crate::error::guard(|| {
-                    let grad_norm = adam.clip(cfg.grad_clip);
-                    if acc.loss.is_finite() && grad_norm.is_finite() {
-                        adam.step();
-                    }
-                    adam.zero_grad();
-                    Ok(grad_norm)
-                })
-            })
-        .map_err(|e| crate::device::oom::diagnose(e, step, "optimizer_step", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?;
+        let grad_norm = update(engine, &mut adam, cfg, step, acc.loss, tracker, out)?;
         if !acc.loss.is_finite() || !grad_norm.is_finite() {
             counters.skipped_steps += 1;
             consecutive_bad += 1;
@@ -743,18 +645,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         if mark {
             tracker.mark("optimizer_step")?;
         }
-        history.push(StepLog {
-            step: counters.step,
-            loss: acc.loss,
-            edit_nll: acc.edit_nll,
-            loc_kl: acc.loc_kl,
-            edit_acc: acc.edit_acc,
-            loc_acc: acc.loc_acc,
-            grad_norm,
-            image_edit_acc: acc.image_edit_acc,
-            image_loc_kl: acc.image_loc_kl,
-            image_loc_acc: acc.image_loc_acc,
-        });
+        history.push(StepLog { step: counters.step, losses: acc, grad_norm });
         bar.set_message(format!(
             "loss {:.4} edit_acc {:.2} loc_kl {:.4} loc_acc {:.2}",
             acc.loss, acc.edit_acc, acc.loc_kl, acc.loc_acc
@@ -763,23 +654,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         let stop = STOP_REQUESTED.swap(false, std::sync::atomic::Ordering::SeqCst);
         let last = counters.step == cfg.max_steps || stop;
         if counters.step.is_multiple_of(cfg.val_every) || last {
-            let mut v = if setup.val.is_empty() {
-                ValLog::at(0, &acc)
-            } else {
-                crate::error::guard(|| validate(engine, editor, setup.val))
-                    .map_err(|e| crate::device::oom::diagnose(e, counters.step, "validation", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?
-            };
-            v.step = counters.step;
-            info!(step = v.step, loss = v.loss, edit_acc = v.edit_acc, loc_kl = v.loc_kl, loc_acc = v.loc_acc, "validation");
-            let score = v.criterion(cfg.select_by);
-            if score < counters.best_val {
-                counters.best_val = score;
-                counters.stale_validations = 0;
-                checkpoint::save_editor(out, editor, engine, counters.step)?;
-            } else {
-                counters.stale_validations += 1;
-            }
-            validations.push(v);
+            validations.push(validate_and_select(engine, editor, setup, &mut counters, &acc, tracker)?);
             checkpoint::save_state(out, editor, &adam, &counters)?;
             if stop {
                 info!(step = counters.step, "stopped on request: editor and training state saved");
@@ -811,4 +686,171 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         optimizer_bytes_moved: adam.moved_bytes(),
         timeline,
     })
+}
+
+/// The loop's counters: fresh, or with `setup.resume` those saved in `setup.out` (with
+/// the saved Adam moments to load). A resumed run keeps the saved seed (its data order),
+/// and starts best-editor selection over when `select_by` changed since.
+fn start_or_resume(editor: &mut Editor, setup: &TrainSetup) -> Result<(TrainCounters, Option<BTreeMap<String, Tensor>>)> {
+    let (cfg, out) = (setup.config, setup.out);
+    let fresh = TrainCounters {
+        step: 0,
+        adam_step: 0,
+        best_val: f64::INFINITY,
+        best_val_by: Some(cfg.select_by),
+        stale_validations: 0,
+        skipped_steps: 0,
+        seed: setup.seed,
+    };
+    if !setup.resume {
+        return Ok((fresh, None));
+    }
+    if !out.join(checkpoint::STATE_FILE).exists() {
+        warn!(dir = %out.display(), "--resume given but no training state found; starting afresh");
+        return Ok((fresh, None));
+    }
+    let (tensors, mut counters) = checkpoint::load_state(out, editor)?;
+    if counters.seed != setup.seed {
+        warn!(saved = counters.seed, given = setup.seed, "resuming with the saved seed");
+    }
+    info!(step = counters.step, "resuming");
+    if let Some(by) = counters.best_val_by.filter(|&by| by != cfg.select_by) {
+        warn!(
+            saved = ?by,
+            now = ?cfg.select_by,
+            "select_by changed since the saved run: the best editor so far was picked by the other criterion, so selection and early stopping start over"
+        );
+        counters.best_val = f64::INFINITY;
+        counters.stale_validations = 0;
+    }
+    counters.best_val_by = Some(cfg.select_by);
+    Ok((counters, Some(tensors)))
+}
+
+/// Adam over the editor's network (`lr`) and its learned edit rates (`lr_lr`), its moments
+/// where `--optimizer-device` puts them, and the saved moments of a resumed run loaded.
+#[allow(clippy::too_many_arguments)] // the run's parts, each borrowed as it must be
+fn optimiser(
+    engine: &Engine,
+    editor: &mut Editor,
+    cfg: &MendConfig,
+    counters: &TrainCounters,
+    saved: Option<&BTreeMap<String, Tensor>>,
+    tracker: &mut MemoryTracker,
+    out: &Path,
+) -> Result<Adam> {
+    let (net, lrs) = editor.trainables();
+    let groups = vec![(cfg.lr, net), (cfg.lr_lr, lrs)];
+    if engine.plan.optimizer == OptimizerDevice::Sub && !engine.plan.split {
+        // It used to fall back to the main device silently, which is not what was asked.
+        return Err(Error::input("--optimizer-device sub needs a --sub-device other than --device (this run has one device): drop the flag or give a sub-device"));
+    }
+    let offload = engine.plan.optimizer != OptimizerDevice::Main;
+    let mut adam = crate::error::guard(|| Ok(if offload { Adam::offloaded(groups, engine.plan.optimizer_device()) } else { Adam::new(groups) }))
+        .map_err(|e| crate::device::oom::diagnose(e, counters.step, "optimizer setup", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?;
+    if let Some(t) = saved {
+        adam.load_state(t, counters.adam_step)?;
+    }
+    Ok(adam)
+}
+
+/// After a step failed before touching the editor: keeps what was learned (the training
+/// state, and the editor when none is saved yet) so that `--resume` continues from this
+/// step, not from the last validation, and returns the error that ends the run:
+/// out-of-memory and libtorch failures diagnosed (where, and what to try), any other (a
+/// data error, say) as it was.
+#[allow(clippy::too_many_arguments)] // the run's parts, each borrowed as it must be
+fn keep_after_failed_step(
+    err: Error,
+    engine: &Engine,
+    editor: &Editor,
+    adam: &mut Adam,
+    counters: &TrainCounters,
+    phase: &str,
+    cfg: &MendConfig,
+    tracker: &mut MemoryTracker,
+    out: &Path,
+) -> Error {
+    let step = counters.step;
+    adam.zero_grad();
+    let saved = checkpoint::save_state(out, editor, adam, counters).and_then(|()| {
+        if out.join(checkpoint::EDITOR_FILE).exists() {
+            Ok(())
+        } else {
+            checkpoint::save_editor(out, editor, engine, step).map(|_| ())
+        }
+    });
+    match err {
+        e @ (Error::OutOfMemory(_) | Error::Torch(_)) => match saved {
+            Ok(()) => crate::device::oom::diagnose(e, step, phase, &engine.placement(), cfg, tracker, checkpoint::saved_state(out)),
+            Err(se) => se,
+        },
+        e => {
+            match saved {
+                Ok(()) => warn!(dir = %out.display(), step, "the run stopped on an error; the training state is saved: --resume continues from step {step}"),
+                Err(se) => warn!(dir = %out.display(), step, "the run stopped on an error, and saving the training state failed too: {se}"),
+            }
+            e
+        }
+    }
+}
+
+/// The optimiser's update after a step's micro-batches: the scheduled learning rates,
+/// gradients clipped to `grad_clip`, Adam applied when the loss and the gradient norm are
+/// finite (the step is skipped otherwise), gradients cleared. Returns the gradient norm.
+fn update(engine: &Engine, adam: &mut Adam, cfg: &MendConfig, step: usize, loss: f64, tracker: &mut MemoryTracker, out: &Path) -> Result<f64> {
+    let decay = cfg.lr_schedule.factor(step, cfg.max_steps);
+    adam.groups[0].lr = cfg.lr * decay;
+    adam.groups[1].lr = cfg.lr_lr * decay;
+    engine.timeline.at(step, cfg.accumulate);
+    let opt_on = match engine.plan.optimizer {
+        OptimizerDevice::Main => "main",
+        OptimizerDevice::Sub if engine.plan.split => "sub",
+        OptimizerDevice::Sub => "main",
+        OptimizerDevice::Cpu => "cpu",
+    };
+    engine
+        .timeline
+        .span(opt_on, "optimiser", || {
+            crate::error::guard(|| {
+                let grad_norm = adam.clip(cfg.grad_clip);
+                if loss.is_finite() && grad_norm.is_finite() {
+                    adam.step();
+                }
+                adam.zero_grad();
+                Ok(grad_norm)
+            })
+        })
+        .map_err(|e| crate::device::oom::diagnose(e, step, "optimizer_step", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))
+}
+
+/// Validation at `counters.step` (on the step's own losses when there is no validation
+/// set); the editor is saved when it is the best so far by `select_by`, and a validation
+/// that is not counts towards early stopping.
+fn validate_and_select(
+    engine: &Engine,
+    editor: &mut Editor,
+    setup: &TrainSetup,
+    counters: &mut TrainCounters,
+    acc: &StepLosses,
+    tracker: &mut MemoryTracker,
+) -> Result<ValLog> {
+    let (cfg, out) = (setup.config, setup.out);
+    let mut v = if setup.val.is_empty() {
+        ValLog::at(0, acc)
+    } else {
+        crate::error::guard(|| validate(engine, editor, setup.val))
+            .map_err(|e| crate::device::oom::diagnose(e, counters.step, "validation", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?
+    };
+    v.step = counters.step;
+    info!(step = v.step, loss = v.loss, edit_acc = v.edit_acc, loc_kl = v.loc_kl, loc_acc = v.loc_acc, "validation");
+    let score = v.criterion(cfg.select_by);
+    if score < counters.best_val {
+        counters.best_val = score;
+        counters.stale_validations = 0;
+        checkpoint::save_editor(out, editor, engine, counters.step)?;
+    } else {
+        counters.stale_validations += 1;
+    }
+    Ok(v)
 }

@@ -53,6 +53,17 @@ def _keyed(name: str, inputs: Optional[Mapping[str, Any]], n: int, fields: Seque
     return key, out
 
 
+def _prompts(prompts: StrOrList, kwargs: Mapping[str, Any]) -> List[str]:
+    """``edit``'s prompts as a list of at least one; ``kwargs`` (EasyEdit arguments this
+    does not take) must be empty: one clear error rather than an argument ignored."""
+    if kwargs:
+        raise InputError(f"unsupported arguments: {', '.join(sorted(kwargs))}")
+    prompts_l = _as_list("prompts", prompts, None) or []
+    if not prompts_l:
+        raise InputError("no prompts")
+    return prompts_l
+
+
 def _one(v: Optional[List[Any]]) -> Optional[List[float]]:
     return None if v is None else [v]
 
@@ -98,12 +109,8 @@ class Editor:
         ``portability``) and ``post`` (the same and ``locality``: ``{key + "_acc": [...]}``),
         each accuracy a one-element list as EasyEdit writes them.
         """
-        if kwargs:
-            raise InputError(f"unsupported arguments: {', '.join(sorted(kwargs))}")
-        prompts_l = _as_list("prompts", prompts, None) or []
+        prompts_l = _prompts(prompts, kwargs)
         n = len(prompts_l)
-        if n == 0:
-            raise InputError("no prompts")
         targets = _as_list("target_new", target_new, n)
         truths = _as_list("ground_truth", ground_truth, n)
         rephrases = _as_list("rephrase_prompts", rephrase_prompts, n)
@@ -200,12 +207,8 @@ class MultimodalEditor:
         ``rephrase_image_acc``, ``locality_acc`` and ``multimodal_locality_acc``;
         ``metrics[i]["pre"]`` the first three before the edit.
         """
-        if kwargs:
-            raise InputError(f"unsupported arguments: {', '.join(sorted(kwargs))}")
-        prompts_l = _as_list("prompts", prompts, None) or []
+        prompts_l = _prompts(prompts, kwargs)
         n = len(prompts_l)
-        if n == 0:
-            raise InputError("no prompts")
         targets_l = _as_list("targets", targets, n)
         images = _as_list("image", image, n)
         rephrases = _as_list("rephrase_prompts", rephrase_prompts, n)

@@ -16,7 +16,7 @@ use crate::data::{Example, TokenBatch};
 use crate::mend::losses;
 use crate::mend::optim::Adam;
 use crate::model::gpt2::{Gpt2, Gpt2Config};
-use crate::model::{random_params, LoadedModel, Model, ParamView, Tokenizer};
+use crate::model::{random_params, LoadedModel, Model, ParamStore, ParamView, Tokenizer};
 use crate::rng::SplitMix64;
 use crate::{Error, Result};
 
@@ -202,9 +202,7 @@ pub fn pretrain(
     if examples.is_empty() {
         return Err(Error::input("empty pretraining corpus"));
     }
-    let mut rng = SplitMix64::new(cfg.seed, 77);
-    let mut order: Vec<usize> = (0..examples.len()).collect();
-    let mut cursor = order.len();
+    let mut order = Shuffled::new(examples.len(), cfg.seed, 77);
     let mut loss_v = f64::NAN;
     let mut acc = 0.0;
     let mut steps = 0;
@@ -213,15 +211,7 @@ pub fn pretrain(
     while steps < cfg.steps {
         // Cosine decay to 10 % keeps the last steps from bouncing off memorised facts.
         adam.groups[0].lr = cfg.lr * crate::config::LrSchedule::Cosine.factor(steps, cfg.steps);
-        let mut batch = Vec::with_capacity(cfg.batch_size);
-        while batch.len() < cfg.batch_size {
-            if cursor == order.len() {
-                rng.shuffle(&mut order);
-                cursor = 0;
-            }
-            batch.push(&examples[order[cursor]]);
-            cursor += 1;
-        }
+        let batch: Vec<&Example> = order.next_batch(cfg.batch_size).into_iter().map(|i| &examples[i]).collect();
         let b = TokenBatch::collate(&batch, eos, device);
         let loss = crate::error::guard(|| {
             let logits = model.forward(&ParamView::frozen(&store), &b.forward_input(&none))?.logits;
@@ -229,9 +219,7 @@ pub fn pretrain(
             loss.f_backward()?;
             Ok(loss.double_value(&[]))
         })?;
-        adam.clip(1.0);
-        adam.step();
-        adam.zero_grad();
+        optimiser_step(&mut adam);
         loss_v = loss;
         steps += 1;
         bar.set_position(steps as u64);
@@ -245,14 +233,7 @@ pub fn pretrain(
         }
     }
     bar.finish_and_clear();
-    let tensors: Vec<(String, Tensor)> = {
-        let mut v: Vec<_> = store.iter().map(|(n, t)| (n.clone(), t.detach())).collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
-        v
-    };
-    crate::io::write_json_atomic(&dir.join("config.json"), &config)?;
-    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    crate::io::write_safetensors(&dir.join("model.safetensors"), &tensors, meta)?;
+    write_model(dir, &config, &store)?;
     Ok(PretrainReport {
         steps,
         final_loss: loss_v,
@@ -260,6 +241,54 @@ pub fn pretrain(
         parameters: model.info().n_params,
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// The order in which pretraining draws its examples: all of them, reshuffled from the
+/// RNG stream (`seed`, `stream`) at each pass, `size` at a time (a batch may straddle
+/// two passes). Both pretraining loops draw through it, so a seed fixes the batch order.
+pub(crate) struct Shuffled {
+    rng: SplitMix64,
+    order: Vec<usize>,
+    cursor: usize,
+}
+
+impl Shuffled {
+    pub(crate) fn new(n: usize, seed: u64, stream: u64) -> Self {
+        Self { rng: SplitMix64::new(seed, stream), order: (0..n).collect(), cursor: n }
+    }
+
+    /// The indices of the next `size` examples.
+    pub(crate) fn next_batch(&mut self, size: usize) -> Vec<usize> {
+        let mut batch = Vec::with_capacity(size);
+        while batch.len() < size {
+            if self.cursor == self.order.len() {
+                self.rng.shuffle(&mut self.order);
+                self.cursor = 0;
+            }
+            batch.push(self.order[self.cursor]);
+            self.cursor += 1;
+        }
+        batch
+    }
+}
+
+/// A pretraining step's update once the loss's backward has run: gradients clipped to a
+/// global norm of 1, Adam, gradients cleared.
+pub(crate) fn optimiser_step(adam: &mut Adam) {
+    adam.clip(1.0);
+    adam.step();
+    adam.zero_grad();
+}
+
+/// Writes a pretrained model as a Hugging Face folder: `config.json` and
+/// `model.safetensors` (every tensor of `store`, sorted by name, so the bytes depend only
+/// on the weights).
+pub(crate) fn write_model(dir: &Path, config: &serde_json::Value, store: &ParamStore) -> Result<()> {
+    let mut tensors: Vec<(String, Tensor)> = store.iter().map(|(n, t)| (n.clone(), t.detach())).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    crate::io::write_json_atomic(&dir.join("config.json"), config)?;
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    crate::io::write_safetensors(&dir.join("model.safetensors"), &tensors, meta)
 }
 
 /// Loads a pretrained directory back (for checks right after writing it).

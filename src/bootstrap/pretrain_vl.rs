@@ -25,8 +25,7 @@ use crate::mend::losses;
 use crate::mend::optim::Adam;
 use crate::model::qwen2_vl::{ImageProcessorConfig, Qwen2Vl};
 use crate::model::{random_params, Model, ParamView, Tokenizer, VisionLanguage};
-use crate::bootstrap::pretrain::EOS;
-use crate::rng::SplitMix64;
+use crate::bootstrap::pretrain::{optimiser_step, write_model, Shuffled, EOS};
 use crate::{Error, Result};
 
 /// Qwen2-VL's special tokens, ids 0.. in this order (end-of-text first: it pads).
@@ -322,9 +321,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     let grad = |v: Vec<(&String, &Tensor)>| -> Vec<Tensor> { v.into_iter().map(|(_, t)| t.set_requires_grad(true)).collect() };
     let mut adam = Adam::new(vec![(cfg.lr, grad(text)), (cfg.lr * cfg.vision_lr_scale, grad(vision))]);
     let pad = tok.pad_id();
-    let mut rng = SplitMix64::new(cfg.seed, 78);
-    let mut order: Vec<usize> = (0..data.train.len()).collect();
-    let mut cursor = order.len();
+    let mut order = Shuffled::new(data.train.len(), cfg.seed, 78);
     let (mut loss_v, mut steps, mut acc) = (f64::NAN, 0usize, VlAccuracy::default());
     let none = HashSet::new();
     let bar = crate::train::progress_bar("pretrain", cfg.steps, progress);
@@ -342,15 +339,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
         let factor = crate::config::LrSchedule::Cosine.factor(steps, cfg.steps);
         adam.groups[0].lr = cfg.lr * factor;
         adam.groups[1].lr = cfg.lr * cfg.vision_lr_scale * factor;
-        let mut batch = Vec::with_capacity(cfg.batch_size);
-        while batch.len() < cfg.batch_size {
-            if cursor == order.len() {
-                rng.shuffle(&mut order);
-                cursor = 0;
-            }
-            batch.push(&data.train[order[cursor]]);
-            cursor += 1;
-        }
+        let batch: Vec<&Example> = order.next_batch(cfg.batch_size).into_iter().map(|i| &data.train[i]).collect();
         let p = ParamView::frozen(&store);
         loss_v = crate::error::guard(|| {
             let b = match StepImages::compute_trainable(vl, &p, &proc, &batch)? {
@@ -368,9 +357,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
             };
             tracing::debug!(steps, vision = norm("visual."), text = norm("model."), "gradient norms");
         }
-        adam.clip(1.0);
-        adam.step();
-        adam.zero_grad();
+        optimiser_step(&mut adam);
         steps += 1;
         bar.set_position(steps as u64);
         if steps % cfg.probe_every.max(1) == 0 || steps == cfg.steps {
@@ -386,11 +373,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
         }
     }
     bar.finish_and_clear();
-    let mut tensors: Vec<(String, Tensor)> = store.iter().map(|(n, t)| (n.clone(), t.detach())).collect();
-    tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    crate::io::write_json_atomic(&out.join("config.json"), &config)?;
-    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    crate::io::write_safetensors(&out.join("model.safetensors"), &tensors, meta)?;
+    write_model(out, &config, &store)?;
     Ok(VlPretrainReport {
         steps,
         final_loss: loss_v,

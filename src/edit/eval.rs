@@ -10,14 +10,20 @@ use crate::mend::{losses, Engine};
 use crate::model::Overrides;
 use crate::Result;
 
-#[derive(Debug, Clone, Serialize)]
-pub struct RecordMetrics {
+/// The edit metrics of one record (`Metrics<bool>`, [`RecordMetrics`]: whether the whole
+/// answer came out) or their means over records in a [`Summary`] (`Metrics<f64>`: the
+/// share of records). An optional figure is absent (`None`) for a record that does not
+/// measure it (no rephrase, no locality prompt, no portability questions, no images); a
+/// summary's is the mean over the records that do, `None` when none does (an edit request
+/// file may have no locality prompt: nothing was measured, which is not "kept").
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Metrics<S> {
     pub reliability: f64,
-    /// None when the record has no rephrase (EasyEdit then has no rephrase accuracy).
+    /// None without a rephrase (EasyEdit then has no rephrase accuracy).
     pub generalization: Option<f64>,
     pub locality: Option<f64>,
     pub portability: Option<f64>,
-    pub edit_success: bool,
+    pub edit_success: S,
     pub nll_pre: f64,
     pub nll_post: f64,
     pub edit_seconds: f64,
@@ -37,6 +43,9 @@ pub struct RecordMetrics {
     pub image_locality_top1: Option<f64>,
 }
 
+/// One record's metrics.
+pub type RecordMetrics = Metrics<bool>;
+
 /// The summary's figures under the names EasyEdit's multimodal evaluation prints them
 /// with (present in reports of image edits).
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
@@ -48,33 +57,23 @@ pub struct EasyEditNames {
     pub multimodal_locality_acc: Option<f64>,
 }
 
+/// The metrics' means over `n` records (the same fields at the top level of the JSON).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Summary {
     pub n: usize,
-    pub reliability: f64,
-    /// Mean over records with a rephrase; null when none has one.
-    pub generalization: Option<f64>,
-    /// Mean over records with a locality prompt; null when none has one (an edit request
-    /// file may have none: nothing was measured, which is not the same as "kept").
-    pub locality: Option<f64>,
-    /// Mean over records with portability questions; absent when none has any.
-    pub portability: Option<f64>,
-    pub edit_success: f64,
-    pub nll_pre: f64,
-    pub nll_post: f64,
-    pub edit_seconds: f64,
-    /// Mean over records with a rephrase image; absent without images.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub image_generalization: Option<f64>,
-    /// Mean over records with a locality image; absent without images.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub image_locality: Option<f64>,
-    /// [`RecordMetrics::image_locality_top1`]'s mean; absent without images.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub image_locality_top1: Option<f64>,
+    #[serde(flatten)]
+    pub means: Metrics<f64>,
     /// The same figures with EasyEdit's names (image edits only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub easyedit: Option<EasyEditNames>,
+}
+
+/// A summary's figures read as `summary.reliability`, as the means they are.
+impl std::ops::Deref for Summary {
+    type Target = Metrics<f64>;
+    fn deref(&self) -> &Metrics<f64> {
+        &self.means
+    }
 }
 
 impl Summary {
@@ -94,21 +93,20 @@ impl Summary {
             locality_acc: locality,
             multimodal_locality_acc: image_locality,
         });
-        Self {
-            n,
+        let means = Metrics {
             reliability,
             generalization,
             locality,
-            image_generalization,
-            image_locality,
-            image_locality_top1: mean(&|r| r.image_locality_top1),
-            easyedit,
             portability: mean(&|r| r.portability),
             edit_success: mean(&|r| Some(if r.edit_success { 1.0 } else { 0.0 })).unwrap_or(0.0),
             nll_pre: mean(&|r| Some(r.nll_pre)).unwrap_or(0.0),
             nll_post: mean(&|r| Some(r.nll_post)).unwrap_or(0.0),
             edit_seconds: mean(&|r| Some(r.edit_seconds)).unwrap_or(0.0),
-        }
+            image_generalization,
+            image_locality,
+            image_locality_top1: mean(&|r| r.image_locality_top1),
+        };
+        Self { n, means, easyedit }
     }
 }
 

@@ -101,8 +101,9 @@ pub fn compare_train(o: &TrainOptions, dual_plan: DevicePlan) -> Result<Comparis
         let (rep, path) = run_train(&opts)?;
         let mut metrics = BTreeMap::new();
         for h in &rep.history {
-            metrics.insert(format!("loss.step{:05}", h.step), h.loss);
-            for (name, v) in [("image_edit_acc", h.image_edit_acc), ("image_loc_kl", h.image_loc_kl), ("image_loc_acc", h.image_loc_acc)] {
+            let l = &h.losses;
+            metrics.insert(format!("loss.step{:05}", h.step), l.loss);
+            for (name, v) in [("image_edit_acc", l.image_edit_acc), ("image_loc_kl", l.image_loc_kl), ("image_loc_acc", l.image_loc_acc)] {
                 if let Some(v) = v {
                     metrics.insert(format!("{name}.step{:05}", h.step), v);
                 }

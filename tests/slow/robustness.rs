@@ -56,7 +56,7 @@ fn resume_continues_with_the_same_losses() {
     assert_eq!(rest.history.first().map(|h| h.step), Some(5), "resumed run starts after step 4");
     for (a, b) in full.history[4..].iter().zip(&rest.history) {
         assert_eq!(a.step, b.step);
-        assert!((a.loss - b.loss).abs() <= 1e-6 * (1.0 + a.loss.abs()), "step {}: {} vs {}", a.step, a.loss, b.loss);
+        assert!((a.losses.loss - b.losses.loss).abs() <= 1e-6 * (1.0 + a.losses.loss.abs()), "step {}: {} vs {}", a.step, a.losses.loss, b.losses.loss);
     }
 }
 
