@@ -32,7 +32,7 @@
 //! the embedding, the four scored views in one padded forward, the editor's products
 //! always transposed — and after, alternating, medians of `RUNS` rounds after one warm-up
 //! each); `--ab-editor`: the same A/B of the editor's products alone; `--criterion`: criterion's statistics of one micro-step and one
-//! edit instead of 2.
+//! edit instead of 2; `--timings`: 2 alone (what scripts/bench_mend_vl_compare.sh runs).
 //!
 //! `./x bench --bench mend_vl` (or `DUALEDIT_BENCH_SIDE=224 ./x bench --bench mend_vl --
 //! --criterion`); results in BENCHMARKS.md and docs/notebook.md ("#35").
@@ -426,8 +426,33 @@ fn main() {
     }
 
     // 1. The profile: FLOPs from the shapes, time from the phase timeline.
+    if !has("--timings") {
+        profile(&engine, &mut editor, &mut adam, &ex, &cfg, &json, &setup);
+    }
+    // 2. The medians the Python script prints beside them.
+    timed("train_microbatch", &setup, || {
+        let b = EditBatches::for_config(&engine, &[&ex], &cfg).expect("batches");
+        let (loss, _) = meta_loss(&engine, &mut editor, &b, true).expect("meta loss");
+        (loss / cfg.accumulate as f64).backward();
+    });
+    timed("adam_step", &setup, || {
+        adam.clip(cfg.grad_clip);
+        adam.step();
+    });
+    adam.zero_grad();
+    timed("edit", &setup, || {
+        let _g = tch::no_grad_guard();
+        let inner = engine.collate(&[&ex.inner]).expect("inner batch");
+        let (_, factors) = engine.capture(&inner).expect("capture");
+        std::hint::black_box(engine.edit_low_rank(&mut editor, &factors, false).expect("edit"));
+    });
+    println!("a meta-training step = train_microbatch + adam_step / accumulate ({})", cfg.accumulate);
+}
+
+/// The per-phase profile of a micro-step and of an edit (module doc, output 1).
+fn profile(engine: &Engine, editor: &mut Editor, adam: &mut Adam, ex: &EditExample, cfg: &MendConfig, json: &serde_json::Value, setup: &Setup) {
     let sizes = Sizes::new(&engine, &json, &setup);
-    let b = EditBatches::for_config(&engine, &[&ex], &cfg).expect("batches");
+    let b = EditBatches::for_config(&engine, &[ex], &cfg).expect("batches");
     let (_, factors) = engine.capture(&b.inner).expect("capture");
     let rows_w: Vec<f64> = factors.iter().map(|f| f.x.size()[0] as f64).collect();
     let shape = EditorShape {
@@ -458,8 +483,8 @@ fn main() {
     let (mut per, wall) = phases(&engine, &setup, |engine| {
         let tl = &engine.timeline;
         tl.span("main", "losses and the rest", || {
-            let b = tl.span("main", "images + collate", || EditBatches::for_config(engine, &[&ex], &cfg)).expect("batches");
-            let (loss, _) = meta_loss(engine, &mut editor, &b, true).expect("meta loss");
+            let b = tl.span("main", "images + collate", || EditBatches::for_config(engine, &[ex], &cfg)).expect("batches");
+            let (loss, _) = meta_loss(engine, editor, &b, true).expect("meta loss");
             tl.span("main", "backward", || (loss / cfg.accumulate as f64).backward());
         })
     });
@@ -475,27 +500,8 @@ fn main() {
         tl.span("main", "losses and the rest", || {
             let inner = tl.span("main", "images + collate", || engine.collate(&[&ex.inner])).expect("inner batch");
             let (_, factors): (f64, Vec<Factors>) = tl.span("main", "capture", || engine.capture(&inner)).expect("capture");
-            std::hint::black_box(tl.span("main", "editor", || engine.edit_low_rank(&mut editor, &factors, false)).expect("edit"));
+            std::hint::black_box(tl.span("main", "editor", || engine.edit_low_rank(editor, &factors, false)).expect("edit"));
         })
     });
     print_phases("edit", &per, wall, &phase_flops(&sizes, &b, &shape, &rows_w, true), peak);
-
-    // 2. The medians the Python script prints beside them.
-    timed("train_microbatch", &setup, || {
-        let b = EditBatches::for_config(&engine, &[&ex], &cfg).expect("batches");
-        let (loss, _) = meta_loss(&engine, &mut editor, &b, true).expect("meta loss");
-        (loss / cfg.accumulate as f64).backward();
-    });
-    timed("adam_step", &setup, || {
-        adam.clip(cfg.grad_clip);
-        adam.step();
-    });
-    adam.zero_grad();
-    timed("edit", &setup, || {
-        let _g = tch::no_grad_guard();
-        let inner = engine.collate(&[&ex.inner]).expect("inner batch");
-        let (_, factors) = engine.capture(&inner).expect("capture");
-        std::hint::black_box(engine.edit_low_rank(&mut editor, &factors, false).expect("edit"));
-    });
-    println!("a meta-training step = train_microbatch + adam_step / accumulate ({})", cfg.accumulate);
 }
