@@ -24,7 +24,8 @@
 //!    `RUNS` after the warm-up, from the engine's phase timeline): milliseconds, GFLOP
 //!    counted from the batches' shapes, and GFLOP/s, beside a one-thread `Tensor::mm`
 //!    peak in f32 and bf16 (1024³);
-//! 2. medians of `train_microbatch` (images + `meta_loss` + backward), `adam_step`
+//! 2. medians (wall clock, and the thread's CPU time, which the other processes of a
+//!    shared machine disturb far less) of `train_microbatch` (images + `meta_loss` + backward), `adam_step`
 //!    (clipping + Adam over the editor) and `edit` (the edit image's features, capture,
 //!    the editor), as the Python script prints them.
 //!
@@ -140,20 +141,33 @@ fn example(seed: usize, image: Option<&Path>, json: &serde_json::Value, setup: &
     Example { ids, answer_start, image }
 }
 
-/// Median milliseconds of `runs` runs after `warmup` warm-up runs.
+/// This thread's CPU time in milliseconds (`/proc/thread-self/schedstat`, nanoseconds on
+/// the CPU): with one libtorch thread every op and the backward run on the calling thread,
+/// so this counts the work and not the time other processes held the core. `None` where
+/// the file is missing (not Linux).
+fn cpu_ms() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    Some(s.split_whitespace().next()?.parse::<f64>().ok()? / 1e6)
+}
+
+/// Median milliseconds (wall clock, and this thread's CPU time) of `runs` runs after
+/// `warmup` warm-up runs.
 fn timed(name: &str, setup: &Setup, mut f: impl FnMut()) -> f64 {
     for _ in 0..setup.warmup {
         f();
     }
-    let mut ms: Vec<f64> = (0..setup.runs)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
+    let (mut ms, mut cpu) = (Vec::new(), Vec::new());
+    for _ in 0..setup.runs {
+        let (t, c) = (Instant::now(), cpu_ms());
+        f();
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+        if let (Some(a), Some(b)) = (c, cpu_ms()) {
+            cpu.push(b - a);
+        }
+    }
     let m = median(&mut ms);
-    println!("{name:<18} median {m:8.1} ms  (min {:.1}, max {:.1})", ms[0], ms[ms.len() - 1]);
+    let c = if cpu.is_empty() { f64::NAN } else { median(&mut cpu) };
+    println!("{name:<18} median {m:8.1} ms  (min {:.1}, max {:.1})  cpu median {c:8.1} ms", ms[0], ms[ms.len() - 1]);
     m
 }
 
