@@ -1,4 +1,4 @@
-"""transformers' side of tests/vledit.rs: what a Qwen2-VL folder gives in transformers.
+"""transformers' side of tests/slow/vledit.rs: what a Qwen2-VL folder gives in transformers.
 
     python scripts/vl_reference.py template DIR IMAGE TEXT TARGET
         The ids of `apply_chat_template([user: image, text], add_generation_prompt=True)

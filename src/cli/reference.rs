@@ -1,6 +1,6 @@
 //! The flag reference (`docs/cli.md`), rendered from the clap definitions themselves so it
-//! cannot drift from them: `tests/cli.rs` fails when the committed file differs from
-//! [`markdown`] (`DUALEDIT_WRITE_DOCS=1 ./x test --test cli` rewrites it).
+//! cannot drift from them: `tests/fast/cli.rs` fails when the committed file differs from
+//! [`markdown`] (`DUALEDIT_WRITE_DOCS=1 ./x test --test fast cli::` rewrites it).
 use clap::CommandFactory;
 
 use super::Cli;
@@ -14,7 +14,7 @@ pub fn markdown() -> String {
     let mut out = String::from(
         "# dualedit command-line reference\n\n\
          Generated from the clap definitions in `src/cli/args/` by `dualedit::cli::reference::markdown`;\n\
-         do not edit by hand (`DUALEDIT_WRITE_DOCS=1 ./x test --test cli` rewrites it, and that test\n\
+         do not edit by hand (`DUALEDIT_WRITE_DOCS=1 ./x test --test fast cli::` rewrites it, and that test\n\
          fails while this file is stale).\n",
     );
     section(&mut out, &mut cmd, "dualedit");

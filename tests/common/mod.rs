@@ -1,7 +1,9 @@
-//! Shared by the session and serve tests: the fixture paths, a few edit requests, and an
-//! editor meta-trained in-process on the tiny GPT-2 fixture (seconds on a CPU).
+//! Shared by the test binaries (`tests/fast`, `tests/slow`): the checkout's paths, the
+//! built binary, a few edit requests, an editor meta-trained in-process on the tiny GPT-2
+//! fixture (seconds on a CPU), and running one test alone in its own process.
 #![allow(dead_code)]
 use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 use dualedit::config::MendConfig;
 use dualedit::data::easyedit::{parse_records, DatasetKind, EditRecord};
@@ -22,8 +24,74 @@ pub fn init() {
 }
 
 pub fn fixture(name: &str) -> PathBuf {
+    root().join("tests/fixtures").join(name)
+}
+
+/// The checkout's root (`CARGO_MANIFEST_DIR`): configs, scripts, `data/`, `docs/`.
+pub fn root() -> PathBuf {
     init();
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The embedded default (tiny model, its editor, its world's edit records), or one part of
+/// it (`shipped("model")`); `shipped("")` is the folder itself.
+pub fn shipped(part: &str) -> PathBuf {
+    init();
+    let root = dualedit::bootstrap::demo::shipped_root();
+    if part.is_empty() {
+        root
+    } else {
+        root.join(part)
+    }
+}
+
+/// The built `dualedit` binary as a command, for a test to add arguments and environment.
+pub fn dualedit_cmd() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_dualedit"))
+}
+
+/// `dualedit ARGS`, run to the end.
+pub fn dualedit(args: &[&str]) -> Output {
+    dualedit_cmd().args(args).output().unwrap()
+}
+
+/// A JSON file a command wrote (panics naming the file when it is missing or bad).
+pub fn json_file(p: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// A test's name as the harness lists it (`vl::score_image_json`): `module_path` is the
+/// caller's `module_path!()`, whose first segment (the test binary's crate) the harness
+/// leaves out.
+pub fn test_name(module_path: &str, test: &str) -> String {
+    match module_path.split_once("::") {
+        Some((_, module)) => format!("{module}::{test}"),
+        None => test.to_string(),
+    }
+}
+
+/// Environment variable set in the child process of [`alone`].
+const ALONE_ENV: &str = "DUALEDIT_TEST_ALONE";
+
+/// For a test that measures the whole process (its resident set): other tests of the same
+/// binary run in parallel threads and would disturb it. Called first in such a test: in
+/// the test binary's own run it re-runs this one test in a fresh child process of the same
+/// binary, checks that it passed and returns `false` (the caller returns); in that child
+/// it returns `true` (the caller goes on with its body).
+pub fn alone(module_path: &str, test: &str) -> bool {
+    let name = test_name(module_path, test);
+    if std::env::var(ALONE_ENV).is_ok_and(|v| v == name) {
+        return true;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(exe).args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"]).env(ALONE_ENV, &name).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    assert!(out.status.success(), "{name} failed in its own process:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("1 passed"), "{name} did not run in its own process:\n{stdout}");
+    false
 }
 
 pub const RECORDS: &str = r#"[
@@ -103,7 +171,7 @@ pub const REQUIRE_SHARED_ENV: &str = "DUALEDIT_REQUIRE_SHARED";
 /// `SKIP: ../shared/data not found (...)` to stderr and returns `None` so the caller can
 /// return early — unless `DUALEDIT_REQUIRE_SHARED=1`, in which case it panics.
 pub fn shared_data_dir() -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+    let dir = root()
         .join("..")
         .join("shared")
         .join("data");

@@ -2,14 +2,13 @@
 //! scripts/make_fixtures.py), plus the `score` command and its error handling.
 use std::collections::HashSet;
 use std::path::Path;
-use std::process::Command;
 
 use dualedit::model::{load_model, ForwardInput, LoadedModel, Overrides, ParamView};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
-mod common;
-use common::{assert_clean_error, broken_copy, fixture};
+use crate::common;
+use common::{assert_clean_error, broken_copy, dualedit, fixture};
 
 fn reference(name: &str) -> Value {
     let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
@@ -126,9 +125,6 @@ fn kept_positions_equal_full_logits() {
 
 // ---- the CLI ----
 
-fn dualedit(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_dualedit")).args(args).output().unwrap()
-}
 
 #[test]
 fn score_json_is_one_object() {

@@ -1,7 +1,7 @@
 //! Multimodal MEND (issue #22) on the tiny random Qwen2-VL fixture: the E-VQA reader, the
 //! five views' tokens and labels, the shifted loss, and single = dual training and
 //! evaluation with images on CPU.
-mod common;
+use crate::common;
 use std::path::{Path, PathBuf};
 
 use common::fixture;
@@ -216,7 +216,7 @@ fn image_training_and_evaluation_match_between_single_and_dual_on_cpu() {
 #[test]
 fn qwen2vl_7b_preset_names_resolve_in_both_layouts() {
     use dualedit::model::qwen2_vl::Qwen2Vl;
-    let cfg = MendConfig::from_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2vl-7b.json")).unwrap();
+    let cfg = MendConfig::from_file(&common::root().join("configs/qwen2vl-7b.json")).unwrap();
     assert_eq!((cfg.rank, cfg.c_edit, cfg.c_loc, cfg.i_edit, cfg.shared), (1920, 0.1, 1.0, 0.1, true));
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("qwen2_vl_7b_instruct").join("config.json")).unwrap()).unwrap();
     let m = Qwen2Vl::from_json(&json, "Qwen2VLForConditionalGeneration").unwrap();

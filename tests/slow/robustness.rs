@@ -1,7 +1,7 @@
 //! Long-run robustness: resume equals an uninterrupted run, a killed checkpoint write
 //! never corrupts the previous checkpoint, out-of-memory and persistent NaN stop with a
 //! diagnosis after saving, bad files give one clear error.
-mod common;
+use crate::common;
 use std::path::Path;
 
 use common::{fixture, TRAIN_RECORDS};
@@ -82,7 +82,7 @@ fn killed_while_checkpointing_leaves_a_loadable_checkpoint() {
     std::fs::write(&cfg, r#"{"rank": 64, "accumulate": 1, "max_steps": 100000, "val_every": 1, "val_records": 1, "early_stop_patience": 100000, "max_length": 64, "lr": 1e-4}"#).unwrap();
     let out = dir.path().join("ed");
     for (i, wait_ms) in [150u64, 230, 310, 470].iter().enumerate() {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        let mut child = common::dualedit_cmd()
             .args(["train", "--model", fixture("gpt2").to_str().unwrap(), "--data", data.to_str().unwrap(), "--ds", "counterfact"])
             .args(["--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()])
             .args(if i > 0 { vec!["--resume"] } else { vec![] })
@@ -120,7 +120,7 @@ fn out_of_memory_stops_with_a_diagnosis_after_saving() {
     let opts = options(dir.path(), "oom", config(6), false);
     let cfg = dir.path().join("cfg.json");
     std::fs::write(&cfg, serde_json::to_string(&opts.config).unwrap()).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+    let out = common::dualedit_cmd()
         .env(dualedit::train::FAULT_OOM_STEP, "3")
         .args(["train", "--model", fixture("gpt2").to_str().unwrap(), "--data", opts.data.to_str().unwrap()])
         .args(["--ds", "counterfact", "--config", cfg.to_str().unwrap(), "--out", opts.out.to_str().unwrap()])
@@ -156,7 +156,7 @@ fn persistent_nan_stops_the_run_and_keeps_the_state() {
 }
 
 fn cli(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dualedit")).args(args).output().unwrap();
+    let out = common::dualedit_cmd().args(args).output().unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
@@ -307,7 +307,7 @@ fn generalization_and_locality_only_where_measured() {
     let run = |name: &str, records: &str| -> serde_json::Value {
         let path = dir.path().join(name);
         std::fs::write(&path, records).unwrap();
-        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        let out = common::dualedit_cmd()
             .args(["edit", "--model", m.to_str().unwrap(), "--method", "ft", "--requests", path.to_str().unwrap(), "--json"])
             .args(["--report", dir.path().join(format!("{name}.report.json")).to_str().unwrap()])
             .output()

@@ -7,7 +7,7 @@
 //! The requests are `tests/fixtures/many/distinct-{10,100}.json`, written by
 //! `scripts/seq_requests.py tests/fixtures/many 10 100` from the embedded world: one record
 //! per fact, locality prompts that no request edits.
-mod common;
+use crate::common;
 use std::path::{Path, PathBuf};
 
 use dualedit::edit::capacity::Grouping;
@@ -20,23 +20,18 @@ use dualedit::run::{run_eval, CapacityOptions, Common, EvalOptions};
 use dualedit::edit::session::Session;
 use tch::Device;
 
-fn root() -> PathBuf {
-    common::init();
-    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
-}
-
 fn requests() -> PathBuf {
-    root().join("tests/fixtures/many/distinct-10.json")
+    common::root().join("tests/fixtures/many/distinct-10.json")
 }
 
 fn hundred() -> PathBuf {
-    root().join("tests/fixtures/many/distinct-100.json")
+    common::root().join("tests/fixtures/many/distinct-100.json")
 }
 
 /// The world's corpus without the lines that state a fact the requests edit: the unrelated
 /// text whose keys `mend-ls` keeps (as MEMIT keeps generic text's key covariance).
 fn keep_text(records: &[EditRecord], dir: &Path) -> PathBuf {
-    let corpus = std::fs::read_to_string(root().join("data/world/corpus.txt")).unwrap();
+    let corpus = std::fs::read_to_string(common::root().join("data/world/corpus.txt")).unwrap();
     let states = |l: &str| {
         records.iter().any(|r| r.subject.as_deref().is_some_and(|s| l.contains(s)) && r.ground_truth.as_deref().is_some_and(|g| l.contains(g)))
     };
@@ -49,16 +44,16 @@ fn keep_text(records: &[EditRecord], dir: &Path) -> PathBuf {
 
 /// `data/editor` with the settings measured for it (λ 0.01, keep weight 0.01, no rounds).
 fn ls_spec(keep: PathBuf) -> MethodSpec {
-    MethodSpec::MendLs { editor: root().join("data/editor"), ls: LsChoice::all(LsConfig::default()), unrelated: Some(keep) }
+    MethodSpec::MendLs { editor: common::root().join("data/editor"), ls: LsChoice::all(LsConfig::default()), unrelated: Some(keep) }
 }
 
 /// `data/editor-many` with the settings its editor.json carries (`ls` unless overridden).
 fn many_spec(keep: PathBuf, ls: LsChoice) -> MethodSpec {
-    MethodSpec::MendLs { editor: root().join("data/editor-many"), ls, unrelated: Some(keep) }
+    MethodSpec::MendLs { editor: common::root().join("data/editor-many"), ls, unrelated: Some(keep) }
 }
 
 fn session(spec: &MethodSpec) -> Session {
-    Session::open_method(&root().join("data/model"), spec, &LoadOptions::default()).unwrap()
+    Session::open_method(&common::root().join("data/model"), spec, &LoadOptions::default()).unwrap()
 }
 
 #[test]
@@ -80,7 +75,7 @@ fn five_sequential_ls_edits_keep_their_answers_and_the_unrelated_prompts() {
     assert!(loc >= 0.9, "locality of the unrelated prompts after 5 sequential edits: {loc}");
     // The same five edits summed as MEND makes them break the model (the defect),
     // so the test above is one that summed edits fail.
-    let mut plain = session(&MethodSpec::Mend { editor: root().join("data/editor") });
+    let mut plain = session(&MethodSpec::Mend { editor: common::root().join("data/editor") });
     let summed = plain.edit_examples(records, &examples, true).unwrap().summary;
     assert!(summed.reliability < 0.8 || summed.locality.unwrap() < 0.9, "summed MEND: {summed:?}");
 }
@@ -135,7 +130,7 @@ fn a_failed_ls_edit_call_forgets_what_it_remembered() {
 fn guard_refuses_a_destructive_sequential_edit_on_the_embedded_default() {
     let (records, _) = load_records(&requests(), DatasetKind::Requests).unwrap();
     let records = &records[..5];
-    let mut s = session(&MethodSpec::Mend { editor: root().join("data/editor") });
+    let mut s = session(&MethodSpec::Mend { editor: common::root().join("data/editor") });
     s.guard = Some(GuardConfig { scale_back: false, ..GuardConfig::default() });
     let examples = prepare(&s.engine().lm.tokenizer, records, 32, &requests()).unwrap();
     let out = s.edit_examples(records, &examples, true).unwrap();
@@ -155,13 +150,13 @@ fn capacity(grouping: Grouping, keep: PathBuf, report: PathBuf) -> dualedit::run
 
 fn capacity_of(method: MethodSpec, data: PathBuf, grouping: Grouping, report: PathBuf) -> dualedit::run::EvalOutput {
     let opts = EvalOptions {
-        common: Common { report: Some(report), ..Common::single(root().join("data/model"), Device::Cpu) },
+        common: Common { report: Some(report), ..Common::single(common::root().join("data/model"), Device::Cpu) },
         method,
         data,
         ds: DatasetKind::Counterfact,
         limit: None,
         max_length: 32,
-        capacity: Some(CapacityOptions { grouping, guard: None, stepwise: None, drift_text: Some(root().join("data/world/corpus.txt")) }),
+        capacity: Some(CapacityOptions { grouping, guard: None, stepwise: None, drift_text: Some(common::root().join("data/world/corpus.txt")) }),
     };
     run_eval(&opts, |_, _| {}).unwrap().0
 }
@@ -223,7 +218,7 @@ fn re_solve_rounds_never_end_worse_than_one_solve() {
     let (records, _) = load_records(&hundred(), DatasetKind::Requests).unwrap();
     let records = &records[..40];
     let keep = keep_text(records, dir.path());
-    let ls = |rounds| MethodSpec::MendLs { editor: root().join("data/editor"), ls: LsChoice { rounds: Some(rounds), ..LsChoice::all(LsConfig::default()) }, unrelated: Some(keep.clone()) };
+    let ls = |rounds| MethodSpec::MendLs { editor: common::root().join("data/editor"), ls: LsChoice { rounds: Some(rounds), ..LsChoice::all(LsConfig::default()) }, unrelated: Some(keep.clone()) };
     let (mut once, mut rounds) = (session(&ls(0)), session(&ls(3)));
     let examples = prepare(&once.engine().lm.tokenizer, records, 32, &hundred()).unwrap();
     let a = once.edit_examples(records, &examples, false).unwrap().summary;

@@ -4,15 +4,14 @@
 //! config.json layouts and both tensor-name layouts.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use dualedit::model::qwen2_vl::{image, ImageProcessorConfig};
 use dualedit::model::{load_model, ParamView};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
-mod common;
-use common::{assert_clean_error, broken_copy, fixture};
+use crate::common;
+use common::{assert_clean_error, broken_copy, dualedit, fixture};
 
 fn json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
@@ -174,9 +173,6 @@ fn bf16_scores_close_to_f32() {
 
 // ---- the CLI ----
 
-fn dualedit(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_dualedit")).args(args).output().unwrap()
-}
 
 #[test]
 fn score_image_json() {
@@ -291,7 +287,7 @@ fn missing_preprocessor_config_uses_the_defaults() {
 #[test]
 fn plan_with_an_image_size() {
     let dir = fixture("qwen2_vl_7b_instruct");
-    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2-7b.json");
+    let cfg = common::root().join("configs/qwen2-7b.json");
     let out = dualedit(&["plan", "--model", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dtype", "bf16", "--device", "cuda:0", "--image-size", "448x448", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -309,7 +305,7 @@ fn plan_with_an_image_size() {
     assert_eq!(v["shape"]["tokens_per_example"].as_i64().unwrap(), 128);
     assert!(v["items"].as_array().unwrap().iter().all(|i| !i["item"].as_str().unwrap().contains("vision")));
     let qwen2 = fixture("qwen2");
-    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.json");
+    let tiny = common::root().join("configs/tiny.json");
     let out = dualedit(&["plan", "--model", qwen2.to_str().unwrap(), "--config", tiny.to_str().unwrap(), "--image-size", "448x448"]);
     assert_clean_error(&out, &["text-only", "--image-size"]);
     let out = dualedit(&["plan", "--model", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--image-size", "448by448"]);
@@ -323,7 +319,7 @@ fn plan_with_an_image_size() {
 #[test]
 fn plan_ds_vqa_plans_the_five_views() {
     let dir = fixture("qwen2_vl_7b_instruct");
-    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2vl-7b.json");
+    let cfg = common::root().join("configs/qwen2vl-7b.json");
     let plan = |extra: &[&str]| {
         let mut args = vec!["plan", "--model", dir.to_str().unwrap(), "--config", cfg.to_str().unwrap(), "--dtype", "bf16", "--device", "cuda:0"];
         args.extend_from_slice(extra);

@@ -1,31 +1,29 @@
 //! The GPU check (`scripts/gpu/check.py`, issue #38) run end to end on the CPU with a fake
 //! device list and test-size models, so that the script a GPU machine runs cannot rot: its
 //! JSON is parsed and every step's fields are checked.
-use std::path::{Path, PathBuf};
+use crate::common;
+use std::path::Path;
 use std::process::{Command, Output};
 
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_dualedit");
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// Runs the check with `args`; fails the test if python3 is missing (CI has it: `./x` uses it).
 fn check(args: &[&str]) -> Output {
     Command::new("python3")
-        .arg(root().join("scripts/gpu/check.py"))
+        .arg(common::root().join("scripts/gpu/check.py"))
         .args(args)
-        .current_dir(root())
+        .current_dir(common::root())
         .output()
         .expect("python3 runs scripts/gpu/check.py")
 }
 
 /// Whether this build knows logical CPU devices (`cpu:1`): then the split runs on one CPU.
 fn logical_cpu_devices() -> bool {
-    let model = root().join("data/model");
-    let config = root().join("configs/world.json");
+    let model = common::root().join("data/model");
+    let config = common::root().join("configs/world.json");
     Command::new(BIN)
         .args(["plan", "--model", model.to_str().unwrap(), "--config", config.to_str().unwrap()])
         .args(["--device", "cpu", "--sub-device", "cpu:1", "--placement", "balanced", "--json"])

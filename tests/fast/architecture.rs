@@ -1,11 +1,13 @@
 //! ARCHITECTURE.md's table of which module may use which, checked against every
-//! `crate::` path in `src/` (comments excluded), so the page cannot drift from the code.
+//! `crate::` path in `src/` (comments excluded), so the page cannot drift from the code;
+//! and the test layout: every test file is a module of one of the few test binaries.
+use crate::common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// `module -> modules it may use`; `None` for "anything below".
 fn allowed() -> BTreeMap<String, Option<BTreeSet<String>>> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = common::root();
     let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
     let mut out = BTreeMap::new();
     for line in text.lines().filter(|l| l.starts_with("| `")) {
@@ -37,7 +39,7 @@ fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
 #[test]
 fn modules_use_only_what_architecture_md_allows() {
     let allowed = allowed();
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let src = common::root().join("src");
     let mut files = Vec::new();
     rust_files(&src, &mut files);
     let mut violations = Vec::new();
@@ -75,7 +77,7 @@ fn modules_use_only_what_architecture_md_allows() {
 /// `world` uses io and rng), so no file under src/world names tch.
 #[test]
 fn the_worlds_need_no_libtorch() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/world");
+    let dir = common::root().join("src/world");
     let mut files = Vec::new();
     rust_files(&dir, &mut files);
     assert!(!files.is_empty(), "src/world has no Rust files");
@@ -83,4 +85,35 @@ fn the_worlds_need_no_libtorch() {
         let text = std::fs::read_to_string(&f).unwrap();
         assert!(!text.contains("tch::") && !text.contains("use tch"), "{} uses tch", f.display());
     }
+}
+
+/// Every test file is compiled, into one of the few test binaries: each `tests/<group>/*.rs`
+/// is a `mod` of its group's `main.rs` (a file without its line would never run, silently),
+/// and there is no top-level `tests/*.rs` (each would be one more binary linking libtorch).
+#[test]
+fn every_test_file_is_a_module_of_a_test_binary() {
+    let tests = common::root().join("tests");
+    let mut problems = Vec::new();
+    let mut groups = 0;
+    for entry in std::fs::read_dir(&tests).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.extension().is_some_and(|e| e == "rs") {
+            problems.push(format!("tests/{name}: a binary of its own; move it into tests/fast or tests/slow as a module"));
+            continue;
+        }
+        let Ok(main) = std::fs::read_to_string(path.join("main.rs")) else { continue };
+        groups += 1;
+        let declared: BTreeSet<String> =
+            main.lines().filter_map(|l| l.trim().strip_prefix("mod ")?.strip_suffix(';').map(str::to_string)).collect();
+        for file in std::fs::read_dir(&path).unwrap() {
+            let file = file.unwrap().path();
+            let Some(stem) = file.file_stem().map(|s| s.to_string_lossy().into_owned()) else { continue };
+            if file.extension().is_some_and(|e| e == "rs") && stem != "main" && !declared.contains(&stem) {
+                problems.push(format!("tests/{name}/{stem}.rs has no `mod {stem};` in tests/{name}/main.rs"));
+            }
+        }
+    }
+    assert!(groups >= 2, "found {groups} test binaries under {}", tests.display());
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

@@ -2,7 +2,7 @@
 //! in the backward. Losses and editor gradients must equal those of the ordinary
 //! backward, on one device and on a split plan, for GPT-2 and LLaMA; the block-by-block
 //! forward must equal the whole forward.
-mod common;
+use crate::common;
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
@@ -217,7 +217,7 @@ fn train_command_takes_recompute() {
     let cfg = dir.path().join("cfg.json");
     std::fs::write(&cfg, r#"{"rank": 8, "accumulate": 1, "max_steps": 2, "val_every": 2, "val_records": 1, "max_length": 64}"#).unwrap();
     let out = dir.path().join("ed");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_dualedit"))
+    let status = common::dualedit_cmd()
         .args(["train", "--model", fixture("gpt2").to_str().unwrap(), "--data", data.to_str().unwrap(), "--ds", "counterfact"])
         .args(["--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "--recompute"])
         .env("OMP_NUM_THREADS", "1")

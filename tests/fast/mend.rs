@@ -1,6 +1,6 @@
 //! MEND: identity editor = autograd, normalisation statistics, checkpoints, training
 //! raises the target's probability, bad input.
-mod common;
+use crate::common;
 use std::collections::HashMap;
 use std::path::Path;
 

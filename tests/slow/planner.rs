@@ -17,6 +17,7 @@
 //! blocks back on free, so RSS tracks what the planner estimates: live bytes. Set
 //! `DUALEDIT_PLANNER_DEFAULT_MALLOC=1` to measure with glibc's defaults instead (figures
 //! printed, not checked).
+use crate::common;
 use std::collections::BTreeMap;
 use std::process::Command;
 
@@ -157,7 +158,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
             false,
         );
     });
-    let tokenizer = Tokenizer::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2/tokenizer.json")).unwrap();
+    let tokenizer = Tokenizer::from_file(&common::root().join("tests/fixtures/gpt2/tokenizer.json")).unwrap();
     reset_peak(Device::Cpu).unwrap();
     let (base, _) = rss();
     let mut out = BTreeMap::new();
@@ -253,7 +254,8 @@ fn default_malloc() -> bool {
 fn run_child(case: &Case) -> BTreeMap<String, f64> {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new(exe);
-    cmd.args(["measure_case", "--exact", "--ignored", "--nocapture", "--test-threads=1"]).env(CASE_ENV, case.name);
+    let name = crate::common::test_name(module_path!(), "measure_case");
+    cmd.args([name.as_str(), "--exact", "--ignored", "--nocapture", "--test-threads=1"]).env(CASE_ENV, case.name);
     if !default_malloc() {
         cmd.env("MALLOC_MMAP_THRESHOLD_", "131072");
     }
@@ -352,7 +354,7 @@ fn plans_a_7b_model_from_config_json_alone() {
     // The command line prints exactly one JSON object with --json.
     let cfg = dir.path().join("mend.json");
     std::fs::write(&cfg, "{}").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+    let out = common::dualedit_cmd()
         .args(["plan", "--model"])
         .arg(dir.path())
         .arg("--config")
@@ -367,7 +369,7 @@ fn plans_a_7b_model_from_config_json_alone() {
     assert_eq!(totals[0]["device"], "cuda:0");
     assert_eq!(totals[0]["peak_bytes"].as_u64().unwrap(), main);
     // Without --json: the table, with every item's formula.
-    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+    let out = common::dualedit_cmd()
         .args(["plan", "--model"])
         .arg(dir.path())
         .arg("--config")
@@ -430,7 +432,7 @@ fn placements_of_a_7b_model() {
     let mend = dir.path().join("mend.json");
     std::fs::write(&mend, serde_json::to_string(&cfg).unwrap()).unwrap();
     let run = |extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        let out = common::dualedit_cmd()
             .args(["plan", "--model"])
             .arg(dir.path())
             .arg("--config")
@@ -508,7 +510,7 @@ fn plan_answers_whether_qwen2_vl_7b_fits() {
     const GIB: u64 = 1 << 30;
     let root = env!("CARGO_MANIFEST_DIR");
     let plan = |extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        let out = common::dualedit_cmd()
             .current_dir(root)
             .args(["plan", "--model", "tests/fixtures/qwen2_vl_7b_instruct", "--config", "configs/qwen2vl-7b.json", "--image-size", "448x448", "--ds", "vqa"])
             .args(extra)
@@ -590,7 +592,7 @@ fn plan_answers_whether_qwen2_vl_7b_fits() {
 fn plan_verdicts_on_the_bundled_text_default() {
     let root = env!("CARGO_MANIFEST_DIR");
     let plan = |cap: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        let out = common::dualedit_cmd()
             .current_dir(root)
             .args(["plan", "--model", "data/model", "--config", "configs/world.json", "--max-memory", cap])
             .output()
@@ -612,7 +614,7 @@ fn plan_verdicts_on_the_bundled_text_default() {
 fn plan_reads_the_shape_of_an_e_vqa_file() {
     let root = env!("CARGO_MANIFEST_DIR");
     let plan = |extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+        let out = common::dualedit_cmd()
             .current_dir(root)
             .args(["plan", "--model", "data/vl/model", "--config", "configs/vl-world.json", "--data", "data/vl/world/vqa-holdout.json"])
             .args(extra)

@@ -2,17 +2,17 @@
 //! every command that takes it, records longer than the maximum length are skipped (and
 //! counted in the report), cut with `--truncate` or refused with `--strict`, and warnings
 //! written to a pipe carry no colour codes.
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use common::{fixture, TRAIN_RECORDS};
 use serde_json::Value;
 
 fn dualedit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dualedit")).args(args).env_remove("NO_COLOR").env("TERM", "xterm-256color").output().unwrap()
+    common::dualedit_cmd().args(args).env_remove("NO_COLOR").env("TERM", "xterm-256color").output().unwrap()
 }
 
 fn stderr(o: &Output) -> String {
@@ -28,10 +28,6 @@ fn one_object(what: &str, o: &Output) -> Value {
     v
 }
 
-/// The shipped default (tiny model, its editor, its world's edit records).
-fn shipped(part: &str) -> String {
-    dualedit::bootstrap::demo::shipped_root().join(part).display().to_string()
-}
 
 /// Subcommands (`compare` expanded into `compare train` / `compare eval`) whose help
 /// lists `--json`, read from the binary itself so that a new one cannot go untested.
@@ -74,7 +70,7 @@ fn every_json_command_prints_one_json_object() {
     let dir = tempfile::tempdir().unwrap();
     let report = |name: &str| dir.path().join(name).display().to_string();
     let (edit_report, eval_report, compare_report) = (report("edit.json"), report("eval.json"), report("cmp/eval.json"));
-    let (model, editor, holdout) = (shipped("model"), shipped("editor"), shipped("world/edits-holdout.json"));
+    let [model, editor, holdout] = ["model", "editor", "world/edits-holdout.json"].map(|p| common::shipped(p).display().to_string());
     // Two edit requests from the world's held-out records.
     let records: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&holdout).unwrap()).unwrap();
     let requests = dir.path().join("requests.json");
@@ -211,7 +207,7 @@ fn shared_zsre_trains_with_the_default_config() {
     let Some(shared) = common::shared_data_dir() else { return };
     let dir = tempfile::tempdir().unwrap();
     let zsre = shared.join("zsre/zsre_mend_train-1k.json").display().to_string();
-    let model = shipped("model");
+    let model = common::shipped("model").display().to_string();
     let run = |extra: &[&str], out: &str| {
         let (o, r) = (dir.path().join(out).display().to_string(), dir.path().join(format!("{out}.json")).display().to_string());
         let base = ["train", "--model", &model, "--data", &zsre, "--ds", "zsre", "--config", "configs/world.json", "--max-steps", "1"];
@@ -270,7 +266,7 @@ fn world_writes_the_visual_world() {
 /// renamed or re-documented without regenerating it fails here.
 #[test]
 fn docs_cli_md_is_generated_from_the_flags() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/cli.md");
+    let path = common::root().join("docs/cli.md");
     let now = dualedit::cli::reference::markdown();
     if std::env::var_os("DUALEDIT_WRITE_DOCS").is_some() {
         std::fs::write(&path, &now).unwrap();

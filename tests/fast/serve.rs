@@ -1,7 +1,7 @@
 //! The HTTP service over real HTTP on 127.0.0.1 (ephemeral ports): the edit / generate /
 //! reset / save flow, a burst of 200 concurrent mixed requests, a catalogue of bad
 //! requests, and SIGINT/SIGTERM on the `dualedit serve` binary.
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
@@ -19,8 +19,9 @@ use dualedit::serve::{ServeOptions, ServeStats, Server};
 use dualedit::edit::session::{Session, SessionOptions};
 use serde_json::{json, Value};
 
-/// The tests of this file run one at a time: the burst test reads the process's resident
-/// set, which the other tests (loading models, training an editor) would disturb.
+/// The tests of this file run one at a time, as they did when the burst test (now in its
+/// own process) shared their process: each runs a server, its model thread and its
+/// clients, and several bound their time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -261,9 +262,13 @@ fn burst(a: SocketAddr, expected: &Arc<Expected>) -> std::collections::BTreeMap<
     counts
 }
 
+/// Runs in its own process ([`common::alone`]): it reads the process's resident set, which
+/// the other tests of this binary (loading models, training editors) would disturb.
 #[test]
 fn burst_of_200_concurrent_mixed_requests() {
-    let _serial = serial();
+    if !common::alone(module_path!(), "burst_of_200_concurrent_mixed_requests") {
+        return;
+    }
     let start = Instant::now();
     let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
     let expected = Arc::new(Expected {
@@ -461,7 +466,7 @@ fn spawn_binary() -> (std::process::Child, SocketAddr, BufReader<std::process::C
 }
 
 fn spawn_binary_with(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, SocketAddr, BufReader<std::process::ChildStderr>) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+    let mut child = common::dualedit_cmd()
         .args(["serve", "--model"])
         .arg(fixture("gpt2"))
         .args(["--listen", "127.0.0.1:0"])
@@ -549,7 +554,7 @@ fn the_binary_takes_its_token_from_the_environment_and_refuses_open_listeners() 
         child.kill().unwrap();
         child.wait().unwrap();
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+    let out = common::dualedit_cmd()
         .args(["serve", "--model", "/nonexistent/model", "--listen", "0.0.0.0:0"])
         .env_remove("DUALEDIT_TOKEN")
         .output()

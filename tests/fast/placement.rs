@@ -2,7 +2,7 @@
 //! optimiser offload (`--optimizer-device`) run their cross-device code paths on one CPU
 //! through the mover ([`DevicePlan::split_on`]) and must give the single-device run's
 //! losses and metrics; the mover's byte counter shows what crosses.
-mod common;
+use crate::common;
 use common::{fixture, TRAIN_RECORDS};
 
 use dualedit::run::compare::{compare_eval, compare_train, Comparison};

@@ -1,8 +1,8 @@
 //! The multimodal default (issue #22): `pretrain --vl` on a tiny visual world (deterministic,
 //! learns, writes a directory the loader and image scoring accept), and the shipped
 //! `data/vl` default through `dualedit demo --multimodal`.
+use crate::common;
 use std::path::Path;
-use std::process::Command;
 
 use dualedit::data::multimodal::{ImageFile, VlPrompt};
 use dualedit::world::visual::{write_visual_world, VisualWorld, VisualWorldConfig};
@@ -63,7 +63,7 @@ fn pretrain_vl_is_deterministic_learns_and_loads() {
     // A Hugging Face directory the loader reads as Qwen2-VL, and image scoring accepts.
     let lm = dualedit::model::load_model(&a, Device::Cpu, tch::Kind::Float).unwrap();
     assert_eq!(lm.model.info().architecture, "Qwen2VLForConditionalGeneration");
-    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+    let out = common::dualedit_cmd()
         .args(["score", "--model"])
         .arg(&a)
         .args(["--image"])
@@ -87,7 +87,7 @@ fn pretrain_vl_names_a_missing_world() {
 fn multimodal_demo_shows_an_image_edit_and_five_metrics_quickly() {
     let _serial = serial();
     let start = std::time::Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_dualedit")).args(["demo", "--multimodal", "--json"]).output().unwrap();
+    let out = common::dualedit_cmd().args(["demo", "--multimodal", "--json"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let elapsed = start.elapsed();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -113,7 +113,7 @@ fn multimodal_demo_shows_an_image_edit_and_five_metrics_quickly() {
     assert!(v["holdout"]["image_locality_top1"].as_f64().is_some_and(|t| t >= 0.95), "{v}");
     assert!(v["holdout"]["n"].as_u64().unwrap_or(0) >= 50, "{v}");
     // The text output names the five metrics by both names.
-    let text = Command::new(env!("CARGO_BIN_EXE_dualedit")).args(["demo", "--multimodal"]).output().unwrap();
+    let text = common::dualedit_cmd().args(["demo", "--multimodal"]).output().unwrap();
     let stdout = String::from_utf8_lossy(&text.stdout);
     assert!(text.status.success(), "{}", String::from_utf8_lossy(&text.stderr));
     for needle in ["before:", "after:", "rephrase image:", "unrelated image:", "reliability", "image generality", "image locality"] {
@@ -133,7 +133,7 @@ fn multimodal_demo_shows_an_image_edit_and_five_metrics_quickly() {
 fn shipped_vl_model_reads_the_pictures() {
     let _serial = serial();
     tch::set_num_threads(1);
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/vl");
+    let root = common::root().join("data/vl");
     let world = root.join("world");
     let lm = load_model(&root.join("model"), Device::Cpu, Kind::Float).unwrap();
     let vl = lm.model.family().vision_language().expect("a vision-language model").clone();

@@ -1,7 +1,7 @@
 //! The device split on a CPU-only machine: a split plan on one device runs the replica,
 //! the mover, the worker thread and the cross-device backward, and must give the same
 //! numbers as the single-device run.
-mod common;
+use crate::common;
 use std::path::PathBuf;
 
 use common::{fixture, TRAIN_RECORDS};
@@ -113,7 +113,7 @@ fn memory_shim_reports_no_accelerator_cleanly_on_cpu() {
 }
 
 fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> std::process::Output {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_dualedit"));
+    let mut cmd = common::dualedit_cmd();
     cmd.args(args).env("OMP_NUM_THREADS", "1");
     for (k, v) in envs {
         cmd.env(k, v);
@@ -121,9 +121,6 @@ fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> std::process::Output {
     cmd.output().unwrap()
 }
 
-fn json_file(p: &std::path::Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
-}
 
 /// `compare train --device cpu --sub-device cpu:1` from the command line: the dual side
 /// takes the real split path (replica, then the layer split), the mover carries and counts
@@ -152,7 +149,7 @@ fn logical_cpu_device_runs_the_split_from_the_command_line() {
         let stdout = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "{placement}:\n{stderr}");
         assert!(stdout.contains("metrics agree: yes") && stdout.contains("cpu + cpu:1"), "{placement}:\n{stdout}");
-        let cmp = json_file(&out.join("compare.json"));
+        let cmp = common::json_file(&out.join("compare.json"));
         assert_eq!(cmp["metrics_agree"], true, "{cmp}");
         let single = cmp["single"]["metrics"].as_object().unwrap();
         assert!(single.len() >= 10, "{cmp}");
@@ -160,7 +157,7 @@ fn logical_cpu_device_runs_the_split_from_the_command_line() {
             let (a, b) = (a.as_f64().unwrap(), cmp["dual"]["metrics"][k].as_f64().unwrap());
             assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{placement} {k}: single {a} vs dual {b}");
         }
-        let dual = json_file(std::path::Path::new(cmp["dual"]["report"].as_str().unwrap()));
+        let dual = common::json_file(std::path::Path::new(cmp["dual"]["report"].as_str().unwrap()));
         assert_eq!(dual["devices"]["split"], true, "{dual}");
         assert_eq!((dual["devices"]["main"].as_str(), dual["devices"]["sub"].as_str()), (Some("cpu"), Some("cpu:1")));
         assert_eq!(dual["devices"]["placement"], placement);
@@ -168,7 +165,7 @@ fn logical_cpu_device_runs_the_split_from_the_command_line() {
         if placement == "balanced" {
             assert!(dual["moved"]["boundary_crossings"].as_u64().unwrap() > 0, "{}", dual["moved"]);
         }
-        let single_report = json_file(std::path::Path::new(cmp["single"]["report"].as_str().unwrap()));
+        let single_report = common::json_file(std::path::Path::new(cmp["single"]["report"].as_str().unwrap()));
         assert_eq!(single_report["moved"]["bytes_to_sub"], 0);
 
         // Progress: both runs write a line at every tenth of their 10 steps, with the
@@ -182,7 +179,7 @@ fn logical_cpu_device_runs_the_split_from_the_command_line() {
         assert!(!stderr.contains('\u{1b}'), "escape codes in a log:\n{stderr}");
 
         // The timeline: steady samples between the marks, from the start to the end.
-        let tl = json_file(std::path::Path::new(dual["timeline_file"].as_str().unwrap()));
+        let tl = common::json_file(std::path::Path::new(dual["timeline_file"].as_str().unwrap()));
         let samples = tl["samples"].as_array().unwrap();
         let ms: Vec<f64> = samples.iter().map(|s| s["elapsed_ms"].as_f64().unwrap()).collect();
         assert!(ms.windows(2).all(|w| w[1] >= w[0]));

@@ -1,16 +1,17 @@
 //! `dualedit report merge` (issue #38): reports the commands really write (a one-step
 //! `train` and an `eval` on the embedded default, a `compare.json` serialised from the
 //! library's own type) merged into one table and one JSON object; bad files refused.
+use crate::common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use dualedit::run::compare::{Comparison, Side};
 use dualedit::device::memory::RoleSummary;
 use serde_json::Value;
 
 fn dualedit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dualedit")).args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap()
+    common::dualedit_cmd().args(args).current_dir(env!("CARGO_MANIFEST_DIR")).output().unwrap()
 }
 
 fn ok(o: Output) -> String {
@@ -28,7 +29,7 @@ fn summary(device: &str, peak: u64) -> RoleSummary {
 
 /// A train and an eval report from the binary, and a compare.json of the library's type.
 fn reports(dir: &Path) -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = common::root();
     let cfg = dir.join("cfg.json");
     std::fs::write(&cfg, r#"{"rank": 16, "max_steps": 2, "accumulate": 1, "val_every": 1000, "val_records": 1, "max_length": 32}"#).unwrap();
     let (train, eval) = (dir.join("train.json"), dir.join("eval.json"));

@@ -1,6 +1,6 @@
 //! The commit guard (issue #24): harmless edits pass, an edit that would break the locality
 //! probes is scaled back or refused, and what it returns keeps the probes within bounds.
-mod common;
+use crate::common;
 use std::collections::HashMap;
 use std::path::Path;
 

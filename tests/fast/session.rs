@@ -2,7 +2,7 @@
 //! reset restores the original scores exactly, saved models and editors round-trip,
 //! typed errors for bad input, and greedy decoding with the KV cache equals recomputing
 //! the full prefix on every family.
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::path::Path;

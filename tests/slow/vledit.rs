@@ -8,7 +8,7 @@
 //! torchvision, `AutoProcessor` itself builds the references); without it those
 //! checks are skipped with a message, unless `DUALEDIT_REQUIRE_TRANSFORMERS=1` makes that a
 //! failure.
-mod common;
+use crate::common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -131,7 +131,7 @@ fn reference(py: &(PathBuf, Option<String>), args: &[&str]) -> Value {
 }
 
 fn dualedit(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_dualedit")).args(args).env("RUST_LOG", "warn").output().unwrap()
+    common::dualedit_cmd().args(args).env("RUST_LOG", "warn").output().unwrap()
 }
 
 fn ok(out: &std::process::Output, what: &str) -> String {

@@ -1,6 +1,6 @@
 //! The EasyEdit readers on the real shared datasets (`../shared/data`), skipped with a
 //! line on stderr when that folder is absent, a failure under `DUALEDIT_REQUIRE_SHARED=1`.
-mod common;
+use crate::common;
 
 use dualedit::data::easyedit::{load_records, DatasetKind};
 

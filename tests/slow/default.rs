@@ -1,7 +1,7 @@
 //! The embedded default: the build pipeline end to end at a small scale, the shipped
 //! default's quality on its held-out edits, and the demo command.
+use crate::common;
 use std::path::Path;
-use std::process::Command;
 
 use dualedit::config::MendConfig;
 use dualedit::world::text::WorldConfig;
@@ -118,7 +118,7 @@ fn walk(p: &Path) -> u64 {
 fn demo_shows_edits_metrics_and_memory_quickly() {
     let _serial = serial();
     let start = std::time::Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_dualedit")).args(["demo"]).output().unwrap();
+    let out = common::dualedit_cmd().args(["demo"]).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     for needle in ["before:", "after:", "rephrase after:", "unrelated:", "reliability", "generalization", "locality", "peak memory"] {

@@ -2,21 +2,15 @@
 //! held-out edits): a batch of edits and sequential edits change the answers they ask
 //! for, `--save` writes a model that carries them and leaves the source alone, and a
 //! session's reset puts back the exact scores of the unedited model.
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use dualedit::edit::session::{Session, SessionOptions};
 
-fn shipped() -> PathBuf {
-    common::init();
-    dualedit::bootstrap::demo::shipped_root()
-}
-
 /// The first `n` held-out records of the embedded default as a request file.
 fn requests(dir: &Path, n: usize) -> PathBuf {
-    let text = std::fs::read_to_string(shipped().join("world/edits-holdout.json")).unwrap();
+    let text = std::fs::read_to_string(common::shipped("world/edits-holdout.json")).unwrap();
     let all: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
     let path = dir.join(format!("first-{n}.json"));
     std::fs::write(&path, serde_json::to_string(&all[..n]).unwrap()).unwrap();
@@ -26,7 +20,7 @@ fn requests(dir: &Path, n: usize) -> PathBuf {
 /// Runs `dualedit edit` on `model` with `extra` flags and returns its one JSON object.
 fn edit(dir: &Path, model: &Path, requests: &Path, extra: &[&str]) -> serde_json::Value {
     let report = tempfile::NamedTempFile::new_in(dir).unwrap().into_temp_path().keep().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_dualedit"))
+    let out = common::dualedit_cmd()
         .args(["edit", "--model"])
         .arg(model)
         .arg("--requests")
@@ -53,7 +47,7 @@ fn answers(v: &serde_json::Value) -> Vec<(String, String)> {
 #[test]
 fn batch_and_sequential_mend_edits_change_the_answers() {
     let dir = tempfile::tempdir().unwrap();
-    let (model, editor) = (shipped().join("model"), shipped().join("editor"));
+    let (model, editor) = (common::shipped("model"), common::shipped("editor"));
     let editor = editor.to_str().unwrap();
     let two = requests(dir.path(), 2);
     let unedited = edit(dir.path(), &model, &two, &["--method", "unedited"]);
@@ -86,7 +80,7 @@ fn batch_and_sequential_mend_edits_change_the_answers() {
 
 #[test]
 fn reset_restores_the_unedited_scores_exactly() {
-    let root = shipped();
+    let root = common::shipped("");
     let text = std::fs::read_to_string(root.join("world/edits-holdout.json")).unwrap();
     let (records, _) =
         dualedit::data::easyedit::parse_records(&text, Path::new("edits-holdout.json"), dualedit::data::DatasetKind::Requests).unwrap();
