@@ -70,7 +70,7 @@ impl Setup {
         let model = var("DUALEDIT_BENCH_MODEL", "small");
         assert!(model == "small" || model == "tiny", "DUALEDIT_BENCH_MODEL must be small or tiny, not {model:?}");
         let side: u32 = var("DUALEDIT_BENCH_SIDE", "448").parse().expect("DUALEDIT_BENCH_SIDE: a number of pixels");
-        assert!(side >= 56 && side % 28 == 0, "DUALEDIT_BENCH_SIDE must be a multiple of 28 (≥ 56), not {side}");
+        assert!(side >= 56 && side.is_multiple_of(28), "DUALEDIT_BENCH_SIDE must be a multiple of 28 (≥ 56), not {side}");
         let kind = match var("DUALEDIT_BENCH_DTYPE", "f32").as_str() {
             "f32" => Kind::Float,
             "bf16" => Kind::BFloat16,
@@ -465,8 +465,8 @@ fn main() {
 
 /// The per-phase profile of a micro-step and of an edit (module doc, output 1).
 fn profile(engine: &Engine, editor: &mut Editor, adam: &mut Adam, ex: &EditExample, cfg: &MendConfig, json: &serde_json::Value, setup: &Setup) {
-    let sizes = Sizes::new(&engine, &json, &setup);
-    let b = EditBatches::for_config(&engine, &[ex], &cfg).expect("batches");
+    let sizes = Sizes::new(engine, json, setup);
+    let b = EditBatches::for_config(engine, &[ex], cfg).expect("batches");
     let (_, factors) = engine.capture(&b.inner).expect("capture");
     let rows_w: Vec<f64> = factors.iter().map(|f| f.x.size()[0] as f64).collect();
     let shape = EditorShape {
@@ -494,10 +494,10 @@ fn profile(engine: &Engine, editor: &mut Editor, adam: &mut Adam, ex: &EditExamp
     }
     adam.zero_grad();
     let editor_bwd = median(&mut editor_bwd);
-    let (mut per, wall) = phases(&engine, &setup, |engine| {
+    let (mut per, wall) = phases(engine, setup, |engine| {
         let tl = &engine.timeline;
         tl.span("main", "losses and the rest", || {
-            let b = tl.span("main", "images + collate", || EditBatches::for_config(engine, &[ex], &cfg)).expect("batches");
+            let b = tl.span("main", "images + collate", || EditBatches::for_config(engine, &[ex], cfg)).expect("batches");
             let (loss, _) = meta_loss(engine, editor, &b, true).expect("meta loss");
             tl.span("main", "backward", || (loss / cfg.accumulate as f64).backward());
         })
@@ -508,7 +508,7 @@ fn profile(engine: &Engine, editor: &mut Editor, adam: &mut Adam, ex: &EditExamp
     }
     adam.zero_grad();
     print_phases("meta-training micro-step", &per, wall, &phase_flops(&sizes, &b, &shape, &rows_w, false), peak);
-    let (per, wall) = phases(&engine, &setup, |engine| {
+    let (per, wall) = phases(engine, setup, |engine| {
         let _g = tch::no_grad_guard();
         let tl = &engine.timeline;
         tl.span("main", "losses and the rest", || {
