@@ -23,7 +23,8 @@
 //! 1. the per-phase profile of one meta-training micro-step and of one edit (mean of
 //!    `RUNS` after the warm-up, from the engine's phase timeline): milliseconds, GFLOP
 //!    counted from the batches' shapes, and GFLOP/s, beside a one-thread `Tensor::mm`
-//!    peak in f32 and bf16 (1024³);
+//!    peak in f32 and bf16 (1024³); the step's total also by this thread's CPU time
+//!    against the peak by CPU time (under load the wall clock deflates both);
 //! 2. medians (wall clock, and the thread's CPU time, which the other processes of a
 //!    shared machine disturb far less) of `train_microbatch` (images + `meta_loss` + backward), `adam_step`
 //!    (clipping + Adam over the editor) and `edit` (the edit image's features, capture,
@@ -181,17 +182,23 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// One-thread GEMM peak: the best GFLOP/s of `[n, n]·[n, n]` products of `kind`.
-fn gemm_peak(kind: Kind) -> f64 {
+/// One-thread GEMM peak: the best GFLOP/s of `[n, n]·[n, n]` products of `kind`, by the
+/// wall clock and by this thread's CPU time (which the machine's other processes do not
+/// deflate; see [`cpu_ms`]).
+fn gemm_peak(kind: Kind) -> (f64, f64) {
     let n = 1024;
     let (a, b) = (Tensor::randn([n, n], (kind, Device::Cpu)), Tensor::randn([n, n], (kind, Device::Cpu)));
-    let mut best = f64::MAX;
+    let (mut best, mut best_cpu) = (f64::MAX, f64::MAX);
     for _ in 0..8 {
-        let t = Instant::now();
+        let (t, c) = (Instant::now(), cpu_ms());
         let _ = std::hint::black_box(a.mm(&b));
         best = best.min(t.elapsed().as_secs_f64());
+        if let (Some(c0), Some(c1)) = (c, cpu_ms()) {
+            best_cpu = best_cpu.min((c1 - c0) / 1e3);
+        }
     }
-    2.0 * (n * n * n) as f64 / best / 1e9
+    let flops = 2.0 * (n * n * n) as f64 / 1e9;
+    (flops / best, if best_cpu > 0.0 && best_cpu < f64::MAX { flops / best_cpu } else { f64::NAN })
 }
 
 /// Rows of a batch (`B·T`, padding included: what its forward computes).
@@ -306,26 +313,31 @@ impl EditorShape {
 
 /// Mean milliseconds per phase over `runs` runs of `f` (after `warmup`), from the engine's
 /// timeline (nested spans' time given to the innermost), and the mean wall time.
-fn phases(engine: &Engine, setup: &Setup, mut f: impl FnMut(&Engine)) -> (BTreeMap<String, f64>, f64) {
+fn phases(engine: &Engine, setup: &Setup, mut f: impl FnMut(&Engine)) -> (BTreeMap<String, f64>, (f64, f64)) {
     for _ in 0..setup.warmup {
         f(engine);
     }
     let before = engine.timeline.spans().len();
     engine.timeline.set_on(true);
-    let t = Instant::now();
+    let (t, c) = (Instant::now(), cpu_ms());
     for i in 0..setup.runs {
         engine.timeline.at(i, 0);
         f(engine);
     }
     let wall = t.elapsed().as_secs_f64() * 1e3 / setup.runs as f64;
+    let cpu = match (c, cpu_ms()) {
+        (Some(a), Some(b)) => (b - a) / setup.runs as f64,
+        _ => f64::NAN,
+    };
     engine.timeline.set_on(false);
     let spans = engine.timeline.spans();
     let summary = dualedit::device::timeline::summarise(&spans[before.min(spans.len())..]);
     let per = summary.phase_s.into_iter().map(|(k, v)| (k.trim_start_matches("main/").to_string(), v * 1e3 / setup.runs as f64)).collect();
-    (per, wall)
+    (per, (wall, cpu))
 }
 
-fn print_phases(what: &str, per: &BTreeMap<String, f64>, wall: f64, flops: &BTreeMap<&'static str, f64>, peak: f64) {
+/// `wall`: wall-clock and CPU milliseconds per run; `peak`: the mm peak by each.
+fn print_phases(what: &str, per: &BTreeMap<String, f64>, (wall, cpu): (f64, f64), flops: &BTreeMap<&'static str, f64>, (peak, peak_cpu): (f64, f64)) {
     println!("{what}: {wall:.1} ms per run (phases: mean ms, GFLOP counted, GFLOP/s)");
     let mut total_flops = 0.0;
     for (phase, ms) in per {
@@ -335,6 +347,11 @@ fn print_phases(what: &str, per: &BTreeMap<String, f64>, wall: f64, flops: &BTre
         println!("  {phase:<28} {ms:9.1} ms {:5.1} % {gf:8.2} GFLOP {rate} GFLOP/s", 100.0 * ms / wall);
     }
     println!("  {:<28} {wall:9.1} ms         {total_flops:8.2} GFLOP {:7.1} GFLOP/s = {:.0} % of the one-thread mm peak ({peak:.1})", "total", total_flops / wall * 1e3, 100.0 * total_flops / wall * 1e3 / peak);
+    println!(
+        "  by CPU time: {cpu:.1} ms per run, {:.1} GFLOP/s = {:.0} % of the mm peak by CPU time ({peak_cpu:.1})",
+        total_flops / cpu * 1e3,
+        100.0 * total_flops / cpu * 1e3 / peak_cpu
+    );
 }
 
 /// The step of the A/B of #35: `before`, every forward from the embedding, the four
@@ -477,7 +494,10 @@ fn profile(engine: &Engine, editor: &mut Editor, adam: &mut Adam, ex: &EditExamp
     println!("factor rows per edited weight (rows with signal): {rows_w:?}");
     let peak32 = gemm_peak(Kind::Float);
     let peak16 = gemm_peak(Kind::BFloat16);
-    println!("one-thread mm peak (1024³): f32 {peak32:.1} GFLOP/s, bf16 {peak16:.1} GFLOP/s");
+    println!(
+        "one-thread mm peak (1024³), wall clock / CPU time: f32 {:.1} / {:.1} GFLOP/s, bf16 {:.1} / {:.1} GFLOP/s",
+        peak32.0, peak32.1, peak16.0, peak16.1
+    );
     let peak = if setup.kind == Kind::Float { peak32 } else { peak16 };
 
     // The editor's backward alone (same factors, random cotangents on its outputs): the
