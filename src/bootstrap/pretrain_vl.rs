@@ -24,7 +24,7 @@ use crate::data::Example;
 use crate::mend::losses;
 use crate::mend::optim::Adam;
 use crate::model::qwen2_vl::{ImageProcessorConfig, Qwen2Vl};
-use crate::model::{random_params, Model, ParamView, Tokenizer};
+use crate::model::{random_params, Model, ParamView, Tokenizer, VisionLanguage};
 use crate::bootstrap::pretrain::EOS;
 use crate::rng::SplitMix64;
 use crate::{Error, Result};
@@ -270,7 +270,7 @@ fn with_other_images(examples: &[Example]) -> Vec<Example> {
 }
 
 /// Share of `examples` whose whole answer is the top-1 continuation.
-pub fn vl_accuracy(model: &Model, vl: &Qwen2Vl, params: &ParamView, proc: &ImageProcessorConfig, pad: i64, examples: &[Example]) -> Result<f64> {
+pub fn vl_accuracy(model: &Model, vl: &dyn VisionLanguage, params: &ParamView, proc: &ImageProcessorConfig, pad: i64, examples: &[Example]) -> Result<f64> {
     let _g = tch::no_grad_guard();
     let none = HashSet::new();
     let mut right = 0usize;
@@ -313,10 +313,10 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     }
     let config = hf_config(cfg, tok.vocab_size(), &ids);
     crate::io::write_json_atomic(&out.join("preprocessor_config.json"), &preprocessor_config(&corpus))?;
-    let vl = Qwen2Vl::from_json(&config, "Qwen2VLForConditionalGeneration")?;
+    let model = Model::new(Qwen2Vl::from_json(&config, "Qwen2VLForConditionalGeneration")?);
+    let vl = model.family().vision_language().ok_or_else(|| Error::Internal("a Qwen2-VL model without its image side".into()))?;
     let proc = vl.image_processor(out)?;
-    let model = Model::new(vl.clone());
-    let data = build_data(&corpus, world, &tok, VlPrompt { vl: &vl, proc: &proc, template: crate::model::qwen2_vl::ChatTemplate::qwen2_vl() }, 400)?;
+    let data = build_data(&corpus, world, &tok, VlPrompt { vl, proc: &proc, template: crate::model::qwen2_vl::ChatTemplate::qwen2_vl() }, 400)?;
     let store = random_params(&model, device, Kind::Float, cfg.seed as i64);
     let (vision, text): (Vec<_>, Vec<_>) = store.iter().partition(|(n, _)| n.starts_with("visual."));
     let grad = |v: Vec<(&String, &Tensor)>| -> Vec<Tensor> { v.into_iter().map(|(_, t)| t.set_requires_grad(true)).collect() };
@@ -331,10 +331,10 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     let probe = |acc: &mut VlAccuracy| -> Result<()> {
         let p = ParamView::frozen(&store);
         *acc = VlAccuracy {
-            original: vl_accuracy(&model, &vl, &p, &proc, pad, &data.probe_original)?,
-            rephrase_image: vl_accuracy(&model, &vl, &p, &proc, pad, &data.probe_rephrase)?,
-            text: vl_accuracy(&model, &vl, &p, &proc, pad, &data.probe_text)?,
-            other_image: vl_accuracy(&model, &vl, &p, &proc, pad, &data.probe_other)?,
+            original: vl_accuracy(&model, vl, &p, &proc, pad, &data.probe_original)?,
+            rephrase_image: vl_accuracy(&model, vl, &p, &proc, pad, &data.probe_rephrase)?,
+            text: vl_accuracy(&model, vl, &p, &proc, pad, &data.probe_text)?,
+            other_image: vl_accuracy(&model, vl, &p, &proc, pad, &data.probe_other)?,
         };
         Ok(())
     };
@@ -353,7 +353,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
         }
         let p = ParamView::frozen(&store);
         loss_v = crate::error::guard(|| {
-            let b = match StepImages::compute_trainable(&vl, &p, &proc, &batch)? {
+            let b = match StepImages::compute_trainable(vl, &p, &proc, &batch)? {
                 Some(imgs) => imgs.collate(&batch, pad, device)?,
                 None => crate::data::TokenBatch::collate(&batch, pad, device),
             };

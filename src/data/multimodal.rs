@@ -29,8 +29,8 @@ use super::batch::{EditExample, Example, ImageRef, TokenBatch};
 use super::easyedit::DatasetKind;
 use super::examples::{OverLong, Prepared};
 pub use crate::model::qwen2_vl::ChatTemplate;
-use crate::model::qwen2_vl::{image, Grid, ImageProcessorConfig, Qwen2Vl};
-use crate::model::{ParamView, Tokenizer};
+use crate::model::qwen2_vl::{image, Grid, ImageProcessorConfig};
+use crate::model::{ParamView, Tokenizer, VisionLanguage};
 use crate::{Error, Result};
 
 /// Where the relative image paths of a multimodal file point.
@@ -138,37 +138,15 @@ pub struct MmLoad {
     pub no_rephrase: usize,
 }
 
-/// Pillow's `Image.MAX_IMAGE_PIXELS`: larger images are refused from their header, before
-/// anything is decoded (a small file can declare a huge image).
-pub const MAX_IMAGE_PIXELS: u64 = 178_956_970;
+pub use crate::model::qwen2_vl::image::MAX_IMAGE_PIXELS;
 
-/// Opens and decodes the whole image at `p` (format by content, not by name), so a file
-/// whose header is fine but whose data is truncated or corrupt is found now. Returns
-/// `(height, width)`; the reason otherwise. A path that is not a regular file (a FIFO, a
-/// device) is refused before it is opened, as opening it could block.
+/// Opens and decodes the whole image at `p` the one way every image is read
+/// ([`image::open_checked`]: regular file, size cap, PNG or JPEG by content, pixel bound
+/// from the header, full decode), so a file whose header is fine but whose data is
+/// truncated or corrupt is found now. Returns `(height, width)`; the reason, naming the
+/// file, otherwise.
 pub fn decode_check(p: &Path) -> std::result::Result<(i64, i64), String> {
-    let meta = match std::fs::metadata(p) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(format!("{}: image file not found", p.display())),
-        Err(e) => return Err(format!("{}: cannot read the image: {e}", p.display())),
-    };
-    if !meta.is_file() {
-        return Err(format!("{}: not a regular file", p.display()));
-    }
-    let open = || {
-        ::image::io::Reader::open(p)
-            .and_then(|r| r.with_guessed_format())
-            .map_err(|e| format!("{}: cannot read the image: {e}", p.display()))
-    };
-    let (w, h) = open()?.into_dimensions().map_err(|e| format!("{}: unreadable image: {e}", p.display()))?;
-    if w == 0 || h == 0 {
-        return Err(format!("{}: image has no pixels", p.display()));
-    }
-    if u64::from(w) * u64::from(h) > MAX_IMAGE_PIXELS {
-        return Err(format!("{}: {w}×{h} pixels is more than the {MAX_IMAGE_PIXELS} Pillow accepts", p.display()));
-    }
-    open()?.decode().map_err(|e| format!("{}: unreadable image (truncated or corrupt?): {e}", p.display()))?;
-    Ok((h as i64, w as i64))
+    image::open_checked(p).map(|img| (img.height as i64, img.width as i64)).map_err(|e| e.to_string())
 }
 
 /// Reads an E-VQA (`DatasetKind::Vqa`) or E-IC (`DatasetKind::Caption`) file.
@@ -285,7 +263,7 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
 /// What turns text + image into the tokens of a vision-language model.
 #[derive(Clone, Copy)]
 pub struct VlPrompt<'a> {
-    pub vl: &'a Qwen2Vl,
+    pub vl: &'a dyn VisionLanguage,
     pub proc: &'a ImageProcessorConfig,
     /// The checkpoint's chat template ([`ChatTemplate::load`]; [`ChatTemplate::qwen2_vl`]
     /// for Qwen2-VL's default).
@@ -310,7 +288,7 @@ impl VlPrompt<'_> {
         if start >= full.len() {
             return Err(Error::input(format!("answer {answer:?} adds no token after {text:?}")));
         }
-        let pad = self.vl.config.tokens.image_pad;
+        let pad = self.vl.tokens().image_pad;
         let at: Vec<usize> = full[..start].iter().enumerate().filter(|(_, &t)| t == pad).map(|(i, _)| i).collect();
         if at.len() != 1 {
             return Err(Error::input(format!(
@@ -351,7 +329,7 @@ pub fn prepare_mm(tok: &Tokenizer, vp: VlPrompt, load: &MmLoad, max_len: usize, 
             let mut views = Vec::with_capacity(5);
             for (name, e) in built {
                 let e = e.map_err(fail)?;
-                let image_tokens = e.ids.iter().filter(|&&t| t == vp.vl.config.tokens.image_pad).count();
+                let image_tokens = e.ids.iter().filter(|&&t| t == vp.vl.tokens().image_pad).count();
                 let text = e.ids.len() - image_tokens;
                 let why = if e.ids.len() > context {
                     Some(format!("{name} is {} tokens, longer than the model's context of {context}", e.ids.len()))
@@ -401,24 +379,24 @@ pub fn prepare_mm(tok: &Tokenizer, vp: VlPrompt, load: &MmLoad, max_len: usize, 
 /// (one optimiser micro-step, one evaluated edit), computed once and shared by every view
 /// that shows the image; on the device of the weights they were computed with (main).
 pub struct StepImages<'a> {
-    vl: &'a Qwen2Vl,
+    vl: &'a dyn VisionLanguage,
     feats: HashMap<PathBuf, Tensor>,
 }
 
 impl<'a> StepImages<'a> {
     /// Features `[n_i, D]` of each distinct image of `examples`, from one tower forward;
     /// `None` when no example has an image.
-    pub fn compute(vl: &'a Qwen2Vl, params: &ParamView, proc: &ImageProcessorConfig, examples: &[&Example]) -> Result<Option<Self>> {
+    pub fn compute(vl: &'a dyn VisionLanguage, params: &ParamView, proc: &ImageProcessorConfig, examples: &[&Example]) -> Result<Option<Self>> {
         Self::compute_with(vl, params, proc, examples, false)
     }
 
     /// [`StepImages::compute`] with the vision tower in the autograd graph, for
     /// pretraining, which trains the tower through the features.
-    pub fn compute_trainable(vl: &'a Qwen2Vl, params: &ParamView, proc: &ImageProcessorConfig, examples: &[&Example]) -> Result<Option<Self>> {
+    pub fn compute_trainable(vl: &'a dyn VisionLanguage, params: &ParamView, proc: &ImageProcessorConfig, examples: &[&Example]) -> Result<Option<Self>> {
         Self::compute_with(vl, params, proc, examples, true)
     }
 
-    fn compute_with(vl: &'a Qwen2Vl, params: &ParamView, proc: &ImageProcessorConfig, examples: &[&Example], trainable: bool) -> Result<Option<Self>> {
+    fn compute_with(vl: &'a dyn VisionLanguage, params: &ParamView, proc: &ImageProcessorConfig, examples: &[&Example], trainable: bool) -> Result<Option<Self>> {
         let mut order: Vec<&ImageRef> = Vec::new();
         for r in examples.iter().filter_map(|e| e.image.as_ref()) {
             if !order.iter().any(|o| o.path == r.path) {
@@ -441,7 +419,7 @@ impl<'a> StepImages<'a> {
         let feats = crate::error::guard(|| {
             let pixels = Tensor::cat(&pixels, 0).to_device(params.device());
             let all = if trainable { vl.image_features_trainable(params, &pixels, &grids)? } else { vl.image_features(params, &pixels, &grids)? };
-            let merge = vl.config.vision.merge_unit();
+            let merge = vl.merge_unit();
             let sizes: Vec<i64> = grids.iter().map(|g| g.iter().product::<i64>() / merge).collect();
             Ok(all.split_with_sizes(sizes.as_slice(), 0))
         })?;

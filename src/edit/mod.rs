@@ -22,7 +22,8 @@ use eval::RecordMetrics;
 use crate::mend::ls::{KeyMemory, LsChoice, LsEditor};
 use crate::mend::{checkpoint, Editor, Engine};
 use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
-use crate::model::qwen2_vl::{Grid, Qwen2Vl};
+use crate::model::qwen2_vl::Grid;
+use crate::model::VisionLanguage;
 use crate::{Error, Result};
 
 /// How an edit is made. One per session, so the editor is kept inline rather than boxed.
@@ -373,7 +374,7 @@ pub fn greedy(lm: &LoadedModel, params: &ParamView, prompt: &[i64], max_new: usi
 pub fn greedy_with_images(
     lm: &LoadedModel,
     params: &ParamView,
-    (vl, feats, grids): (&Qwen2Vl, &Tensor, &[Grid]),
+    (vl, feats, grids): (&dyn VisionLanguage, &Tensor, &[Grid]),
     prompt: &[i64],
     max_new: usize,
     eos: &[i64],
@@ -384,7 +385,7 @@ pub fn greedy_with_images(
     let _g = tch::no_grad_guard();
     let device = params.device();
     let max = lm.model.info().max_positions.max(0) as usize;
-    let t = &vl.config.tokens;
+    let t = vl.tokens();
     let vision = [t.image_pad, t.vision_start, t.vision_end];
     let none = Default::default();
     let mut ids = prompt.to_vec();
@@ -434,7 +435,7 @@ pub fn answer(engine: &Engine, e: &Example) -> Result<String> {
     let images = engine.images(&[e])?;
     let vision: Vec<i64> = match lm.model.family().vision_language() {
         Some(vl) => {
-            let t = &vl.config.tokens;
+            let t = vl.tokens();
             vec![t.image_pad, t.vision_start, t.vision_end]
         }
         None => Vec::new(),

@@ -5,8 +5,8 @@ use std::path::Path;
 use serde::Serialize;
 use tch::{Kind, Tensor};
 
-use crate::model::qwen2_vl::{image, Grid, Qwen2Vl};
-use crate::model::{ForwardInput, LoadedModel, ParamView};
+use crate::model::qwen2_vl::{image, Grid};
+use crate::model::{ForwardInput, LoadedModel, ParamView, VisionLanguage};
 use crate::{Error, Result};
 
 #[derive(Debug, Clone, Serialize)]
@@ -71,7 +71,7 @@ pub fn score_with_images(lm: &LoadedModel, params: &ParamView, text: &str, image
         return Err(Error::input(format!("text {text:?} encodes to no tokens")));
     }
     let ImagePrompt { vl, mut ids, feats, grids } = image_prompt(lm, params, images, tokens.len())?;
-    let image_tokens = ids.iter().filter(|&&t| t == vl.config.tokens.image_pad).count();
+    let image_tokens = ids.iter().filter(|&&t| t == vl.tokens().image_pad).count();
     ids.extend_from_slice(&tokens);
     let logprobs = crate::error::guard(|| {
         let _guard = tch::no_grad_guard();
@@ -98,7 +98,7 @@ pub fn score_with_images(lm: &LoadedModel, params: &ParamView, text: &str, image
 /// (in order), the frozen tower's features `[Σ merged patches, D]` of all of them, and
 /// their grids (for the M-RoPE positions).
 pub struct ImagePrompt<'a> {
-    pub vl: &'a Qwen2Vl,
+    pub vl: &'a dyn VisionLanguage,
     pub ids: Vec<i64>,
     pub feats: Tensor,
     pub grids: Vec<Grid>,
@@ -116,7 +116,6 @@ pub fn image_prompt<'a>(lm: &'a LoadedModel, params: &ParamView, images: &[&Path
             lm.model.info().architecture
         )));
     };
-    let v = &vl.config.vision;
     let max = lm.model.info().max_positions;
     // Bounded before any image is resized: no image may take more than the context.
     let proc = vl.image_processor(&lm.dir)?.with_max_tokens(max - 2);
@@ -130,7 +129,7 @@ pub fn image_prompt<'a>(lm: &'a LoadedModel, params: &ParamView, images: &[&Path
                 path,
                 format!(
                     "the image takes {} tokens ({}×{} pixels after resizing); with the text's {text_len} that is more than the model's context of {max}",
-                    img.n_tokens(v.spatial_merge_size) + 2,
+                    img.n_tokens(vl.merge_size()) + 2,
                     img.resized.1,
                     img.resized.0,
                 ),
@@ -145,7 +144,7 @@ pub fn image_prompt<'a>(lm: &'a LoadedModel, params: &ParamView, images: &[&Path
         vl.image_features(params, &pixels, &grids)
     })?;
     let paths: Vec<&Path> = prepared.iter().map(|p| p.path.as_path()).collect();
-    crate::model::qwen2_vl::vision::check_finite_features(&feats, &grids, v.spatial_merge_size, &paths)?;
+    crate::model::qwen2_vl::vision::check_finite_features(&feats, &grids, vl.merge_size(), &paths)?;
     Ok(ImagePrompt { vl, ids, feats, grids })
 }
 

@@ -2,14 +2,19 @@
 //!
 //! Everything the rest of the crate knows about an architecture comes through [`Family`]:
 //! the forward dispatcher ([`super::Model`]), the loader (tensor names and shapes) and the
-//! memory planner (sizes, and what a block's forward keeps for the backward). Adding a
-//! family is one new file implementing this trait plus its entry in
-//! [`super::loader::FAMILIES`].
-use std::collections::{BTreeMap, HashSet};
+//! memory planner (sizes, and what a block's forward keeps for the backward); the image
+//! side of a vision-language family comes through [`VisionLanguage`]. Adding a family is
+//! one new file (or folder) implementing them, its `pub mod` line and its entry in
+//! [`super::loader::FAMILIES`] (ARCHITECTURE.md, "How to add a model family").
+use std::path::Path;
 
 use tch::Tensor;
 
-use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
+use super::layers::Linear;
+use super::params::Prefix;
+use super::{BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
+use super::qwen2_vl::config::VisionTokens;
+use super::qwen2_vl::{Grid, ImageProcessorConfig};
 use crate::Result;
 
 /// The sizes of a decoder that the memory planner needs.
@@ -65,6 +70,12 @@ pub trait Family: std::fmt::Debug + Send + Sync {
     /// Prefix of per-block parameter names, up to the block index (`model.layers.`).
     fn block_prefix(&self) -> &'static str;
 
+    /// The module path of block `i` (`model.layers.3`), under which the block's layers
+    /// name their tensors.
+    fn block_path(&self, i: usize) -> Prefix {
+        Prefix::new(format!("{}{i}", self.block_prefix()))
+    }
+
     /// The name this family reads a checkpoint tensor under (older writers dropped or
     /// changed prefixes); identity by default.
     fn canonical_name(&self, name: &str) -> String {
@@ -75,19 +86,10 @@ pub trait Family: std::fmt::Debug + Send + Sync {
     /// `past` is the number of tokens already in a KV cache (0 without one).
     fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)>;
 
-    /// Block `i` (0-based) applied to its input `x` `[B, T, D]`; records `(x, h)` of the
-    /// layers whose weights are in `capture`, and extends `cache` when there is one.
-    #[allow(clippy::too_many_arguments)]
-    fn block(
-        &self,
-        p: &ParamView,
-        i: usize,
-        x: &Tensor,
-        ctx: &BlockContext,
-        capture: &HashSet<String>,
-        captures: &mut BTreeMap<String, Capture>,
-        cache: Option<&mut KvCache>,
-    ) -> Result<Tensor>;
+    /// Block `io.layer` (0-based) applied to its input `io.x` `[B, T, D]`; records `(x, h)`
+    /// of the layers whose weights are in `io.capture`, and extends `io.cache` when there
+    /// is one.
+    fn block(&self, io: BlockIo) -> Result<Tensor>;
 
     /// The final norm over the last block's output, `[.., D]` -> `[.., D]`.
     fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor>;
@@ -133,7 +135,7 @@ pub trait Family: std::fmt::Debug + Send + Sync {
     /// What block `matrices`' forward keeps for the backward at `s` bytes per element,
     /// given whether its input requires grad and which of its matrices are edited (names
     /// relative to the block, without `.weight`: `mlp.up_proj`). Must follow
-    /// [`Family::block`] op by op; `tests/planner.rs` measures it against the real forward.
+    /// [`Family::block`] op by op; `tests/slow/planner.rs` measures it against the real forward.
     fn block_saved(&self, s: i64, input_requires_grad: bool, edited: &[String]) -> BlockSaved;
 
     /// Bytes per token the final norm saves when its input requires grad.
@@ -144,9 +146,57 @@ pub trait Family: std::fmt::Debug + Send + Sync {
 
     /// The image side of a vision-language family (vision tower, prompt layout, M-RoPE
     /// positions); `None` for text-only families.
-    fn vision_language(&self) -> Option<&super::qwen2_vl::Qwen2Vl> {
+    fn vision_language(&self) -> Option<&dyn VisionLanguage> {
         None
     }
+}
+
+/// The image side of a vision-language family: everything the rest of the crate needs to
+/// put images into a prompt and a forward, so that callers outside `model/` never name a
+/// concrete family. A second VL family implements this next to [`Family`] and returns
+/// itself from [`Family::vision_language`].
+///
+/// Image features are inputs of a forward like token ids ([`ForwardInput::image_embeds`],
+/// positions in [`ForwardInput::position_ids`]); the tower is frozen, so they are computed
+/// once per image.
+pub trait VisionLanguage: std::fmt::Debug + Send + Sync {
+    /// The special tokens an image prompt is made of.
+    fn tokens(&self) -> VisionTokens;
+
+    /// Patches per side merged into one text token (`spatial_merge_size`).
+    fn merge_size(&self) -> i64;
+
+    /// Patches merged into one text token (`merge_size²`).
+    fn merge_unit(&self) -> i64 {
+        self.merge_size() * self.merge_size()
+    }
+
+    /// Merged image tokens `[N, D]` for the images' pixel values `[P, patch_dim]` and
+    /// grids (`P = Σ t·h·w`, `N = P / merge_unit`), in the weights' dtype, without
+    /// autograd: compute once per image and pass as [`ForwardInput::image_embeds`].
+    fn image_features(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor>;
+
+    /// [`VisionLanguage::image_features`] under the caller's autograd mode: pretraining
+    /// trains the vision tower, so its features must keep the graph back to the tower's
+    /// weights. Editing never calls this.
+    fn image_features_trainable(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor>;
+
+    /// The token ids an image of `grid` takes in a prompt (start marker, one pad per
+    /// merged patch, end marker).
+    fn image_prompt(&self, grid: &Grid) -> Vec<i64>;
+
+    /// Rotary position ids `[3, T]` (temporal, height, width) for one unpadded sequence
+    /// whose image runs show `grids` in order.
+    fn mrope_positions(&self, ids: &[i64], grids: &[Grid]) -> Result<Tensor>;
+
+    /// The image processor of the model in `dir` (`preprocessor_config.json`, its
+    /// defaults when absent), checked against the model's vision tower.
+    fn image_processor(&self, dir: &Path) -> Result<ImageProcessorConfig>;
+
+    /// Bytes alive at the peak of the tower's forward (without grad) over one image of
+    /// `grid` at `s` bytes per element, and the formula as text for the plan: the
+    /// planner's image cost, described by the family that knows its tower.
+    fn vision_forward_bytes(&self, grid: &Grid, s: i64) -> (i64, String);
 }
 
 /// What a block's matmuls save, for [`Family::block_saved`]: a matmul saves its input when
@@ -176,6 +226,12 @@ impl<'a> MatmulSaves<'a> {
         }
         input_rg || edited
     }
+}
+
+/// The layout of `name` when it is the weight of one of a block's `linears` (`<prefix><i>.<linear>.weight`).
+pub fn block_layout(prefix: &str, name: &str, linears: &[&Linear]) -> Option<WeightLayout> {
+    let (_, m) = split_block_name(prefix, name)?;
+    linears.iter().find(|l| l.name == m).map(|l| l.layout)
 }
 
 /// Block index and matrix (`mlp.c_fc`) of a weight named `<prefix><i>.<matrix>.weight`.

@@ -1,12 +1,12 @@
 //! GPT-2 (`GPT2LMHeadModel`), matching Hugging Face transformers numerically.
-use std::collections::{BTreeMap, HashSet};
 
 use serde::Deserialize;
 use tch::Tensor;
 
-use super::family::{BlockSaved, Dims, Family, MatmulSaves};
-use super::{attend, check_sizes, linear_captured, position_ids, Activation, AttnMask, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH};
-use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
+use super::family::{block_layout, BlockSaved, Dims, Family, MatmulSaves};
+use super::layers::{declare_all, Layer, Linear, Norm, Param, ParamList};
+use super::{attend, check_sizes, position_ids, Prefix, Activation, AttnMask, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH};
+use super::{BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
@@ -72,10 +72,47 @@ impl Gpt2 {
         self.config.n_inner.unwrap_or(4 * self.config.n_embd)
     }
 
-    fn layer_norm(p: &ParamView, prefix: &str, x: &Tensor, eps: f64) -> Result<Tensor> {
-        let w = p.get(&format!("{prefix}.weight"))?;
-        let b = p.get(&format!("{prefix}.bias"))?;
-        Ok(x.layer_norm([*x.size().last().unwrap_or(&1)], Some(w), Some(b), eps, false))
+    /// The final layer norm.
+    fn ln_f(&self) -> Norm {
+        Norm::layer("transformer.ln_f", self.config.n_embd, self.config.layer_norm_epsilon)
+    }
+
+    /// Every layer of a block, named once (relative to `transformer.h.<i>`).
+    fn block_layers(&self) -> Block {
+        let (d, f, eps) = (self.config.n_embd, self.inner(), self.config.layer_norm_epsilon);
+        Block {
+            ln_1: Norm::layer("ln_1", d, eps),
+            c_attn: Linear::conv1d("attn.c_attn", d, 3 * d),
+            attn_proj: Linear::conv1d("attn.c_proj", d, d),
+            ln_2: Norm::layer("ln_2", d, eps),
+            c_fc: Linear::conv1d("mlp.c_fc", d, f),
+            mlp_proj: Linear::conv1d("mlp.c_proj", f, d),
+        }
+    }
+}
+
+/// The token embedding `[vocab, D]`, also the LM head's weight (tied).
+const WTE: &str = "transformer.wte.weight";
+/// The position embedding `[n_positions, D]`.
+const WPE: &str = "transformer.wpe.weight";
+
+/// A GPT-2 block's layers, in the order they run (and are listed).
+struct Block {
+    ln_1: Norm,
+    c_attn: Linear,
+    attn_proj: Linear,
+    ln_2: Norm,
+    c_fc: Linear,
+    mlp_proj: Linear,
+}
+
+impl Block {
+    fn layers(&self) -> [&dyn Layer; 6] {
+        [&self.ln_1, &self.c_attn, &self.attn_proj, &self.ln_2, &self.c_fc, &self.mlp_proj]
+    }
+
+    fn linears(&self) -> [&Linear; 4] {
+        [&self.c_attn, &self.attn_proj, &self.c_fc, &self.mlp_proj]
     }
 }
 
@@ -93,50 +130,26 @@ impl Family for Gpt2 {
     }
 
     fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
-        let (d, f, v) = (self.config.n_embd, self.inner(), self.config.vocab_size);
-        let mut out = vec![
-            ("transformer.wte.weight".to_string(), vec![v, d]),
-            ("transformer.wpe.weight".to_string(), vec![self.config.n_positions, d]),
-            ("transformer.ln_f.weight".to_string(), vec![d]),
-            ("transformer.ln_f.bias".to_string(), vec![d]),
-        ];
-        for i in 0..self.config.n_layer {
-            let p = format!("transformer.h.{i}");
-            for (name, shape) in [
-                ("ln_1.weight", vec![d]),
-                ("ln_1.bias", vec![d]),
-                ("attn.c_attn.weight", vec![d, 3 * d]),
-                ("attn.c_attn.bias", vec![3 * d]),
-                ("attn.c_proj.weight", vec![d, d]),
-                ("attn.c_proj.bias", vec![d]),
-                ("ln_2.weight", vec![d]),
-                ("ln_2.bias", vec![d]),
-                ("mlp.c_fc.weight", vec![d, f]),
-                ("mlp.c_fc.bias", vec![f]),
-                ("mlp.c_proj.weight", vec![f, d]),
-                ("mlp.c_proj.bias", vec![d]),
-            ] {
-                out.push((format!("{p}.{name}"), shape));
-            }
+        let c = &self.config;
+        let mut out = ParamList::new();
+        let top: [&dyn Layer; 3] =
+            [&Param { name: WTE, shape: vec![c.vocab_size, c.n_embd] }, &Param { name: WPE, shape: vec![c.n_positions, c.n_embd] }, &self.ln_f()];
+        declare_all(&top, &Prefix::default(), &mut out);
+        let block = self.block_layers();
+        for i in 0..c.n_layer.max(0) as usize {
+            declare_all(&block.layers(), &self.block_path(i), &mut out);
         }
         out
     }
 
     fn layout(&self, name: &str) -> Option<WeightLayout> {
-        let is_linear = name.starts_with("transformer.h.")
-            && [".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"]
-                .iter()
-                .any(|s| name.ends_with(s));
-        is_linear.then_some(WeightLayout::Conv1d)
+        block_layout(self.block_prefix(), name, &self.block_layers().linears())
     }
 
     fn default_edit_params(&self) -> Vec<String> {
         let n = self.config.n_layer;
-        ((n - 3).max(0)..n)
-            .flat_map(|i| {
-                ["c_fc", "c_proj"].map(|m| format!("transformer.h.{i}.mlp.{m}.weight"))
-            })
-            .collect()
+        let b = self.block_layers();
+        ((n - 3).max(0)..n).flat_map(|i| [b.c_fc, b.mlp_proj].map(|l| self.block_path(i as usize).pp(l.name).name("weight"))).collect()
     }
 
     fn block_prefix(&self) -> &'static str {
@@ -160,29 +173,20 @@ impl Family for Gpt2 {
             pos += past;
         }
         let mask = AttnMask::new(input.attention_mask, t, past, input.input_ids.device());
-        let x = Tensor::embedding(p.get("transformer.wte.weight")?, input.input_ids, -1, false, false)
-            + Tensor::embedding(p.get("transformer.wpe.weight")?, &pos, -1, false, false);
+        let x = Tensor::embedding(p.get(WTE)?, input.input_ids, -1, false, false) + Tensor::embedding(p.get(WPE)?, &pos, -1, false, false);
         Ok((x, BlockContext { batch: b, tokens: t, mask, rope: None }))
     }
 
     /// Block `i`: attention and MLP, each behind a pre-norm and a residual connection.
-    fn block(
-        &self,
-        p: &ParamView,
-        i: usize,
-        x: &Tensor,
-        ctx: &BlockContext,
-        capture: &HashSet<String>,
-        captures: &mut BTreeMap<String, Capture>,
-        cache: Option<&mut KvCache>,
-    ) -> Result<Tensor> {
+    fn block(&self, io: BlockIo) -> Result<Tensor> {
+        let BlockIo { params: p, layer: i, x, ctx, capture, captures, cache } = io;
         let c = &self.config;
         let (b, t) = (ctx.batch, ctx.tokens);
         let (nh, hd) = (c.n_head, c.n_embd / c.n_head);
-        let conv = WeightLayout::Conv1d;
-        let pre = format!("transformer.h.{i}");
-        let h = Self::layer_norm(p, &format!("{pre}.ln_1"), x, c.layer_norm_epsilon)?;
-        let qkv = linear_captured(p, capture, captures, conv, &format!("{pre}.attn.c_attn"), &h, true)?;
+        let l = self.block_layers();
+        let s = p.pp(&self.block_path(i));
+        let h = l.ln_1.forward(&s, x)?;
+        let qkv = l.c_attn.forward(&s, capture, captures, &h)?;
         let heads = |t_: &Tensor| t_.reshape([b, t, nh, hd]).transpose(1, 2);
         let parts = qkv.split(c.n_embd, 2);
         let (k, v) = (heads(&parts[1]), heads(&parts[2]));
@@ -192,23 +196,23 @@ impl Family for Gpt2 {
         };
         let y = attend(&heads(&parts[0]), &k, &v, &ctx.mask);
         let y = y.transpose(1, 2).reshape([b, t, c.n_embd]);
-        let y = linear_captured(p, capture, captures, conv, &format!("{pre}.attn.c_proj"), &y, true)?;
+        let y = l.attn_proj.forward(&s, capture, captures, &y)?;
         let x = x + y;
-        let h = Self::layer_norm(p, &format!("{pre}.ln_2"), &x, c.layer_norm_epsilon)?;
-        let h = linear_captured(p, capture, captures, conv, &format!("{pre}.mlp.c_fc"), &h, true)?;
+        let h = l.ln_2.forward(&s, &x)?;
+        let h = l.c_fc.forward(&s, capture, captures, &h)?;
         let h = c.activation_function.apply(&h);
-        let h = linear_captured(p, capture, captures, conv, &format!("{pre}.mlp.c_proj"), &h, true)?;
+        let h = l.mlp_proj.forward(&s, capture, captures, &h)?;
         Ok(x + h)
     }
 
     /// Final layer norm over the last block's output.
     fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
-        Self::layer_norm(p, "transformer.ln_f", x, self.config.layer_norm_epsilon)
+        self.ln_f().forward(&p.pp(&Prefix::default()), x)
     }
 
     /// The LM head's weight (tied to the token embedding).
     fn head_weight_name(&self) -> &'static str {
-        "transformer.wte.weight"
+        WTE
     }
 
     fn dims(&self) -> Dims {
@@ -221,37 +225,39 @@ impl Family for Gpt2 {
     /// requires grad; SDPA saves q, k, v, its output and the logsumexp; GELU its input.
     fn block_saved(&self, s: i64, res_rg: bool, edited: &[String]) -> BlockSaved {
         let Dims { d, f, heads: h, .. } = self.dims();
+        let l = self.block_layers();
+        let (c_attn, attn_proj, c_fc, mlp_proj) = (l.c_attn.name, l.attn_proj.name, l.c_fc.name, l.mlp_proj.name);
         let mut mm = MatmulSaves::new(edited);
         let mut bytes = 0i64;
         if res_rg {
             bytes += d * s + 8; // ln_1: input, mean, rstd (f32)
         }
-        if mm.is_edited("attn.c_attn") {
+        if mm.is_edited(c_attn) {
             bytes += d * s; // ln_1 output, input of an edited matmul
         }
-        let qkv_rg = mm.matmul(res_rg, "attn.c_attn");
+        let qkv_rg = mm.matmul(res_rg, c_attn);
         if qkv_rg {
             bytes += 3 * d * s + d * s + h * 4; // SDPA: q, k, v (one qkv tensor), output, logsumexp
         }
-        if mm.is_edited("attn.c_proj") {
+        if mm.is_edited(attn_proj) {
             bytes += d * s; // contiguous copy of the attention output
         }
-        let a_rg = mm.matmul(qkv_rg, "attn.c_proj");
+        let a_rg = mm.matmul(qkv_rg, attn_proj);
         let x1_rg = res_rg || a_rg;
         if x1_rg {
             bytes += d * s + 8; // ln_2
         }
-        if mm.is_edited("mlp.c_fc") {
+        if mm.is_edited(c_fc) {
             bytes += d * s;
         }
-        let fc_rg = mm.matmul(x1_rg, "mlp.c_fc");
+        let fc_rg = mm.matmul(x1_rg, c_fc);
         if fc_rg {
             bytes += f * s; // gelu input
         }
-        if mm.is_edited("mlp.c_proj") {
+        if mm.is_edited(mlp_proj) {
             bytes += f * s; // gelu output
         }
-        let o_rg = mm.matmul(fc_rg, "mlp.c_proj");
+        let o_rg = mm.matmul(fc_rg, mlp_proj);
         BlockSaved { per_token: bytes, output_requires_grad: x1_rg || o_rg, weights_kept: mm.kept }
     }
 

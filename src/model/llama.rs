@@ -3,14 +3,14 @@
 //! One implementation covers them: RMSNorm, rotary embeddings (Hugging Face's
 //! rotate-half convention), grouped-query attention and a gated SiLU MLP. Qwen2 differs
 //! only in its q/k/v biases and its config defaults.
-use std::collections::{BTreeMap, HashSet};
 
 use serde::Deserialize;
 use tch::{Kind, Tensor};
 
-use super::family::{BlockSaved, Dims, Family, MatmulSaves};
-use super::{attend, check_sizes, linear_captured, position_ids, Activation, AttnMask, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH};
-use super::{BlockContext, Capture, ForwardInput, KvCache, ModelInfo, ParamView, WeightLayout};
+use super::family::{block_layout, BlockSaved, Dims, Family, MatmulSaves};
+use super::layers::{declare_all, Layer, Linear, Norm, Param, ParamList};
+use super::{attend, check_sizes, position_ids, Prefix, Activation, AttnMask, MAX_LAYERS, MAX_VOCAB_OR_CONTEXT, MAX_WIDTH};
+use super::{BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
 use crate::{Error, Result};
 
 fn default_eps() -> f64 {
@@ -106,13 +106,27 @@ impl Llama {
         self.config.head_dim.unwrap_or(self.config.hidden_size / self.config.num_attention_heads)
     }
 
-    /// RMSNorm computed in f32 and cast back, as transformers does.
-    fn rms_norm(&self, p: &ParamView, name: &str, x: &Tensor) -> Result<Tensor> {
-        let w = p.get(name)?;
-        let xf = x.to_kind(Kind::Float);
-        let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-        let normed = (xf * (var + self.config.rms_norm_eps).rsqrt()).to_kind(x.kind());
-        Ok(w * normed)
+    /// The final RMSNorm.
+    fn norm(&self) -> Norm {
+        Norm::rms("model.norm", self.config.hidden_size, self.config.rms_norm_eps)
+    }
+
+    /// Every layer of a block, named once (relative to `model.layers.<i>`).
+    fn block_layers(&self) -> Block {
+        let c = &self.config;
+        let (d, f, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
+        let (q, kv) = (c.num_attention_heads * self.head_dim(), self.kv_heads() * self.head_dim());
+        Block {
+            input_layernorm: Norm::rms("input_layernorm", d, eps),
+            q_proj: Linear::linear("self_attn.q_proj", d, q, self.qkv_bias),
+            k_proj: Linear::linear("self_attn.k_proj", d, kv, self.qkv_bias),
+            v_proj: Linear::linear("self_attn.v_proj", d, kv, self.qkv_bias),
+            o_proj: Linear::linear("self_attn.o_proj", q, d, c.attention_bias),
+            post_attention_layernorm: Norm::rms("post_attention_layernorm", d, eps),
+            gate_proj: Linear::linear("mlp.gate_proj", d, f, c.mlp_bias),
+            up_proj: Linear::linear("mlp.up_proj", d, f, c.mlp_bias),
+            down_proj: Linear::linear("mlp.down_proj", f, d, c.mlp_bias),
+        }
     }
 
     /// cos/sin tables `[B, 1, T, head_dim]` for the given positions.
@@ -124,6 +138,44 @@ impl Llama {
         let freqs = pos.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
         let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
         (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+    }
+}
+
+/// The token embedding `[vocab, D]` (also the head's weight when tied).
+pub(crate) const EMBED: &str = "model.embed_tokens.weight";
+/// The LM head `[vocab, D]` of an untied model.
+const LM_HEAD: &str = "lm_head.weight";
+
+/// A LLaMA-family block's layers, in the order they run (and are listed).
+struct Block {
+    input_layernorm: Norm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_attention_layernorm: Norm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Block {
+    fn layers(&self) -> [&dyn Layer; 9] {
+        [
+            &self.input_layernorm,
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.post_attention_layernorm,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ]
+    }
+
+    fn linears(&self) -> [&Linear; 7] {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj, &self.gate_proj, &self.up_proj, &self.down_proj]
     }
 }
 
@@ -142,61 +194,31 @@ impl Family for Llama {
 
     fn expected_params(&self) -> Vec<(String, Vec<i64>)> {
         let c = &self.config;
-        let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
-        let (q, kv) = (c.num_attention_heads * self.head_dim(), self.kv_heads() * self.head_dim());
-        let mut out = vec![
-            ("model.embed_tokens.weight".to_string(), vec![v, d]),
-            ("model.norm.weight".to_string(), vec![d]),
-        ];
-        if !c.tie_word_embeddings {
-            out.push(("lm_head.weight".to_string(), vec![v, d]));
-        }
-        for i in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let mut push = |n: &str, s: Vec<i64>| out.push((format!("{p}.{n}"), s));
-            push("input_layernorm.weight", vec![d]);
-            push("post_attention_layernorm.weight", vec![d]);
-            push("self_attn.q_proj.weight", vec![q, d]);
-            push("self_attn.k_proj.weight", vec![kv, d]);
-            push("self_attn.v_proj.weight", vec![kv, d]);
-            push("self_attn.o_proj.weight", vec![d, q]);
-            if self.qkv_bias {
-                push("self_attn.q_proj.bias", vec![q]);
-                push("self_attn.k_proj.bias", vec![kv]);
-                push("self_attn.v_proj.bias", vec![kv]);
-            }
-            if c.attention_bias {
-                push("self_attn.o_proj.bias", vec![d]);
-            }
-            push("mlp.gate_proj.weight", vec![f, d]);
-            push("mlp.up_proj.weight", vec![f, d]);
-            push("mlp.down_proj.weight", vec![d, f]);
-            if c.mlp_bias {
-                push("mlp.gate_proj.bias", vec![f]);
-                push("mlp.up_proj.bias", vec![f]);
-                push("mlp.down_proj.bias", vec![d]);
-            }
+        let (d, v) = (c.hidden_size, c.vocab_size);
+        let mut out = ParamList::new();
+        let embed = Param { name: EMBED, shape: vec![v, d] };
+        let head = Param { name: LM_HEAD, shape: vec![v, d] };
+        let norm = self.norm();
+        let top: Vec<&dyn Layer> = if c.tie_word_embeddings { vec![&embed, &norm] } else { vec![&embed, &norm, &head] };
+        declare_all(&top, &Prefix::default(), &mut out);
+        let block = self.block_layers();
+        for i in 0..c.num_hidden_layers.max(0) as usize {
+            declare_all(&block.layers(), &self.block_path(i), &mut out);
         }
         out
     }
 
     fn layout(&self, name: &str) -> Option<WeightLayout> {
-        let is_linear = name.starts_with("model.layers.")
-            && name.ends_with("_proj.weight")
-            && (name.contains(".self_attn.") || name.contains(".mlp."));
-        is_linear.then_some(WeightLayout::Linear)
+        block_layout(self.block_prefix(), name, &self.block_layers().linears())
     }
 
     /// EasyEdit's choice: gate/up/down for LLaMA, up/down for Qwen2.
     fn default_edit_params(&self) -> Vec<String> {
         let n = self.config.num_hidden_layers;
-        let mats: &[&str] = if self.architecture == "Qwen2ForCausalLM" {
-            &["up_proj", "down_proj"]
-        } else {
-            &["gate_proj", "up_proj", "down_proj"]
-        };
+        let b = self.block_layers();
+        let mats: Vec<Linear> = if self.architecture == "Qwen2ForCausalLM" { vec![b.up_proj, b.down_proj] } else { vec![b.gate_proj, b.up_proj, b.down_proj] };
         ((n - 3).max(0)..n)
-            .flat_map(|i| mats.iter().map(move |m| format!("model.layers.{i}.mlp.{m}.weight")))
+            .flat_map(|i| mats.iter().map(move |l| self.block_path(i as usize).pp(l.name).name("weight")))
             .collect()
     }
 
@@ -208,7 +230,7 @@ impl Family for Llama {
     fn embed(&self, p: &ParamView, input: &ForwardInput, past: i64) -> Result<(Tensor, BlockContext)> {
         let (b, t) = input.dims()?;
         let mask = AttnMask::new(input.attention_mask, t, past, input.input_ids.device());
-        let x = Tensor::embedding(p.get("model.embed_tokens.weight")?, input.input_ids, -1, false, false);
+        let x = Tensor::embedding(p.get(EMBED)?, input.input_ids, -1, false, false);
         let mut pos = position_ids(input.input_ids, input.attention_mask);
         if past > 0 {
             pos += past;
@@ -219,31 +241,23 @@ impl Family for Llama {
 
     /// Block `i`: grouped-query attention with rotary positions and a gated MLP, each
     /// behind an RMSNorm and a residual connection.
-    fn block(
-        &self,
-        p: &ParamView,
-        i: usize,
-        x: &Tensor,
-        ctx: &BlockContext,
-        cap: &HashSet<String>,
-        captures: &mut BTreeMap<String, Capture>,
-        cache: Option<&mut KvCache>,
-    ) -> Result<Tensor> {
+    fn block(&self, io: BlockIo) -> Result<Tensor> {
+        let BlockIo { params: p, layer: i, x, ctx, capture: cap, captures, cache } = io;
         let c = &self.config;
         let (b, t) = (ctx.batch, ctx.tokens);
         let (nh, nkv, hd) = (c.num_attention_heads, self.kv_heads(), self.head_dim());
-        let lin = WeightLayout::Linear;
         let (cos, sin) = ctx.rope.as_ref().ok_or_else(|| Error::Internal("block context without rotary tables".into()))?;
         let rotate = |q: &Tensor| {
             let halves = q.chunk(2, -1);
             let rotated = Tensor::cat(&[&(-&halves[1]), &halves[0]], -1);
             q * cos + rotated * sin
         };
-        let pre = format!("model.layers.{i}");
-        let h = self.rms_norm(p, &format!("{pre}.input_layernorm.weight"), x)?;
-        let q = linear_captured(p, cap, captures, lin, &format!("{pre}.self_attn.q_proj"), &h, self.qkv_bias)?;
-        let k = linear_captured(p, cap, captures, lin, &format!("{pre}.self_attn.k_proj"), &h, self.qkv_bias)?;
-        let v = linear_captured(p, cap, captures, lin, &format!("{pre}.self_attn.v_proj"), &h, self.qkv_bias)?;
+        let l = self.block_layers();
+        let s = p.pp(&self.block_path(i));
+        let h = l.input_layernorm.forward(&s, x)?;
+        let q = l.q_proj.forward(&s, cap, captures, &h)?;
+        let k = l.k_proj.forward(&s, cap, captures, &h)?;
+        let v = l.v_proj.forward(&s, cap, captures, &h)?;
         let q = rotate(&q.reshape([b, t, nh, hd]).transpose(1, 2));
         let k = rotate(&k.reshape([b, t, nkv, hd]).transpose(1, 2));
         let v = v.reshape([b, t, nkv, hd]).transpose(1, 2);
@@ -259,24 +273,24 @@ impl Family for Llama {
             (k, v)
         };
         let y = attend(&q, &k, &v, &ctx.mask).transpose(1, 2).reshape([b, t, nh * hd]);
-        let y = linear_captured(p, cap, captures, lin, &format!("{pre}.self_attn.o_proj"), &y, c.attention_bias)?;
+        let y = l.o_proj.forward(&s, cap, captures, &y)?;
         let x = x + y;
-        let h = self.rms_norm(p, &format!("{pre}.post_attention_layernorm.weight"), &x)?;
-        let g = linear_captured(p, cap, captures, lin, &format!("{pre}.mlp.gate_proj"), &h, c.mlp_bias)?;
-        let u = linear_captured(p, cap, captures, lin, &format!("{pre}.mlp.up_proj"), &h, c.mlp_bias)?;
+        let h = l.post_attention_layernorm.forward(&s, &x)?;
+        let g = l.gate_proj.forward(&s, cap, captures, &h)?;
+        let u = l.up_proj.forward(&s, cap, captures, &h)?;
         let m = c.hidden_act.apply(&g) * u;
-        let m = linear_captured(p, cap, captures, lin, &format!("{pre}.mlp.down_proj"), &m, c.mlp_bias)?;
+        let m = l.down_proj.forward(&s, cap, captures, &m)?;
         Ok(x + m)
     }
 
     /// Final RMSNorm over the last block's output.
     fn final_norm(&self, p: &ParamView, x: &Tensor) -> Result<Tensor> {
-        self.rms_norm(p, "model.norm.weight", x)
+        self.norm().forward(&p.pp(&Prefix::default()), x)
     }
 
     /// The LM head's weight (or the tied embedding).
     fn head_weight_name(&self) -> &'static str {
-        if self.config.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" }
+        if self.config.tie_word_embeddings { EMBED } else { LM_HEAD }
     }
 
     fn dims(&self) -> Dims {
@@ -300,35 +314,37 @@ impl Family for Llama {
     /// output and logsumexp; the gated MLP saves the SiLU input, its output and `up`.
     fn block_saved(&self, s: i64, res_rg: bool, edited: &[String]) -> BlockSaved {
         let Dims { d, f, heads: h, q, kv, gqa, .. } = self.dims();
+        let l = self.block_layers();
+        let [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj] = l.linears().map(|m| m.name);
         let mut mm = MatmulSaves::new(edited);
         let mut bytes = 0i64;
         if res_rg {
             bytes += d * 4 + 4; // RMSNorm in f32: input (as f32), rsqrt
         }
-        if mm.is_edited("self_attn.q_proj") || mm.is_edited("self_attn.k_proj") || mm.is_edited("self_attn.v_proj") {
+        if mm.is_edited(q_proj) || mm.is_edited(k_proj) || mm.is_edited(v_proj) {
             bytes += d * s;
         }
-        let q_rg = mm.matmul(res_rg, "self_attn.q_proj");
-        let k_rg = mm.matmul(res_rg, "self_attn.k_proj");
-        let v_rg = mm.matmul(res_rg, "self_attn.v_proj");
+        let q_rg = mm.matmul(res_rg, q_proj);
+        let k_rg = mm.matmul(res_rg, k_proj);
+        let v_rg = mm.matmul(res_rg, v_proj);
         let att_rg = q_rg || k_rg || v_rg;
         if att_rg {
             let kvw = if gqa { q } else { kv };
             bytes += q * s + 2 * kvw * s + q * s + h * 4; // SDPA: rotated q, k, v, output, logsumexp
         }
-        if mm.is_edited("self_attn.o_proj") {
+        if mm.is_edited(o_proj) {
             bytes += q * s;
         }
-        let o_rg = mm.matmul(att_rg, "self_attn.o_proj");
+        let o_rg = mm.matmul(att_rg, o_proj);
         let x1_rg = res_rg || o_rg;
         if x1_rg {
             bytes += d * 4 + 4;
         }
-        if mm.is_edited("mlp.gate_proj") || mm.is_edited("mlp.up_proj") {
+        if mm.is_edited(gate_proj) || mm.is_edited(up_proj) {
             bytes += d * s;
         }
-        let g_rg = mm.matmul(x1_rg, "mlp.gate_proj");
-        let u_rg = mm.matmul(x1_rg, "mlp.up_proj");
+        let g_rg = mm.matmul(x1_rg, gate_proj);
+        let u_rg = mm.matmul(x1_rg, up_proj);
         if g_rg {
             bytes += f * s; // silu input
         }
@@ -338,10 +354,10 @@ impl Family for Llama {
         if g_rg {
             bytes += f * s; // u, saved for act's gradient
         }
-        if mm.is_edited("mlp.down_proj") {
+        if mm.is_edited(down_proj) {
             bytes += f * s;
         }
-        let m_rg = mm.matmul(g_rg || u_rg, "mlp.down_proj");
+        let m_rg = mm.matmul(g_rg || u_rg, down_proj);
         BlockSaved { per_token: bytes, output_requires_grad: x1_rg || m_rg, weights_kept: mm.kept }
     }
 

@@ -5,6 +5,7 @@
 //! MEND reads its gradient factors from exactly those two tensors.
 pub mod family;
 pub mod gpt2;
+pub mod layers;
 pub mod llama;
 pub mod loader;
 pub mod params;
@@ -17,9 +18,9 @@ use std::sync::Arc;
 
 use tch::{Device, Tensor};
 
-pub use family::Family;
+pub use family::{Family, VisionLanguage};
 pub use loader::{load_model, load_model_split, parse_dtype, random_params, LoadedModel};
-pub use params::{Crossing, LayerSplit, LowRank, Overrides, ParamStore, ParamView};
+pub use params::{Crossing, LayerSplit, LowRank, Overrides, ParamStore, ParamView, Prefix, Scope};
 pub use tokenizer::Tokenizer;
 
 use crate::Result;
@@ -116,7 +117,7 @@ pub struct ForwardInput<'a> {
     /// models; `None`: positions from the padding mask, equal on all three streams.
     pub position_ids: Option<&'a Tensor>,
     /// Image features `[N, D]` placed, in order, at the N `<|image_pad|>` tokens of
-    /// `input_ids` (vision-language models; see [`qwen2_vl::Qwen2Vl::image_features`]).
+    /// `input_ids` (vision-language models; see [`VisionLanguage::image_features`]).
     pub image_embeds: Option<&'a Tensor>,
     /// This input's activations entering a block, computed beforehand by
     /// [`Model::prefix_to`] (under a layer split at or above its boundary, and already
@@ -265,6 +266,34 @@ impl BlockContext {
     }
 }
 
+/// One block's forward inputs and outputs, bundled (as mistral.rs bundles its attention
+/// inputs): what [`Family::block`] reads besides its own configuration, so that the five
+/// places that run or implement a block share one signature instead of seven arguments.
+pub struct BlockIo<'a> {
+    /// Where the weights come from: the frozen store with the edited names overridden.
+    pub params: &'a ParamView<'a>,
+    /// The block's index, 0-based (names its weights, selects its KV cache slot).
+    pub layer: usize,
+    /// The block's input, `[B, T, D]`.
+    pub x: &'a Tensor,
+    /// What every block shares: shapes, attention mask, rotary tables.
+    pub ctx: &'a BlockContext,
+    /// Weight names whose layer input and output to record.
+    pub capture: &'a HashSet<String>,
+    /// Where the recorded `(x, h)` go, by weight name.
+    pub captures: &'a mut BTreeMap<String, Capture>,
+    /// The KV cache the block extends, when decoding with one.
+    pub cache: Option<&'a mut KvCache>,
+}
+
+impl<'a> BlockIo<'a> {
+    /// Block `layer` over `x` with nothing captured and no cache (recorded layers would go
+    /// to `scratch`, which stays empty).
+    pub fn plain(params: &'a ParamView<'a>, layer: usize, x: &'a Tensor, ctx: &'a BlockContext, none: &'a HashSet<String>, scratch: &'a mut BTreeMap<String, Capture>) -> Self {
+        BlockIo { params, layer, x, ctx, capture: none, captures: scratch, cache: None }
+    }
+}
+
 /// A batch's prefix activations: the output of the embedding and the blocks below `at`
 /// (no grad; under a layer split on the sub-device after one crossing), with what the
 /// blocks above share. The prefix depends on no edited weight (every edited block is at
@@ -410,7 +439,7 @@ impl Model {
                 x = c.boundary_to_sub(&x);
                 ctx = ctx.crossed(c);
             }
-            x = self.block(p, i, &x, &ctx, input.capture, &mut captures, cache.as_deref_mut())?;
+            x = self.block(BlockIo { params: p, layer: i, x: &x, ctx: &ctx, capture: input.capture, captures: &mut captures, cache: cache.as_deref_mut() })?;
         }
         Ok((x, captures))
     }
@@ -462,7 +491,7 @@ impl Model {
                         x = c.boundary_to_sub(&x);
                         ctx = ctx.crossed(c);
                     }
-                    x = self.block(p, i, &x, &ctx, &none, &mut scratch, None)?;
+                    x = self.block(BlockIo::plain(p, i, &x, &ctx, &none, &mut scratch))?;
                 }
                 // A split exactly at `at`: the crossing is the prefix's last step.
                 if let Some(c) = p.crossing_at(at) {
@@ -507,22 +536,12 @@ impl Model {
         crate::error::guard(|| self.0.embed(p, input, past))
     }
 
-    /// Block `i` (0-based) applied to its input `x`; records `(x, h)` of the layers whose
-    /// weights are in `capture` into `captures`, and extends `cache` when there is one.
-    /// Not guarded against libtorch panics itself: its callers (`forward`, the recomputed
-    /// backward) guard the whole pass once.
-    #[allow(clippy::too_many_arguments)]
-    pub fn block(
-        &self,
-        p: &ParamView,
-        i: usize,
-        x: &Tensor,
-        ctx: &BlockContext,
-        capture: &HashSet<String>,
-        captures: &mut BTreeMap<String, Capture>,
-        cache: Option<&mut KvCache>,
-    ) -> Result<Tensor> {
-        self.0.block(p, i, x, ctx, capture, captures, cache)
+    /// One block ([`BlockIo::layer`]) applied to its input; records `(x, h)` of the layers
+    /// whose weights are in `io.capture` into `io.captures`, and extends `io.cache` when
+    /// there is one. Not guarded against libtorch panics itself: its callers (`forward`,
+    /// the recomputed backward) guard the whole pass once.
+    pub fn block(&self, io: BlockIo) -> Result<Tensor> {
+        self.0.block(io)
     }
 
     /// Final norm and LM head over the last block's output: logits at the `keep`
@@ -744,29 +763,6 @@ pub(crate) fn keep_rows(hidden: Tensor, keep: Option<&Tensor>) -> Tensor {
             flat.index_select(0, &idx)
         }
     }
-}
-
-/// Applies a linear layer and records `(x, h)` if its weight is in `capture`.
-pub(crate) fn linear_captured(
-    p: &ParamView,
-    capture: &HashSet<String>,
-    captures: &mut BTreeMap<String, Capture>,
-    layout: WeightLayout,
-    prefix: &str,
-    x: &Tensor,
-    bias: bool,
-) -> Result<Tensor> {
-    let w_name = format!("{prefix}.weight");
-    let w = p.get(&w_name)?;
-    let b = if bias { Some(p.get(&format!("{prefix}.bias"))?) } else { None };
-    let mut h = layout.apply(x, w, b);
-    if let Some(delta) = p.low_rank(&w_name) {
-        h = h + delta.apply(x);
-    }
-    if capture.contains(&w_name) {
-        captures.insert(w_name, Capture { x: x.shallow_clone(), h: h.shallow_clone() });
-    }
-    Ok(h)
 }
 
 /// Bounds for a config.json's size fields: far beyond any released model, small enough

@@ -318,3 +318,67 @@ impl<'a> ParamView<'a> {
         self.overrides.and_then(|o| o.low_rank(name))
     }
 }
+
+/// A dotted module path in the parameter names (`model.layers.3`), as candle's
+/// `VarBuilder::pp` and tch's `nn::Path / "key"` build them: a family names each tensor
+/// relative to its module, once, and both its list of expected tensors and its forward
+/// (through a [`Scope`]) go through the same prefix.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prefix(String);
+
+impl Prefix {
+    pub fn new(path: impl Into<String>) -> Self {
+        Prefix(path.into())
+    }
+
+    /// The sub-module `key` (`self.key`).
+    pub fn pp(&self, key: impl std::fmt::Display) -> Prefix {
+        if self.0.is_empty() {
+            Prefix(key.to_string())
+        } else {
+            Prefix(format!("{}.{key}", self.0))
+        }
+    }
+
+    /// The full name of this module's tensor `key` (`self.key`).
+    pub fn name(&self, key: &str) -> String {
+        self.pp(key).0
+    }
+}
+
+/// A [`ParamView`] seen from a module: tensors by their name relative to its [`Prefix`].
+/// The full name is what overrides (edited weights) and captures are keyed by.
+#[derive(Clone)]
+pub struct Scope<'v, 'a> {
+    view: &'v ParamView<'a>,
+    at: Prefix,
+}
+
+impl<'a> ParamView<'a> {
+    /// This view from the module at `prefix`.
+    pub fn pp(&self, prefix: &Prefix) -> Scope<'_, 'a> {
+        Scope { view: self, at: prefix.clone() }
+    }
+}
+
+impl<'v, 'a> Scope<'v, 'a> {
+    /// The sub-module `key`.
+    pub fn pp(&self, key: impl std::fmt::Display) -> Scope<'v, 'a> {
+        Scope { view: self.view, at: self.at.pp(key) }
+    }
+
+    /// The module's tensor `key` ([`ParamView::get`] of its full name).
+    pub fn get(&self, key: &str) -> Result<&'a Tensor> {
+        self.view.get(&self.at.name(key))
+    }
+
+    /// The full name of the module's tensor `key`.
+    pub fn name(&self, key: &str) -> String {
+        self.at.name(key)
+    }
+
+    /// The view itself (low-rank changes, the layer split).
+    pub fn view(&self) -> &'v ParamView<'a> {
+        self.view
+    }
+}

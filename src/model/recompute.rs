@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use tch::{Kind, Tensor};
 
-use super::{ForwardInput, Model, ParamView};
+use super::{BlockIo, ForwardInput, Model, ParamView};
 use crate::{Error, Result};
 
 /// Adds `∂loss/∂w` into `grads[k]` for every `w = wrt[k]` (setting it where `None`, as
@@ -91,7 +91,7 @@ pub fn grad_by_blocks(
                     x = c.boundary_to_sub(&x);
                     ctx = ctx.crossed(c);
                 }
-                let y = model.block(p, i, &x, &ctx, &none, &mut scratch, None)?;
+                let y = model.block(BlockIo::plain(p, i, &x, &ctx, &none, &mut scratch))?;
                 if i >= first {
                     inputs.push(x);
                 }
@@ -120,7 +120,7 @@ pub fn grad_by_blocks(
             let need_input = i > first;
             let mut out = tch::with_grad(|| -> Result<Vec<Tensor>> {
                 let x = x.set_requires_grad(need_input);
-                let y = model.block(p, i, &x, &ctx, &none, &mut scratch, None)?;
+                let y = model.block(BlockIo::plain(p, i, &x, &ctx, &none, &mut scratch))?;
                 let surrogate = (y * &g).sum(Kind::Float);
                 let mut leaves: Vec<&Tensor> = Vec::with_capacity(mine.len() + 1);
                 if need_input {

@@ -100,7 +100,7 @@ pub fn data_shape(model_dir: &Path, model: &Model, path: &Path, ds: DatasetKind,
         images = load.records.iter().map(|r| [&r.image, &r.image_rephrase, &r.m_loc].into_iter().map(|i| (i.width, i.height)).max_by_key(|(w, h)| w * h).unwrap_or((0, 0))).collect();
         let template = crate::data::multimodal::ChatTemplate::load(model_dir)?;
         let p = prepare_mm(&tok, VlPrompt { vl, proc: &proc, template: &template }, &load, unlimited, context, OverLong::Skip, path)?;
-        image_pad = Some(vl.config.tokens.image_pad);
+        image_pad = Some(vl.tokens().image_pad);
         records = p.examples.len();
         examples = p.examples;
     } else {

@@ -7,7 +7,8 @@ use std::fmt::Write as _;
 use crate::config::{EditorMode, MendConfig};
 use crate::device::Placement;
 use crate::model::family::{split_block_name, Dims, Family};
-use crate::model::qwen2_vl::{ImageProcessorConfig, Qwen2Vl};
+use crate::model::qwen2_vl::ImageProcessorConfig;
+use crate::model::VisionLanguage;
 use crate::model::ModelInfo;
 use crate::model::Model;
 use crate::{Error, Result};
@@ -403,34 +404,22 @@ pub(super) struct VisionCost {
     pub(super) formula: String,
 }
 
-/// Tokens and vision-forward bytes of one `width × height` image.
-///
-/// The forward runs without grad, so one block's working set is alive at a time: the
-/// residual stream, the norm's output, q/k/v, the rotary f32 copies of q and k, the
-/// attention output, the MLP's hidden layer (twice: activation and product), and the
-/// attention scores of the largest segment (the whole image in full-attention blocks;
-/// a fused kernel does not form them, so this is an upper bound); plus the f32 pixel rows
-/// and their cast, the rotary tables, and the merged output.
-pub(super) fn image_cost(vl: &Qwen2Vl, proc: &ImageProcessorConfig, w: i64, h: i64, s: i64) -> Result<(ImageShape, VisionCost)> {
+/// Tokens and vision-forward bytes of one `width × height` image: the grid from the
+/// image processor, the tower's peak from the family
+/// ([`VisionLanguage::vision_forward_bytes`]).
+pub(super) fn image_cost(vl: &dyn VisionLanguage, proc: &ImageProcessorConfig, w: i64, h: i64, s: i64) -> Result<(ImageShape, VisionCost)> {
     if !(1..=1 << 16).contains(&w) || !(1..=1 << 16).contains(&h) {
         return Err(Error::input(format!("image size {w}x{h} is not 1 to 65536 pixels per side")));
     }
     let grid = proc.grid_for(h, w)?;
-    let v = &vl.config.vision;
     let n = grid.iter().product::<i64>();
-    let merged = n / v.merge_unit();
-    let (e, f, heads, pd, u) = (v.width, v.mlp_hidden, v.num_heads, v.patch_dim(), v.merge_unit());
-    let per_block = n * (e * 6 + 2 * f) * s + n * 2 * e * 4 + heads * n * n * s;
-    let fixed = n * pd * (4 + s) + n * v.head_dim() * 2 * 4 + merged * (2 * e * u + v.out_dim) * s;
-    let formula = format!(
-        "N·(patch·(4+s) + 2·hd·4) + N·((6E+2F)·s + 2E·4) + H·N²·s + N/{u}·(2·{u}E+D)·s, N={n} E={e} F={f} H={heads}"
-    );
+    let (forward_bytes, formula) = vl.vision_forward_bytes(&grid, s);
     let shape = ImageShape {
         size: (w, h),
         resized: (grid[2] * proc.patch_size, grid[1] * proc.patch_size),
         patches: n,
-        tokens: merged + 2,
+        tokens: n / vl.merge_unit() + 2,
         images_per_example: 3,
     };
-    Ok((shape, VisionCost { forward_bytes: fixed + per_block, formula }))
+    Ok((shape, VisionCost { forward_bytes, formula }))
 }

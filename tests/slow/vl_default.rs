@@ -136,10 +136,10 @@ fn shipped_vl_model_reads_the_pictures() {
     let root = common::root().join("data/vl");
     let world = root.join("world");
     let lm = load_model(&root.join("model"), Device::Cpu, Kind::Float).unwrap();
-    let vl = lm.model.family().vision_language().expect("a vision-language model").clone();
+    let vl = lm.model.family().vision_language().expect("a vision-language model");
     let proc = vl.image_processor(&lm.dir).unwrap();
     let cfg = VisualWorld::read(&world).unwrap().config;
-    let vp = VlPrompt { vl: &vl, proc: &proc, template: dualedit::model::qwen2_vl::ChatTemplate::qwen2_vl() };
+    let vp = VlPrompt { vl, proc: &proc, template: dualedit::model::qwen2_vl::ChatTemplate::qwen2_vl() };
     let records: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(world.join("vqa-holdout.json")).unwrap()).unwrap();
     let example = |r: &serde_json::Value, image: &str| {
         let img = ImageFile { path: world.join(r[image].as_str().unwrap()), height: cfg.height as i64, width: cfg.width as i64 };
@@ -149,7 +149,7 @@ fn shipped_vl_model_reads_the_pictures() {
     let other: Vec<_> = records.iter().take(200).map(|r| example(r, "m_loc")).collect();
     let p = ParamView::frozen(&lm.params);
     let pad = lm.tokenizer.pad_id();
-    let (a_own, a_other) = (vl_accuracy(&lm.model, &vl, &p, &proc, pad, &own).unwrap(), vl_accuracy(&lm.model, &vl, &p, &proc, pad, &other).unwrap());
+    let (a_own, a_other) = (vl_accuracy(&lm.model, vl, &p, &proc, pad, &own).unwrap(), vl_accuracy(&lm.model, vl, &p, &proc, pad, &other).unwrap());
     println!("held-out questions right: {a_own:.3} with their image, {a_other:.3} with another scene's");
     assert!(a_own >= 0.95, "{a_own}");
     assert!(a_other <= 0.5, "{a_other}: the answers do not depend on the picture");

@@ -82,6 +82,21 @@ fn d_fullatt() -> Vec<i64> {
     vec![7, 15, 23, 31]
 }
 
+/// The `vision_config` fields both towers name and default alike.
+#[derive(Debug, Clone, Deserialize)]
+struct PatchFieldsRaw {
+    #[serde(default = "d_in_channels")]
+    in_channels: i64,
+    #[serde(default = "d_patch")]
+    patch_size: i64,
+    #[serde(default = "d_temporal")]
+    temporal_patch_size: i64,
+    #[serde(default = "d_merge")]
+    spatial_merge_size: i64,
+    #[serde(default)]
+    rope_parameters: Option<Value>,
+}
+
 /// Qwen2-VL's `vision_config`.
 #[derive(Debug, Clone, Deserialize)]
 struct Qwen2VlVisionRaw {
@@ -93,16 +108,8 @@ struct Qwen2VlVisionRaw {
     num_heads: i64,
     #[serde(default = "d_quick_gelu")]
     hidden_act: VisionAct,
-    #[serde(default = "d_in_channels")]
-    in_channels: i64,
-    #[serde(default = "d_patch")]
-    patch_size: i64,
-    #[serde(default = "d_temporal")]
-    temporal_patch_size: i64,
-    #[serde(default = "d_merge")]
-    spatial_merge_size: i64,
-    #[serde(default)]
-    rope_parameters: Option<Value>,
+    #[serde(flatten)]
+    patches: PatchFieldsRaw,
 }
 
 /// Qwen2.5-VL's `vision_config`.
@@ -117,20 +124,12 @@ struct Qwen25VlVisionRaw {
     out_hidden_size: i64,
     #[serde(default = "d_silu")]
     hidden_act: VisionAct,
-    #[serde(default = "d_in_channels")]
-    in_channels: i64,
-    #[serde(default = "d_patch")]
-    patch_size: i64,
-    #[serde(default = "d_temporal")]
-    temporal_patch_size: i64,
-    #[serde(default = "d_merge")]
-    spatial_merge_size: i64,
     #[serde(default = "d_window")]
     window_size: i64,
     #[serde(default = "d_fullatt")]
     fullatt_block_indexes: Vec<i64>,
-    #[serde(default)]
-    rope_parameters: Option<Value>,
+    #[serde(flatten)]
+    patches: PatchFieldsRaw,
 }
 
 /// The vision tower's shape, family-independent.
@@ -263,79 +262,107 @@ impl Qwen2VlConfig {
         // Nested layout: the text fields live in text_config; the flat one has them at the top.
         let nested = json.get("text_config").filter(|t| t.is_object());
         if let Some(n) = nested {
-            for key in TEXT_DUPLICATES {
-                if let (Some(a), Some(b)) = (json.get(*key), n.get(*key)) {
-                    if !a.is_null() && !b.is_null() && !same_value(a, b) {
-                        return Err(Error::input(format!(
-                            "{key} = {a} at the top level and text_config.{key} = {b} disagree"
-                        )));
-                    }
-                }
-            }
+            check_text_duplicates(json, n)?;
         }
-        let mut text_json = nested.cloned().unwrap_or_else(|| json.clone());
-        // rope_scaling {type: mrope} / rope_parameters {rope_type: default, mrope_section} is
-        // M-RoPE, which this module applies itself: hide it from the plain-RoPE checks.
-        let rope = ["rope_scaling", "rope_parameters"]
-            .iter()
-            .filter_map(|k| text_json.get(*k).filter(|v| v.is_object()).cloned())
-            .collect::<Vec<_>>();
-        let mut section = None;
-        let mut theta = text_json.get("rope_theta").and_then(Value::as_f64);
-        for r in &rope {
-            let kind = r.get("rope_type").or_else(|| r.get("type")).and_then(Value::as_str).unwrap_or("default");
-            if kind != "mrope" && kind != "default" {
-                return Err(Error::input(format!("rope scaling of type {kind:?} is not supported (expected mrope)")));
-            }
-            if let Some(s) = r.get("mrope_section") {
-                let s: Vec<i64> = serde_json::from_value(s.clone())
-                    .map_err(|e| Error::input(format!("mrope_section is not a list of integers: {e}")))?;
-                if let Some(prev) = section.as_ref().filter(|p| **p != s) {
-                    return Err(Error::input(format!(
-                        "mrope_section is given twice and disagrees: {prev:?} (rope_scaling) and {s:?} (rope_parameters)"
-                    )));
-                }
-                section = Some(s);
-            }
-            if let Some(t) = r.get("rope_theta").and_then(Value::as_f64) {
-                if let Some(prev) = theta.filter(|&p| p != t) {
-                    return Err(Error::input(format!("rope_theta = {prev} and rope_parameters.rope_theta = {t} disagree")));
-                }
-                theta = Some(t);
-            }
-        }
-        if let Some(obj) = text_json.as_object_mut() {
-            obj.remove("rope_scaling");
-            obj.remove("rope_parameters");
-            obj.remove("rope_theta");
-            if obj.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
-                return Err(Error::input("use_sliding_window = true is not supported"));
-            }
-        }
-        let mut text: LlamaConfig =
-            serde_json::from_value(text_json).map_err(|e| Error::input(format!("invalid text config: {e}")))?;
-        let theta = theta.unwrap_or(1_000_000.0);
-        text.rope_theta = Some(theta);
-        // transformers ties the head when either level says so.
-        let tie_top = json.get("tie_word_embeddings").and_then(Value::as_bool);
-        text.tie_word_embeddings = match (nested.is_some(), tie_top) {
-            (true, Some(t)) => t || text.tie_word_embeddings,
-            (_, Some(t)) => t,
-            (_, None) => text.tie_word_embeddings,
-        };
-        let head_dim = text.head_dim.unwrap_or(text.hidden_size / text.num_attention_heads.max(1));
-        let section = section.unwrap_or_else(|| vec![16, 24, 24]);
-        let mrope_section: [i64; 3] = section
-            .clone()
-            .try_into()
-            .map_err(|_| Error::input(format!("mrope_section {section:?} must have 3 entries (temporal, height, width)")))?;
-        if mrope_section.iter().any(|&s| s < 0) || mrope_section.iter().sum::<i64>() * 2 != head_dim {
+        let (text, mrope_section, theta) = text_config(json, nested)?;
+        let vision = VisionConfig::from_json(json, family)?;
+        if vision.out_dim != text.hidden_size {
             return Err(Error::input(format!(
-                "mrope_section {section:?} must sum to head_dim / 2 = {} (head_dim {head_dim})",
-                head_dim / 2
+                "vision_config output width {} differs from the text hidden_size {}",
+                vision.out_dim, text.hidden_size
             )));
         }
+        let tokens = VisionTokens::from_json(json, nested, text.vocab_size)?;
+        Ok(Self { family, text, vision, mrope_section, rope_theta: theta, tokens })
+    }
+}
 
+/// The fields a nested config also carries at its top level must agree with `text_config`.
+fn check_text_duplicates(json: &Value, nested: &Value) -> Result<()> {
+    for key in TEXT_DUPLICATES {
+        if let (Some(a), Some(b)) = (json.get(*key), nested.get(*key)) {
+            if !a.is_null() && !b.is_null() && !same_value(a, b) {
+                return Err(Error::input(format!("{key} = {a} at the top level and text_config.{key} = {b} disagree")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The text decoder's config (from `text_config` when `nested`, else the top level), its
+/// M-RoPE sections checked against the head dim, and the rotary base.
+fn text_config(json: &Value, nested: Option<&Value>) -> Result<(LlamaConfig, [i64; 3], f64)> {
+    let mut text_json = nested.cloned().unwrap_or_else(|| json.clone());
+    let (section, theta) = mrope_fields(&text_json)?;
+    if let Some(obj) = text_json.as_object_mut() {
+        obj.remove("rope_scaling");
+        obj.remove("rope_parameters");
+        obj.remove("rope_theta");
+        if obj.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+            return Err(Error::input("use_sliding_window = true is not supported"));
+        }
+    }
+    let mut text: LlamaConfig = serde_json::from_value(text_json).map_err(|e| Error::input(format!("invalid text config: {e}")))?;
+    let theta = theta.unwrap_or(1_000_000.0);
+    text.rope_theta = Some(theta);
+    // transformers ties the head when either level says so.
+    let tie_top = json.get("tie_word_embeddings").and_then(Value::as_bool);
+    text.tie_word_embeddings = match (nested.is_some(), tie_top) {
+        (true, Some(t)) => t || text.tie_word_embeddings,
+        (_, Some(t)) => t,
+        (_, None) => text.tie_word_embeddings,
+    };
+    let head_dim = text.head_dim.unwrap_or(text.hidden_size / text.num_attention_heads.max(1));
+    let section = section.unwrap_or_else(|| vec![16, 24, 24]);
+    let mrope_section: [i64; 3] = section
+        .clone()
+        .try_into()
+        .map_err(|_| Error::input(format!("mrope_section {section:?} must have 3 entries (temporal, height, width)")))?;
+    if mrope_section.iter().any(|&s| s < 0) || mrope_section.iter().sum::<i64>() * 2 != head_dim {
+        return Err(Error::input(format!(
+            "mrope_section {section:?} must sum to head_dim / 2 = {} (head_dim {head_dim})",
+            head_dim / 2
+        )));
+    }
+    Ok((text, mrope_section, theta))
+}
+
+/// `mrope_section` and `rope_theta` of the text fields: rope_scaling {type: mrope} /
+/// rope_parameters {rope_type: default, mrope_section} is M-RoPE, which this module applies
+/// itself (the caller then hides them from the plain-RoPE checks). Each may be given in
+/// several places, which must agree.
+fn mrope_fields(text_json: &Value) -> Result<(Option<Vec<i64>>, Option<f64>)> {
+    let rope = ["rope_scaling", "rope_parameters"].iter().filter_map(|k| text_json.get(*k).filter(|v| v.is_object()));
+    let mut section: Option<Vec<i64>> = None;
+    let mut theta = text_json.get("rope_theta").and_then(Value::as_f64);
+    for r in rope {
+        let kind = r.get("rope_type").or_else(|| r.get("type")).and_then(Value::as_str).unwrap_or("default");
+        if kind != "mrope" && kind != "default" {
+            return Err(Error::input(format!("rope scaling of type {kind:?} is not supported (expected mrope)")));
+        }
+        if let Some(s) = r.get("mrope_section") {
+            let s: Vec<i64> = serde_json::from_value(s.clone()).map_err(|e| Error::input(format!("mrope_section is not a list of integers: {e}")))?;
+            if let Some(prev) = section.as_ref().filter(|p| **p != s) {
+                return Err(Error::input(format!(
+                    "mrope_section is given twice and disagrees: {prev:?} (rope_scaling) and {s:?} (rope_parameters)"
+                )));
+            }
+            section = Some(s);
+        }
+        if let Some(t) = r.get("rope_theta").and_then(Value::as_f64) {
+            if let Some(prev) = theta.filter(|&p| p != t) {
+                return Err(Error::input(format!("rope_theta = {prev} and rope_parameters.rope_theta = {t} disagree")));
+            }
+            theta = Some(t);
+        }
+    }
+    Ok((section, theta))
+}
+
+impl VisionConfig {
+    /// The tower of `family` from `json`'s `vision_config` (aliases merged), with its sizes
+    /// checked.
+    fn from_json(json: &Value, family: VlFamily) -> Result<Self> {
         let mut vc = json.get("vision_config").filter(|v| v.is_object()).cloned().ok_or_else(|| {
             Error::input("no \"vision_config\" object: a vision-language config needs the vision tower's description")
         })?;
@@ -345,53 +372,44 @@ impl Qwen2VlConfig {
                 merge_aliases(obj, "vision_config", QWEN25_VISION_ALIASES)?;
             }
         }
-        let vc = &vc;
         let bad = |e: serde_json::Error| Error::input(format!("invalid vision_config: {e}"));
-        let rope_theta_of = |r: &Option<Value>| {
-            r.as_ref().and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).unwrap_or(10_000.0)
-        };
-        let vision = match family {
+        let (depth, width, num_heads, mlp_hidden, out_dim, act, patches, window_size, fullatt_block_indexes) = match family {
             VlFamily::Qwen2Vl => {
-                let r: Qwen2VlVisionRaw = serde_json::from_value(vc.clone()).map_err(bad)?;
+                let r: Qwen2VlVisionRaw = serde_json::from_value(vc).map_err(bad)?;
                 let mlp_hidden = (r.embed_dim as f64 * r.mlp_ratio) as i64;
-                VisionConfig {
-                    family,
-                    depth: r.depth,
-                    width: r.embed_dim,
-                    num_heads: r.num_heads,
-                    mlp_hidden,
-                    out_dim: r.hidden_size,
-                    act: r.hidden_act,
-                    in_channels: r.in_channels,
-                    patch_size: r.patch_size,
-                    temporal_patch_size: r.temporal_patch_size,
-                    spatial_merge_size: r.spatial_merge_size,
-                    window_size: None,
-                    fullatt_block_indexes: Vec::new(),
-                    rope_theta: rope_theta_of(&r.rope_parameters),
-                }
+                (r.depth, r.embed_dim, r.num_heads, mlp_hidden, r.hidden_size, r.hidden_act, r.patches, None, Vec::new())
             }
             VlFamily::Qwen25Vl => {
-                let r: Qwen25VlVisionRaw = serde_json::from_value(vc.clone()).map_err(bad)?;
-                VisionConfig {
-                    family,
-                    depth: r.depth,
-                    width: r.hidden_size,
-                    num_heads: r.num_heads,
-                    mlp_hidden: r.intermediate_size,
-                    out_dim: r.out_hidden_size,
-                    act: r.hidden_act,
-                    in_channels: r.in_channels,
-                    patch_size: r.patch_size,
-                    temporal_patch_size: r.temporal_patch_size,
-                    spatial_merge_size: r.spatial_merge_size,
-                    window_size: Some(r.window_size),
-                    fullatt_block_indexes: r.fullatt_block_indexes,
-                    rope_theta: rope_theta_of(&r.rope_parameters),
-                }
+                let r: Qwen25VlVisionRaw = serde_json::from_value(vc).map_err(bad)?;
+                let (w, full) = (Some(r.window_size), r.fullatt_block_indexes);
+                (r.depth, r.hidden_size, r.num_heads, r.intermediate_size, r.out_hidden_size, r.hidden_act, r.patches, w, full)
             }
         };
-        let v = &vision;
+        let rope_theta = patches.rope_parameters.as_ref().and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).unwrap_or(10_000.0);
+        let v = VisionConfig {
+            family,
+            depth,
+            width,
+            num_heads,
+            mlp_hidden,
+            out_dim,
+            act,
+            in_channels: patches.in_channels,
+            patch_size: patches.patch_size,
+            temporal_patch_size: patches.temporal_patch_size,
+            spatial_merge_size: patches.spatial_merge_size,
+            window_size,
+            fullatt_block_indexes,
+            rope_theta,
+        };
+        v.check()?;
+        Ok(v)
+    }
+
+    /// Sizes in range, a head dim the 2-D rotary can split, a window made of whole merged
+    /// patches, full-attention blocks that exist.
+    fn check(&self) -> Result<()> {
+        let v = self;
         check_sizes(&[
             ("vision_config.depth", v.depth, MAX_LAYERS),
             ("vision_config width", v.width, MAX_WIDTH),
@@ -409,12 +427,6 @@ impl Qwen2VlConfig {
                 v.width, v.num_heads
             )));
         }
-        if v.out_dim != text.hidden_size {
-            return Err(Error::input(format!(
-                "vision_config output width {} differs from the text hidden_size {}",
-                v.out_dim, text.hidden_size
-            )));
-        }
         if let Some(w) = v.window_size {
             let unit = v.spatial_merge_size * v.patch_size;
             if w < unit || w % unit != 0 {
@@ -426,6 +438,15 @@ impl Qwen2VlConfig {
         if let Some(&b) = v.fullatt_block_indexes.iter().find(|&&b| b < 0 || b >= v.depth) {
             return Err(Error::input(format!("fullatt_block_indexes names block {b}, but depth is {}", v.depth)));
         }
+        Ok(())
+    }
+}
+
+impl VisionTokens {
+    /// The image marker ids (top level or `text_config`, which must agree; Qwen2-VL's ids
+    /// when absent), each inside the vocabulary of `vocab` and distinct from the others and
+    /// from the video pad.
+    fn from_json(json: &Value, nested: Option<&Value>, vocab: i64) -> Result<Self> {
         let top = |k: &str| -> Result<Option<i64>> {
             match (get_i64(json, k), nested.and_then(|n| get_i64(n, k))) {
                 (Some(a), Some(b)) if a != b => {
@@ -446,8 +467,8 @@ impl Qwen2VlConfig {
             named.push(("video_token_id", v));
         }
         for &(name, id) in &named {
-            if !(0..text.vocab_size).contains(&id) {
-                return Err(Error::input(format!("{name} = {id} is outside the vocabulary of {}", text.vocab_size)));
+            if !(0..vocab).contains(&id) {
+                return Err(Error::input(format!("{name} = {id} is outside the vocabulary of {vocab}")));
             }
         }
         for (i, &(a, ia)) in named.iter().enumerate() {
@@ -457,6 +478,6 @@ impl Qwen2VlConfig {
                 )));
             }
         }
-        Ok(Self { family, text, vision, mrope_section, rope_theta: theta, tokens })
+        Ok(tokens)
     }
 }

@@ -33,7 +33,7 @@
 //!
 //! PNG decoding is exact. JPEG decoding (the `image` crate's `jpeg-decoder` vs Pillow's
 //! libjpeg-turbo) may differ by a few 8-bit levels where IDCT, chroma upsampling and
-//! CMYK conversion round differently; tests/vl.rs and BENCHMARKS.md give the measured
+//! CMYK conversion round differently; tests/fast/vl.rs and BENCHMARKS.md give the measured
 //! difference.
 use std::path::{Path, PathBuf};
 

@@ -12,59 +12,96 @@
 use tch::{Kind, Tensor};
 
 use super::config::{VisionConfig, VlFamily};
+use crate::model::layers::{declare_all, Layer, Linear, Norm, Param, ParamList};
+use crate::model::params::{Prefix, Scope};
 use crate::model::ParamView;
 use crate::{Error, Result};
 
 /// One image's patch grid: temporal, height and width in patches (`image_grid_thw`).
 pub type Grid = [i64; 3];
 
+/// The patch embedding's weight `[E, C, tp, ps, ps]` (a Conv3d with stride = kernel).
+const PATCH_EMBED: &str = "visual.patch_embed.proj.weight";
+/// Prefix of the tower's blocks, up to the block index.
+const BLOCKS: &str = "visual.blocks";
+/// The PatchMerger's module.
+const MERGER: &str = "visual.merger";
+
+/// One tower block's layers, named once (relative to `visual.blocks.<i>`).
+struct Block {
+    norm1: Norm,
+    norm2: Norm,
+    qkv: Linear,
+    proj: Linear,
+    mlp: Mlp,
+}
+
+/// A tower block's MLP per family.
+enum Mlp {
+    /// Qwen2-VL: `fc2(act(fc1(x)))`.
+    Plain { fc1: Linear, fc2: Linear },
+    /// Qwen2.5-VL: `down(act(gate(x)) · up(x))`.
+    Gated { gate: Linear, up: Linear, down: Linear },
+}
+
+impl Block {
+    fn of(v: &VisionConfig) -> Self {
+        let (e, f) = (v.width, v.mlp_hidden);
+        let norm = |name: &'static str| match v.family {
+            VlFamily::Qwen2Vl => Norm::layer(name, e, 1e-6),
+            VlFamily::Qwen25Vl => Norm::rms(name, e, 1e-6),
+        };
+        let mlp = match v.family {
+            VlFamily::Qwen2Vl => Mlp::Plain { fc1: Linear::linear("mlp.fc1", e, f, true), fc2: Linear::linear("mlp.fc2", f, e, true) },
+            VlFamily::Qwen25Vl => Mlp::Gated {
+                gate: Linear::linear("mlp.gate_proj", e, f, true),
+                up: Linear::linear("mlp.up_proj", e, f, true),
+                down: Linear::linear("mlp.down_proj", f, e, true),
+            },
+        };
+        Block { norm1: norm("norm1"), norm2: norm("norm2"), qkv: Linear::linear("attn.qkv", e, 3 * e, true), proj: Linear::linear("attn.proj", e, e, true), mlp }
+    }
+
+    fn layers(&self) -> Vec<&dyn Layer> {
+        let mut out: Vec<&dyn Layer> = vec![&self.norm1, &self.norm2, &self.qkv, &self.proj];
+        match &self.mlp {
+            Mlp::Plain { fc1, fc2 } => out.extend([fc1 as &dyn Layer, fc2]),
+            Mlp::Gated { gate, up, down } => out.extend([gate as &dyn Layer, up, down]),
+        }
+        out
+    }
+}
+
+/// The PatchMerger's layers (relative to `visual.merger`): a norm, then an MLP over each
+/// `m × m` group of patches concatenated.
+struct Merger {
+    ln_q: Norm,
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Merger {
+    fn of(v: &VisionConfig) -> Self {
+        let (e, merged) = (v.width, v.width * v.merge_unit());
+        let ln_q = match v.family {
+            VlFamily::Qwen2Vl => Norm::layer("ln_q", e, 1e-6),
+            VlFamily::Qwen25Vl => Norm::rms("ln_q", e, 1e-6),
+        };
+        Merger { ln_q, fc1: Linear::linear("mlp.0", merged, merged, true), fc2: Linear::linear("mlp.2", merged, v.out_dim, true) }
+    }
+}
+
 /// Every parameter of the tower with its shape, under the `visual.` prefix.
 pub fn expected_params(v: &VisionConfig) -> Vec<(String, Vec<i64>)> {
-    let (e, f) = (v.width, v.mlp_hidden);
-    let merged = e * v.merge_unit();
-    let mut out = vec![(
-        "visual.patch_embed.proj.weight".to_string(),
-        vec![e, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size],
-    )];
-    let layer_norm = v.family == VlFamily::Qwen2Vl;
+    let mut out = ParamList::new();
+    let patch = Param { name: PATCH_EMBED, shape: vec![v.width, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size] };
+    patch.declare(&Prefix::default(), &mut out);
+    let block = Block::of(v);
     for i in 0..v.depth {
-        let p = format!("visual.blocks.{i}");
-        let mut push = |n: &str, s: Vec<i64>| out.push((format!("{p}.{n}"), s));
-        for norm in ["norm1", "norm2"] {
-            push(&format!("{norm}.weight"), vec![e]);
-            if layer_norm {
-                push(&format!("{norm}.bias"), vec![e]);
-            }
-        }
-        push("attn.qkv.weight", vec![3 * e, e]);
-        push("attn.qkv.bias", vec![3 * e]);
-        push("attn.proj.weight", vec![e, e]);
-        push("attn.proj.bias", vec![e]);
-        match v.family {
-            VlFamily::Qwen2Vl => {
-                push("mlp.fc1.weight", vec![f, e]);
-                push("mlp.fc1.bias", vec![f]);
-                push("mlp.fc2.weight", vec![e, f]);
-                push("mlp.fc2.bias", vec![e]);
-            }
-            VlFamily::Qwen25Vl => {
-                push("mlp.gate_proj.weight", vec![f, e]);
-                push("mlp.gate_proj.bias", vec![f]);
-                push("mlp.up_proj.weight", vec![f, e]);
-                push("mlp.up_proj.bias", vec![f]);
-                push("mlp.down_proj.weight", vec![e, f]);
-                push("mlp.down_proj.bias", vec![e]);
-            }
-        }
+        declare_all(&block.layers(), &Prefix::new(BLOCKS).pp(i), &mut out);
     }
-    out.push(("visual.merger.ln_q.weight".into(), vec![e]));
-    if layer_norm {
-        out.push(("visual.merger.ln_q.bias".into(), vec![e]));
-    }
-    out.push(("visual.merger.mlp.0.weight".into(), vec![merged, merged]));
-    out.push(("visual.merger.mlp.0.bias".into(), vec![merged]));
-    out.push(("visual.merger.mlp.2.weight".into(), vec![v.out_dim, merged]));
-    out.push(("visual.merger.mlp.2.bias".into(), vec![v.out_dim]));
+    let m = Merger::of(v);
+    declare_all(&[&m.ln_q, &m.fc1, &m.fc2], &Prefix::new(MERGER), &mut out);
     out
 }
 
@@ -158,12 +195,6 @@ fn window_order(grids: &[Grid], v: &VisionConfig, window_size: i64) -> (Vec<i64>
     (order, segments)
 }
 
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
-    let xf = x.to_kind(Kind::Float);
-    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-    w * (xf * (var + eps).rsqrt()).to_kind(x.kind())
-}
-
 fn rotate_half(x: &Tensor) -> Tensor {
     let halves = x.chunk(2, -1);
     Tensor::cat(&[&(-&halves[1]), &halves[0]], -1)
@@ -175,21 +206,6 @@ pub struct VisionTower<'a> {
 }
 
 impl VisionTower<'_> {
-    fn norm(&self, p: &ParamView, name: &str, x: &Tensor) -> Result<Tensor> {
-        let w = p.get(&format!("{name}.weight"))?;
-        Ok(match self.config.family {
-            VlFamily::Qwen2Vl => {
-                let b = p.get(&format!("{name}.bias"))?;
-                x.layer_norm([self.config.width], Some(w), Some(b), 1e-6, false)
-            }
-            VlFamily::Qwen25Vl => rms_norm(x, w, 1e-6),
-        })
-    }
-
-    fn linear(p: &ParamView, name: &str, x: &Tensor) -> Result<Tensor> {
-        Ok(x.linear(p.get(&format!("{name}.weight"))?, Some(p.get(&format!("{name}.bias"))?)))
-    }
-
     /// cos/sin `[N, 1, head_dim]` (f32) for patches at `pos` (row, column).
     fn rotary(&self, pos: &[[i64; 2]], device: tch::Device) -> (Tensor, Tensor) {
         let spatial = self.config.head_dim() / 2;
@@ -205,10 +221,10 @@ impl VisionTower<'_> {
     }
 
     /// Self-attention within each segment: `x` `[N, E]`, cos/sin `[N, 1, hd]`.
-    fn attention(&self, p: &ParamView, pre: &str, x: &Tensor, rope: &(Tensor, Tensor), segments: &[(i64, i64)]) -> Result<Tensor> {
+    fn attention(&self, block: &Block, s: &Scope, x: &Tensor, rope: &(Tensor, Tensor), segments: &[(i64, i64)]) -> Result<Tensor> {
         let v = self.config;
         let (n, nh, hd) = (x.size()[0], v.num_heads, v.head_dim());
-        let qkv = Self::linear(p, &format!("{pre}.attn.qkv"), x)?.reshape([n, 3, nh, hd]);
+        let qkv = block.qkv.forward_frozen(s, x)?.reshape([n, 3, nh, hd]);
         let rot = |t: Tensor| {
             let tf = t.to_kind(Kind::Float);
             (&tf * &rope.0 + rotate_half(&tf) * &rope.1).to_kind(x.kind())
@@ -238,20 +254,20 @@ impl VisionTower<'_> {
             Tensor::cat(&parts, 2)
         };
         let y = y.squeeze_dim(0).transpose(0, 1).reshape([n, nh * hd]);
-        Self::linear(p, &format!("{pre}.attn.proj"), &y)
+        block.proj.forward_frozen(s, &y)
     }
 
-    fn mlp(&self, p: &ParamView, pre: &str, x: &Tensor) -> Result<Tensor> {
+    fn mlp(&self, block: &Block, s: &Scope, x: &Tensor) -> Result<Tensor> {
         let act = self.config.act;
-        Ok(match self.config.family {
-            VlFamily::Qwen2Vl => {
-                let h = act.apply(&Self::linear(p, &format!("{pre}.mlp.fc1"), x)?);
-                Self::linear(p, &format!("{pre}.mlp.fc2"), &h)?
+        Ok(match &block.mlp {
+            Mlp::Plain { fc1, fc2 } => {
+                let h = act.apply(&fc1.forward_frozen(s, x)?);
+                fc2.forward_frozen(s, &h)?
             }
-            VlFamily::Qwen25Vl => {
-                let g = act.apply(&Self::linear(p, &format!("{pre}.mlp.gate_proj"), x)?);
-                let u = Self::linear(p, &format!("{pre}.mlp.up_proj"), x)?;
-                Self::linear(p, &format!("{pre}.mlp.down_proj"), &(g * u))?
+            Mlp::Gated { gate, up, down } => {
+                let g = act.apply(&gate.forward_frozen(s, x)?);
+                let u = up.forward_frozen(s, x)?;
+                down.forward_frozen(s, &(g * u))?
             }
         })
     }
@@ -261,7 +277,7 @@ impl VisionTower<'_> {
     pub fn forward(&self, p: &ParamView, pixels: &Tensor, grids: &[Grid]) -> Result<Tensor> {
         let v = self.config;
         let n = check_grids(v, pixels, grids)?;
-        let w = p.get("visual.patch_embed.proj.weight")?;
+        let w = p.get(PATCH_EMBED)?;
         let device = w.device();
         // Conv3d with stride = kernel over [N, C, tp, ps, ps] = one product with the
         // flattened kernel (same C, tp, ps, ps order as the processor's rows).
@@ -290,20 +306,24 @@ impl VisionTower<'_> {
             }
             None => None,
         };
+        let block = Block::of(v);
+        let blocks = Prefix::new(BLOCKS);
         for i in 0..v.depth {
-            let pre = format!("visual.blocks.{i}");
+            let s = p.pp(&blocks.pp(i));
             let segments = match &window {
                 Some((_, windows)) if !v.fullatt_block_indexes.contains(&i) => windows.as_slice(),
                 _ => full.as_slice(),
             };
-            let h = self.norm(p, &format!("{pre}.norm1"), &x)?;
-            x = &x + self.attention(p, &pre, &h, &rope, segments)?;
-            let h = self.norm(p, &format!("{pre}.norm2"), &x)?;
-            x = &x + self.mlp(p, &pre, &h)?;
+            let h = block.norm1.forward(&s, &x)?;
+            x = &x + self.attention(&block, &s, &h, &rope, segments)?;
+            let h = block.norm2.forward(&s, &x)?;
+            x = &x + self.mlp(&block, &s, &h)?;
         }
-        let h = self.norm(p, "visual.merger.ln_q", &x)?.reshape([n / unit, v.width * unit]);
-        let h = Self::linear(p, "visual.merger.mlp.0", &h)?.gelu("none");
-        let out = Self::linear(p, "visual.merger.mlp.2", &h)?;
+        let m = Merger::of(v);
+        let s = p.pp(&Prefix::new(MERGER));
+        let h = m.ln_q.forward(&s, &x)?.reshape([n / unit, v.width * unit]);
+        let h = m.fc1.forward_frozen(&s, &h)?.gelu("none");
+        let out = m.fc2.forward_frozen(&s, &h)?;
         Ok(match order {
             Some(order) => out.index_select(0, &order.argsort(0, false)),
             None => out,
