@@ -17,6 +17,10 @@ failed, the error; a failed step never stops the check):
                          `dualedit plan` against one meta-training step's measured peak on DEVICE
   single_vs_balanced     `dualedit compare train` single DEVICE vs DEVICE + SUB balanced:
                          main-device peak ratio, wall times, whether losses agree
+  chain                  `dualedit compare train` single DEVICE vs the layer split over a chain
+                         DEVICE + CHAIN (#38; default cpu:1,cpu:2 on a CPU, cpu,cpu:1 beside a
+                         GPU: three devices): whether losses agree, each device's peak, what
+                         each crossing carried
   max_memory_cap         a `--max-memory DEVICE=CAP` between the balanced main peak and the
                          single peak: single runs out of memory with the diagnosis, the split
                          completes. A CPU cannot be capped: there the out-of-memory is injected
@@ -59,6 +63,7 @@ class Check:
             "small": args.small,
             "device": args.device,
             "sub_device": args.sub,
+            "chain": args.chain,
             "dtype": args.dtype,
             "image_size": args.image,
             "budget_seconds": args.budget,
@@ -299,6 +304,25 @@ class Check:
                    wall_ratio=round(c["dual"]["wall_seconds"] / max(c["single"]["wall_seconds"], 1e-9), 3))
         self.balanced = rec
 
+    def chain(self, rec):
+        key = "default" if self.args.small else "gpt2-124m"
+        if key not in self.models:
+            raise Skip(f"{key} not written")
+        cfg = self.config(f"chain-{key}", self.text_len)
+        out = self.work / "runs" / "chain"
+        shutil.rmtree(out, ignore_errors=True)
+        self.dualedit("compare", *self.train_args(key, cfg, out), "--device", self.args.device, "--sub-device", self.args.chain,
+                      "--placement", "balanced")
+        c = json.loads((out / "compare.json").read_text())
+        rep = json.loads((out / "dual" / "report.json").read_text())
+        peaks = {role: m.get("peak_allocated_bytes") for role, m in c["dual"]["memory"].items()}
+        rec.update(model=key, dtype=self.models[key]["dtype"], chain=self.args.chain, devices=rep["devices"],
+                   metrics_agree=c["metrics_agree"], max_relative_difference=c["max_relative_difference"],
+                   peak_bytes=peaks, crossings=rep["moved"].get("crossings", []),
+                   wall_ratio=round(c["dual"]["wall_seconds"] / max(c["single"]["wall_seconds"], 1e-9), 3))
+        if not c["metrics_agree"]:
+            raise RuntimeError(f"the chain changed the losses (max relative difference {c['max_relative_difference']})")
+
     def max_memory_cap(self, rec):
         bal = getattr(self, "balanced", None)
         if not bal:
@@ -358,6 +382,7 @@ class Check:
         self.step("planner_vs_allocator", self.planner_vs_allocator, 300)
         self.step("single_vs_balanced", self.single_vs_balanced, 240)
         self.step("max_memory_cap", self.max_memory_cap, 240)
+        self.step("chain", self.chain, 240)
         self.step("qwen2vl_7b_step", self.qwen2vl_7b_step, 300)
         statuses = [s["status"] for s in self.result["steps"].values()]
         self.result["summary"] = {k: statuses.count(k) for k in ("ok", "failed", "skipped")}
@@ -409,6 +434,8 @@ def main():
     ap.add_argument("--bin", type=Path, default=Path(os.environ.get("DUALEDIT_BIN", ROOT / "target/gpu-2.11.0/dualedit")))
     ap.add_argument("--device", default=os.environ.get("DEVICE", "cuda:0"), help="main device (env DEVICE)")
     ap.add_argument("--sub", default=os.environ.get("SUB", "cpu"), help="sub-device of the split (env SUB)")
+    ap.add_argument("--chain", default=os.environ.get("CHAIN"),
+                    help="the chain's sub-devices (env CHAIN; default cpu:1,cpu:2 when --device is the CPU, else cpu,cpu:1)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"], help="dtype of the written models")
     ap.add_argument("--image", type=parse_size, default=None, help="WxH of the pictures (default 448x448; --small 84x84)")
     ap.add_argument("--small", action="store_true", help="test-size models and pictures (CI, on CPU)")
@@ -423,6 +450,7 @@ def main():
     if args.models == "fixtures" and not args.small:
         sys.exit("gpu/check: --models fixtures stands in for the test-size models only (--small)")
     args.image = args.image or ([84, 84] if args.small else [448, 448])
+    args.chain = args.chain or ("cpu:1,cpu:2" if args.device.startswith("cpu") else "cpu,cpu:1")
     args.bin = args.bin.resolve() if args.bin.exists() else args.bin
     if not Path(args.bin).is_file():
         sys.exit(f"gpu/check: the dualedit binary {args.bin} does not exist (--bin or DUALEDIT_BIN; scripts/gpu/build.sh builds it)")

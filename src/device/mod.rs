@@ -102,6 +102,12 @@ pub fn parse_device_name(name: &str) -> Result<DeviceName> {
 /// The main device (frozen model, editor, optimiser) and the sub-device (replica of the
 /// frozen weights, every forward pass of the edited model), and how the run is placed on
 /// them ([`Placement`], where the optimiser state lives).
+///
+/// `--sub-device a,b,c` names a chain: under the layer split the frozen blocks are
+/// divided into contiguous ranges, main's first, then `a`'s, `b`'s, and the last device
+/// (`c`, [`DevicePlan::sub`]) holds the blocks from [`DevicePlan::boundary`] up with the
+/// final norm, the head and every edited block. The devices between main and the last
+/// are [`DevicePlan::chain`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DevicePlan {
     pub main: Device,
@@ -119,19 +125,109 @@ pub struct DevicePlan {
     pub boundary: Option<usize>,
     /// Where the editor's Adam moments live and its update is computed.
     pub optimizer: OptimizerDevice,
+    /// A chain's devices between main and the last sub-device (`--sub-device a,b,c`:
+    /// `a`, `b`), in order, and under the layer split the first block on each; empty
+    /// for two devices.
+    pub chain: Chain,
+}
+
+/// A chain's devices between main and the last sub-device and, once the layer split is
+/// placed, the first block on each (increasing, below the last device's boundary; main
+/// holds the blocks below the first). At most [`MAX_CHAIN`], held inline so that a plan
+/// stays `Copy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chain {
+    len: usize,
+    names: [DeviceName; MAX_CHAIN],
+    at: [usize; MAX_CHAIN],
+    placed: bool,
+}
+
+impl Chain {
+    pub const EMPTY: Chain = Chain { len: 0, names: [DeviceName::Cpu(0); MAX_CHAIN], at: [0; MAX_CHAIN], placed: false };
+
+    fn of(names: &[DeviceName]) -> Result<Self> {
+        if names.len() > MAX_CHAIN {
+            return Err(Error::input(format!("--sub-device: a chain takes at most {} sub-devices", MAX_CHAIN + 1)));
+        }
+        let mut c = Self::EMPTY;
+        c.names[..names.len()].copy_from_slice(names);
+        c.len = names.len();
+        Ok(c)
+    }
+
+    /// The devices in order.
+    pub fn names(&self) -> &[DeviceName] {
+        &self.names[..self.len]
+    }
+
+    /// The first block on each device (empty until the layer split is placed).
+    pub fn at(&self) -> &[usize] {
+        if self.placed {
+            &self.at[..self.len]
+        } else {
+            &[]
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// The most devices a chain may have between main and the last sub-device (a node's eight
+/// cards: main, six between, the last).
+pub const MAX_CHAIN: usize = 6;
+
+/// The memory tracker's names of a chain's devices between main and the last.
+const CHAIN_ROLES: [&str; MAX_CHAIN] = ["chain1", "chain2", "chain3", "chain4", "chain5", "chain6"];
+
+/// The devices `--sub-device` lists (`cuda:1,cuda:2,cuda:3`), checked: each device once,
+/// and with more than one, not the main device. Existence is checked by `check`
+/// ([`parse_device_name`], or [`str::parse`] for a planner that plans another machine).
+pub fn parse_sub_list(main: DeviceName, list: &str, check: impl Fn(&str) -> Result<DeviceName>) -> Result<Vec<DeviceName>> {
+    let bad = |msg: String| Error::input(format!("--sub-device {list:?}: {msg}"));
+    let parts: Vec<&str> = list.split(',').map(str::trim).collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(bad("an empty device name (give DEVICE or DEVICE,DEVICE,...)".into()));
+    }
+    let mut out: Vec<DeviceName> = Vec::with_capacity(parts.len());
+    for p in parts {
+        let d = check(p).map_err(|e| bad(e.to_string()))?;
+        if out.contains(&d) {
+            return Err(bad(format!("{d} is listed twice (each device holds one range of blocks)")));
+        }
+        out.push(d);
+    }
+    if out.len() > MAX_CHAIN + 1 {
+        return Err(bad(format!("{} devices; a chain takes at most {} sub-devices (one node's cards)", out.len(), MAX_CHAIN + 1)));
+    }
+    if out.len() > 1 && out.contains(&main) {
+        return Err(bad(format!("lists the main device {main} (--device): a chain's sub-devices are the devices after it")));
+    }
+    Ok(out)
 }
 
 impl DevicePlan {
     /// Parses both names; `sub` defaults to `main` (a single-device run). Two different
     /// names are a split run, logical CPU devices (`cpu` + `cpu:1`) included.
+    /// A list (`cuda:1,cuda:2,cuda:3`) is a chain: the last is the sub-device, the others
+    /// [`DevicePlan::chain`] (a chain runs only the layer split, [`DevicePlan::balanced_chain`]).
     pub fn parse(main: &str, sub: Option<&str>) -> Result<Self> {
         let main_n = parse_device_name(main)?;
-        let sub_n = match sub {
-            Some(s) => parse_device_name(s)?,
-            None => main_n,
+        let mut subs = match sub {
+            Some(s) => parse_sub_list(main_n, s, parse_device_name)?,
+            None => vec![main_n],
         };
-        let plan = Self { names: (main_n, sub_n), split: main_n != sub_n, ..Self::single(main_n.device()) }.with_sub(sub_n.device());
-        if plan.split {
+        let sub_n = subs.pop().unwrap_or(main_n);
+        let plan = Self { names: (main_n, sub_n), split: main_n != sub_n, chain: Chain::of(&subs)?, ..Self::single(main_n.device()) }.with_sub(sub_n.device());
+        if !plan.chain.is_empty() {
+            info!(main = %main_n, chain = ?plan.chain.names(), sub = %sub_n, "device chain");
+        } else if plan.split {
             info!(main = %main_n, sub = %sub_n, "dual-device run");
         } else {
             info!(device = %main_n, "single-device run (main and sub are the same device)");
@@ -145,7 +241,16 @@ impl DevicePlan {
 
     pub fn single(device: Device) -> Self {
         let name = DeviceName::of(device);
-        Self { main: device, sub: device, names: (name, name), split: false, placement: Placement::Replica, boundary: None, optimizer: OptimizerDevice::Main }
+        Self {
+            main: device,
+            sub: device,
+            names: (name, name),
+            split: false,
+            placement: Placement::Replica,
+            boundary: None,
+            optimizer: OptimizerDevice::Main,
+            chain: Chain::EMPTY,
+        }
     }
 
     /// A split plan even if both devices are the same: the replica, the mover and the
@@ -174,12 +279,38 @@ impl DevicePlan {
     /// The layer split with blocks `[boundary, L)` on the sub-device (the embedding and
     /// blocks below it on main). Needs a split plan (two devices, or [`DevicePlan::split_on`]).
     pub fn balanced(self, boundary: usize) -> Result<Self> {
+        self.balanced_chain(Vec::new(), boundary)
+    }
+
+    /// The layer split over a chain: main holds blocks below `chain_at[0]`, the chain's
+    /// device `j` blocks `[chain_at[j], chain_at[j + 1])`, the last device blocks from
+    /// `boundary` up (`chain_at` empty: [`DevicePlan::balanced`]). Each device holds at
+    /// least one block, main excepted (it holds the embedding).
+    pub fn balanced_chain(self, chain_at: Vec<usize>, boundary: usize) -> Result<Self> {
         if !self.split {
             return Err(Error::input(
                 "--placement balanced divides the model between two devices: give --sub-device (a device other than --device)",
             ));
         }
-        Ok(Self { placement: Placement::Balanced, boundary: Some(boundary), ..self })
+        if chain_at.len() != self.chain.len() {
+            return Err(Error::Internal(format!("{} chain boundaries for {} devices between main and the last", chain_at.len(), self.chain.len())));
+        }
+        let mut all = chain_at.clone();
+        all.push(boundary);
+        if all.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(Error::input(format!("the chain's boundaries {all:?} must increase: each sub-device holds at least one block")));
+        }
+        let mut chain = self.chain;
+        chain.at[..chain_at.len()].copy_from_slice(&chain_at);
+        chain.placed = true;
+        Ok(Self { placement: Placement::Balanced, boundary: Some(boundary), chain, ..self })
+    }
+
+    /// Every sub-device in order (the chain, then the last).
+    pub fn sub_names(&self) -> Vec<DeviceName> {
+        let mut v = self.chain.names().to_vec();
+        v.push(self.names.1);
+        v
     }
 
     /// The same plan with the optimiser state on `dev`.
@@ -197,7 +328,17 @@ impl DevicePlan {
     }
 
     /// Roles for the memory tracker.
+    /// A chain's devices between main and the last are `chain1`, `chain2`, ... (at most
+    /// [`MAX_CHAIN`] of them, which [`DevicePlan::parse`] checks).
     pub fn roles(&self) -> Vec<(&'static str, Device)> {
-        vec![("main", self.main), ("sub", self.sub)]
+        let mut v = vec![("main", self.main)];
+        v.extend(self.chain.names().iter().zip(CHAIN_ROLES).map(|(d, r)| (r, d.device())));
+        v.push(("sub", self.sub));
+        v
+    }
+
+    /// The sub-device names as `--sub-device` takes them (`cuda:1,cuda:2`).
+    pub fn sub_list(&self) -> String {
+        self.sub_names().iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",")
     }
 }

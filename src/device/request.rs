@@ -35,6 +35,12 @@ impl DeviceRequest {
             )));
         }
         let plan = DevicePlan::parse(&self.main, self.sub.as_deref())?;
+        if !plan.chain.is_empty() {
+            return Err(Error::input(format!(
+                "--sub-device {}: a chain of devices runs the layer split, which needs the model's config; this command takes one sub-device",
+                plan.sub_list()
+            )));
+        }
         self.apply_caps()?;
         Ok(plan.with_optimizer(self.optimizer.unwrap_or_default()))
     }

@@ -131,6 +131,15 @@ impl Engine {
                 let before = mover.stats().bytes_to_sub;
                 lm.params.split_layers(at, plan.sub, &on_sub, tied, mover.clone())?;
                 info!(boundary = at, bytes = mover.stats().bytes_to_sub - before, "layer split: blocks from the boundary, final norm and head moved to the sub-device");
+                // A chain: blocks [chain_at[i], chain_at[i + 1]) go to its device i.
+                let chain_at = plan.chain.at();
+                for (i, &from) in chain_at.iter().enumerate() {
+                    let to = chain_at.get(i + 1).copied().unwrap_or(at);
+                    let names: Vec<String> = lm.model.sub_side_params(from).0.into_iter().filter(|n| lm.model.block_of(n).is_some_and(|b| b < to)).collect();
+                    let cross = mover.hop(i).ok_or_else(|| Error::Internal(format!("no crossing for the chain's device {i}")))?;
+                    lm.params.add_hop(from, &names, cross)?;
+                    info!(device = %plan.chain.names()[i], blocks = ?(from..to), "layer split chain: blocks moved");
+                }
                 None
             }
         };
@@ -159,6 +168,14 @@ impl Engine {
         let at = plan.boundary.ok_or_else(|| Error::input("--placement balanced needs the boundary block (the planner chooses it)"))?;
         if !plan.split {
             return Err(Error::input("--placement balanced divides the model between two devices: give --sub-device"));
+        }
+        let chain_at = plan.chain.at();
+        if chain_at.len() != plan.chain.len() || chain_at.iter().chain([&at]).collect::<Vec<_>>().windows(2).any(|w| w[0] >= w[1]) {
+            return Err(Error::input(format!(
+                "the chain's boundaries {:?} (then {at}) must increase, one per device of --sub-device {}",
+                chain_at,
+                plan.sub_list()
+            )));
         }
         let first = edited.iter().filter_map(|p| lm.model.block_of(&p.name)).min().unwrap_or(0);
         if at > first || at >= lm.model.n_blocks() {

@@ -127,6 +127,9 @@ pub struct LayerSplit {
     /// The head's copy of a tied embedding on the sub-device (the embedding itself stays on
     /// main for the forward's first step), by the head weight's name.
     pub tied_head: Option<(String, Tensor)>,
+    /// A chain of devices (`--sub-device a,b,c`): the crossings below `at`, each with the
+    /// first block on its device, increasing ([`ParamStore::add_hop`]). Empty for two devices.
+    pub hops: Vec<(usize, Arc<dyn Crossing>)>,
 }
 
 /// The frozen weights of one model, by Hugging Face parameter name: on one device, or
@@ -165,9 +168,32 @@ impl ParamStore {
                 }
                 None => None,
             };
-            self.split = Some(LayerSplit { at, sub, cross: cross.clone(), tied_head });
+            self.split = Some(LayerSplit { at, sub, cross: cross.clone(), tied_head, hops: Vec::new() });
             Ok(())
         })
+    }
+
+    /// Makes a layer split a chain: the tensors named in `on_hop` (blocks `[at, next)`, on
+    /// main until now) go to the crossing's device through `cross`, and a forward crosses
+    /// there before block `at`. Hops are added in order, each above the last and below the
+    /// split's boundary.
+    pub fn add_hop(&mut self, at: usize, on_hop: &[String], cross: Arc<dyn Crossing>) -> Result<()> {
+        let split = self.split.as_ref().ok_or_else(|| Error::Internal("a chain's crossing needs a layer split".into()))?;
+        if at >= split.at || split.hops.last().is_some_and(|(a, _)| *a >= at) {
+            return Err(Error::Internal(format!("a chain's crossing at block {at} is out of order (the split's boundary is {})", split.at)));
+        }
+        crate::error::guard(|| {
+            let _g = tch::no_grad_guard();
+            for name in on_hop {
+                let t = self.tensors.get_mut(name).ok_or_else(|| Error::input(format!("unknown parameter {name:?}")))?;
+                *t = cross.to_sub(t);
+            }
+            Ok(())
+        })?;
+        if let Some(s) = self.split.as_mut() {
+            s.hops.push((at, cross));
+        }
+        Ok(())
     }
 
     /// The layer split, if the weights are divided between two devices.
@@ -220,6 +246,7 @@ impl ParamStore {
             sub: s.sub,
             cross: s.cross.clone(),
             tied_head: s.tied_head.as_ref().map(|(n, t)| (n.clone(), t.shallow_clone())),
+            hops: s.hops.clone(),
         });
         ParamStore { tensors, device: self.device, kind: self.kind, split }
     }
@@ -302,9 +329,14 @@ impl<'a> ParamView<'a> {
         }
     }
 
-    /// The layer split's crossing when block `i` is the first on the sub-device.
+    /// The layer split's crossing when block `i` is the first on the sub-device, or on
+    /// one of a chain's devices.
     pub fn crossing_at(&self, i: usize) -> Option<&'a dyn Crossing> {
-        self.store.split.as_ref().filter(|s| s.at == i).map(|s| s.cross.as_ref())
+        let s = self.store.split.as_ref()?;
+        if s.at == i {
+            return Some(s.cross.as_ref());
+        }
+        s.hops.iter().find(|(at, _)| *at == i).map(|(_, c)| c.as_ref())
     }
 
     /// The layer split of the store, if any.

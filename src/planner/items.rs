@@ -28,8 +28,15 @@ impl Items {
             Role::Main => Some(self.main.clone()),
             Role::Sub => Some(self.sub.clone()),
             Role::Host => self.host.clone(),
+            Role::Chain => None,
         };
         self.items.push(PlanItem { phase, role, device, groups: groups.to_vec(), item: item.into(), formula, bytes: bytes.max(0) as u64 });
+    }
+
+    /// An item on a chain's device `dev` (between main and the last sub-device).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn add_chain(&mut self, dev: &str, phase: Phase, groups: &[Group], item: &str, formula: String, bytes: i64) {
+        self.items.push(PlanItem { phase, role: Role::Chain, device: Some(dev.to_string()), groups: groups.to_vec(), item: item.into(), formula, bytes: bytes.max(0) as u64 });
     }
 
     /// An item of the optimiser: on main, on sub, or in host memory (counted on the CPU
@@ -62,14 +69,25 @@ pub(super) fn resident(z: &Sizes, it: &mut Items, phase: Phase) {
     use Group::*;
     if let Some(k) = z.boundary {
         let l = z.dm.n_layers;
+        let below = z.chain.first().map_or(k, |c| c.from);
         it.add(
             phase,
             Role::Main,
             &[Resident],
             "model weights: embedding and blocks below the boundary (layer split)",
-            format!("elements of blocks [0, {k}) + embedding·s = {}·{s}", num(z.w_main_elems)),
+            format!("elements of blocks [0, {below}) + embedding·s = {}·{s}", num(z.w_main_elems)),
             z.w_main_elems * s,
         );
+        for c in &z.chain {
+            it.add_chain(
+                &c.device,
+                phase,
+                &[Resident],
+                "model weights: this device's blocks (layer split chain)",
+                format!("elements of blocks [{}, {})·s = {}·{s}", c.from, c.to, num(c.elems)),
+                c.elems * s,
+            );
+        }
         it.add(
             phase,
             Role::Sub,
@@ -221,14 +239,29 @@ pub(super) fn capture(z: &Sizes, it: &mut Items, phase: Phase) {
         // forward (capture, edited, unedited); their output crosses to the sub-device.
         let d = z.dm.d;
         let ws = z.family.inference_working_set(s);
+        let below = z.chain.first().map_or(k, |c| c.from);
         it.add(
             phase,
             Role::Main,
             &[Capture, EditedForward],
             "layer split: forward below the boundary without grad (one block's working set + its output)",
-            format!("B·T·(bytes/token + d·s) = {n}·({ws} + {d}·{s}) [blocks < {k}]"),
+            format!("B·T·(bytes/token + d·s) = {n}·({ws} + {d}·{s}) [blocks < {below}]"),
             n * (ws + d * s),
         );
+        // A chain's devices: the batch's hidden states come in, its blocks run without
+        // grad, their output goes on (the edited forward's batch is the larger one).
+        for c in &z.chain {
+            for (group, tokens, what) in [(Capture, n, "B·T"), (EditedForward, z.fwd_n.max(n), "edited tokens")] {
+                it.add_chain(
+                    &c.device,
+                    phase,
+                    &[group],
+                    "layer split chain: activations received + its blocks' forward without grad (one block's working set + its output)",
+                    format!("{what}·(d·s + bytes/token + d·s) = {tokens}·({d}·{s} + {ws} + {d}·{s}) [blocks {}..{}]", c.from, c.to),
+                    tokens * (2 * d * s + ws),
+                );
+            }
+        }
         it.add(
             phase,
             Role::Sub,
@@ -575,6 +608,12 @@ pub(super) fn totals(it: &Items) -> Vec<DeviceTotal> {
     use Group::*;
     let (main_dev, sub_dev, items) = (&it.main, &it.sub, &it.items);
     let mut devices: Vec<String> = vec![main_dev.clone()];
+    // A chain's devices in order, between main and the last.
+    for d in items.iter().filter(|i| i.role == Role::Chain).filter_map(|i| i.device.as_ref()) {
+        if !devices.contains(d) {
+            devices.push(d.clone());
+        }
+    }
     if !devices.contains(sub_dev) {
         devices.push(sub_dev.clone());
     }
@@ -594,6 +633,9 @@ pub(super) fn totals(it: &Items) -> Vec<DeviceTotal> {
             }
             if dev == sub_dev {
                 roles.push("sub".into());
+            }
+            if roles.is_empty() && items.iter().any(|i| i.role == Role::Chain && i.device.as_deref() == Some(dev.as_str())) {
+                roles.push("chain".into());
             }
             if roles.is_empty() {
                 roles.push("host".into());

@@ -58,9 +58,9 @@ pub fn plan_dir(dir: &Path, cfg: &MendConfig, opts: &PlanOptions) -> Result<Memo
 /// Builds the plan for an architecture (no weights needed). A layer split without a
 /// boundary gets the balancing one ([`balanced_boundary`]).
 pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<MemoryPlan> {
-    if o.placement == Placement::Balanced && o.boundary.is_none() {
-        let k = balanced_boundary(model, cfg, o)?;
-        return plan_model(model, cfg, &PlanOptions { boundary: Some(k), ..o.clone() });
+    if o.placement == Placement::Balanced && (o.boundary.is_none() || o.chain_at.len() != o.chain.len()) {
+        let (chain_at, k) = balanced_chain(model, cfg, o)?;
+        return plan_model(model, cfg, &PlanOptions { boundary: Some(k), chain_at, ..o.clone() });
     }
     let z = sizes(model, cfg, o)?;
     let mut it = Items::new(o);
@@ -83,6 +83,7 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         split: o.split,
         placement: o.placement,
         boundary: z.boundary,
+        chain: z.chain.iter().map(|c| (c.device.clone(), c.from)).collect(),
         optimizer_device: o.optimizer_device(),
         batch_size: z.b,
         tokens_per_example: z.tokens,

@@ -37,6 +37,84 @@ pub fn balanced_boundary(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Re
     best.map(|(_, k)| k).ok_or_else(|| Error::input("no layer split to choose from"))
 }
 
+/// The layer split's boundaries over a chain (`o.chain` between main and `o.sub`):
+/// `(chain_at, k)`, main holding blocks below `chain_at[0]`, the chain's device `j` blocks
+/// `[chain_at[j], chain_at[j + 1])`, the last device blocks from `k` (≤ the first edited
+/// block) with the head and every edited block. They minimise the largest device's peak in
+/// `o.balance_for` (each divided by its capacity when `o.caps` gives one); the smallest
+/// boundaries win ties. Without a chain, [`balanced_boundary`].
+///
+/// Main's peak depends only on `chain_at[0]` and the last device's only on `k` (the
+/// two-device plans give both); a device between holds its blocks' weights and, while the
+/// prefix runs, the activations it receives, one block's working set and its output. So
+/// the search is a min-max partition of blocks `[chain_at[0], k)` over the devices between,
+/// by dynamic programming: `O(N·L²)` sums and `L` plans.
+pub fn balanced_chain(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<(Vec<i64>, i64)> {
+    if o.chain.is_empty() {
+        return Ok((Vec::new(), balanced_boundary(model, cfg, o)?));
+    }
+    let two = PlanOptions { placement: Placement::Balanced, chain: Vec::new(), chain_at: Vec::new(), ..o.clone() };
+    let at = |k: i64| plan_model(model, cfg, &PlanOptions { boundary: Some(k), ..two.clone() });
+    let p0 = at(0)?;
+    let first = p0.shape.first_edited_layer;
+    let m = o.chain.len();
+    if first < m as i64 {
+        return Err(Error::input(format!(
+            "--sub-device {}: a chain of {} sub-devices needs {m} blocks below the first edited block, and it is block {first} \
+             (the edited blocks run on the last device): list fewer devices",
+            o.sub_list(),
+            m + 1
+        )));
+    }
+    let load = |dev: &str, bytes: u64| bytes as f64 / o.caps.get(dev).map_or(1.0, |c| c as f64);
+    let n = first as usize + 1;
+    let (mut main_load, mut last_load) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for k in 0..n as i64 {
+        let p = if k == 0 { p0.clone() } else { at(k)? };
+        main_load.push(load(&o.main, p.peak(&o.main, o.balance_for)));
+        last_load.push(load(&o.sub, p.peak(&o.sub, o.balance_for)));
+    }
+    // A device between: the items `items::capture` and `items::resident` put on it.
+    let at0 = PlanOptions { boundary: Some(0), ..two.clone() };
+    let z = sizes(model, cfg, &at0)?;
+    let (s, d, ws) = (z.s, z.dm.d, z.family.inference_working_set(z.s));
+    let transient = z.fwd_n.max(z.n) * (2 * d * s + ws);
+    let from: Vec<i64> = (0..n as i64).map(|k| split_weights(model, k).1).collect();
+    let mid = |a: usize, b: usize| ((from[a] - from[b]) * s + transient).max(0) as u64;
+    // f[j][b]: the smallest largest load of main and the first j devices between, device j
+    // ending before block b; arg[j][b]: where device j starts.
+    let mut f: Vec<Vec<f64>> = vec![main_load];
+    let mut arg: Vec<Vec<usize>> = vec![vec![0; n]];
+    for j in 1..=m {
+        let dev = &o.chain[j - 1];
+        let (mut fj, mut aj) = (vec![f64::INFINITY; n], vec![0; n]);
+        for b in j..n {
+            for a in (j - 1)..b {
+                let v = f[j - 1][a].max(load(dev, mid(a, b)));
+                if v < fj[b] {
+                    (fj[b], aj[b]) = (v, a);
+                }
+            }
+        }
+        f.push(fj);
+        arg.push(aj);
+    }
+    let mut best: Option<(f64, usize)> = None;
+    for k in m..n {
+        let v = f[m][k].max(last_load[k]);
+        if best.is_none_or(|(b, _)| v < b) {
+            best = Some((v, k));
+        }
+    }
+    let (_, k) = best.ok_or_else(|| Error::input("no layer split to choose from"))?;
+    let (mut chain_at, mut b) = (vec![0i64; m], k);
+    for j in (1..=m).rev() {
+        b = arg[j][b];
+        chain_at[j - 1] = b as i64;
+    }
+    Ok((chain_at, k as i64))
+}
+
 /// Every placement of the given devices, in the order [`choose`] tries them: replica and
 /// layer split with the optimiser beside the editor, then with it on the sub-device, then
 /// on the CPU. One device (no sub-device): the single-device plan alone.
@@ -47,8 +125,11 @@ pub fn plan_all(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Vec<
     let mut out = Vec::new();
     for opt in [OptimizerDevice::Main, OptimizerDevice::Sub, OptimizerDevice::Cpu] {
         for placement in Placement::ALL {
-            if opt == OptimizerDevice::Cpu && (o.main == "cpu" || o.sub == "cpu") {
+            if opt == OptimizerDevice::Cpu && o.devices().iter().any(|d| d == "cpu") {
                 continue; // the same as Main or Sub there
+            }
+            if placement == Placement::Replica && !o.chain.is_empty() {
+                continue; // a chain runs the layer split only
             }
             out.push(plan_model(model, cfg, &o.with_placement(placement, opt)?)?);
         }
@@ -85,6 +166,12 @@ pub struct PlacementRow {
     pub optimizer_device: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub boundary: Option<i64>,
+    /// A chain's devices between main and the last with their first blocks.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chain: Vec<(String, i64)>,
+    /// The (last) sub-device, for labels.
+    #[serde(skip)]
+    pub sub: String,
     /// Peak bytes per device in meta-training and in editing.
     pub train: BTreeMap<String, u64>,
     pub edit: BTreeMap<String, u64>,
@@ -125,6 +212,8 @@ impl PlacementTable {
                     placement: p.shape.placement,
                     optimizer_device: p.shape.optimizer_device.clone(),
                     boundary: p.shape.boundary,
+                    chain: p.shape.chain.clone(),
+                    sub: p.shape.sub.clone(),
                     main_ratio: train.get(&o.main).copied().unwrap_or(0) as f64 / st.max(1) as f64,
                     max_ratio: max as f64 / st.max(1) as f64,
                     edit: per(Phase::Edit),
@@ -152,7 +241,7 @@ impl PlacementTable {
                 "{:<10} {:<10} {:>8}  {:<52} {:<40} {:>6.2} {:>6.2}",
                 r.placement.name(),
                 r.optimizer_device,
-                r.boundary.map_or("-".into(), |k| k.to_string()),
+                r.boundary.map_or("-".into(), |k| r.chain.iter().map(|(_, a)| a.to_string()).chain([k.to_string()]).collect::<Vec<_>>().join(",")),
                 dev(&r.train),
                 dev(&r.edit),
                 r.main_ratio,
@@ -182,13 +271,24 @@ impl MemoryPlan {
     pub fn placement_label(&self) -> String {
         let sh = &self.shape;
         let mut s = sh.placement.name().to_string();
-        if let Some(k) = sh.boundary {
-            s.push_str(&format!(" (blocks from {k} on the sub-device)"));
-        }
+        s.push_str(&boundary_label(sh.boundary, &sh.chain, &sh.sub));
         if sh.optimizer_device != sh.main {
             s.push_str(&format!(", optimizer on {}", sh.optimizer_device));
         }
         s
+    }
+}
+
+/// ` (blocks from 16 on the sub-device)`, or over a chain
+/// ` (blocks from 8 on cuda:1, 16 on cuda:2, 24 on cuda:3)`; empty without a boundary.
+pub fn boundary_label(boundary: Option<i64>, chain: &[(String, i64)], sub: &str) -> String {
+    match boundary {
+        None => String::new(),
+        Some(k) if chain.is_empty() => format!(" (blocks from {k} on the sub-device)"),
+        Some(k) => {
+            let parts: Vec<String> = chain.iter().map(|(d, a)| format!("{a} on {d}")).chain([format!("{k} on {sub}")]).collect();
+            format!(" (blocks from {})", parts.join(", "))
+        }
     }
 }
 
@@ -215,6 +315,12 @@ pub struct PlacementQuery<'a> {
 pub fn resolve_placement(base: DevicePlan, q: &PlacementQuery) -> Result<(DevicePlan, Option<String>)> {
     let mut base = base.with_optimizer(q.optimizer.unwrap_or_default());
     if q.request == PlacementRequest::Replica {
+        if !base.chain.is_empty() {
+            return Err(Error::input(format!(
+                "--sub-device {}: --placement replica runs on two devices (main and one sub-device); a chain runs --placement balanced or auto",
+                base.sub_list()
+            )));
+        }
         return Ok((base, None));
     }
     let (model, _) = read_config(q.model)?;
@@ -245,7 +351,10 @@ pub fn resolve_placement(base: DevicePlan, q: &PlacementQuery) -> Result<(Device
     };
     let label = q.request.fixed().is_none().then(|| chosen.placement_label());
     match (chosen.shape.placement, chosen.shape.boundary) {
-        (Placement::Balanced, Some(k)) => Ok((base.balanced(k as usize)?, label)),
+        (Placement::Balanced, Some(k)) => {
+            let chain_at = chosen.shape.chain.iter().map(|(_, a)| *a as usize).collect();
+            Ok((base.balanced_chain(chain_at, k as usize)?, label))
+        }
         _ => Ok((base, label)),
     }
 }
@@ -267,10 +376,12 @@ pub struct PlaceFor<'a> {
 pub fn place(req: &DeviceRequest, f: &PlaceFor) -> Result<(DevicePlan, Option<String>)> {
     let base = DevicePlan::parse(&req.main, req.sub.as_deref())?;
     req.apply_caps()?;
+    // A chain runs the layer split: without --placement it is balanced.
+    let default = if base.chain.is_empty() { PlacementRequest::default() } else { PlacementRequest::Balanced };
     let query = PlacementQuery {
         main: &req.main,
         sub: req.sub.as_deref(),
-        request: req.placement.unwrap_or_default(),
+        request: req.placement.unwrap_or(default),
         optimizer: req.optimizer,
         caps: req.caps.as_ref(),
         model: f.model,

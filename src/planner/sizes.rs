@@ -148,6 +148,10 @@ pub(super) struct Sizes<'a> {
     pub(super) w_main_elems: i64,
     pub(super) w_sub_elems: i64,
     pub(super) w_tied_elems: i64,
+    /// Layer split over a chain: each device between main and the last with its blocks
+    /// `[from, to)` and their weight elements (`w_main_elems` is then the embedding and
+    /// the blocks below the first `from`).
+    pub(super) chain: Vec<ChainDevice>,
     /// The image each example shows and its vision-tower cost (VL models with an image size).
     pub(super) image: Option<(ImageShape, VisionCost)>,
     /// The views of one micro-batch ([`plan_views`]).
@@ -363,14 +367,40 @@ pub(super) fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOption
             Some(k)
         }
     };
-    let (w_main_elems, w_sub_elems, w_tied_elems) = split_weights(model, boundary.unwrap_or(dm.n_layers));
+    let (mut w_main_elems, w_sub_elems, w_tied_elems) = split_weights(model, boundary.unwrap_or(dm.n_layers));
+    let mut chain = Vec::new();
+    if let (Some(k), false) = (boundary, o.chain.is_empty()) {
+        if o.chain_at.len() != o.chain.len() {
+            return Err(Error::Internal(format!("{} chain boundaries planned for {} devices", o.chain_at.len(), o.chain.len())));
+        }
+        let mut all = o.chain_at.clone();
+        all.push(k);
+        if all[0] < 0 || all.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(Error::input(format!("the chain's boundaries {all:?} must increase from 0: each sub-device holds at least one block")));
+        }
+        w_main_elems = split_weights(model, all[0]).0;
+        for (j, dev) in o.chain.iter().enumerate() {
+            let (from, to) = (all[j], all[j + 1]);
+            chain.push(ChainDevice { device: dev.clone(), from, to, elems: split_weights(model, from).1 - split_weights(model, to).1 });
+        }
+    }
 
     Ok(Sizes {
         cfg, o, family, info, dm, names, edited, editors, tokens, kept, s, b, n, nk, v, p_count, w_elems, w_max, din_dout,
         dout_sum, e_params, stats_elems, e_max, located, act_per_token, per_layer, first_layer, w_kept_elems,
-        w_unkept_elems, layers_txt, image, boundary, w_main_elems, w_sub_elems, w_tied_elems, views, fwd_n, fwd_kept,
+        w_unkept_elems, layers_txt, image, boundary, w_main_elems, w_sub_elems, w_tied_elems, chain, views, fwd_n, fwd_kept,
         base_kept, pass_n, batch_img_rows, edited_img_rows,
     })
+}
+
+/// A device of a chain between main and the last sub-device, as planned.
+pub(super) struct ChainDevice {
+    pub(super) device: String,
+    /// Its blocks `[from, to)`.
+    pub(super) from: i64,
+    pub(super) to: i64,
+    /// Their weight elements.
+    pub(super) elems: i64,
 }
 
 /// Weight elements `(main, sub, tied head copy)` when blocks `[k, L)` with the final norm

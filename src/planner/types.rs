@@ -17,8 +17,14 @@ use super::{items::*, sizes::*, *};
 pub struct PlanOptions {
     /// Main device name (`cpu`, `cuda`, `cuda:N`); need not exist on this machine.
     pub main: String,
-    /// Sub-device name.
+    /// Sub-device name (the last of a chain).
     pub sub: String,
+    /// A chain's devices between main and `sub` (`--sub-device a,b,c`: `a`, `b`), in
+    /// order; only the layer split runs on a chain.
+    pub chain: Vec<String>,
+    /// With the layer split over a chain: the first block on each of `chain`'s devices
+    /// (increasing, below `boundary`). Empty: the balancing ones ([`balanced_chain`]).
+    pub chain_at: Vec<i64>,
     /// Whether the sub-device holds a replica and the mover copies between the devices
     /// (true whenever the names differ; can be forced for a split on one device).
     pub split: bool,
@@ -60,16 +66,21 @@ pub struct PlanOptions {
 
 impl PlanOptions {
     /// Devices from their names (`sub` defaults to `main`).
+    /// `sub` may list a chain (`cuda:1,cuda:2,cuda:3`, [`crate::device::parse_sub_list`]).
     pub fn new(main: &str, sub: Option<&str>, dtype: Kind, tokens: i64, kept: Option<i64>) -> Result<Self> {
-        let main = normalise_device(main)?;
-        let sub = match sub {
-            Some(s) => normalise_device(s)?,
-            None => main.clone(),
+        let main_n: crate::device::DeviceName = main.parse()?;
+        let mut subs = match sub {
+            Some(s) => crate::device::parse_sub_list(main_n, s, |d| d.parse())?,
+            None => vec![main_n],
         };
+        let sub = subs.pop().unwrap_or(main_n).to_string();
+        let main = main_n.to_string();
         let split = main != sub;
         Ok(Self {
             main,
             sub,
+            chain: subs.iter().map(|d| d.to_string()).collect(),
+            chain_at: Vec::new(),
             split,
             dtype,
             tokens,
@@ -92,13 +103,50 @@ impl PlanOptions {
         if placement == Placement::Balanced && !self.split {
             return Err(Error::input("--placement balanced divides the model between two devices: give --sub-device (a device other than --device)"));
         }
-        Ok(Self { placement, optimizer, boundary: if placement == Placement::Balanced { self.boundary } else { None }, ..self.clone() })
+        if placement == Placement::Replica && !self.chain.is_empty() {
+            return Err(Error::input(format!(
+                "--sub-device {}: --placement replica runs on two devices (main and one sub-device); a chain runs --placement balanced or auto",
+                self.sub_list()
+            )));
+        }
+        let balanced = placement == Placement::Balanced;
+        Ok(Self {
+            placement,
+            optimizer,
+            boundary: if balanced { self.boundary } else { None },
+            chain_at: if balanced { self.chain_at.clone() } else { Vec::new() },
+            ..self.clone()
+        })
     }
 
     /// The same devices as one device (main alone): the reference the placements are
     /// compared with.
     pub fn single(&self) -> Self {
-        Self { sub: self.main.clone(), split: false, placement: Placement::Replica, boundary: None, optimizer: OptimizerDevice::Main, ..self.clone() }
+        Self {
+            sub: self.main.clone(),
+            split: false,
+            placement: Placement::Replica,
+            boundary: None,
+            optimizer: OptimizerDevice::Main,
+            chain: Vec::new(),
+            chain_at: Vec::new(),
+            ..self.clone()
+        }
+    }
+
+    /// The sub-devices as `--sub-device` lists them (`cuda:1,cuda:2`).
+    pub fn sub_list(&self) -> String {
+        self.chain.iter().chain([&self.sub]).cloned().collect::<Vec<_>>().join(",")
+    }
+
+    /// Every device of the plan in order: main, the chain, the last sub-device.
+    pub fn devices(&self) -> Vec<String> {
+        let mut v = vec![self.main.clone()];
+        v.extend(self.chain.iter().cloned());
+        if self.sub != self.main {
+            v.push(self.sub.clone());
+        }
+        v
     }
 
     pub(super) fn optimizer_device(&self) -> String {
@@ -108,11 +156,6 @@ impl PlanOptions {
             OptimizerDevice::Cpu => "cpu".into(),
         }
     }
-}
-
-/// The normalised name (`cuda` -> `cuda:0`), without checking the device exists here.
-pub(super) fn normalise_device(name: &str) -> Result<String> {
-    Ok(name.parse::<crate::device::DeviceName>()?.to_string())
 }
 
 /// What one image costs a vision-language model, as planned.
@@ -202,6 +245,8 @@ pub enum Role {
     Sub,
     /// Host memory outside both devices (counted on main when main is the CPU).
     Host,
+    /// A chain's device between main and the last sub-device (the item names which).
+    Chain,
 }
 
 impl Role {
@@ -210,6 +255,7 @@ impl Role {
             Role::Main => "main",
             Role::Sub => "sub",
             Role::Host => "host",
+            Role::Chain => "chain",
         }
     }
 }
@@ -269,6 +315,9 @@ pub struct PlanShape {
     /// Layer split: the first block on the sub-device.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub boundary: Option<i64>,
+    /// Layer split over a chain: each device between main and the last with its first block.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chain: Vec<(String, i64)>,
     pub optimizer_device: String,
     pub batch_size: i64,
     pub tokens_per_example: i64,

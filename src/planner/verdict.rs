@@ -122,9 +122,7 @@ pub fn judge(plan: &MemoryPlan, caps: &MaxMemory, headroom: &Headroom, phase: Ph
 /// [`judge`] of a placements-table row (its training peaks).
 pub fn judge_row(row: &PlacementRow, main: &str, caps: &MaxMemory, headroom: &Headroom) -> PlacementVerdict {
     let mut label = row.placement.name().to_string();
-    if let Some(k) = row.boundary {
-        label.push_str(&format!(" (blocks from {k} on the sub-device)"));
-    }
+    label.push_str(&super::boundary_label(row.boundary, &row.chain, &row.sub));
     if row.optimizer_device != main {
         label.push_str(&format!(", optimizer on {}", row.optimizer_device));
     }
@@ -372,7 +370,7 @@ pub struct PlanQuestion {
 pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion) -> Result<(String, Option<String>)> {
     let phase = Phase::Train;
     let single = plan_model(model, cfg, &o.single())?;
-    let devices = if o.split { format!("{} + {}", o.main, o.sub) } else { format!("{} alone", o.main) };
+    let devices = if o.split { o.devices().join(" + ") } else { format!("{} alone", o.main) };
     let mut planned = planned_text(&single.shape, q.dtype_source, phase, &devices);
     if let Some(d) = &q.data {
         planned.push_str(&d.text());
@@ -380,7 +378,7 @@ pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion
     let planned_json = serde_json::json!({
         "dtype": single.shape.dtype, "dtype_source": q.dtype_source, "batch_size": single.shape.batch_size,
         "tokens_per_example": single.shape.tokens_per_example, "kept_per_example": single.shape.kept_per_example,
-        "image": single.shape.image, "main": o.main, "sub": o.sub, "split": o.split, "verdict_phase": phase,
+        "image": single.shape.image, "main": o.main, "sub": o.sub, "chain": o.chain, "split": o.split, "verdict_phase": phase,
         "headroom": o.headroom, "data": q.data,
     });
     let judged = !o.caps.is_empty();

@@ -37,7 +37,7 @@ pub struct Comparison {
 }
 
 fn side(plan: &DevicePlan, metrics: BTreeMap<String, f64>, memory: BTreeMap<String, RoleSummary>, wall: f64, report: PathBuf) -> Side {
-    let devices = if plan.split { format!("{} + {}", plan.main_name(), plan.sub_name()) } else { plan.main_name() };
+    let devices = if plan.split { format!("{} + {}", plan.main_name(), plan.sub_list().replace(",", " + ")) } else { plan.main_name() };
     Side { devices, metrics, memory, wall_seconds: wall, report }
 }
 

@@ -20,6 +20,10 @@ pub struct DeviceInfo {
     /// Layer split: the first block on the sub-device.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub boundary: Option<usize>,
+    /// A chain (`--sub-device a,b,c`): the devices between main and `sub` with their
+    /// first blocks.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chain: Vec<(String, usize)>,
     /// Where the editor's Adam moments live (`--optimizer-device`).
     pub optimizer_device: String,
 }
@@ -32,6 +36,7 @@ impl From<&DevicePlan> for DeviceInfo {
             split: p.split,
             placement: p.placement,
             boundary: p.boundary,
+            chain: p.chain.names().iter().zip(p.chain.at()).map(|(d, a)| (d.to_string(), *a)).collect(),
             optimizer_device: match p.optimizer {
                 crate::device::OptimizerDevice::Sub if p.split => p.sub_name(),
                 crate::device::OptimizerDevice::Cpu => "cpu".into(),

@@ -135,9 +135,25 @@ fn the_gpu_check_runs_on_cpu_with_a_fake_device_list() {
         assert!(balanced["error"].as_str().unwrap().contains("--sub-device"), "{balanced:#}");
         assert_eq!(cap["status"], "skipped", "{cap:#}");
     }
+    // #38: the layer split over a chain of three devices (cpu + cpu:1,cpu:2) gives the
+    // single device's losses, each crossing counted.
+    let chain = step(&v, "chain");
+    assert_eq!(v["chain"], "cpu:1,cpu:2");
+    if split {
+        assert_eq!(chain["status"], "ok", "{chain:#}");
+        assert_eq!(chain["metrics_agree"], true, "{chain:#}");
+        let crossings = chain["crossings"].as_array().unwrap();
+        assert_eq!(crossings.len(), 2, "{chain:#}");
+        for c in crossings {
+            positive(&c["boundary_bytes"], "a crossing's bytes");
+        }
+        assert_eq!(chain["devices"]["chain"][0][0], "cpu:1", "{chain:#}");
+    } else {
+        assert_eq!(chain["status"], "failed", "{chain:#}");
+    }
     let sum = &v["summary"];
     let total: u64 = ["ok", "failed", "skipped"].iter().map(|k| sum[k].as_u64().unwrap()).sum();
-    assert_eq!(total, 7, "{sum}");
+    assert_eq!(total, 8, "{sum}");
 }
 
 /// A missing binary is one clear error naming it, before any step runs.

@@ -403,3 +403,68 @@ fn views_grouped_by_length_score_as_one_padded_forward() {
         }
     }
 }
+
+/// The Qwen2-VL fixture grown to four blocks (random weights), so that a chain of four
+/// devices has a block for each.
+fn four_block_qwen2_vl(dir: &Path) -> PathBuf {
+    let src = fixture("qwen2_vl");
+    let out = dir.join("qwen2_vl_4");
+    std::fs::create_dir_all(&out).unwrap();
+    for f in ["tokenizer.json", "preprocessor_config.json"] {
+        std::fs::copy(src.join(f), out.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["text_config"]["num_hidden_layers"] = 4.into();
+    cfg["text_config"]["layer_types"] = serde_json::json!(vec!["full_attention"; 4]);
+    std::fs::write(out.join("config.json"), cfg.to_string()).unwrap();
+    let (model, _) = dualedit::model::loader::read_config(&out).unwrap();
+    let params = dualedit::model::loader::random_params(&model, Device::Cpu, Kind::Float, 7);
+    let tensors: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    Tensor::write_safetensors(&tensors, out.join("model.safetensors")).unwrap();
+    out
+}
+
+/// #38: image training and evaluation over chains of three and four logical CPU devices
+/// give the single-device run's losses and metrics; each crossing is counted.
+#[test]
+fn image_training_and_evaluation_over_a_chain_match_one_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = four_block_qwen2_vl(dir.path());
+    let r = roots(dir.path());
+    let qs = ["What is in the picture?", "What animal is this?", "What is shown here?"];
+    let alts = ["a cat", "a horse", "a bird"];
+    let recs: Vec<_> = qs.iter().zip(alts).enumerate().map(|(i, (q, a))| record(q, a, if i % 2 == 0 { "val/a.png" } else { "val/b.png" })).collect();
+    let data = write_data(dir.path(), &recs);
+    let common = Common { seed: 3, image_roots: Some(r.clone()), ..Common::single(model, Device::Cpu) };
+    let edit_params = vec!["model.layers.3.mlp.up_proj.weight".to_string(), "model.layers.3.mlp.down_proj.weight".to_string()];
+    let config = MendConfig { rank: 8, lr: 1e-3, edit_lr: 1e-3, accumulate: 1, max_steps: 2, val_every: 2, val_records: 1, max_length: 200, edit_params, ..MendConfig::default() };
+    for (list, chain_at) in [("cpu:1,cpu:2", vec![1]), ("cpu:1,cpu:2,cpu:3", vec![1, 2])] {
+        let plan = DevicePlan::parse("cpu", Some(list)).unwrap().balanced_chain(chain_at, 3).unwrap();
+        let out = dir.path().join(format!("train-{}", list.len()));
+        let opts = TrainOptions { common: common.clone(), data: data.clone(), ds: DatasetKind::Vqa, config: config.clone(), out: out.clone(), limit: None, resume: false, progress: false };
+        let c = compare_train(&opts, plan).unwrap();
+        assert!(c.single.metrics.keys().any(|k| k.starts_with("image_loc_kl")), "{:?}", c.single.metrics.keys());
+        for (k, a) in &c.single.metrics {
+            let b = c.dual.metrics[k];
+            assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()) + 1e-6, "{list}: {k}: single {a} vs chain {b}");
+        }
+        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&c.dual.report).unwrap()).unwrap();
+        let cs = report["moved"]["crossings"].as_array().unwrap();
+        assert_eq!(cs.len(), plan.chain.len() + 1, "{list}: {cs:?}");
+        for x in cs {
+            assert!(x["boundary_crossings"].as_u64().unwrap() > 0 && x["boundary_bytes"] == cs[0]["boundary_bytes"], "{list}: {cs:?}");
+        }
+        let eval = EvalOptions {
+            common: common.clone(),
+            method: MethodSpec::Mend { editor: out.join("single") },
+            data: data.clone(),
+            ds: DatasetKind::Vqa,
+            limit: Some(2),
+            max_length: 200,
+            capacity: None,
+        };
+        let c = compare_eval(&eval, plan, dir.path()).unwrap();
+        assert!(c.single.metrics.contains_key("image_locality"));
+        assert!(c.metrics_agree, "{list} eval: max relative difference {}", c.max_relative_difference);
+    }
+}

@@ -332,3 +332,137 @@ fn shared_prefix_gives_the_same_step_in_every_placement() {
         }
     }
 }
+
+/// A chain of `n` logical CPU devices (`cpu` + `cpu:1,...,cpu:{n-1}`) under the layer split:
+/// main holds blocks below `chain_at[0]`, `cpu:i` blocks `[chain_at[i-1], chain_at[i])`, the
+/// last blocks from `at` with the head.
+fn chain(n: usize, chain_at: Vec<usize>, at: usize) -> DevicePlan {
+    let subs: Vec<String> = (1..n).map(|i| format!("cpu:{i}")).collect();
+    DevicePlan::parse("cpu", Some(&subs.join(","))).unwrap().balanced_chain(chain_at, at).unwrap()
+}
+
+/// The boundary crossings of a run report's chain: `(from, to, at, bytes, crossings)`.
+fn crossings(report: &serde_json::Value) -> Vec<(String, String, u64, u64, u64)> {
+    report["moved"]["crossings"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no crossings in {}", report["moved"]))
+        .iter()
+        .map(|c| {
+            let s = |k: &str| c[k].as_str().unwrap().to_string();
+            let u = |k: &str| c[k].as_u64().unwrap();
+            (s("from"), s("to"), u("at"), u("boundary_bytes"), u("boundary_crossings"))
+        })
+        .collect()
+}
+
+/// #38: three and four devices (blocks over a chain of logical CPU devices) train and
+/// evaluate as one device, and every crossing of the chain carries each batch's hidden
+/// states once, counted on its own.
+#[test]
+fn chains_of_three_and_four_devices_train_and_evaluate_as_one_device() {
+    let dir = tempfile::tempdir().unwrap();
+    for (model, n, chain_at) in [("gpt2", 3, vec![1]), ("llama", 4, vec![0, 1]), ("gpt2", 4, vec![0, 1])] {
+        let opts = train_options(dir.path(), model, config(model, false), &format!("{model}-chain{n}"));
+        let plan = chain(n, chain_at.clone(), 2);
+        let c = compare_train(&opts, plan).unwrap();
+        let what = format!("{model} train over {n} devices, blocks from {chain_at:?} then 2");
+        assert_agree(&c, &what);
+        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&c.dual.report).unwrap()).unwrap();
+        assert_eq!(report["devices"]["sub"], format!("cpu:{}", n - 1), "{what}");
+        let listed: Vec<(String, u64)> = serde_json::from_value(report["devices"]["chain"].clone()).unwrap();
+        assert_eq!(listed, (1..n - 1).map(|i| (format!("cpu:{i}"), chain_at[i - 1] as u64)).collect::<Vec<_>>(), "{what}");
+        let cs = crossings(&report);
+        assert_eq!(cs.len(), n - 1, "{what}: {cs:?}");
+        let names: Vec<String> = std::iter::once("cpu".to_string()).chain((1..n).map(|i| format!("cpu:{i}"))).collect();
+        let ats: Vec<u64> = chain_at.iter().map(|&a| a as u64).chain([2]).collect();
+        for (i, (from, to, at, bytes, count)) in cs.iter().enumerate() {
+            assert_eq!((from, to, *at), (&names[i], &names[i + 1], ats[i]), "{what}: crossing {i}");
+            // Hidden states [B, T, 64] f32, once per batch's prefix on every crossing.
+            assert!(*count > 0 && *bytes > 0 && bytes % (64 * 4) == 0, "{what}: crossing {i}: {bytes} bytes in {count}");
+            assert_eq!((*bytes, *count), (cs[0].3, cs[0].4), "{what}: every crossing carries the same prefixes");
+        }
+        if model == "gpt2" && n == 4 {
+            let eval = EvalOptions {
+                common: Common { report: Some(dir.path().join("eval-chain.json")), ..opts.common.clone() },
+                method: MethodSpec::Mend { editor: dir.path().join("gpt2-chain4/single") },
+                data: opts.data.clone(),
+                ds: DatasetKind::Counterfact,
+                limit: None,
+                max_length: 64,
+                capacity: None,
+            };
+            let c = compare_eval(&eval, plan, dir.path()).unwrap();
+            assert_agree(&c, "gpt2 eval over 4 devices");
+        }
+    }
+}
+
+/// What each device of a chain holds, and what a micro-step carries across each crossing:
+/// the blocks' weights once at setup, then only hidden states (and mask / rotary tables).
+#[test]
+fn chain_places_each_range_on_its_device_and_counts_each_crossing() {
+    let dir = fixture("llama");
+    let lm = load_model(&dir, Device::Cpu, Kind::Float).unwrap();
+    let model = lm.model.clone();
+    let sizes: std::collections::HashMap<String, i64> =
+        model.expected_params().into_iter().map(|(n, s)| (n, s.iter().product::<i64>())).collect();
+    let cfg = config("llama", false);
+    let engine = Engine::new(lm, chain(4, vec![0, 1], 2), &cfg.edit_params).unwrap();
+    let setup = engine.mover.stats();
+    let block = |i: usize| sizes.iter().filter(|(n, _)| n.starts_with(&format!("model.layers.{i}."))).map(|(_, s)| *s as u64 * 4).sum::<u64>();
+    assert_eq!(setup.crossings.len(), 3, "{setup:?}");
+    // cpu:1 got block 0, cpu:2 block 1 (the last crossing's weights are in bytes_to_sub).
+    assert_eq!(setup.crossings[0].other_bytes, block(0), "{setup:?}");
+    assert_eq!(setup.crossings[1].other_bytes, block(1), "{setup:?}");
+    assert!(setup.crossings.iter().all(|c| c.boundary_crossings == 0));
+    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
+    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
+    let example = EditExample {
+        inner: ex(&[5, 6, 7, 8, 9, 10], 2),
+        outer: ex(&[11, 12, 7, 8, 9, 10], 2),
+        rephrased: true,
+        loc: Some(ex(&[20, 21, 22, 23, 24], 3)),
+        portability: Vec::new(),
+        outer_image: None,
+        loc_image: None,
+    };
+    let b = EditBatches::for_config(&engine, &[&example], &cfg).unwrap();
+    let (loss, _) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+    loss.backward();
+    let step = engine.mover.stats();
+    let d = 64 * 4;
+    for (i, (a, c)) in setup.crossings.iter().zip(&step.crossings).enumerate() {
+        // The capture's batch (5 tokens) and the edited forward's (2 × 5), once each.
+        assert_eq!(c.boundary_crossings - a.boundary_crossings, 2, "crossing {i}: {c:?}");
+        assert_eq!(c.boundary_bytes - a.boundary_bytes, (5 + 2 * 5) * d, "crossing {i}: {c:?}");
+        // Besides them only the rotary tables and the mask: less than one block's weights.
+        assert!(c.other_bytes - a.other_bytes < block(0), "crossing {i}: {c:?}");
+    }
+    let (net, _) = editor.trainables();
+    assert!(net.iter().any(|t| t.grad().defined()));
+}
+
+/// A chain's flags: duplicates, the main device in the list, or the replica placement over
+/// a list are one clear error naming `--sub-device`; boundaries must increase.
+#[test]
+fn chain_flags_are_checked() {
+    for (main, list, needle) in [
+        ("cpu", "cpu:1,cpu:1", "listed twice"),
+        ("cpu", "cpu:1,cpu", "main device"),
+        ("cpu", "cpu:1,,cpu:2", "empty device name"),
+        ("cpu", "cpu:1,gpu:2", "cpu:N"),
+    ] {
+        let e = DevicePlan::parse(main, Some(list)).unwrap_err().to_string();
+        assert!(e.contains(needle) && e.contains("--sub-device"), "{list}: {e}");
+    }
+    // One sub-device equal to main stays a single-device run.
+    assert!(!DevicePlan::parse("cpu", Some("cpu")).unwrap().split);
+    let p = DevicePlan::parse("cpu", Some("cpu:1, cpu:2,cpu:3")).unwrap();
+    assert_eq!(p.sub_list(), "cpu:1,cpu:2,cpu:3");
+    assert!(p.balanced(2).is_err(), "a chain needs its boundaries");
+    let e = p.balanced_chain(vec![1, 1], 2).unwrap_err().to_string();
+    assert!(e.contains("must increase"), "{e}");
+    let req = dualedit::device::DeviceRequest { main: "cpu".into(), sub: Some("cpu:1,cpu:2".into()), ..Default::default() };
+    let e = req.plan().unwrap_err().to_string();
+    assert!(e.contains("--sub-device cpu:1,cpu:2"), "{e}");
+}

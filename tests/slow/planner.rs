@@ -651,3 +651,102 @@ fn plan_reads_the_shape_of_an_e_vqa_file() {
         assert!(err.contains(want), "{extra:?}: {err}");
     }
 }
+
+/// #38: a chain's boundaries minimise the largest device's peak: on a 6-block GPT-2 with
+/// the last block edited, no other increasing boundaries give a smaller largest peak.
+#[test]
+fn chain_boundaries_minimise_the_largest_peak() {
+    let m = {
+        let c: Gpt2Config = serde_json::from_value(serde_json::json!({"vocab_size": 500, "n_embd": 64, "n_layer": 6, "n_head": 4, "n_positions": 128})).unwrap();
+        Model::new(Gpt2::new(c).unwrap())
+    };
+    let cfg = MendConfig {
+        rank: 8,
+        edit_params: vec!["transformer.h.5.mlp.c_fc.weight".into(), "transformer.h.5.mlp.c_proj.weight".into()],
+        ..MendConfig::default()
+    };
+    for list in ["cuda:1,cuda:2", "cuda:1,cuda:2,cuda:3"] {
+        let o = PlanOptions::new("cuda:0", Some(list), Kind::Float, 64, None).unwrap().with_placement(Placement::Balanced, OptimizerDevice::Main).unwrap();
+        let devices = o.devices();
+        let worst = |p: &MemoryPlan| devices.iter().map(|d| p.peak(d, Phase::Train)).max().unwrap();
+        let best = plan_model(&m, &cfg, &o).unwrap();
+        assert_eq!(best.shape.chain.len(), devices.len() - 2, "{list}");
+        // Every device holds memory, and the weights add up to the model's once.
+        assert!(devices.iter().all(|d| best.peak(d, Phase::Train) > 0), "{}", best.table());
+        let weights: u64 = best.items.iter().filter(|i| i.phase == Phase::Train && i.item.starts_with("model weights")).map(|i| i.bytes).sum();
+        assert_eq!(weights, m.info().n_params as u64 * 4);
+        let mut tried = 0;
+        let n = devices.len() - 1;
+        // Every increasing choice of n boundaries in 0..=5.
+        for mask in 0u32..(1 << 6) {
+            if mask.count_ones() as usize != n {
+                continue;
+            }
+            let ks: Vec<i64> = (0..6).filter(|i| mask & (1 << i) != 0).collect();
+            let (k, chain_at) = (ks[n - 1], ks[..n - 1].to_vec());
+            let p = plan_model(&m, &cfg, &PlanOptions { boundary: Some(k), chain_at, ..o.clone() }).unwrap();
+            assert!(worst(&best) <= worst(&p), "{list}: {:?} then {k} gives {} < {}", p.shape.chain, worst(&p), worst(&best));
+            tried += 1;
+        }
+        assert!(tried >= 15, "{tried}");
+    }
+    // Fewer blocks below the first edited one than devices between: one clear error.
+    let o = PlanOptions::new("cuda:0", Some("cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7"), Kind::Float, 64, None).unwrap();
+    let e = plan_model(&m, &cfg, &o.with_placement(Placement::Balanced, OptimizerDevice::Main).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("--sub-device") && e.contains("fewer devices"), "{e}");
+    let e = o.with_placement(Placement::Replica, OptimizerDevice::Main).unwrap_err().to_string();
+    assert!(e.contains("--sub-device") && e.contains("replica"), "{e}");
+}
+
+/// #38: LLaMA-2-7B (bf16, MEND's 7B config) over four cards: every device's training peak
+/// against the single-device one, through `plan` as a user runs it.
+#[test]
+fn plan_of_a_7b_model_over_four_cards() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), LLAMA_7B).unwrap();
+    let cfg = MendConfig::from_file(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/llama-7b.json"))).unwrap();
+    let mend = dir.path().join("mend.json");
+    std::fs::write(&mend, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_dualedit"))
+            .args(["plan", "--model"])
+            .arg(dir.path())
+            .arg("--config")
+            .arg(&mend)
+            .args(["--device", "cuda:0", "--sub-device", "cuda:1,cuda:2,cuda:3", "--dtype", "bf16", "--max-length", "128"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--placement", "balanced", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["shape"]["chain"].as_array().unwrap().len(), 2, "{}", v["shape"]);
+    let peaks: BTreeMap<String, u64> = v["totals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["phase"] == "train")
+        .map(|t| (t["device"].as_str().unwrap().to_string(), t["peak_bytes"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(peaks.keys().collect::<Vec<_>>(), ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]);
+    let (model, _) = dualedit::model::loader::read_config(dir.path()).unwrap();
+    let single = plan_model(&model, &cfg, &PlanOptions::new("cuda:0", None, Kind::BFloat16, 128, None).unwrap()).unwrap().peak("cuda:0", Phase::Train);
+    let worst = *peaks.values().max().unwrap() as f64 / single as f64;
+    assert!(worst <= 0.32, "largest device {worst:.3} × the single-device peak: {peaks:?}");
+    // The table of every placement: the layer split only (a chain has no replica), its
+    // boundaries listed; replica over a chain is one clear error naming the flag.
+    let out = run(&[]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("cuda:3") && !text.contains("replica "), "{text}");
+    let out = run(&["--placement", "replica"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--sub-device cuda:1,cuda:2,cuda:3") && err.contains("replica"), "{err}");
+    // auto under a cap for every card.
+    let out = run(&["--placement", "auto", "--max-memory", "cuda:0=8GiB,cuda:1=8GiB,cuda:2=8GiB,cuda:3=8GiB", "--margin", "0", "--reserve", "0", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["shape"]["placement"], "balanced");
+    assert_eq!(v["fits"], true, "{v}");
+}

@@ -10,20 +10,24 @@ pub struct DeviceArgs {
     /// Main device: frozen model, editor, optimiser (cpu, cuda, cuda:N).
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Sub-device for the edited model's forward passes (default: the main device).
+    /// Sub-device for the edited model's forward passes (default: the main device), or a
+    /// chain of them (cuda:1,cuda:2,cuda:3; on a CPU cpu:1,cpu:2,cpu:3): the layer split
+    /// then puts contiguous block ranges on main and on each, the edited blocks and the head
+    /// on the last.
     #[arg(long)]
     pub sub_device: Option<String>,
     /// What lives where (as accelerate's device_map): replica (main: frozen model + editor;
     /// sub: a replica running the edited forwards), balanced (the frozen blocks divided
-    /// between main and sub so their peaks balance), auto (the planner picks one that fits
-    /// --max-memory). Default: replica; `plan` without it compares them all.
+    /// between main and the sub-device(s) so that the largest peak is smallest), auto (the
+    /// planner picks one that fits --max-memory). Default: replica (balanced with a chain,
+    /// which runs no replica); `plan` without it compares them all.
     #[arg(long, value_enum)]
     pub placement: Option<PlacementRequest>,
     /// Where the editor's Adam moments live and its update is computed (main, sub, cpu):
     /// off the main device, its gradients cross once per optimiser step (ZeRO-Offload).
     #[arg(long, value_enum)]
     pub optimizer_device: Option<OptimizerDevice>,
-    /// Per-device memory caps, e.g. cuda:0=24GiB,cuda:1=24GiB: libtorch's CUDA caching
+    /// Per-device memory caps, e.g. cuda:0=24GiB,cuda:1=24GiB (one per device of a chain): libtorch's CUDA caching
     /// allocator is capped there (as torch.cuda.set_per_process_memory_fraction), and the
     /// planner plans against the caps.
     #[arg(long, value_parser = parse_max_memory)]
