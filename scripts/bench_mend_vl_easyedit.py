@@ -27,11 +27,17 @@ two locality views over every position, the accuracy metrics without grad); the 
 loss / accumulate backward into the editor. Every model call runs the vision tower on its
 image, as EasyEdit's do. `edit`: MEND.edit alone in evaluation mode (capture, editor, W').
 
-    .venv/bin/python scripts/bench_mend_vl_easyedit.py
+    .venv/bin/python scripts/bench_mend_vl_easyedit.py [--model small|tiny] [--side 448]
+        [--dtype f32|bf16] [--runs 10] [--warmup 3]
 
-Prints the median of 10 timed runs after 3 warm-up runs, on one thread (as the Rust bench).
+The options are the Rust bench's DUALEDIT_BENCH_MODEL / _SIDE / _DTYPE / _RUNS / _WARMUP
+(`tiny`: benches/vl_configs/qwen2_vl_tiny.json; images of side x side pixels, (side/14)^2
+patches, (side/28)^2 image tokens; bf16: the model's weights, the editor stays f32 and
+each W' is rounded to the weight's dtype, as a bf16 model needs). Prints the median of
+the timed runs after the warm-up runs, on one thread (as the Rust bench).
 """
 
+import argparse
 import json
 import statistics
 import time
@@ -43,24 +49,32 @@ from torch.func import functional_call
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 ROOT = Path(__file__).resolve().parent.parent
-IMAGE_TOKENS, QUESTION, ANSWER = 64, 13, 3
-GRID = [1, 16, 16]
+QUESTION, ANSWER = 13, 3
+# Set from --side in main(): image tokens per image and the patch grid.
+IMAGE_TOKENS, GRID = 64, [1, 16, 16]
 RANK, N_HIDDEN = 1920, 1
 LR, LR_LR, EDIT_LR, GRAD_CLIP, ACCUMULATE = 1e-6, 1e-4, 1e-4, 100.0, 10
 C_EDIT, C_LOC, I_EDIT = 0.1, 1.0, 0.1
 EDITED = [f"model.language_model.layers.{l}.mlp.{m}" for l in (1, 2, 3) for m in ("up_proj", "down_proj")]
 
 
-def timed(name, fn, warmup=3, runs=10):
+def timed(name, fn, warmup, runs):
+    """Median wall-clock and CPU time (this thread's: with one torch thread every op and
+    the backward run on it, so other processes holding the core do not count) of `runs`
+    runs after `warmup`."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, cpu = [], []
     for _ in range(runs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
     med = statistics.median(times) * 1e3
-    print(f"{name:<18} median {med:8.1f} ms  (min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})")
+    print(
+        f"{name:<18} median {med:8.1f} ms  (min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})"
+        f"  cpu median {statistics.median(cpu) * 1e3:8.1f} ms"
+    )
     return med
 
 
@@ -173,7 +187,7 @@ class Mend(nn.Module):
             x, delta = self.store[n]
             x_, d_ = self.mend[str(s)](x, delta, self.shape_dict[s].index(n))
             g = torch.einsum("bi,bj->ij", d_, x_)
-            new[n + ".weight"] = m.weight - lr * g
+            new[n + ".weight"] = (m.weight - lr * g).to(m.weight.dtype)
         for m in self.modules_.values():
             m.weight.grad = None
         return new
@@ -220,11 +234,25 @@ def view(raw, seed, pixels):
 
 
 def main():
+    global IMAGE_TOKENS, GRID
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=["small", "tiny"], default="small")
+    ap.add_argument("--side", type=int, default=448)
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    if args.side < 56 or args.side % 28:
+        ap.error(f"--side must be a multiple of 28 (at least 56), not {args.side}")
+    g = args.side // 14
+    IMAGE_TOKENS, GRID = g * g // 4, [1, g, g]
     torch.set_num_threads(1)
-    raw = json.loads((ROOT / "benches/vl_configs/qwen2_vl.json").read_text())
+    config = "qwen2_vl_tiny.json" if args.model == "tiny" else "qwen2_vl.json"
+    raw = json.loads((ROOT / "benches/vl_configs" / config).read_text())
     torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = Qwen2VLForConditionalGeneration._from_config(
-        Qwen2VLConfig.from_dict(raw), attn_implementation="sdpa", dtype=torch.float32
+        Qwen2VLConfig.from_dict(raw), attn_implementation="sdpa", dtype=dtype
     )
     for n, p in model.named_parameters():
         p.requires_grad_(any(n == e + ".weight" for e in EDITED))
@@ -243,7 +271,10 @@ def main():
     opt = torch.optim.Adam(outer, lr=LR)
     lr_opt = torch.optim.Adam(list(mend.edit_lrs), lr=LR_LR)
     n_editor = sum(p.numel() for p in outer) + len(EDITED)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), editor parameters {n_editor}")
+    print(
+        f"model {args.model}, {args.side} x {args.side} px ({IMAGE_TOKENS} image tokens), {args.dtype}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), editor parameters {n_editor}"
+    )
 
     def run(new, b):
         return functional_call(model, {**params, **new}, args=(), kwargs=b["inputs"]).logits
@@ -289,11 +320,11 @@ def main():
 
     # The editor's statistics need two rows before they normalise (as after training).
     micro_batch()
-    timed("train_microbatch", micro_batch)
-    timed("adam_step", adam_step)
+    timed("train_microbatch", micro_batch, args.warmup, args.runs)
+    timed("adam_step", adam_step, args.warmup, args.runs)
     opt.zero_grad()
     lr_opt.zero_grad()
-    timed("edit", edit)
+    timed("edit", edit, args.warmup, args.runs)
     print(f"a meta-training step = train_microbatch + adam_step / accumulate ({ACCUMULATE})")
 
 

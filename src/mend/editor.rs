@@ -105,12 +105,16 @@ impl LrLinear {
         }
     }
 
-    /// `modes` `[N]` (int64): the mode of each row, selecting its scale/shift.
-    fn forward(&self, x: &Tensor, modes: &Tensor) -> Tensor {
-        // `U·(V·xᵀ)` then transposed, rather than `x·Vᵀ·Uᵀ`: the same product, measured
-        // 15–35 % faster forward and 10 % faster forward + backward for 16–96 rows on CPU
-        // (see `WeightLayout::apply`).
-        let pre = self.u.matmul(&self.v.matmul(&x.tr())).tr() + &self.bias;
+    /// `x` `[N, width]`; `modes` `[N]` (int64): the mode of each row, selecting its
+    /// scale/shift. `skinny`: rows up to which the product is computed transposed (see
+    /// [`EDITOR_SKINNY_ROWS`]).
+    fn forward(&self, x: &Tensor, modes: &Tensor, skinny: i64) -> Tensor {
+        // Up to `skinny` rows `U·(V·xᵀ)` then transposed, rather than `x·Vᵀ·Uᵀ`: the same
+        // product, measured 15–35 % faster forward and 10 % faster forward + backward for
+        // 16–96 rows on CPU (see `WeightLayout::apply`). Above, the plain product.
+        let rows = x.size().first().copied().unwrap_or(0);
+        let product = if rows <= skinny { self.u.matmul(&self.v.matmul(&x.tr())).tr() } else { x.matmul(&self.v.tr()).matmul(&self.u.tr()) };
+        let pre = product + &self.bias;
         let pre = pre * self.scale.index_select(0, modes) + self.shift.index_select(0, modes);
         // clamp(min = 0), not relu: the same values, but a gradient of 1 at exactly 0, as
         // the reference code has it. With U = 0 at start every pre-activation of the first
@@ -141,8 +145,8 @@ impl IdMlp {
         Self { layers }
     }
 
-    fn forward(&self, x: &Tensor, modes: &Tensor) -> Tensor {
-        self.layers.iter().fold(x.shallow_clone(), |h, l| l.forward(&h, modes))
+    fn forward(&self, x: &Tensor, modes: &Tensor, skinny: i64) -> Tensor {
+        self.layers.iter().fold(x.shallow_clone(), |h, l| l.forward(&h, modes, skinny))
     }
 }
 
@@ -177,19 +181,19 @@ impl GradientTransform {
     /// `modes` the mode of each row. As the reference code: a factor that has an MLP is
     /// transformed from its normalised form, one without (x_only, delta_only, one_sided)
     /// passes through as it came.
-    fn forward(&self, f: &GroupRows, cfg: &MendConfig) -> (Tensor, Tensor) {
+    fn forward(&self, f: &GroupRows, cfg: &MendConfig, skinny: i64) -> (Tensor, Tensor) {
         if cfg.mode == EditorMode::Combine {
             let mlp = self.mlp_x.as_ref().expect("combine editor has its MLP");
-            let out = mlp.forward(&Tensor::cat(&[&f.xn, &f.dn], -1), &f.modes);
+            let out = mlp.forward(&Tensor::cat(&[&f.xn, &f.dn], -1), &f.modes, skinny);
             let parts = out.split_with_sizes([self.d_in, self.d_out], -1);
             return (parts[0].shallow_clone(), parts[1].shallow_clone());
         }
         let xt = match &self.mlp_x {
-            Some(m) => m.forward(&f.xn, &f.modes),
+            Some(m) => m.forward(&f.xn, &f.modes, skinny),
             None => Tensor::cat(&f.x, 0),
         };
         let dt = match &self.mlp_d {
-            Some(m) => m.forward(&f.dn, &f.modes),
+            Some(m) => m.forward(&f.dn, &f.modes, skinny),
             None => Tensor::cat(&f.d, 0),
         };
         (xt, dt)
@@ -238,8 +242,21 @@ pub struct Editor {
     /// normalised to thousands of standard deviations, far outside anything the editor
     /// was trained on (issue #24; see [`crate::mend::stepwise`]).
     pub input_clip: Option<f64>,
+    /// Rows (of one shared editor's pass) up to which its products are computed
+    /// transposed: [`EDITOR_SKINNY_ROWS`]. The tests and the bench set it to `i64::MAX`
+    /// for the path before #35 (always transposed) to compare.
+    pub skinny_rows: i64,
     device: Device,
 }
+
+/// Rows up to which the editor's `U·(V·xᵀ)` is computed transposed (f32, the editor's
+/// dtype; as the model's own f32 threshold). Above it the plain `x·Vᵀ·Uᵀ` wins: one
+/// thread, PyTorch 2.13, width = rank = 1920 (the small bench's editors), forward +
+/// backward, interleaved medians under load: plain/transposed 1.06 / 1.34 at 64 rows,
+/// 0.97 / 0.90 at 128, 0.72 / 0.62 at 553, 0.56 / 0.87 at 825. A 448-px E-VQA record
+/// gives each editor ~550 rows (issue #35; EasyEdit's `LRLinear` computes every pass
+/// transposed).
+pub const EDITOR_SKINNY_ROWS: i64 = 128;
 
 impl Editor {
     /// A fresh, identity-initialised editor; its random `V` matrices are drawn from
@@ -266,7 +283,7 @@ impl Editor {
             groups.into_iter().map(|(k, (d_in, d_out, n))| (k, GradientTransform::new(d_in, d_out, config, n, device))).collect()
         });
         let edit_lrs = Tensor::full([params.len() as i64], config.edit_lr, (Kind::Float, device)).set_requires_grad(true);
-        Ok(Self { config: config.clone(), params, assignment, transforms, edit_lrs, input_clip: None, device })
+        Ok(Self { config: config.clone(), params, assignment, transforms, edit_lrs, input_clip: None, skinny_rows: EDITOR_SKINNY_ROWS, device })
     }
 
     pub fn device(&self) -> Device {
@@ -318,7 +335,7 @@ impl Editor {
             dn: Tensor::cat(&dns, 0),
             modes: Tensor::cat(&modes, 0),
         };
-        let (xt, dt) = t.forward(&group, &self.config);
+        let (xt, dt) = t.forward(&group, &self.config, self.skinny_rows);
         xt.split_with_sizes(&rows, 0).into_iter().zip(dt.split_with_sizes(&rows, 0)).collect()
     }
 

@@ -571,3 +571,63 @@ fn editor_init_depends_on_its_seed_alone() {
         }
     });
 }
+
+/// The editor's products above `EDITOR_SKINNY_ROWS` rows per pass are computed plainly
+/// (`x·Vᵀ·Uᵀ`, #35), below transposed (`(U·(V·xᵀ))ᵀ`): the same transformed factors and
+/// the same editor gradients as the path that always transposes (`skinny_rows = MAX`),
+/// in training (the statistics updated alike). Rows per pass: 3 weights per shared editor.
+#[test]
+fn editor_plain_products_above_the_skinny_rows_match_the_transposed_ones() {
+    use dualedit::mend::editor::EDITOR_SKINNY_ROWS;
+    use dualedit::mend::Factors;
+    let params = engine("gpt2").edit_params.clone();
+    let cfg = MendConfig { rank: 16, ..MendConfig::default() };
+    let pattern = |n: i64, phase: f64, f: fn(&Tensor) -> Tensor| f(&(Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + phase));
+    for rows in [20i64, 70] {
+        let run = |skinny: i64| -> (Vec<Tensor>, Tensor) {
+            let mut ed = Editor::new(&cfg, params.clone(), Device::Cpu, 0).unwrap();
+            ed.skinny_rows = skinny;
+            let (net, _) = ed.trainables();
+            // Every tensor moved off its init (U = 0 would hide the products' order).
+            tch::no_grad(|| {
+                for (i, t) in net.iter().enumerate() {
+                    let mut t = t.shallow_clone();
+                    let _ = t.g_add_(&(pattern(t.numel() as i64, i as f64, Tensor::sin).reshape(t.size()) * 0.05));
+                }
+            });
+            let factors: Vec<Factors> = params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let (d_in, d_out) = p.in_out();
+                    Factors {
+                        x: pattern(rows * d_in, i as f64, Tensor::sin).reshape([rows, d_in]),
+                        delta: pattern(rows * d_out, i as f64, Tensor::cos).reshape([rows, d_out]) * 1e-3,
+                    }
+                })
+                .collect();
+            let terms = ed.edit_terms(&factors, true);
+            let loss = terms
+                .iter()
+                .enumerate()
+                .map(|(i, (a, b))| (a * pattern(a.numel() as i64, 1.0 + i as f64, Tensor::cos).reshape(a.size())).sum(Kind::Float) + (b * pattern(b.numel() as i64, 2.0 + i as f64, Tensor::sin).reshape(b.size())).sum(Kind::Float))
+                .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |x, y| x + y);
+            loss.backward();
+            let out = terms.iter().flat_map(|(a, b)| [a.detach(), b.detach()]).collect();
+            let grads: Vec<Tensor> = net.iter().filter(|t| t.grad().defined()).map(|t| t.grad().reshape([-1])).collect();
+            (out, Tensor::cat(&grads, 0))
+        };
+        let (t0, g0) = run(i64::MAX);
+        let (t1, g1) = run(EDITOR_SKINNY_ROWS);
+        let what = format!("{rows} rows per weight ({} per pass, threshold {EDITOR_SKINNY_ROWS})", 3 * rows);
+        for (a, b) in t0.iter().zip(&t1) {
+            let scale = a.abs().max().double_value(&[]);
+            let diff = (a - b).abs().max().double_value(&[]);
+            assert!(scale > 0.0 && diff <= 1e-5 * scale, "{what}: transformed factors differ by {diff} (largest {scale})");
+        }
+        let scale = g0.abs().max().double_value(&[]);
+        let diff = (&g0 - &g1).abs().max().double_value(&[]);
+        assert!(scale > 0.0 && diff <= 1e-4 * scale, "{what}: editor gradients differ by {diff} (largest {scale})");
+    }
+    assert!(3 * 70 > EDITOR_SKINNY_ROWS && 3 * 20 <= EDITOR_SKINNY_ROWS, "the test must cover both paths");
+}
