@@ -263,13 +263,18 @@ pub fn editor_params(dir: &Path) -> Result<Vec<String>> {
 /// Loads `model` on the main device (the replica on the sub-device when split) with the
 /// weights `edit_names` marked for editing (empty: the family's default).
 pub fn open_engine(model: &Path, opts: &LoadOptions, edit_names: &[String]) -> Result<Engine> {
-    // A layer split reads its sub-side blocks straight onto the sub-device.
+    // A layer split reads its sub-side blocks straight onto the sub-device, and a chain's
+    // blocks onto their devices.
     let plan = &opts.plan;
     let sub_side = match (plan.split, plan.placement, plan.boundary) {
         (true, crate::device::Placement::Balanced, Some(at)) => Some((plan.sub, at)),
         _ => None,
     };
-    let lm = load_model_split(model, plan.main, opts.dtype, sub_side)?;
+    let chain: Vec<(tch::Device, usize)> = match sub_side {
+        Some(_) => plan.chain.names().iter().map(|d| d.device()).zip(plan.chain.at().iter().copied()).collect(),
+        None => Vec::new(),
+    };
+    let lm = load_model_split(model, plan.main, opts.dtype, sub_side, &chain)?;
     Engine::new(lm, opts.plan, edit_names)
 }
 

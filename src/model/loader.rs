@@ -187,14 +187,15 @@ pub fn read_weights(model: &Model, files: &[PathBuf], place: &dyn Fn(&str) -> De
 
 /// Loads a Hugging Face model directory onto `device` in `kind`.
 pub fn load_model(dir: &Path, device: Device, kind: Kind) -> Result<LoadedModel> {
-    load_model_split(dir, device, kind, None)
+    load_model_split(dir, device, kind, None, &[])
 }
 
 /// [`load_model`] for a layer split: with `sub_side = Some((sub, at))` the parameters of
-/// blocks `at..` and of the final norm and head are read straight onto `sub`, so the main
-/// device never holds them, not even while loading (the engine then only records the
-/// split). The rest goes to `device`.
-pub fn load_model_split(dir: &Path, device: Device, kind: Kind, sub_side: Option<(Device, usize)>) -> Result<LoadedModel> {
+/// blocks `at..` and of the final norm and head are read straight onto `sub`, and each of
+/// a chain's `(device, first block)` ranges (increasing, below `at`) its blocks up to the
+/// next range onto its device, so the main device never holds them, not even while
+/// loading (the engine then only records the split). The rest goes to `device`.
+pub fn load_model_split(dir: &Path, device: Device, kind: Kind, sub_side: Option<(Device, usize)>, chain: &[(Device, usize)]) -> Result<LoadedModel> {
     if dir.is_file() {
         return Err(Error::file(dir, "is a file; --model takes the model's directory"));
     }
@@ -218,7 +219,8 @@ pub fn load_model_split(dir: &Path, device: Device, kind: Kind, sub_side: Option
     };
     let place = |name: &str| match sub_side {
         Some((sub, _)) if on_sub.contains(name) => sub,
-        _ => device,
+        // A block below the last device's boundary: the last chain range that starts at or below it.
+        _ => model.block_of(name).and_then(|b| chain.iter().rev().find(|(_, from)| *from <= b)).map_or(device, |(d, _)| *d),
     };
     let tensors = read_weights(&model, &files, &place, kind)?;
     let params = ParamStore::new(tensors, device, kind);
