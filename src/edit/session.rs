@@ -35,7 +35,7 @@ use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::memory::{self, MemorySample};
 use crate::device::DevicePlan;
 use crate::edit::{self, Finish, Method, MethodSpec, RequestResult};
-use crate::edit::eval::{self, Summary};
+use crate::edit::eval::{self, RecordMetrics, Summary};
 use crate::mend::guard::{self, GuardConfig, GuardReport};
 use crate::mend::stepwise::{self, Stepwise};
 use crate::mend::{Editor, Engine};
@@ -385,6 +385,37 @@ impl Session {
         Err(e)
     }
 
+    /// What an edit call needs before it touches anything: an editor, requests, a method
+    /// that composes with the session's settings, and guard settings in range.
+    fn check_edit_call(&self, examples: &[EditExample]) -> Result<()> {
+        let Some(method) = self.method.as_ref() else {
+            return Err(Error::input("this session has no editor: open it with a trained editor directory to edit"));
+        };
+        if examples.is_empty() {
+            return Err(Error::input("no edit requests"));
+        }
+        if self.stepwise.is_some() && matches!(method, Method::MendLs(_)) {
+            // Each step would remember the same edit again: mend-ls composes by re-solving.
+            return Err(Error::input("stepwise edits are for --method mend; mend-ls re-solves over all edits instead"));
+        }
+        if let Some(cfg) = &self.guard {
+            cfg.validate()?;
+        }
+        Ok(())
+    }
+
+    /// Each request with its greedy answer at the current weights and its metrics.
+    fn request_results(&self, records: &[EditRecord], examples: &[EditExample], metrics: Vec<RecordMetrics>) -> Result<Vec<RequestResult>> {
+        records
+            .iter()
+            .zip(examples)
+            .zip(metrics)
+            .map(|((r, e), m)| {
+                Ok(RequestResult { prompt: r.prompt.clone(), target_new: r.target_new.clone(), answer_after: edit::answer(&self.engine, &e.inner)?, metrics: m })
+            })
+            .collect()
+    }
+
     /// [`Session::edit_examples`] without the restore on failure; every commit keeps the
     /// tensors it replaces (first time in this call) in `before_call`.
     fn apply_examples(
@@ -409,19 +440,10 @@ impl Session {
             }
             Ok(())
         };
+        self.check_edit_call(examples)?;
         let Some(method) = self.method.as_mut() else {
-            return Err(Error::input("this session has no editor: open it with a trained editor directory to edit"));
+            return Err(Error::Internal("check_edit_call let a session without an editor edit".into()));
         };
-        if examples.is_empty() {
-            return Err(Error::input("no edit requests"));
-        }
-        if self.stepwise.is_some() && matches!(method, Method::MendLs(_)) {
-            // Each step would remember the same edit again: mend-ls composes by re-solving.
-            return Err(Error::input("stepwise edits are for --method mend; mend-ls re-solves over all edits instead"));
-        }
-        if let Some(cfg) = &self.guard {
-            cfg.validate()?;
-        }
         let refs: Vec<&EditExample> = examples.iter().collect();
         // The guard's probes: the requests' locality prompts (text, and image + question
         // for multimodal requests), against the weights now.
@@ -517,15 +539,7 @@ impl Session {
             m
         };
         self.edits_total += examples.len() - refused;
-        let mut out = Vec::with_capacity(examples.len());
-        for ((r, e), m) in records.iter().zip(examples).zip(metrics) {
-            out.push(RequestResult {
-                prompt: r.prompt.clone(),
-                target_new: r.target_new.clone(),
-                answer_after: edit::answer(&self.engine, &e.inner)?,
-                metrics: m,
-            });
-        }
+        let out = self.request_results(records, examples, metrics)?;
         let summary = Summary::of(&out.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
         Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total, guard: reports, refused, method: method_name })
     }

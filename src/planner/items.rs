@@ -307,14 +307,18 @@ pub(super) fn capture(z: &Sizes, it: &mut Items, phase: Phase) {
 
 /// The editor's pass and the edit it makes: factors or `W'`, and their copies on the sub-device.
 pub(super) fn edit(z: &Sizes, it: &mut Items, phase: Phase) {
-    let (s, n, w_elems, din_dout, w_kept_elems, w_unkept_elems) = (z.s, z.n, z.w_elems, z.din_dout, z.w_kept_elems, z.w_unkept_elems);
-    let editors = &z.editors;
-    let edited = &z.edited;
-    let cfg = z.cfg;
-    let o = z.o;
-    let Mode { train, recompute, factored } = z.mode(phase);
-    // The edited forwards run on the sub-device when split.
-    let fwd_role = if z.o.split { Role::Sub } else { Role::Main };
+    editor_activations(z, it, phase);
+    edit_form(z, it, phase);
+    recompute_grads(z, it, phase);
+    edit_on_sub(z, it, phase);
+}
+
+/// Training: the editor's activations kept for its backward, per row with signal.
+fn editor_activations(z: &Sizes, it: &mut Items, phase: Phase) {
+    if !z.mode(phase).train {
+        return;
+    }
+    let (n, cfg, edited, editors) = (z.n, z.cfg, &z.edited, &z.editors);
     use Group::*;
     let e_rows = n; // rows with signal ≤ tokens of the edit batch
     let e_act_elems: i64 = edited
@@ -327,25 +331,23 @@ pub(super) fn edit(z: &Sizes, it: &mut Items, phase: Phase) {
             ed.widths.iter().map(|&w| (cfg.n_hidden + 1) * (3 * w + cfg.rank.min(w)) + w).sum::<i64>()
         })
         .sum();
-    if train {
-        it.add(
-            phase,
-            Role::Main,
-            &[EditedForward, Backward],
-            "editor activations (f32)",
-            format!("rows·Σ_P [(n_hidden+1)·(3w+r)+w]·4 = {e_rows}·{}·4", num(e_act_elems)),
-            e_rows * e_act_elems * 4,
-        );
-        // W' is one GEMM accumulating (lr·x̃)ᵀδ̃ into W (`WeightLayout::add_outer`): no
-        // pseudo-gradient is formed, and the graph keeps only the factors.
-    }
-    let w_block_max: i64 = {
-        let mut per_block: BTreeMap<i64, i64> = BTreeMap::new();
-        for p in edited {
-            *per_block.entry(p.layer).or_default() += p.numel();
-        }
-        per_block.values().copied().max().unwrap_or(0)
-    };
+    it.add(
+        phase,
+        Role::Main,
+        &[EditedForward, Backward],
+        "editor activations (f32)",
+        format!("rows·Σ_P [(n_hidden+1)·(3w+r)+w]·4 = {e_rows}·{}·4", num(e_act_elems)),
+        e_rows * e_act_elems * 4,
+    );
+    // W' is one GEMM accumulating (lr·x̃)ᵀδ̃ into W (`WeightLayout::add_outer`): no
+    // pseudo-gradient is formed, and the graph keeps only the factors.
+}
+
+/// The edit as the editor hands it on: factors, or `W'` (kept by the graph or whole).
+fn edit_form(z: &Sizes, it: &mut Items, phase: Phase) {
+    let (s, n, w_elems, din_dout, w_kept_elems, w_unkept_elems, o) = (z.s, z.n, z.w_elems, z.din_dout, z.w_kept_elems, z.w_unkept_elems, z.o);
+    let Mode { train, recompute, factored } = z.mode(phase);
+    use Group::*;
     if factored {
         it.add(
             phase,
@@ -386,34 +388,58 @@ pub(super) fn edit(z: &Sizes, it: &mut Items, phase: Phase) {
             w_elems * s,
         );
     }
-    if recompute {
-        it.add(
-            phase,
-            Role::Main,
-            &[EditedForward, Backward],
-            "recompute: ∂loss/∂W' summed over outer + locality (kept for the editor's backward; on sub first when split)",
-            format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
-            w_elems * s,
-        );
-        it.add(
-            phase,
-            fwd_role,
-            &[EditedForward],
-            "recompute: ∂loss/∂W' of one block before it is added in",
-            format!("max_block Σ d_in·d_out·s = {}·{s}", num(w_block_max)),
-            w_block_max * s,
-        );
-        if o.split {
-            it.add(
-                phase,
-                Role::Sub,
-                &[EditedForward],
-                "recompute: W' leaves on sub (one copy for both passes) + the sum of ∂loss/∂W' before the copy back",
-                format!("2·Σ_P d_in·d_out·s = 2·{}·{s}", num(w_elems)),
-                2 * w_elems * s,
-            );
-        }
+}
+
+/// Recomputation: `∂loss/∂W'` summed for the editor's backward and one block's before it
+/// is added in (on the sub-device first when split).
+fn recompute_grads(z: &Sizes, it: &mut Items, phase: Phase) {
+    if !z.mode(phase).recompute {
+        return;
     }
+    let (s, w_elems, o, edited) = (z.s, z.w_elems, z.o, &z.edited);
+    // The edited forwards run on the sub-device when split.
+    let fwd_role = if o.split { Role::Sub } else { Role::Main };
+    use Group::*;
+    let w_block_max: i64 = {
+        let mut per_block: BTreeMap<i64, i64> = BTreeMap::new();
+        for p in edited {
+            *per_block.entry(p.layer).or_default() += p.numel();
+        }
+        per_block.values().copied().max().unwrap_or(0)
+    };
+    it.add(
+        phase,
+        Role::Main,
+        &[EditedForward, Backward],
+        "recompute: ∂loss/∂W' summed over outer + locality (kept for the editor's backward; on sub first when split)",
+        format!("Σ_P d_in·d_out·s = {}·{s}", num(w_elems)),
+        w_elems * s,
+    );
+    it.add(
+        phase,
+        fwd_role,
+        &[EditedForward],
+        "recompute: ∂loss/∂W' of one block before it is added in",
+        format!("max_block Σ d_in·d_out·s = {}·{s}", num(w_block_max)),
+        w_block_max * s,
+    );
+    if o.split {
+        it.add(
+            phase,
+            Role::Sub,
+            &[EditedForward],
+            "recompute: W' leaves on sub (one copy for both passes) + the sum of ∂loss/∂W' before the copy back",
+            format!("2·Σ_P d_in·d_out·s = 2·{}·{s}", num(w_elems)),
+            2 * w_elems * s,
+        );
+    }
+}
+
+/// Split: what of the edit crosses to the sub-device (its factors, or one copy of `W'`).
+fn edit_on_sub(z: &Sizes, it: &mut Items, phase: Phase) {
+    let (s, n, w_elems, din_dout, o) = (z.s, z.n, z.w_elems, z.din_dout, z.o);
+    let Mode { recompute, factored, .. } = z.mode(phase);
+    use Group::*;
     if o.split && factored {
         it.add(
             phase,
