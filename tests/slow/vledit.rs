@@ -368,7 +368,9 @@ fn cli_image_edit_after_cli_training_saves_a_folder_transformers_scores_alike() 
         assert!(v["easyedit"][k].is_number(), "{k} missing from edit --json: {v}");
     }
     assert_eq!(v["requests"][0]["prompt"], json!("What animal is this?"));
-    let text = ok(&dualedit(&[&base[..], &["--sequential"]].concat()), "edit --ds vqa --sequential");
+    // This 3-step editor's edit moves the locality probes past the guard's limits, and a
+    // refused edit is an error (#36): the guard is off here as in the run above.
+    let text = ok(&dualedit(&[&base[..], &["--sequential", "--no-guard"]].concat()), "edit --ds vqa --sequential");
     for k in ["rewrite_acc", "rephrase_acc", "rephrase_image_acc", "locality_acc", "multimodal_locality_acc", "rephrase image"] {
         assert!(text.contains(k), "{k} missing from the text table:\n{text}");
     }
