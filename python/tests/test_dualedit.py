@@ -33,6 +33,18 @@ def holdout(n: int, start: int = 0):
     return json.loads((DATA / "world" / "edits-holdout.json").read_text())[start : start + n]
 
 
+def fresh(n: int, start: int = 0):
+    """Requests with targets no editor was trained on, about facts the held-out set edits
+    only once each: what many edits at once are measured on (edits-holdout.json gives the
+    same facts conflicting targets, which a least-squares solve cannot all hold)."""
+    return json.loads((ROOT / "tests" / "fixtures" / "many" / "fresh-50.json").read_text())[start : start + n]
+
+
+def committed(report: dict) -> int:
+    """How many of a report's requests the commit guard let through."""
+    return report["n"] - report["refused"]
+
+
 def cli(*args: str, tmp: Path) -> dict:
     if not BIN.exists():
         pytest.fail(f"{BIN} is missing: build it first (./x build) or set DUALEDIT_BIN")
@@ -88,7 +100,7 @@ def test_score_tensor_equals_the_cli_json(session, tmp_path):
 
 @pytest.mark.parametrize("sequential", [False, True])
 def test_session_edit_is_the_cli_edit_report(tmp_path, sequential):
-    records = holdout(3, start=2)
+    records = fresh(3, start=2)
     f = tmp_path / "requests.json"
     f.write_text(json.dumps(records))
     want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f),
@@ -99,7 +111,7 @@ def test_session_edit_is_the_cli_edit_report(tmp_path, sequential):
     assert got["method"] == "mend-ls"
     for k in ("data", "report", "saved"):
         want.pop(k)
-    assert got.pop("edits_total") == 3
+    assert got["refused"] < 3 and got.pop("edits_total") == committed(got)
     assert got.pop("seconds")["edit"] > 0
     assert without_times(got) == without_times(want)
 
@@ -138,7 +150,7 @@ def test_easyedit_form_metrics_equal_the_cli(tmp_path):
     f.write_text(json.dumps(records))
     want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f), "--sequential",
                "--method", "mend", tmp=tmp_path)
-    assert edited.edits_total == 2
+    assert edited.edits_total == committed(want) > 0
     for m, w in zip(metrics, want["requests"]):
         assert m["post"]["rewrite_acc"] == [w["reliability"]]
         assert m["post"]["rephrase_acc"] == [w["generalization"]]
