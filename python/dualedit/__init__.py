@@ -29,6 +29,7 @@ from ._errors import (
     TorchError,
     InternalError,
 )
+from . import _errors
 from ._session import Score, Session
 from ._easyedit import Editor, MultimodalEditor
 from ._runs import compare, evaluate, plan, train
@@ -44,13 +45,5 @@ __all__ = [
     "evaluate",
     "plan",
     "compare",
-    "Error",
-    "InputError",
-    "NotFoundError",
-    "IoError",
-    "FileError",
-    "DeviceError",
-    "OutOfMemoryError",
-    "TorchError",
-    "InternalError",
+    *_errors.__all__,
 ]
