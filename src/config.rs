@@ -62,6 +62,27 @@ pub enum SelectBy {
     Accuracy,
 }
 
+/// How meta-training turns a batch's edits into the one change it scores (issue #36).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Aggregate {
+    /// The edits' updates summed (MEND's batched setting; `batch_size` edits).
+    #[default]
+    Sum,
+    /// The least-squares solve `--method mend-ls` makes at edit time (MALMEN, Tan et al.
+    /// 2024): `S = (KᵀK + μ·C + λ·I)⁻¹ KᵀV` over the batch's keys `K` and the editor's value
+    /// shifts `V`, with `λ`, `μ` from [`MendConfig::ls`] and `C` the key statistics of
+    /// [`MendConfig::key_stats_text`]; the losses are differentiated through the solve, so
+    /// the editor learns shifts that generalise after it ([`crate::mend::ls::aggregate`]).
+    LeastSquares,
+}
+
+impl Aggregate {
+    fn is_sum(&self) -> bool {
+        *self == Aggregate::Sum
+    }
+}
+
 /// How `--method mend-ls` combines an editor's edits ([`crate::mend::ls`]): the settings
 /// chosen by measurement for that editor, kept in its `editor.json` (`MendConfig::ls`) and
 /// used unless the `--ls-*` flags say otherwise. The defaults are those measured with the
@@ -174,6 +195,15 @@ pub struct MendConfig {
     /// before it existed keep their bytes).
     #[serde(skip_serializing_if = "LsConfig::is_default")]
     pub ls: LsConfig,
+    /// How meta-training combines a batch's edits (written only when not `sum`).
+    #[serde(skip_serializing_if = "Aggregate::is_sum")]
+    pub aggregate: Aggregate,
+    /// With `aggregate: least_squares`: the text (one line per text; relative to the
+    /// working directory) whose key statistics `C` the training solve keeps, computed at
+    /// the start of training and saved with the editor (`key-stats.safetensors`), so the
+    /// edit-time solve uses the `C` the editor was trained with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_stats_text: Option<std::path::PathBuf>,
 }
 
 impl Default for MendConfig {
@@ -206,6 +236,8 @@ impl Default for MendConfig {
             max_length: 128,
             recompute: false,
             ls: LsConfig::default(),
+            aggregate: Aggregate::Sum,
+            key_stats_text: None,
         }
     }
 }
@@ -246,6 +278,9 @@ impl MendConfig {
         }
         if self.val_every == 0 || self.max_bad_steps == 0 || self.max_length < 2 {
             return fail("val_every and max_bad_steps must be at least 1, max_length at least 2");
+        }
+        if self.aggregate == Aggregate::LeastSquares && self.key_stats_text.is_none() && self.ls.cov_weight > 0.0 {
+            return fail("aggregate least_squares keeps unrelated text's keys (ls.keep_weight > 0): set key_stats_text to a text file (the model's pretraining corpus, say), or ls.keep_weight to 0");
         }
         self.ls.validate()
     }

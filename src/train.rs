@@ -8,7 +8,7 @@ use serde::Serialize;
 use tch::Tensor;
 use tracing::{info, warn};
 
-use crate::config::{MendConfig, SelectBy};
+use crate::config::{Aggregate, MendConfig, SelectBy};
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::memory::MemoryTracker;
 use crate::device::timeline::{Span, TimelineSummary};
@@ -274,18 +274,41 @@ impl EditBatches {
 /// then has the loss's value and, as its gradient w.r.t. each edited weight `W'`, exactly
 /// `∂loss/∂W'`, so its backward reaches the editor just as the ordinary loss's would.
 pub fn meta_loss(engine: &Engine, editor: &mut Editor, b: &EditBatches, training: bool) -> Result<(Tensor, StepLosses)> {
+    meta_loss_aggregated(engine, editor, b, training, &[])
+}
+
+/// [`meta_loss`] with the unrelated keys' Grams `C` (`[d_in, d_in]` per edited weight, the
+/// key statistics of [`MendConfig::key_stats_text`]) that an editor with
+/// `aggregate: least_squares` solves against: its batch's edits are combined by the
+/// edit-time solve ([`crate::mend::ls::aggregate`]) instead of summed, and the losses
+/// differentiate through it. Ignored with `aggregate: sum`.
+pub fn meta_loss_aggregated(engine: &Engine, editor: &mut Editor, b: &EditBatches, training: bool, unrelated: &[Tensor]) -> Result<(Tensor, StepLosses)> {
     let cfg = editor.config.clone();
+    let least_squares = cfg.aggregate == Aggregate::LeastSquares;
+    if least_squares && unrelated.is_empty() && cfg.ls.cov_weight > 0.0 {
+        return Err(Error::input("aggregate least_squares with ls.keep_weight > 0 needs the key statistics of key_stats_text"));
+    }
     // The unedited reference for locality does not depend on the edit: when split, it runs
     // on the sub-device's worker while the main device captures and runs the editor.
     let base_loc = b.loc.as_ref().map(|l| engine.base_logits_async(l)).transpose()?;
     let base_loc_image = b.loc_image.as_ref().map(|l| engine.base_logits_async(l)).transpose()?;
     let tl = &engine.timeline;
     let (capture_on, edits_on) = roles(engine);
-    let (_, factors) = tl.span(capture_on, "capture", || engine.capture(&b.inner))?;
+    let (_, factors, positions) = tl.span(capture_on, "capture", || engine.capture_by_example(&b.inner, &std::collections::HashMap::new()))?;
     // Recomputation differentiates w.r.t. whole edited weights (`Engine::edited_grads`);
     // otherwise the edit stays factored, and the backward reaches the editor through the
-    // factors without a weight-sized gradient.
-    let overrides = tl.span("main", "editor", || if cfg.recompute { engine.edit(editor, &factors, training) } else { engine.edit_low_rank(editor, &factors, training) })?;
+    // factors without a weight-sized gradient. The least-squares aggregation's change is
+    // `(I, S)` per weight, `S` differentiable through the solve.
+    let overrides = tl.span("main", "editor", || {
+        if least_squares {
+            let t_len = b.inner.input_ids.size()[1];
+            crate::mend::ls::aggregate(engine, editor, (&factors, &positions, t_len), &cfg.ls, unrelated, training)
+        } else if cfg.recompute {
+            engine.edit(editor, &factors, training)
+        } else {
+            engine.edit_low_rank(editor, &factors, training)
+        }
+    })?;
     // Targets go where the edited logits are: the losses are computed on the sub-device and
     // only the scalar loss comes back (autograd carries its gradient across).
     let targets = engine.mover.to_sub(&b.outer.kept_targets());
@@ -432,6 +455,19 @@ fn recomputed_meta_loss(
     })
 }
 
+/// With `aggregate: least_squares` and a `key_stats_text`: the key statistics of the
+/// engine's (unedited) model over that text, which the training solve keeps and which are
+/// saved with the editor; else none.
+fn key_stats(engine: &Engine, cfg: &MendConfig, progress: bool) -> Result<Option<crate::mend::stats::KeyStats>> {
+    match (cfg.aggregate, &cfg.key_stats_text) {
+        (Aggregate::LeastSquares, Some(text)) => {
+            info!(text = %text.display(), "key statistics for the least-squares aggregation");
+            crate::mend::stats::KeyStats::compute(engine, text, usize::MAX, progress).map(Some)
+        }
+        _ => Ok(None),
+    }
+}
+
 /// Deterministic data order: position `g` of the endless stream of examples, reshuffled
 /// each epoch from the seed, so a resumed run sees exactly the data it would have seen.
 fn example_at(n: usize, seed: i64, g: usize) -> usize {
@@ -515,11 +551,16 @@ pub struct TrainSetup<'a> {
 
 /// Mean validation losses (editor in evaluation mode: statistics frozen, no gradients).
 pub fn validate(engine: &Engine, editor: &mut Editor, val: &[EditExample]) -> Result<ValLog> {
+    validate_aggregated(engine, editor, val, &[])
+}
+
+/// [`validate`] with the least-squares aggregation's key Grams ([`meta_loss_aggregated`]).
+pub fn validate_aggregated(engine: &Engine, editor: &mut Editor, val: &[EditExample], unrelated: &[Tensor]) -> Result<ValLog> {
     let _g = tch::no_grad_guard();
     let mut mean = StepLosses::default();
     for e in val {
         let b = EditBatches::for_config(engine, &[e], &editor.config)?;
-        let (_, l) = meta_loss(engine, editor, &b, false)?;
+        let (_, l) = meta_loss_aggregated(engine, editor, &b, false, unrelated)?;
         mean.add_scaled(&l, 1.0 / val.len() as f64);
     }
     Ok(ValLog::at(0, &mean))
@@ -550,6 +591,7 @@ fn accumulate(
     mut tracker: Option<&mut MemoryTracker>,
     phase: &mut &'static str,
     fault: Option<usize>,
+    unrelated: &[Tensor],
 ) -> Result<StepLosses> {
     let cfg = setup.config;
     let n = setup.train.len();
@@ -561,7 +603,7 @@ fn accumulate(
         engine.timeline.at(step, micro);
         let b = EditBatches::for_config(engine, &batch, &editor.config)?;
         *phase = "capture, editor and edited forwards";
-        let (loss, parts) = meta_loss(engine, editor, &b, true)?;
+        let (loss, parts) = meta_loss_aggregated(engine, editor, &b, true, unrelated)?;
         if fault == Some(step) {
             let _ = Tensor::f_empty([1i64 << 50], (tch::Kind::Float, engine.plan.sub))?;
         }
@@ -614,13 +656,18 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     let start = Instant::now();
     let first_step = counters.step;
     let fault = fault_oom_step();
+    let stats = key_stats(engine, cfg, setup.progress)?;
+    let unrelated = match &stats {
+        Some(s) => s.grams()?,
+        None => Vec::new(),
+    };
     engine.timeline.set_on(true);
     while counters.step < cfg.max_steps {
         let step = counters.step;
         engine.timeline.set_on(step < first_step + TIMELINE_STEPS);
         let mark = step < first_step + 2 || step.is_multiple_of(cfg.val_every);
         let mut phase = "start";
-        let acc = accumulate(engine, editor, setup, step, counters.seed, mark.then_some(&mut *tracker), &mut phase, fault)
+        let acc = accumulate(engine, editor, setup, step, counters.seed, mark.then_some(&mut *tracker), &mut phase, fault, &unrelated)
             .map_err(|e| keep_after_failed_step(e, engine, editor, &mut adam, &counters, phase, cfg, tracker, out))?;
         // A failure in the optimiser step may leave the editor half-updated: nothing is
         // saved then, and the state from the last validation (if any) stays the resume point.
@@ -654,7 +701,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         let stop = STOP_REQUESTED.swap(false, std::sync::atomic::Ordering::SeqCst);
         let last = counters.step == cfg.max_steps || stop;
         if counters.step.is_multiple_of(cfg.val_every) || last {
-            validations.push(validate_and_select(engine, editor, setup, &mut counters, &acc, tracker)?);
+            validations.push(validate_and_select(engine, editor, setup, &mut counters, &acc, tracker, &unrelated)?);
             checkpoint::save_state(out, editor, &adam, &counters)?;
             if stop {
                 info!(step = counters.step, "stopped on request: editor and training state saved");
@@ -669,6 +716,12 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         }
     }
     bar.finish_and_clear();
+    if let Some(s) = &stats {
+        // The edit-time solve keeps the `C` the editor was trained against.
+        if out.join(checkpoint::EDITOR_JSON).is_file() {
+            s.write_for_editor(out)?;
+        }
+    }
     engine.timeline.set_on(false);
     let timeline = TimelineReport { summary: engine.timeline.summary(), spans: engine.timeline.spans() };
     info!(timeline = %timeline.summary.text, "phases per device");
@@ -834,12 +887,13 @@ fn validate_and_select(
     counters: &mut TrainCounters,
     acc: &StepLosses,
     tracker: &mut MemoryTracker,
+    unrelated: &[Tensor],
 ) -> Result<ValLog> {
     let (cfg, out) = (setup.config, setup.out);
     let mut v = if setup.val.is_empty() {
         ValLog::at(0, acc)
     } else {
-        crate::error::guard(|| validate(engine, editor, setup.val))
+        crate::error::guard(|| validate_aggregated(engine, editor, setup.val, unrelated))
             .map_err(|e| crate::device::oom::diagnose(e, counters.step, "validation", &engine.placement(), cfg, tracker, checkpoint::saved_state(out)))?
     };
     v.step = counters.step;

@@ -354,14 +354,56 @@ fn shifts(k: &Tensor, edit_k: &Tensor, a: &Tensor, b: &Tensor, edit_ab: &Tensor)
 
 /// `S` `[d_in, d_out]` of one weight: `(KᵀK + λ·I + μ·CᵀC)⁻¹ KᵀT`.
 fn solve(rows: &Rows, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
-    let k = &rows.k;
+    solve_keys(&rows.k, &rows.t, config, unrelated)
+}
+
+/// The normal equation of the solve: `S = (KᵀK + λ·I + μ·C)⁻¹ KᵀT` `[d_in, d_out]` for keys
+/// `k` `[R, d_in]`, targets `t` `[R, d_out]`, `λ = config.lambda · mean_t ‖k_t‖²`, `μ =
+/// config.cov_weight` and the unrelated keys' Gram `C` `[d_in, d_in]` (none: no `μ` term).
+/// Differentiable w.r.t. `t` (autograd through `linalg_solve`) when `t` requires grad, as
+/// meta-training through the solve needs ([`aggregate`]); the keys and `C` are constants.
+pub fn solve_keys(k: &Tensor, t: &Tensor, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
     let d_in = k.size()[1];
     let lambda = config.lambda * k.square().sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float).double_value(&[]).max(1e-12);
     let mut gram = k.tr().matmul(k) + Tensor::eye(d_in, (Kind::Float, k.device())) * lambda;
     if let Some(c) = unrelated {
         gram += c.to_device(k.device()) * config.cov_weight;
     }
-    Tensor::linalg_solve(&gram, &k.tr().matmul(&rows.t), true)
+    Tensor::linalg_solve(&gram, &k.tr().matmul(t), true)
+}
+
+/// The edit of a batch as meta-training through the least-squares aggregation scores it
+/// (`aggregate: least_squares`, MALMEN): the editor's terms of the captured `factors`
+/// (rows of example `positions / t_len`, [`Engine::capture_by_example`]) turned into each
+/// row's value shift at its own edit's update, and one solve per edited weight against the
+/// unrelated keys' Grams `unrelated` (the key statistics, `μ`-weighted; empty: none),
+/// exactly the first solve of [`edit`] without rounds. Differentiable w.r.t. the editor
+/// under grad mode: its terms reach `S` through the shifts and `linalg_solve`.
+/// Per weight the override `(I, S)` (`x·W + x·S`; `W + S` itself for non-f32 weights).
+pub fn aggregate(
+    engine: &Engine,
+    editor: &mut Editor,
+    (factors, positions, t_len): (&[crate::mend::Factors], &[Tensor], i64),
+    config: &LsConfig,
+    unrelated: &[Tensor],
+    training: bool,
+) -> Result<Overrides> {
+    config.validate()?;
+    let terms = editor.edit_terms(factors, training);
+    let s = crate::error::guard(|| {
+        let mut s = Vec::with_capacity(terms.len());
+        for (i, (p, (a, b))) in engine.edit_params.iter().zip(terms).enumerate() {
+            let k = &factors[i].x;
+            if a.size()[0] != k.size()[0] {
+                return Err(Error::Internal(format!("{}: the editor gave {} rows for {} keys", p.name, a.size()[0], k.size()[0])));
+            }
+            let edit = positions[i].divide_scalar_mode(t_len, "floor");
+            let v = shifts(k, &edit, &a, &b, &edit);
+            s.push(solve_keys(k, &v, config, unrelated.get(i)));
+        }
+        Ok(s)
+    })?;
+    overrides(engine, &KeyMemory::default(), &s)
 }
 
 /// The edit of `inner` (one or many examples) on the engine's current weights: for each

@@ -8,6 +8,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod aggregate;
 mod architecture;
 mod chart;
 mod cli;
