@@ -201,7 +201,9 @@ pub struct MendConfig {
     /// With `aggregate: least_squares`: the text (one line per text; relative to the
     /// working directory) whose key statistics `C` the training solve keeps, computed at
     /// the start of training and saved with the editor (`key-stats.safetensors`), so the
-    /// edit-time solve uses the `C` the editor was trained with.
+    /// edit-time solve uses the `C` the editor was trained with. Needed when
+    /// `ls.keep_weight > 0` (training says so at its start); `build-default` sets it to the
+    /// world's corpus.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub key_stats_text: Option<std::path::PathBuf>,
 }
@@ -278,9 +280,6 @@ impl MendConfig {
         }
         if self.val_every == 0 || self.max_bad_steps == 0 || self.max_length < 2 {
             return fail("val_every and max_bad_steps must be at least 1, max_length at least 2");
-        }
-        if self.aggregate == Aggregate::LeastSquares && self.key_stats_text.is_none() && self.ls.cov_weight > 0.0 {
-            return fail("aggregate least_squares keeps unrelated text's keys (ls.keep_weight > 0): set key_stats_text to a text file (the model's pretraining corpus, say), or ls.keep_weight to 0");
         }
         self.ls.validate()
     }

@@ -464,6 +464,9 @@ fn key_stats(engine: &Engine, cfg: &MendConfig, progress: bool) -> Result<Option
             info!(text = %text.display(), "key statistics for the least-squares aggregation");
             crate::mend::stats::KeyStats::compute(engine, text, usize::MAX, progress).map(Some)
         }
+        (Aggregate::LeastSquares, None) if cfg.ls.cov_weight > 0.0 => Err(Error::input(
+            "aggregate least_squares keeps unrelated text's keys (ls.keep_weight > 0): set key_stats_text in the config to a text file (the model's pretraining corpus, say), or ls.keep_weight to 0",
+        )),
         _ => Ok(None),
     }
 }

@@ -97,11 +97,16 @@ pub fn train_many_editor(root: &Path, common: Common, mend: &MendConfig) -> Resu
     // run in the same order.
     tch::set_num_threads(1);
     let opts = common_plan(&common);
+    let mut config = mend.clone();
+    if config.aggregate == crate::config::Aggregate::LeastSquares {
+        // Trained through the solve against the statistics it will be used with.
+        config.key_stats_text = Some(world_dir(root).join("corpus.txt"));
+    }
     let (train, _) = run_train(&TrainOptions {
         common: Common { report: Some(root.join("runs").join("train-many.json")), ..common },
         data: world_dir(root).join("edits-train.json"),
         ds: DatasetKind::Counterfact,
-        config: mend.clone(),
+        config,
         out: many_editor_dir(root),
         limit: None,
         resume: false,
