@@ -179,7 +179,7 @@ fn blocks_one_at_a_time_equal_the_forward() {
         let (mut x, ctx) = e.lm.model.embed(&p, &input, 0).unwrap();
         let mut captures = BTreeMap::new();
         for i in 0..e.lm.model.n_blocks() {
-            x = e.lm.model.block(BlockIo { params: &p, layer: i, x: &x, ctx: &ctx, capture: &capture, captures: &mut captures, cache: None }).unwrap();
+            x = e.lm.model.block(BlockIo { params: &p, layer: i, x: &x, ctx: &ctx, capture: &capture, captures: &mut captures, cache: None, rows: None }).unwrap();
         }
         let logits = e.lm.model.head(&p, &x, input.keep).unwrap();
         assert!(logits.equal(&whole.logits), "{name}: logits differ");
