@@ -55,7 +55,7 @@ use dualedit::data::{EditExample, Example, ImageRef};
 use dualedit::device::DevicePlan;
 use dualedit::mend::optim::Adam;
 use dualedit::mend::{Editor, Engine, Factors};
-use dualedit::model::qwen2_vl::{image, PreparedImage, Qwen2Vl};
+use dualedit::model::qwen2_vl::{image as vl_image, PreparedImage, Qwen2Vl};
 use dualedit::model::{load_model, random_params, Model, ParamView};
 use dualedit::train::{meta_loss, EditBatches, EditedGroup, View};
 use tch::{Device, Kind, Tensor};
@@ -462,7 +462,7 @@ fn main() {
     let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
     // The images read and preprocessed once, for the timings from pixel values.
     let proc = engine.image_proc.clone().expect("image processor");
-    let prepared: Vec<PreparedImage> = [&edit, &rephrase, &loc].iter().map(|p| image::prepare(p, &proc).expect("image")).collect();
+    let prepared: Vec<PreparedImage> = [&edit, &rephrase, &loc].iter().map(|p| vl_image::prepare(p, &proc).expect("image")).collect();
 
     if has("--ab-rows") {
         // #35: the last block at every row (before) or at the kept rows only (after),
@@ -612,7 +612,7 @@ fn profile(engine: &Engine, editor: &mut Editor, adam: &mut Adam, ex: &EditExamp
             let prepared: Vec<PreparedImage> = tl.span("main", "read + preprocess images", || {
                 [&ex.inner, ex.outer_image.as_ref().expect("view"), ex.loc_image.as_ref().expect("view")]
                     .iter()
-                    .map(|e| image::prepare(&e.image.as_ref().expect("image").path, engine.image_proc.as_ref().expect("processor")).expect("image"))
+                    .map(|e| vl_image::prepare(&e.image.as_ref().expect("image").path, engine.image_proc.as_ref().expect("processor")).expect("image"))
                     .collect()
             });
             let b = tl.span("main", "tower + collate", || EditBatches::for_config_with(engine, &[ex], cfg, Some(&tower(engine, &prepared)))).expect("batches");
@@ -630,7 +630,7 @@ fn profile(engine: &Engine, editor: &mut Editor, adam: &mut Adam, ex: &EditExamp
         let _g = tch::no_grad_guard();
         let tl = &engine.timeline;
         tl.span("main", "losses and the rest", || {
-            let prepared = tl.span("main", "read + preprocess images", || image::prepare(&ex.inner.image.as_ref().expect("image").path, engine.image_proc.as_ref().expect("processor"))).expect("image");
+            let prepared = tl.span("main", "read + preprocess images", || vl_image::prepare(&ex.inner.image.as_ref().expect("image").path, engine.image_proc.as_ref().expect("processor"))).expect("image");
             let inner = tl.span("main", "tower + collate", || engine.collate_with(&[&ex.inner], Some(&tower(engine, std::slice::from_ref(&prepared))))).expect("inner batch");
             let (_, factors): (f64, Vec<Factors>) = tl.span("main", "capture", || engine.capture(&inner)).expect("capture");
             std::hint::black_box(tl.span("main", "editor", || engine.edit_low_rank(editor, &factors, false)).expect("edit"));
