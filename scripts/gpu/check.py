@@ -15,8 +15,9 @@ failed, the error; a failed step never stops the check):
                          replaced by IMAGE×IMAGE pictures (448×448; --small 84×84)
   planner_vs_allocator   per model (text default in f32, GPT-2 and Qwen2-VL-2B in --dtype):
                          `dualedit plan` against one meta-training step's measured peak on DEVICE
-  single_vs_balanced     `dualedit compare train` single DEVICE vs DEVICE + SUB balanced:
-                         main-device peak ratio, wall times, whether losses agree
+  single_vs_balanced     `dualedit compare train` single DEVICE vs DEVICE + SUB balanced, and
+                         balanced with the optimiser's state on SUB: main-device peak ratio,
+                         wall times, whether losses agree within the dtype's tolerance
   chain                  `dualedit compare train` single DEVICE vs the layer split over a chain
                          DEVICE + CHAIN (#38; default cpu:1,cpu:2 on a CPU, cpu,cpu:1 beside a
                          GPU: three devices): whether losses agree, each device's peak, what
@@ -28,6 +29,8 @@ failed, the error; a failed step never stops the check):
                          the record says so
   qwen2vl_7b_step        Qwen2-VL-7B-shaped, --dtype, one IMAGE×IMAGE image: one meta-training
                          step's peak on DEVICE against the plan and the seed's ~40 GB
+  qwen2vl_7b_split       the same step split over DEVICE + SUB (balanced): the main peak
+                         against the plan and the single run's
 
 The JSON is rewritten after every step (atomically), so a run stopped from outside still
 leaves what it measured.
@@ -282,27 +285,37 @@ class Check:
         if failures:
             raise RuntimeError(f"failed for {', '.join(failures)}")
 
+    def compare_split(self, key, name, extra=()):
+        """`dualedit compare train`: DEVICE alone against DEVICE + SUB balanced (+ extra flags)."""
+        cfg = self.config(f"{name}-{key}", self.text_len)
+        out = self.work / "runs" / name
+        shutil.rmtree(out, ignore_errors=True)
+        self.dualedit("compare", *self.train_args(key, cfg, out), "--device", self.args.device, "--sub-device", self.args.sub,
+                      "--placement", "balanced", *extra)
+        c = json.loads((out / "compare.json").read_text())
+        peak = lambda side, role: side["memory"].get(role, {}).get("peak_allocated_bytes")
+        return dict(placement=" ".join(["balanced", *extra]),
+                    main_peak_ratio=round(c["main_peak_ratio"], 4), metrics_agree=c["metrics_agree"],
+                    max_relative_difference=c["max_relative_difference"], tolerance=c.get("tolerance"),
+                    single={"devices": c["single"]["devices"], "main_peak_bytes": peak(c["single"], "main"), "wall_seconds": round(c["single"]["wall_seconds"], 2)},
+                    dual={"devices": c["dual"]["devices"], "main_peak_bytes": peak(c["dual"], "main"), "sub_peak_bytes": peak(c["dual"], "sub"),
+                          "main_peak_reserved_bytes": c["dual"]["memory"].get("main", {}).get("peak_reserved_bytes"),
+                          "wall_seconds": round(c["dual"]["wall_seconds"], 2)},
+                    wall_ratio=round(c["dual"]["wall_seconds"] / max(c["single"]["wall_seconds"], 1e-9), 3))
+
     def single_vs_balanced(self, rec):
         key = "default" if self.args.small else "gpt2-124m"
         if key not in self.models:
             raise Skip(f"{key} not written")
-        cfg = self.config(f"compare-{key}", self.text_len)
-        out = self.work / "runs" / "compare"
-        shutil.rmtree(out, ignore_errors=True)
-        m = self.models[key]
-        self.dualedit("compare", *self.train_args(key, cfg, out)[0:], "--device", self.args.device, "--sub-device", self.args.sub,
-                      "--placement", "balanced")
-        c = json.loads((out / "compare.json").read_text())
-        peak = lambda side, role: side["memory"].get(role, {}).get("peak_allocated_bytes")
-        rec.update(model=key, dtype=m["dtype"], placement="balanced",
-                   main_peak_ratio=round(c["main_peak_ratio"], 4), metrics_agree=c["metrics_agree"],
-                   max_relative_difference=c["max_relative_difference"],
-                   single={"devices": c["single"]["devices"], "main_peak_bytes": peak(c["single"], "main"), "wall_seconds": round(c["single"]["wall_seconds"], 2)},
-                   dual={"devices": c["dual"]["devices"], "main_peak_bytes": peak(c["dual"], "main"), "sub_peak_bytes": peak(c["dual"], "sub"),
-                         "main_peak_reserved_bytes": c["dual"]["memory"].get("main", {}).get("peak_reserved_bytes"),
-                         "wall_seconds": round(c["dual"]["wall_seconds"], 2)},
-                   wall_ratio=round(c["dual"]["wall_seconds"] / max(c["single"]["wall_seconds"], 1e-9), 3))
-        self.balanced = rec
+        # The layer split alone, then with the optimiser's state on the sub-device too (the
+        # placement the planner gives the smallest main peak when the editor dominates).
+        runs = [self.compare_split(key, "compare"), self.compare_split(key, "compare-opt-sub", ["--optimizer-device", "sub"])]
+        rec.update(model=key, dtype=self.models[key]["dtype"], placements=runs)
+        # The cap step separates the single run from the split with the smaller main peak.
+        self.balanced = dict(min(runs, key=lambda r: r["dual"]["main_peak_bytes"] or 0), model=key)
+        bad = [r["placement"] for r in runs if not r["metrics_agree"]]
+        if bad:
+            raise RuntimeError(f"the split changed the losses beyond the dtype's tolerance: {', '.join(bad)}")
 
     def chain(self, rec):
         key = "default" if self.args.small else "gpt2-124m"
@@ -351,8 +364,9 @@ class Check:
         diag = res.get("diagnosis", "")
         rec["single"] = {"completed": res["rc"] == 0, "out_of_memory": "out of memory" in diag.lower(),
                          "diagnosis": diag[:2500] if diag else None}
-        res, _ = self.measured(key, "cap-balanced", ["--device", self.args.device, "--sub-device", self.args.sub, "--placement", "balanced"],
-                               expect_fail=True, extra=caps)
+        split = ["--device", self.args.device, "--sub-device", self.args.sub, *bal["placement"].replace("balanced", "--placement balanced", 1).split()]
+        rec["placement"] = bal["placement"]
+        res, _ = self.measured(key, "cap-balanced", split, expect_fail=True, extra=caps)
         rec["balanced"] = {"completed": res["rc"] == 0, "peak_bytes": res.get("peak_bytes"), "error": res.get("error")}
         if not rec["single"]["out_of_memory"]:
             raise RuntimeError("the single-device run under the cap did not run out of memory")
@@ -374,6 +388,25 @@ class Check:
                    seed_bytes=SEED_7B_BYTES, measured_over_seed=round(main / SEED_7B_BYTES, 4), loss=meas["loss"],
                    seconds=meas["seconds"])
 
+    def qwen2vl_7b_split(self, rec):
+        """The seed's headline on one GPU: Qwen2-VL-7B's layer split with the CPU as the
+        sub-device (the blocks from the planner's boundary run there)."""
+        key = "qwen2vl-7b"
+        single = self.result["steps"].get("qwen2vl_7b_step", {}).get("measured_bytes")
+        if key not in self.models or not single:
+            raise Skip("needs qwen2vl_7b_step's single-device peak")
+        devices = ["--device", self.args.device, "--sub-device", self.args.sub, "--placement", "balanced"]
+        meas, cfg = self.measured(key, "vl7b-split", devices)
+        if meas["rc"] != 0:
+            raise RuntimeError(meas["error"])
+        peaks, _ = self.planned_peak(key, cfg, devices)
+        main = meas["peak_bytes"]["main"]
+        planned = peaks[self.args.device_canonical]
+        rec.update(model=key, dtype=self.models[key]["dtype"], sub=self.args.sub, measured_main_bytes=main,
+                   measured_sub=meas["peak_bytes"].get("sub"), planned_main_bytes=planned,
+                   planned_over_measured=round(planned / max(main, 1), 4), main_over_single=round(main / single, 4),
+                   loss=meas["loss"], seconds=meas["seconds"])
+
     def main(self):
         self.text_len = 32
         self.step("environment", self.environment, 180)
@@ -384,6 +417,7 @@ class Check:
         self.step("max_memory_cap", self.max_memory_cap, 240)
         self.step("chain", self.chain, 240)
         self.step("qwen2vl_7b_step", self.qwen2vl_7b_step, 300)
+        self.step("qwen2vl_7b_split", self.qwen2vl_7b_split, 200)
         statuses = [s["status"] for s in self.result["steps"].values()]
         self.result["summary"] = {k: statuses.count(k) for k in ("ok", "failed", "skipped")}
         self.save()

@@ -80,6 +80,11 @@ def main():
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
     for f in tok_files:
         shutil.copy(tok_dir / f, tmp / f)
+    if args.kind != "gpt2-124m" and not args.small:
+        # The released models' preprocessor (max_pixels 12,845,056): a 448 × 448 picture
+        # stays 448 × 448 (256 image tokens). data/vl/model's caps pictures at 7,056
+        # pixels, which made the first GPU check's 7B step see 9 image tokens, not 256.
+        shutil.copy(ROOT / "tests/fixtures/qwen2_vl_7b_instruct/preprocessor_config.json", tmp / "preprocessor_config.json")
     shutil.rmtree(args.out, ignore_errors=True)
     tmp.rename(args.out)
     n = sum(p.numel() for p in model.parameters())

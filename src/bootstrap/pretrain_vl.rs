@@ -10,7 +10,7 @@
 //! trained on the corpus plus Qwen2-VL's special tokens; Adam and the cosine schedule are
 //! the text pretraining's ([`crate::bootstrap::pretrain`]). The result is a Hugging Face directory
 //! (config.json as `Qwen2VLForConditionalGeneration`, model.safetensors, tokenizer.json,
-//! preprocessor_config.json) that `load_model` and `score --image` read.
+//! preprocessor_config.json, chat_template.jinja) that `load_model` and `score --image` read.
 use std::collections::HashSet;
 use std::path::Path;
 
@@ -312,6 +312,9 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     }
     let config = hf_config(cfg, tok.vocab_size(), &ids);
     crate::io::write_json_atomic(&out.join("preprocessor_config.json"), &preprocessor_config(&corpus))?;
+    // The template the examples below are built with goes with the model, so editing it
+    // (and transformers) builds the same prompts without falling back to a default.
+    crate::io::write_atomic(&out.join("chat_template.jinja"), crate::model::qwen2_vl::chat_template::QWEN2_VL_DEFAULT.as_bytes())?;
     let model = Model::new(Qwen2Vl::from_json(&config, "Qwen2VLForConditionalGeneration")?);
     let vl = model.family().vision_language().ok_or_else(|| Error::Internal("a Qwen2-VL model without its image side".into()))?;
     let proc = vl.image_processor(out)?;

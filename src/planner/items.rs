@@ -189,7 +189,7 @@ pub(super) fn images(z: &Sizes, it: &mut Items, phase: Phase) {
     let formula = format!("B·images·N_img·D·s = {b}·{}·{}·{d}·{s}", shape.images_per_example, shape.tokens - 2);
     it.add(phase, Role::Main, &[Capture, EditedForward, Backward], "image features (frozen, computed once per distinct image)", formula, feats);
     // Each view's batch (and the edited forward's) gathers the features of its rows.
-    let rows = if phase == Phase::Train { z.batch_img_rows } else { b };
+    let rows = if phase == Phase::Train { z.views.batch_img_rows } else { b };
     it.add(
         phase,
         Role::Main,
@@ -199,7 +199,7 @@ pub(super) fn images(z: &Sizes, it: &mut Items, phase: Phase) {
         rows * row,
     );
     if z.o.split && phase == Phase::Train {
-        let rows = z.edited_img_rows;
+        let rows = z.views.edited_img_rows;
         it.add(
             phase,
             Role::Sub,
@@ -264,7 +264,7 @@ pub(super) fn capture(z: &Sizes, it: &mut Items, phase: Phase) {
         // A chain's devices: the batch's hidden states come in, its blocks run without
         // grad, their output goes on (the edited forward's batch is the larger one).
         for c in &z.chain {
-            for (group, tokens, what) in [(Capture, n, "B·T"), (EditedForward, z.fwd_n.max(n), "edited tokens")] {
+            for (group, tokens, what) in [(Capture, n, "B·T"), (EditedForward, z.views.fwd_n.max(n), "edited tokens")] {
                 it.add_chain(
                     &c.device,
                     phase,
@@ -288,7 +288,7 @@ pub(super) fn capture(z: &Sizes, it: &mut Items, phase: Phase) {
         // once without grad and is kept for the batch's later forwards: the capture's and
         // the edited forward's are alive together (the replica crosses the latter's copy).
         let d = z.dm.d;
-        let fwd_n = z.fwd_n;
+        let fwd_n = z.views.fwd_n;
         it.add(
             phase,
             Role::Main,
@@ -485,8 +485,8 @@ pub(super) fn edited_forwards(z: &Sizes, it: &mut Items, phase: Phase) {
     let o = z.o;
     // Tokens of the edited forward (every edited view's rows, padded to the longest), and
     // of the largest single view (recomputation runs one view's pass at a time).
-    let (fwd_n, pass_n) = (z.fwd_n, z.pass_n);
-    let edited_views: Vec<&str> = z.views.iter().filter(|v| v.edited).map(|v| v.name).collect();
+    let (fwd_n, pass_n) = (z.views.fwd_n, z.views.pass_n);
+    let edited_views: Vec<&str> = z.views.shapes.iter().filter(|v| v.edited).map(|v| v.name).collect();
     let Mode { train, recompute, .. } = z.mode(phase);
     // The edited forwards run on the sub-device when split.
     let fwd_role = if z.o.split { Role::Sub } else { Role::Main };
@@ -547,7 +547,7 @@ pub(super) fn edited_forwards(z: &Sizes, it: &mut Items, phase: Phase) {
 /// the checkpoint write.
 pub(super) fn losses_and_step(z: &Sizes, it: &mut Items, phase: Phase) {
     let (s, nk, v, w_elems, w_max, e_max) = (z.s, z.nk, z.v, z.w_elems, z.w_max, z.e_max);
-    let (fwd_kept, base_kept) = (z.fwd_kept, z.base_kept);
+    let (fwd_kept, base_kept) = (z.views.fwd_kept, z.views.base_kept);
     let Mode { train, factored, .. } = z.mode(phase);
     // The edited forwards run on the sub-device when split.
     let fwd_role = if z.o.split { Role::Sub } else { Role::Main };

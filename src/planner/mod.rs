@@ -96,8 +96,8 @@ pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Me
         editors: z.editors,
         editor_parameters: z.e_params,
         image: z.image.map(|(shape, _)| shape),
-        views: z.views,
-        edited_forward_tokens: z.fwd_n,
+        views: z.views.shapes,
+        edited_forward_tokens: z.views.fwd_n,
     };
     Ok(MemoryPlan { shape, items: it.items, totals })
 }

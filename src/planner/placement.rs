@@ -78,7 +78,7 @@ pub fn balanced_chain(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Resul
     let at0 = PlanOptions { boundary: Some(0), ..two.clone() };
     let z = sizes(model, cfg, &at0)?;
     let (s, d, ws) = (z.s, z.dm.d, z.family.inference_working_set(z.s));
-    let transient = z.fwd_n.max(z.n) * (2 * d * s + ws);
+    let transient = z.views.fwd_n.max(z.n) * (2 * d * s + ws);
     let from: Vec<i64> = (0..n as i64).map(|k| split_weights(model, k).1).collect();
     let mid = |a: usize, b: usize| ((from[a] - from[b]) * s + transient).max(0) as u64;
     // f[j][b]: the smallest largest load of main and the first j devices between, device j

@@ -154,8 +154,13 @@ pub(super) struct Sizes<'a> {
     pub(super) chain: Vec<ChainDevice>,
     /// The image each example shows and its vision-tower cost (VL models with an image size).
     pub(super) image: Option<(ImageShape, VisionCost)>,
-    /// The views of one micro-batch ([`plan_views`]).
-    pub(super) views: Vec<ViewShape>,
+    /// The views of one micro-batch and what the step's forwards read of them ([`plan_views`]).
+    pub(super) views: Views,
+}
+
+/// The views of one micro-batch and what the step's forwards read of them.
+pub(super) struct Views {
+    pub(super) shapes: Vec<ViewShape>,
     /// Tokens of the one edited forward of a training step (its rows padded to the longest).
     pub(super) fwd_n: i64,
     /// Labelled positions the edited forward scores.
@@ -166,17 +171,6 @@ pub(super) struct Sizes<'a> {
     pub(super) pass_n: i64,
     /// Image rows gathered into the step's batches on main (each view's batch and the
     /// edited forward's), and of those, the edited forward's (moved to a split's sub-device).
-    pub(super) batch_img_rows: i64,
-    pub(super) edited_img_rows: i64,
-}
-
-/// The views of one micro-batch and what the step's forwards read of them.
-pub(super) struct Views {
-    pub(super) views: Vec<ViewShape>,
-    pub(super) fwd_n: i64,
-    pub(super) fwd_kept: i64,
-    pub(super) base_kept: i64,
-    pub(super) pass_n: i64,
     pub(super) batch_img_rows: i64,
     pub(super) edited_img_rows: i64,
 }
@@ -214,7 +208,7 @@ pub(super) fn plan_views(b: i64, tokens: i64, kept: i64, image_tokens: Option<i6
     let img_rows = |vs: &mut dyn Iterator<Item = &ViewShape>| vs.filter(|v| v.image_tokens > 0).map(|v| v.rows).sum::<i64>();
     let edited_img_rows = img_rows(&mut edited.iter().copied());
     let batch_img_rows = img_rows(&mut views.iter()) + edited_img_rows;
-    Views { fwd_n: grouped_rows(&edited), fwd_kept, base_kept, pass_n, batch_img_rows, edited_img_rows, views }
+    Views { fwd_n: grouped_rows(&edited), fwd_kept, base_kept, pass_n, batch_img_rows, edited_img_rows, shapes: views }
 }
 
 /// Token rows of the edited forwards: the views grouped as `train::EditBatches::groups`
@@ -290,7 +284,7 @@ pub(super) fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOption
     if image.is_some() && loc_len < 2 {
         return Err(Error::input(format!("need at least 2 tokens in the locality question (got {loc_len})")));
     }
-    let Views { views, fwd_n, fwd_kept, base_kept, pass_n, batch_img_rows, edited_img_rows } = plan_views(
+    let views = plan_views(
         cfg.batch_size as i64,
         tokens,
         kept,
@@ -388,8 +382,7 @@ pub(super) fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOption
     Ok(Sizes {
         cfg, o, family, info, dm, names, edited, editors, tokens, kept, s, b, n, nk, v, p_count, w_elems, w_max, din_dout,
         dout_sum, e_params, stats_elems, e_max, located, act_per_token, per_layer, first_layer, w_kept_elems,
-        w_unkept_elems, layers_txt, image, boundary, w_main_elems, w_sub_elems, w_tied_elems, chain, views, fwd_n, fwd_kept,
-        base_kept, pass_n, batch_img_rows, edited_img_rows,
+        w_unkept_elems, layers_txt, image, boundary, w_main_elems, w_sub_elems, w_tied_elems, chain, views,
     })
 }
 

@@ -65,6 +65,7 @@ fn reports(dir: &Path) -> Vec<PathBuf> {
         single: side("cuda:0", 1000, None, 2.0),
         dual: side("cuda:0 + cpu", 600, Some(700), 3.0),
         max_relative_difference: 1e-7,
+        tolerance: 1e-4,
         metrics_agree: true,
         main_peak_ratio: 0.6,
     };

@@ -782,3 +782,14 @@ fn checkpoints_saved_by_each_transformers_version_load_and_score_as_transformers
     }
     assert!(checked >= 3 * 4 * 4);
 }
+
+/// The multimodal default carries the chat template its pretraining built prompts with
+/// (`pretrain --vl` writes it), so editing it uses that file, not a fallback with a warning.
+#[test]
+fn the_multimodal_default_ships_the_template_it_was_pretrained_with() {
+    let dir = common::root().join("data/vl/model");
+    let shipped = std::fs::read_to_string(dir.join("chat_template.jinja")).unwrap();
+    assert_eq!(shipped, dualedit::model::qwen2_vl::chat_template::QWEN2_VL_DEFAULT);
+    let t = dualedit::model::qwen2_vl::ChatTemplate::load(&dir).unwrap();
+    assert!(format!("{t:?}").contains("chat_template.jinja"), "{t:?}");
+}
