@@ -26,15 +26,21 @@
 //!    peak in f32 and bf16 (1024³); the step's total also by this thread's CPU time
 //!    against the peak by CPU time (under load the wall clock deflates both);
 //! 2. medians (wall clock, and the thread's CPU time, which the other processes of a
-//!    shared machine disturb far less) of `train_microbatch` (images + `meta_loss` + backward), `adam_step`
-//!    (clipping + Adam over the editor) and `edit` (the edit image's features, capture,
-//!    the editor), as the Python script prints them.
+//!    shared machine disturb far less) of `train_microbatch` (the tower on the images'
+//!    pixel values + `meta_loss` + backward), `adam_step` (clipping + Adam over the
+//!    editor) and `edit` (the tower on the edit image's pixel values, capture, the
+//!    editor): the same work as the Python script's lines of those names, which is given
+//!    pixel values; and `train_from_files` / `edit_from_file`, which also read and
+//!    preprocess the PNGs each time, as training and `dualedit edit` do.
 //!
 //! Arguments: `--ab`: only the A/B of #35 (the micro-step before — every forward from
 //! the embedding, the four scored views in one padded forward, the editor's products
 //! always transposed — and after, alternating, medians of `RUNS` rounds after one warm-up
-//! each); `--ab-editor`: the same A/B of the editor's products alone; `--criterion`: criterion's statistics of one micro-step and one
-//! edit instead of 2; `--timings`: 2 alone (what scripts/bench_mend_vl_compare.sh runs).
+//! each); `--ab-editor`: the same A/B of the editor's products alone; `--ab-rows`: the
+//! A/B of the last block at every row or at the scored rows only (micro-step and edit,
+//! from pixel values, wall clock and CPU time); `--criterion`: criterion's statistics of
+//! one micro-step and one edit instead of 2; `--timings`: 2 alone (what
+//! scripts/bench_mend_vl_compare.sh runs).
 //!
 //! `./x bench --bench mend_vl` (or `DUALEDIT_BENCH_SIDE=224 ./x bench --bench mend_vl --
 //! --criterion`); results in BENCHMARKS.md and docs/notebook.md ("#35").
@@ -43,13 +49,14 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use dualedit::config::MendConfig;
+use dualedit::data::multimodal::StepImages;
 use dualedit::data::TokenBatch;
 use dualedit::data::{EditExample, Example, ImageRef};
 use dualedit::device::DevicePlan;
 use dualedit::mend::optim::Adam;
 use dualedit::mend::{Editor, Engine, Factors};
-use dualedit::model::qwen2_vl::Qwen2Vl;
-use dualedit::model::{load_model, random_params, Model};
+use dualedit::model::qwen2_vl::{image as vl_image, PreparedImage, Qwen2Vl};
+use dualedit::model::{load_model, random_params, Model, ParamView};
 use dualedit::train::{meta_loss, EditBatches, EditedGroup, View};
 use tch::{Device, Kind, Tensor};
 
@@ -216,6 +223,11 @@ fn kept(b: &TokenBatch) -> f64 {
 struct Sizes {
     /// Linear-layer FLOPs of one text block per token row (`2·Σ` its matrices).
     per_block: f64,
+    /// The part of `per_block` that the last block still computes at every row when it
+    /// runs at the kept rows only (k_proj, v_proj: the keys and values).
+    kv_per_row: f64,
+    /// Whether the last block runs at the kept rows only (`Engine::last_block_at_kept`).
+    last_at_kept: bool,
     hidden: f64,
     /// Blocks below the first edited one (the prefix) and from it up.
     below: f64,
@@ -239,6 +251,8 @@ impl Sizes {
         let tower = 2.0 * p * params(&|n| n.starts_with("visual.") && !n.contains("merger")) + 2.0 * (p / 4.0) * params(&|n| n.contains("visual.merger")) + depth * 4.0 * p * p * e;
         Self {
             per_block: 2.0 * params(&|n| n.starts_with("model.layers.0.")),
+            kv_per_row: 2.0 * params(&|n| n.starts_with("model.layers.0.self_attn.k_proj") || n.starts_with("model.layers.0.self_attn.v_proj")),
+            last_at_kept: engine.last_block_at_kept,
             hidden,
             below: first,
             above: n_blocks - first,
@@ -247,16 +261,26 @@ impl Sizes {
         }
     }
 
-    /// Forward FLOPs of `blocks` text blocks over a batch: `(linear, attention)`.
-    fn blocks(&self, b: &TokenBatch, blocks: f64) -> (f64, f64) {
+    /// Forward FLOPs of `blocks` text blocks over a batch: `(linear, attention)`. With
+    /// `top` (the blocks end at the model's last one), the last block's queries, attention
+    /// output and MLP at `B·M` rows only when [`Sizes::last_at_kept`] (`M`: the most kept
+    /// positions of a row).
+    fn blocks(&self, b: &TokenBatch, blocks: f64, top: bool) -> (f64, f64) {
         let t = b.input_ids.size()[1] as f64;
-        (blocks * rows(b) * self.per_block, blocks * 4.0 * b.batch_size() as f64 * t * t * self.hidden)
+        let bs = b.batch_size() as f64;
+        let full = |n: f64| (n * rows(b) * self.per_block, n * 4.0 * bs * t * t * self.hidden);
+        if !(top && self.last_at_kept && blocks >= 1.0) {
+            return full(blocks);
+        }
+        let m = b.keep.sum_dim_intlist(1, false, Kind::Int64).max().int64_value(&[]) as f64;
+        let (l, a) = full(blocks - 1.0);
+        (l + rows(b) * self.kv_per_row + bs * m * (self.per_block - self.kv_per_row), a + 4.0 * bs * m * t * self.hidden)
     }
 
     /// Forward plus an input-gradient backward (the frozen weights get no gradient): the
     /// linear layers once more, attention's two products twice.
-    fn blocks_fwd_bwd(&self, b: &TokenBatch, blocks: f64) -> (f64, f64) {
-        let (l, a) = self.blocks(b, blocks);
+    fn blocks_fwd_bwd(&self, b: &TokenBatch, blocks: f64, top: bool) -> (f64, f64) {
+        let (l, a) = self.blocks(b, blocks, top);
         (l, a + l + 2.0 * a)
     }
 }
@@ -267,30 +291,30 @@ fn phase_flops(s: &Sizes, b: &EditBatches, editor: &EditorShape, rows_w: &[f64],
     let mut f = BTreeMap::new();
     let sum = |(l, a): (f64, f64)| l + a;
     let images = if edit { 1.0 } else { 3.0 };
-    f.insert("images + collate", images * s.tower);
-    let (cap_l, cap_a) = s.blocks_fwd_bwd(&b.inner, s.above);
+    f.insert("tower + collate", images * s.tower);
+    let (cap_l, cap_a) = s.blocks_fwd_bwd(&b.inner, s.above, true);
     f.insert("capture", cap_l + cap_a + 2.0 * s.head * kept(&b.inner));
     let editor_fwd = editor.forward(rows_w);
     f.insert("editor", editor_fwd);
     if edit {
-        f.insert("prefix", sum(s.blocks(&b.inner, s.below)));
+        f.insert("prefix", sum(s.blocks(&b.inner, s.below, false)));
         return f;
     }
     // The batches whose prefix runs: the capture's, each edited group's (or its one view's).
     let groups: Vec<&TokenBatch> = b.edited.iter().map(|g| g.batch.as_ref().unwrap_or_else(|| b.view(g.views[0]).expect("view"))).collect();
-    f.insert("prefix", sum(s.blocks(&b.inner, s.below)) + groups.iter().map(|g| sum(s.blocks(g, s.below))).sum::<f64>());
+    f.insert("prefix", sum(s.blocks(&b.inner, s.below, false)) + groups.iter().map(|g| sum(s.blocks(g, s.below, false))).sum::<f64>());
     let loc: Vec<&TokenBatch> = [b.loc.as_ref(), b.loc_image.as_ref()].into_iter().flatten().collect();
-    f.insert("unedited forwards", loc.iter().map(|l| sum(s.blocks(l, s.above)) + s.head * kept(l)).sum());
+    f.insert("unedited forwards", loc.iter().map(|l| sum(s.blocks(l, s.above, true)) + s.head * kept(l)).sum());
     let scored: f64 = [Some(&b.outer), b.outer_image.as_ref(), b.loc.as_ref(), b.loc_image.as_ref()].into_iter().flatten().map(kept).sum();
     let edited_rows: f64 = groups.iter().map(|g| rows(g)).sum();
     // The factored edit `x·W + (x·aᵀ)·b` per edited weight: two products of R_w rows.
     let low_rank: f64 = editor.dims.iter().zip(rows_w).map(|((d_in, d_out), r)| 2.0 * edited_rows * r * (d_in + d_out)).sum();
-    f.insert("edited forwards", groups.iter().map(|g| sum(s.blocks(g, s.above))).sum::<f64>() + low_rank + s.head * scored);
+    f.insert("edited forwards", groups.iter().map(|g| sum(s.blocks(g, s.above, true))).sum::<f64>() + low_rank + s.head * scored);
     // The backward: the edited forwards' input gradients, the factored edit's gradients
     // (x, a and b: twice its forward), the head's input gradient, and the editor's (its
     // weights' gradients in both layers, 3 products each, and its input gradient in the
     // second, 1 more: 7 products against the forward's 4).
-    let edited_bwd: f64 = groups.iter().map(|g| s.blocks_fwd_bwd(g, s.above)).map(|(l, a)| l + a).sum::<f64>() - groups.iter().map(|g| sum(s.blocks(g, s.above))).sum::<f64>();
+    let edited_bwd: f64 = groups.iter().map(|g| s.blocks_fwd_bwd(g, s.above, true)).map(|(l, a)| l + a).sum::<f64>() - groups.iter().map(|g| sum(s.blocks(g, s.above, true))).sum::<f64>();
     f.insert("backward (edited forwards)", edited_bwd + 2.0 * low_rank + s.head * scored);
     f.insert("backward (editor)", 1.75 * editor_fwd);
     f
@@ -302,12 +326,24 @@ struct EditorShape {
     dims: Vec<(f64, f64)>,
     rank: f64,
     layers: f64,
+    /// Whether the editor applies its dense products (evaluation, after a few edits).
+    dense: bool,
 }
 
 impl EditorShape {
-    /// Forward FLOPs: per factor row, each layer's `u·(v·x)` (two products of width × rank).
+    /// Forward FLOPs: per factor row, each layer's `u·(v·x)` (two products of width × rank),
+    /// or with [`EditorShape::dense`] its one product `(u·v)·x` where the rank is more than
+    /// half the width.
     fn forward(&self, rows_w: &[f64]) -> f64 {
-        self.dims.iter().zip(rows_w).map(|((i, o), r)| r * self.layers * 2.0 * 2.0 * (i + o) * self.rank.min(i + o)).sum()
+        self.dims
+            .iter()
+            .zip(rows_w)
+            .map(|((i, o), r)| {
+                let (w, rank) = (i + o, self.rank.min(i + o));
+                let per_row = if self.dense && 2.0 * rank > w { 2.0 * w * w } else { 2.0 * 2.0 * w * rank };
+                r * self.layers * per_row
+            })
+            .sum()
     }
 }
 
@@ -358,6 +394,43 @@ fn print_phases(what: &str, per: &BTreeMap<String, f64>, (wall, cpu): (f64, f64)
 /// scored views in one padded forward and the editor's products always transposed;
 /// after, the prefix once per batch, views grouped, the editor's plain products above
 /// [`dualedit::mend::editor::EDITOR_SKINNY_ROWS`] rows.
+/// The features of the step's images from their pixel values (read and preprocessed
+/// beforehand): the tower alone, as the PyTorch side, which is given pixel values.
+fn tower<'a>(engine: &'a Engine, prepared: &[PreparedImage]) -> StepImages<'a> {
+    let vl = engine.lm.model.family().vision_language().expect("a VL model");
+    StepImages::from_prepared(vl, &ParamView::frozen(&engine.lm.params), prepared).expect("tower")
+}
+
+/// One micro-step (`meta_loss` + backward) from pixel values.
+fn step_px(engine: &Engine, editor: &mut Editor, ex: &EditExample, cfg: &MendConfig, prepared: &[PreparedImage]) {
+    let images = tower(engine, prepared);
+    let b = EditBatches::for_config_with(engine, &[ex], cfg, Some(&images)).expect("batches");
+    let (loss, _) = meta_loss(engine, editor, &b, true).expect("meta loss");
+    (loss / cfg.accumulate as f64).backward();
+}
+
+/// One edit from the edit image's pixel values: tower, capture, editor.
+fn edit_px(engine: &Engine, editor: &mut Editor, ex: &EditExample, prepared: &PreparedImage) {
+    let _g = tch::no_grad_guard();
+    let images = tower(engine, std::slice::from_ref(prepared));
+    let inner = engine.collate_with(&[&ex.inner], Some(&images)).expect("inner batch");
+    let (_, factors) = engine.capture(&inner).expect("capture");
+    std::hint::black_box(engine.edit_low_rank(editor, &factors, false).expect("edit"));
+}
+
+/// Edits until the editor has formed its dense products (`Editor::dense_products`: after
+/// a few edits with the same editor weights, as in any session of edits; at most 20),
+/// so that the timed edits are the steady state the Python side's are; prints how many.
+/// A one-off edit runs the factored products (the edit of `--ab-rows`).
+fn steady_editor(engine: &Engine, editor: &mut Editor, ex: &EditExample, prepared: &PreparedImage) {
+    let mut n = 0;
+    while editor.dense_products() == 0 && n < 20 {
+        edit_px(engine, editor, ex, prepared);
+        n += 1;
+    }
+    println!("editor: {} layers use their dense product U·V after {n} edits", editor.dense_products());
+}
+
 /// `editor_only`: only the editor's products differ between before and after.
 fn ab_step(engine: &mut Engine, editor: &mut Editor, ex: &EditExample, cfg: &MendConfig, before: bool, editor_only: bool) {
     engine.share_prefix = !before || editor_only;
@@ -412,6 +485,46 @@ fn main() {
     );
     let (net, lrs) = editor.trainables();
     let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
+    // The images read and preprocessed once, for the timings from pixel values.
+    let proc = engine.image_proc.clone().expect("image processor");
+    let prepared: Vec<PreparedImage> = [&edit, &rephrase, &loc].iter().map(|p| vl_image::prepare(p, &proc).expect("image")).collect();
+
+    if has("--ab-rows") {
+        // #35: the last block at every row (before) or at the kept rows only (after),
+        // alternating, micro-step and edit from pixel values.
+        let (mut sb, mut sa, mut eb, mut ea) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for round in 0..setup.runs + 1 {
+            for at_kept in [false, true] {
+                engine.last_block_at_kept = at_kept;
+                let (t, c) = (Instant::now(), cpu_ms());
+                step_px(&engine, &mut editor, &ex, &cfg, &prepared);
+                let step = (t.elapsed().as_secs_f64() * 1e3, cpu_ms().zip(c).map(|(b, a)| b - a).unwrap_or(f64::NAN));
+                let (t, c) = (Instant::now(), cpu_ms());
+                edit_px(&engine, &mut editor, &ex, &prepared[0]);
+                let edit = (t.elapsed().as_secs_f64() * 1e3, cpu_ms().zip(c).map(|(b, a)| b - a).unwrap_or(f64::NAN));
+                if round > 0 {
+                    let (s_, e_) = if at_kept { (&mut sa, &mut ea) } else { (&mut sb, &mut eb) };
+                    s_.push(step);
+                    e_.push(edit);
+                }
+            }
+        }
+        adam.zero_grad();
+        let med = |v: &[(f64, f64)], cpu: bool| median(&mut v.iter().map(|p| if cpu { p.1 } else { p.0 }).collect::<Vec<_>>());
+        for (what, b, a) in [("micro-step", &sb, &sa), ("edit", &eb, &ea)] {
+            println!(
+                "A/B over {} alternating rounds, {what}: whole last block {:.1} ms (cpu {:.1}), at the kept rows {:.1} ms (cpu {:.1}): {:.2}× (cpu {:.2}×)",
+                setup.runs,
+                med(b, false),
+                med(b, true),
+                med(a, false),
+                med(a, true),
+                med(a, false) / med(b, false),
+                med(a, true) / med(b, true)
+            );
+        }
+        return;
+    }
 
     if has("--ab") || has("--ab-editor") {
         let editor_only = has("--ab-editor");
@@ -460,8 +573,11 @@ fn main() {
     if !has("--timings") {
         profile(&engine, &mut editor, &mut adam, &ex, &cfg, &json, &setup);
     }
-    // 2. The medians the Python script prints beside them.
-    timed("train_microbatch", &setup, || {
+    // 2. The medians the Python script prints beside them: like for like, from the images'
+    // pixel values (the Python side is given them); `…_from_files` also reads and
+    // preprocesses the PNGs, as training and `dualedit edit` do.
+    timed("train_microbatch", &setup, || step_px(&engine, &mut editor, &ex, &cfg, &prepared));
+    timed("train_from_files", &setup, || {
         let b = EditBatches::for_config(&engine, &[&ex], &cfg).expect("batches");
         let (loss, _) = meta_loss(&engine, &mut editor, &b, true).expect("meta loss");
         (loss / cfg.accumulate as f64).backward();
@@ -471,7 +587,9 @@ fn main() {
         adam.step();
     });
     adam.zero_grad();
-    timed("edit", &setup, || {
+    steady_editor(&engine, &mut editor, &ex, &prepared[0]);
+    timed("edit", &setup, || edit_px(&engine, &mut editor, &ex, &prepared[0]));
+    timed("edit_from_file", &setup, || {
         let _g = tch::no_grad_guard();
         let inner = engine.collate(&[&ex.inner]).expect("inner batch");
         let (_, factors) = engine.capture(&inner).expect("capture");
@@ -486,10 +604,11 @@ fn profile(engine: &Engine, editor: &mut Editor, adam: &mut Adam, ex: &EditExamp
     let b = EditBatches::for_config(engine, &[ex], cfg).expect("batches");
     let (_, factors) = engine.capture(&b.inner).expect("capture");
     let rows_w: Vec<f64> = factors.iter().map(|f| f.x.size()[0] as f64).collect();
-    let shape = EditorShape {
+    let mut shape = EditorShape {
         dims: engine.edit_params.iter().map(|p| p.in_out()).map(|(i, o)| (i as f64, o as f64)).collect(),
         rank: cfg.rank as f64,
         layers: (cfg.n_hidden + 1) as f64,
+        dense: false,
     };
     println!("factor rows per edited weight (rows with signal): {rows_w:?}");
     let peak32 = gemm_peak(Kind::Float);
@@ -517,7 +636,13 @@ fn profile(engine: &Engine, editor: &mut Editor, adam: &mut Adam, ex: &EditExamp
     let (mut per, wall) = phases(engine, setup, |engine| {
         let tl = &engine.timeline;
         tl.span("main", "losses and the rest", || {
-            let b = tl.span("main", "images + collate", || EditBatches::for_config(engine, &[ex], cfg)).expect("batches");
+            let prepared: Vec<PreparedImage> = tl.span("main", "read + preprocess images", || {
+                [&ex.inner, ex.outer_image.as_ref().expect("view"), ex.loc_image.as_ref().expect("view")]
+                    .iter()
+                    .map(|e| vl_image::prepare(&e.image.as_ref().expect("image").path, engine.image_proc.as_ref().expect("processor")).expect("image"))
+                    .collect()
+            });
+            let b = tl.span("main", "tower + collate", || EditBatches::for_config_with(engine, &[ex], cfg, Some(&tower(engine, &prepared)))).expect("batches");
             let (loss, _) = meta_loss(engine, editor, &b, true).expect("meta loss");
             tl.span("main", "backward", || (loss / cfg.accumulate as f64).backward());
         })
@@ -528,14 +653,17 @@ fn profile(engine: &Engine, editor: &mut Editor, adam: &mut Adam, ex: &EditExamp
     }
     adam.zero_grad();
     print_phases("meta-training micro-step", &per, wall, &phase_flops(&sizes, &b, &shape, &rows_w, false), peak);
+    steady_editor(engine, editor, ex, &vl_image::prepare(&ex.inner.image.as_ref().expect("image").path, engine.image_proc.as_ref().expect("processor")).expect("image"));
     let (per, wall) = phases(engine, setup, |engine| {
         let _g = tch::no_grad_guard();
         let tl = &engine.timeline;
         tl.span("main", "losses and the rest", || {
-            let inner = tl.span("main", "images + collate", || engine.collate(&[&ex.inner])).expect("inner batch");
+            let prepared = tl.span("main", "read + preprocess images", || vl_image::prepare(&ex.inner.image.as_ref().expect("image").path, engine.image_proc.as_ref().expect("processor"))).expect("image");
+            let inner = tl.span("main", "tower + collate", || engine.collate_with(&[&ex.inner], Some(&tower(engine, std::slice::from_ref(&prepared))))).expect("inner batch");
             let (_, factors): (f64, Vec<Factors>) = tl.span("main", "capture", || engine.capture(&inner)).expect("capture");
             std::hint::black_box(tl.span("main", "editor", || engine.edit_low_rank(editor, &factors, false)).expect("edit"));
         })
     });
+    shape.dense = editor.dense_products() > 0;
     print_phases("edit", &per, wall, &phase_flops(&sizes, &b, &shape, &rows_w, true), peak);
 }

@@ -3,6 +3,9 @@
 # the same computation as EasyEdit's (scripts/bench_mend_vl_easyedit.py), both on one
 # thread pinned to one core, alternating: dualedit, EasyEdit, dualedit, EasyEdit, ...
 # (ROUNDS pairs per configuration), with the load average before each run.
+# Like for like: dualedit's `train_microbatch` and `edit` start from the images' pixel
+# values, as the Python side's (which is given them); `train_from_files` /
+# `edit_from_file` also read and preprocess the PNGs, as training and `dualedit edit` do.
 #
 #   scripts/bench_mend_vl_compare.sh [ROUNDS] [CONFIG...]
 #

@@ -9,6 +9,7 @@ use tch::Tensor;
 use tracing::{info, warn};
 
 use crate::config::{Aggregate, MendConfig, SelectBy};
+use crate::data::multimodal::StepImages;
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::memory::MemoryTracker;
 use crate::device::timeline::{Span, TimelineSummary};
@@ -130,7 +131,14 @@ impl EditBatches {
             .flatten()
             .collect();
         let images = engine.images(&all)?;
-        let b = Self::build(examples, cfg.inner_in_edit_loss, |ex| engine.collate_with(ex, images.as_ref()))?;
+        Self::for_config_with(engine, examples, cfg, images.as_ref())
+    }
+
+    /// [`EditBatches::for_config`] with the group's image features computed beforehand
+    /// (by [`Engine::images`], or from pixel values by
+    /// [`crate::data::multimodal::StepImages::from_prepared`]).
+    pub fn for_config_with(engine: &Engine, examples: &[&EditExample], cfg: &MendConfig, images: Option<&StepImages>) -> Result<Self> {
+        let b = Self::build(examples, cfg.inner_in_edit_loss, |ex| engine.collate_with(ex, images))?;
         // The scored views' prefix activations are computed once per group, for the batch
         // of all of its views, and each view's are its rows of those.
         for g in &b.edited {

@@ -172,6 +172,7 @@ impl TokenBatch {
             position_ids: self.position_ids.as_ref(),
             image_embeds: self.image_embeds.as_ref(),
             entry: None,
+            full_last_block: false,
         }
     }
 

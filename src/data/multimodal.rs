@@ -29,7 +29,7 @@ use super::batch::{EditExample, Example, ImageRef, TokenBatch};
 use super::easyedit::DatasetKind;
 use super::examples::{OverLong, Prepared};
 pub use crate::model::qwen2_vl::ChatTemplate;
-use crate::model::qwen2_vl::{image, Grid, ImageProcessorConfig};
+use crate::model::qwen2_vl::{image, Grid, ImageProcessorConfig, PreparedImage};
 use crate::model::{ParamView, Tokenizer, VisionLanguage};
 use crate::{Error, Result};
 
@@ -406,16 +406,27 @@ impl<'a> StepImages<'a> {
         if order.is_empty() {
             return Ok(None);
         }
-        let mut pixels = Vec::with_capacity(order.len());
-        let mut grids: Vec<Grid> = Vec::with_capacity(order.len());
+        let mut prepared = Vec::with_capacity(order.len());
         for r in &order {
             let p = image::prepare(&r.path, proc)?;
             if p.grid != r.grid {
                 return Err(Error::file(&r.path, format!("image grid {:?} differs from {:?} when the data was read (file changed?)", p.grid, r.grid)));
             }
-            pixels.push(p.pixel_values);
-            grids.push(p.grid);
+            prepared.push(p);
         }
+        Self::tower(vl, params, &prepared, trainable).map(Some)
+    }
+
+    /// [`StepImages::compute`] from images already read and preprocessed (distinct
+    /// paths): the tower alone. What a caller holding pixel values runs (the bench's
+    /// like-for-like timing against a PyTorch side that is given pixel values).
+    pub fn from_prepared(vl: &'a dyn VisionLanguage, params: &ParamView, prepared: &[PreparedImage]) -> Result<Self> {
+        Self::tower(vl, params, prepared, false)
+    }
+
+    fn tower(vl: &'a dyn VisionLanguage, params: &ParamView, prepared: &[PreparedImage], trainable: bool) -> Result<Self> {
+        let pixels: Vec<&Tensor> = prepared.iter().map(|p| &p.pixel_values).collect();
+        let grids: Vec<Grid> = prepared.iter().map(|p| p.grid).collect();
         let feats = crate::error::guard(|| {
             let pixels = Tensor::cat(&pixels, 0).to_device(params.device());
             let all = if trainable { vl.image_features_trainable(params, &pixels, &grids)? } else { vl.image_features(params, &pixels, &grids)? };
@@ -423,7 +434,7 @@ impl<'a> StepImages<'a> {
             let sizes: Vec<i64> = grids.iter().map(|g| g.iter().product::<i64>() / merge).collect();
             Ok(all.split_with_sizes(sizes.as_slice(), 0))
         })?;
-        Ok(Some(Self { vl, feats: order.iter().map(|r| r.path.clone()).zip(feats).collect() }))
+        Ok(Self { vl, feats: prepared.iter().map(|p| p.path.clone()).zip(feats).collect() })
     }
 
     /// Distinct images computed.

@@ -22,8 +22,9 @@ use crate::model::{Boundary, ForwardInput, Model, ParamStore, ParamView};
 use crate::{Error, Result};
 
 /// A batch, its boundary activations under a layer split, the micro-step it belongs to
-/// (for the timeline) and where to answer.
-type Job = (TokenBatch, Option<Boundary>, (usize, usize), Sender<Result<Tensor>>);
+/// (for the timeline), whether the last block runs at every position
+/// ([`ForwardInput::full_last_block`]) and where to answer.
+type Job = (TokenBatch, Option<Boundary>, (usize, usize), bool, Sender<Result<Tensor>>);
 
 pub struct Worker {
     jobs: Option<Sender<Job>>,
@@ -41,12 +42,13 @@ impl Worker {
             .spawn(move || {
                 let _g = tch::no_grad_guard();
                 let none = Default::default();
-                for (batch, entry, at, reply) in rx {
+                for (batch, entry, at, full_last_block, reply) in rx {
                     let start = Instant::now();
                     let view = ParamView::frozen(&params);
+                    let input = ForwardInput { entry: entry.as_ref(), full_last_block, ..batch.forward_input(&none) };
                     let out = match &entry {
-                        Some(e) => model.forward_to_head_side(&view, &ForwardInput { entry: Some(e), ..batch.forward_input(&none) }),
-                        None => model.forward(&view, &batch.forward_input(&none)),
+                        Some(_) => model.forward_to_head_side(&view, &input),
+                        None => model.forward(&view, &input),
                     }
                     .map(|o| o.logits);
                     timeline.record(at, "sub", "unedited forwards", start, Instant::now());
@@ -59,12 +61,12 @@ impl Worker {
 
     /// Queues a batch (with its boundary activations under a layer split) of micro-step
     /// `at`; the answer arrives on the returned channel.
-    pub fn submit(&self, batch: TokenBatch, entry: Option<Boundary>, at: (usize, usize)) -> Result<Receiver<Result<Tensor>>> {
+    pub fn submit(&self, batch: TokenBatch, entry: Option<Boundary>, at: (usize, usize), full_last_block: bool) -> Result<Receiver<Result<Tensor>>> {
         let (tx, rx) = bounded(1);
         self.jobs
             .as_ref()
             .ok_or_else(|| Error::Internal("worker stopped".into()))?
-            .send((batch, entry, at, tx))
+            .send((batch, entry, at, full_last_block, tx))
             .map_err(|_| Error::Internal("worker thread has stopped".into()))?;
         Ok(rx)
     }

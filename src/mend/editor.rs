@@ -88,6 +88,27 @@ struct LrLinear {
     shift: Tensor,
     /// A hidden layer (all but the last): its output goes through `clamp(min = 0)`.
     hidden: bool,
+    /// `U·V`, formed outside the autograd graph once it pays (see [`DenseProduct`]).
+    dense: DenseProduct,
+}
+
+/// The product `U·V` `[w, w]` of a layer whose rank is more than half its width (MEND's
+/// default rank 1920 on editors of width below 3840: every editor of a model of width up
+/// to ~1000): applied to a row it costs `2·w²`, the factored `U·(V·x)` `4·w·r`. Forming
+/// it costs `2·w²·r`, so it is formed only when the layer runs outside the autograd graph
+/// (evaluation: edits, validation; in training U and V need their gradients) and only once
+/// the rows it has transformed with the same weights would have paid for it (ski rental:
+/// at most twice the cheaper of the two, whatever the number of edits; a one-off edit
+/// stays factored, a session of edits turns dense after a few). Keyed by U's and V's
+/// storage and version counters, so an optimiser step or a load starts again. The same
+/// products in another order: equal up to rounding.
+#[derive(Debug, Default)]
+struct DenseProduct {
+    /// `(U's data pointer, U's version, V's data pointer, V's version)` counted under.
+    key: Option<[i64; 4]>,
+    /// Rows transformed outside the graph under `key` before `w` was formed.
+    rows: i64,
+    w: Option<Tensor>,
 }
 
 impl LrLinear {
@@ -102,18 +123,54 @@ impl LrLinear {
             scale: Tensor::ones([n_modes, width], opts).set_requires_grad(true),
             shift: Tensor::zeros([n_modes, width], opts).set_requires_grad(true),
             hidden,
+            dense: DenseProduct::default(),
         }
+    }
+
+    /// `U·V` when it is formed (or is formed now, for the `rows` about to be transformed;
+    /// see [`DenseProduct`]); `None`: use the factors.
+    fn dense_product(&mut self, rows: i64) -> Option<Tensor> {
+        let (width, rank) = (self.u.size()[0], self.u.size()[1]);
+        if 2 * rank <= width {
+            return None;
+        }
+        // A product the graph tracks must differentiate U and V: factored, and nothing kept.
+        // (A one-element op tells: a view of U would report U's flag even under no_grad.)
+        let tracked = (self.u.narrow(0, 0, 1).narrow(1, 0, 1) + self.v.narrow(0, 0, 1).narrow(1, 0, 1)).requires_grad();
+        if tracked {
+            self.dense = DenseProduct::default();
+            return None;
+        }
+        let key = [self.u.data_ptr() as i64, self.u.internal_version(), self.v.data_ptr() as i64, self.v.internal_version()];
+        if self.dense.key != Some(key) {
+            self.dense = DenseProduct { key: Some(key), rows: 0, w: None };
+        }
+        if self.dense.w.is_none() {
+            // Formed once the rows seen would have saved its cost: 2·w²·r / (2·w·(2r − w)).
+            let breakeven = width * rank / (2 * rank - width);
+            if self.dense.rows + rows < breakeven {
+                self.dense.rows += rows;
+                return None;
+            }
+            self.dense.w = Some(self.u.matmul(&self.v));
+        }
+        self.dense.w.as_ref().map(Tensor::shallow_clone)
     }
 
     /// `x` `[N, width]`; `modes` `[N]` (int64): the mode of each row, selecting its
     /// scale/shift. `skinny`: rows up to which the product is computed transposed (see
     /// [`EDITOR_SKINNY_ROWS`]).
-    fn forward(&self, x: &Tensor, modes: &Tensor, skinny: i64) -> Tensor {
+    fn forward(&mut self, x: &Tensor, modes: &Tensor, skinny: i64) -> Tensor {
         // Up to `skinny` rows `U·(V·xᵀ)` then transposed, rather than `x·Vᵀ·Uᵀ`: the same
         // product, measured 15–35 % faster forward and 10 % faster forward + backward for
         // 16–96 rows on CPU (see `WeightLayout::apply`). Above, the plain product.
         let rows = x.size().first().copied().unwrap_or(0);
-        let product = if rows <= skinny { self.u.matmul(&self.v.matmul(&x.tr())).tr() } else { x.matmul(&self.v.tr()).matmul(&self.u.tr()) };
+        let product = match self.dense_product(rows) {
+            Some(w) if rows <= skinny => w.matmul(&x.tr()).tr(),
+            Some(w) => x.matmul(&w.tr()),
+            None if rows <= skinny => self.u.matmul(&self.v.matmul(&x.tr())).tr(),
+            None => x.matmul(&self.v.tr()).matmul(&self.u.tr()),
+        };
         let pre = product + &self.bias;
         let pre = pre * self.scale.index_select(0, modes) + self.shift.index_select(0, modes);
         // clamp(min = 0), not relu: the same values, but a gradient of 1 at exactly 0, as
@@ -145,8 +202,8 @@ impl IdMlp {
         Self { layers }
     }
 
-    fn forward(&self, x: &Tensor, modes: &Tensor, skinny: i64) -> Tensor {
-        self.layers.iter().fold(x.shallow_clone(), |h, l| l.forward(&h, modes, skinny))
+    fn forward(&mut self, x: &Tensor, modes: &Tensor, skinny: i64) -> Tensor {
+        self.layers.iter_mut().fold(x.shallow_clone(), |h, l| l.forward(&h, modes, skinny))
     }
 }
 
@@ -181,18 +238,18 @@ impl GradientTransform {
     /// `modes` the mode of each row. As the reference code: a factor that has an MLP is
     /// transformed from its normalised form, one without (x_only, delta_only, one_sided)
     /// passes through as it came.
-    fn forward(&self, f: &GroupRows, cfg: &MendConfig, skinny: i64) -> (Tensor, Tensor) {
+    fn forward(&mut self, f: &GroupRows, cfg: &MendConfig, skinny: i64) -> (Tensor, Tensor) {
         if cfg.mode == EditorMode::Combine {
-            let mlp = self.mlp_x.as_ref().expect("combine editor has its MLP");
+            let mlp = self.mlp_x.as_mut().expect("combine editor has its MLP");
             let out = mlp.forward(&Tensor::cat(&[&f.xn, &f.dn], -1), &f.modes, skinny);
             let parts = out.split_with_sizes([self.d_in, self.d_out], -1);
             return (parts[0].shallow_clone(), parts[1].shallow_clone());
         }
-        let xt = match &self.mlp_x {
+        let xt = match &mut self.mlp_x {
             Some(m) => m.forward(&f.xn, &f.modes, skinny),
             None => Tensor::cat(&f.x, 0),
         };
-        let dt = match &self.mlp_d {
+        let dt = match &mut self.mlp_d {
             Some(m) => m.forward(&f.dn, &f.modes, skinny),
             None => Tensor::cat(&f.d, 0),
         };
@@ -468,6 +525,12 @@ impl Editor {
     pub fn trainables(&self) -> (Vec<Tensor>, Vec<Tensor>) {
         let net = self.named_tensors().into_iter().filter(|(n, _)| n != "edit_lrs").map(|(_, t)| t).collect();
         (net, vec![self.edit_lrs.shallow_clone()])
+    }
+
+    /// How many of the editor's layers hold their dense product `U·V` now (see
+    /// [`DenseProduct`]): 0 in training and for a one-off edit.
+    pub fn dense_products(&self) -> usize {
+        self.transforms.values().flat_map(|t| t.mlps()).flat_map(|(_, m)| &m.layers).filter(|l| l.dense.w.is_some()).count()
     }
 
     /// Number of learnable scalars.

@@ -56,6 +56,11 @@ pub struct Engine {
     /// the embedding, except under a layer split, which always starts at its boundary.
     /// Exact either way (to float rounding); off is there to compare against.
     pub share_prefix: bool,
+    /// Whether forwards read only at their scored positions (the capture, the unedited
+    /// and the edited forwards) run the last block's queries, attention output, o_proj and
+    /// MLP at those positions only ([`crate::model::QueryRows`]); on by default. Exact
+    /// either way (to float rounding); off is there to compare against.
+    pub last_block_at_kept: bool,
 }
 
 /// How [`Engine::edit_low_rank_shaped`] reshapes the editor's edit (the default leaves it
@@ -159,7 +164,7 @@ impl Engine {
             Some(vl) => Some(vl.image_processor(&lm.dir)?),
             None => None,
         };
-        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc, fit_advisor: None, timeline, share_prefix: true })
+        Ok(Self { mover, lm, replica, plan, edit_params, capture_set, sub_worker, image_proc, fit_advisor: None, timeline, share_prefix: true, last_block_at_kept: true })
     }
 
     /// The layer split's boundary, checked: a split plan, within the model, at most the
@@ -281,8 +286,8 @@ impl Engine {
     }
 
     /// The forward input of `batch` with its boundary activations (`entry`, under a layer split).
-    fn input_from<'a>(batch: &'a TokenBatch, capture: &'a HashSet<String>, entry: Option<&'a Boundary>) -> ForwardInput<'a> {
-        ForwardInput { entry, ..batch.forward_input(capture) }
+    fn input_from<'a>(&self, batch: &'a TokenBatch, capture: &'a HashSet<String>, entry: Option<&'a Boundary>) -> ForwardInput<'a> {
+        ForwardInput { entry, full_last_block: !self.last_block_at_kept, ..batch.forward_input(capture) }
     }
 
     /// A tensor made on the main device (by the editor) carried to where the edited
@@ -394,7 +399,7 @@ impl Engine {
                 })
                 .collect::<Result<_>>()?;
             let view = ParamView::new(&self.lm.params, Some(&overrides));
-            let out = self.lm.model.forward_hidden(&view, &Self::input_from(batch, &self.capture_set, entry.as_ref()))?;
+            let out = self.lm.model.forward_hidden(&view, &self.input_from(batch, &self.capture_set, entry.as_ref()))?;
             // The head's part of the backward by hand: ∂NLL/∂logits = (softmax − onehot)/N,
             // then through the head with `lm_head_input_grad` (autograd's product for it is
             // the slowest step of the capture); autograd takes over from the final hidden
@@ -425,12 +430,20 @@ impl Engine {
                 .zip(deltas)
                 .map(|(p, delta)| {
                     let (d_in, d_out) = p.in_out();
-                    let x = out.captures[&p.name].x.detach().reshape([-1, d_in]).to_kind(Kind::Float);
+                    let cap = &out.captures[&p.name];
+                    let x = cap.x.detach().reshape([-1, d_in]).to_kind(Kind::Float);
                     let delta = delta.reshape([-1, d_out]).to_kind(Kind::Float);
-                    // Padding rows and rows after the last scored token carry no gradient.
+                    // Padding rows and rows after the last scored token carry no gradient
+                    // (nor do the last block's padding query rows, `QueryRows`).
                     let rows = x.ne(0.0).any_dim(1, false).logical_and(&delta.ne(0.0).any_dim(1, false));
                     let idx = rows.nonzero().squeeze_dim(1);
-                    examples.push(self.weight_side_to_main(&idx));
+                    // Where each row is in the batch: the last block's layers ran at the
+                    // kept positions only, and say which.
+                    let at = match &cap.rows {
+                        Some(flat) => flat.index_select(0, &idx),
+                        None => idx.shallow_clone(),
+                    };
+                    examples.push(self.weight_side_to_main(&at));
                     // The editor is on the main device: under a layer split the factors
                     // (rows with signal only) cross to it.
                     Factors {
@@ -448,7 +461,9 @@ impl Engine {
     pub fn layer_inputs(&self, batch: &TokenBatch) -> Result<Vec<Tensor>> {
         let _g = tch::no_grad_guard();
         let entry = self.boundary(batch)?;
-        let out = self.lm.model.forward_hidden(&ParamView::frozen(&self.lm.params), &Self::input_from(batch, &self.capture_set, entry.as_ref()))?;
+        // Every token's input, the last block's included.
+        let input = ForwardInput { full_last_block: true, ..self.input_from(batch, &self.capture_set, entry.as_ref()) };
+        let out = self.lm.model.forward_hidden(&ParamView::frozen(&self.lm.params), &input)?;
         crate::error::guard(|| {
             let real = batch.attention_mask.reshape([-1]).ne(0).nonzero().squeeze_dim(1);
             self.edit_params
@@ -538,7 +553,7 @@ impl Engine {
         let _g = tch::no_grad_guard();
         let none = HashSet::new();
         let entry = self.boundary(batch)?;
-        Ok(self.lm.model.forward(&ParamView::frozen(&self.lm.params), &Self::input_from(batch, &none, entry.as_ref()))?.logits)
+        Ok(self.lm.model.forward(&ParamView::frozen(&self.lm.params), &self.input_from(batch, &none, entry.as_ref()))?.logits)
     }
 
     /// Starts the unedited logits of `batch` where the training losses are computed (the
@@ -549,8 +564,8 @@ impl Engine {
         let at = self.timeline.position();
         match &self.sub_worker {
             // Layer split: the prefix on main (once per batch), the rest on the worker.
-            Some(w) if self.layer_split() => Ok(Pending::Waiting(w.submit(batch.shallow_clone(), self.boundary(batch)?, at)?)),
-            Some(w) => Ok(Pending::Waiting(w.submit(self.mover.batch_to_sub(batch), self.sub_boundary(batch)?, at)?)),
+            Some(w) if self.layer_split() => Ok(Pending::Waiting(w.submit(batch.shallow_clone(), self.boundary(batch)?, at, !self.last_block_at_kept)?)),
+            Some(w) => Ok(Pending::Waiting(w.submit(self.mover.batch_to_sub(batch), self.sub_boundary(batch)?, at, !self.last_block_at_kept)?)),
             None => Ok(Pending::Ready(self.timeline.span("main", "unedited forwards", || self.base_logits(batch))?)),
         }
     }
@@ -572,12 +587,12 @@ impl Engine {
             // Layer split: the batch enters on main, the logits stay where the head is.
             None if self.layer_split() => {
                 let entry = self.boundary(batch)?;
-                let input = Self::input_from(batch, &none, entry.as_ref());
+                let input = self.input_from(batch, &none, entry.as_ref());
                 Ok(self.lm.model.forward_to_head_side(&ParamView::new(&self.lm.params, Some(overrides)), &input)?.logits)
             }
             None => {
                 let entry = self.boundary(batch)?;
-                let input = Self::input_from(batch, &none, entry.as_ref());
+                let input = self.input_from(batch, &none, entry.as_ref());
                 Ok(self.lm.model.forward(&ParamView::new(&self.lm.params, Some(overrides)), &input)?.logits)
             }
             Some(replica) => {
@@ -585,7 +600,7 @@ impl Engine {
                 crate::error::guard(|| {
                     let moved = overrides.map(|t| self.mover.to_sub(t));
                     let sub_batch = self.mover.batch_to_sub(batch);
-                    let input = Self::input_from(&sub_batch, &none, entry.as_ref());
+                    let input = self.input_from(&sub_batch, &none, entry.as_ref());
                     Ok(self.lm.model.forward(&ParamView::new(replica, Some(&moved)), &input)?.logits)
                 })
             }
@@ -639,7 +654,7 @@ impl Engine {
             crate::model::recompute::grad_by_blocks(
                 &self.lm.model,
                 &view,
-                &Self::input_from(sub_batch, &none, entry.as_ref()),
+                &self.input_from(sub_batch, &none, entry.as_ref()),
                 &wrt,
                 &mut total,
                 |logits| loss(logits),

@@ -178,8 +178,10 @@ impl Family for Gpt2 {
     }
 
     /// Block `i`: attention and MLP, each behind a pre-norm and a residual connection.
+    /// With `io.rows` the attention output and everything after it run at those `M` rows
+    /// only (`[B, M, D]` out; `c_attn` still at every position, for the keys and values).
     fn block(&self, io: BlockIo) -> Result<Tensor> {
-        let BlockIo { params: p, layer: i, x, ctx, capture, captures, cache } = io;
+        let BlockIo { params: p, layer: i, x, ctx, capture, captures, cache, rows } = io;
         let c = &self.config;
         let (b, t) = (ctx.batch, ctx.tokens);
         let (nh, hd) = (c.n_head, c.n_embd / c.n_head);
@@ -194,14 +196,21 @@ impl Family for Gpt2 {
             Some(kv) => kv.extend(i, k, v),
             None => (k, v),
         };
-        let y = attend(&heads(&parts[0]), &k, &v, &ctx.mask);
-        let y = y.transpose(1, 2).reshape([b, t, c.n_embd]);
+        let (q, tq, xq, mask) = match rows {
+            Some(r) => (r.gather(&parts[0]).reshape([b, r.m, nh, hd]).transpose(1, 2), r.m, r.gather(x), r.mask(&ctx.mask, t)),
+            None => (heads(&parts[0]), t, x.shallow_clone(), ctx.mask.shallow_clone()),
+        };
+        let y = attend(&q, &k, &v, &mask);
+        let y = y.transpose(1, 2).reshape([b, tq, c.n_embd]);
         let y = l.attn_proj.forward(&s, capture, captures, &y)?;
-        let x = x + y;
+        let x = xq + y;
         let h = l.ln_2.forward(&s, &x)?;
         let h = l.c_fc.forward(&s, capture, captures, &h)?;
         let h = c.activation_function.apply(&h);
         let h = l.mlp_proj.forward(&s, capture, captures, &h)?;
+        if let Some(r) = rows {
+            r.mark(captures, [&l.attn_proj, &l.c_fc, &l.mlp_proj].map(|m| m.weight_name(&s)));
+        }
         Ok(x + h)
     }
 

@@ -75,9 +75,14 @@ impl Linear {
             h = h + delta.apply(x);
         }
         if capture.contains(&w_name) {
-            captures.insert(w_name, Capture { x: x.shallow_clone(), h: h.shallow_clone() });
+            captures.insert(w_name, Capture { x: x.shallow_clone(), h: h.shallow_clone(), rows: None });
         }
         Ok(h)
+    }
+
+    /// The full name of this layer's weight under `s` (what captures are keyed by).
+    pub fn weight_name(&self, s: &Scope) -> String {
+        s.pp(self.name).name("weight")
     }
 
     /// `x·Wᵀ + b` as one libtorch `linear`, without edits or captures (the frozen vision

@@ -240,14 +240,16 @@ impl Family for Llama {
     }
 
     /// Block `i`: grouped-query attention with rotary positions and a gated MLP, each
-    /// behind an RMSNorm and a residual connection.
+    /// behind an RMSNorm and a residual connection. With `io.rows` the queries and
+    /// everything after attention run at those `M` rows only (`[B, M, D]` out); keys and
+    /// values are computed at every position as without.
     fn block(&self, io: BlockIo) -> Result<Tensor> {
-        let BlockIo { params: p, layer: i, x, ctx, capture: cap, captures, cache } = io;
+        let BlockIo { params: p, layer: i, x, ctx, capture: cap, captures, cache, rows } = io;
         let c = &self.config;
         let (b, t) = (ctx.batch, ctx.tokens);
         let (nh, nkv, hd) = (c.num_attention_heads, self.kv_heads(), self.head_dim());
         let (cos, sin) = ctx.rope.as_ref().ok_or_else(|| Error::Internal("block context without rotary tables".into()))?;
-        let rotate = |q: &Tensor| {
+        let rotate = |q: &Tensor, cos: &Tensor, sin: &Tensor| {
             let halves = q.chunk(2, -1);
             let rotated = Tensor::cat(&[&(-&halves[1]), &halves[0]], -1);
             q * cos + rotated * sin
@@ -255,11 +257,16 @@ impl Family for Llama {
         let l = self.block_layers();
         let s = p.pp(&self.block_path(i));
         let h = l.input_layernorm.forward(&s, x)?;
-        let q = l.q_proj.forward(&s, cap, captures, &h)?;
+        // The query rows: all `t`, or the `M` the caller reads.
+        let (hq, tq, xq, cos_q, sin_q, mask) = match rows {
+            Some(r) => (r.gather(&h), r.m, r.gather(x), r.gather_rope(cos), r.gather_rope(sin), r.mask(&ctx.mask, t)),
+            None => (h.shallow_clone(), t, x.shallow_clone(), cos.shallow_clone(), sin.shallow_clone(), ctx.mask.shallow_clone()),
+        };
+        let q = l.q_proj.forward(&s, cap, captures, &hq)?;
         let k = l.k_proj.forward(&s, cap, captures, &h)?;
         let v = l.v_proj.forward(&s, cap, captures, &h)?;
-        let q = rotate(&q.reshape([b, t, nh, hd]).transpose(1, 2));
-        let k = rotate(&k.reshape([b, t, nkv, hd]).transpose(1, 2));
+        let q = rotate(&q.reshape([b, tq, nh, hd]).transpose(1, 2), &cos_q, &sin_q);
+        let k = rotate(&k.reshape([b, t, nkv, hd]).transpose(1, 2), cos, sin);
         let v = v.reshape([b, t, nkv, hd]).transpose(1, 2);
         // Cached before the GQA repeat: the cache holds n_kv heads, not n_heads.
         let (k, v) = match cache {
@@ -272,14 +279,17 @@ impl Family for Llama {
         } else {
             (k, v)
         };
-        let y = attend(&q, &k, &v, &ctx.mask).transpose(1, 2).reshape([b, t, nh * hd]);
+        let y = attend(&q, &k, &v, &mask).transpose(1, 2).reshape([b, tq, nh * hd]);
         let y = l.o_proj.forward(&s, cap, captures, &y)?;
-        let x = x + y;
+        let x = xq + y;
         let h = l.post_attention_layernorm.forward(&s, &x)?;
         let g = l.gate_proj.forward(&s, cap, captures, &h)?;
         let u = l.up_proj.forward(&s, cap, captures, &h)?;
         let m = c.hidden_act.apply(&g) * u;
         let m = l.down_proj.forward(&s, cap, captures, &m)?;
+        if let Some(r) = rows {
+            r.mark(captures, [&l.q_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj].map(|m| m.weight_name(&s)));
+        }
         Ok(x + m)
     }
 

@@ -99,6 +99,10 @@ pub struct Capture {
     pub x: Tensor,
     /// The layer's output before any activation, `[B, T, d_out]`.
     pub h: Tensor,
+    /// When the layer ran at some query rows only (the last block of a forward with
+    /// `keep`, see [`QueryRows`]): the flat position `b·T + t` of each row of `x` and `h`
+    /// (`[B·M]` int64; then `x` is `[B, M, d_in]`). `None`: every position, in order.
+    pub rows: Option<Tensor>,
 }
 
 /// What one forward pass is asked to do.
@@ -125,11 +129,17 @@ pub struct ForwardInput<'a> {
     /// and the blocks below it again (their output does not depend on any edited
     /// weight). `None`: from the embedding.
     pub entry: Option<&'a Boundary>,
+    /// Run the last block at every position even with `keep`. By default (false) a
+    /// forward with `keep` and no KV cache runs the last block's queries, attention output,
+    /// o_proj and MLP only at the kept positions ([`QueryRows`]), since nothing else reads
+    /// them; its captured layers then cover those rows only ([`Capture::rows`]). A caller
+    /// that reads the last block's captured inputs at every token sets this.
+    pub full_last_block: bool,
 }
 
 impl<'a> ForwardInput<'a> {
     pub fn new(input_ids: &'a Tensor, capture: &'a HashSet<String>) -> Self {
-        Self { input_ids, attention_mask: None, keep: None, capture, position_ids: None, image_embeds: None, entry: None }
+        Self { input_ids, attention_mask: None, keep: None, capture, position_ids: None, image_embeds: None, entry: None, full_last_block: false }
     }
 
     /// `(B, T)`, after checking the shapes a caller handed in: `input_ids` is `[B, T]`
@@ -284,13 +294,105 @@ pub struct BlockIo<'a> {
     pub captures: &'a mut BTreeMap<String, Capture>,
     /// The KV cache the block extends, when decoding with one.
     pub cache: Option<&'a mut KvCache>,
+    /// Compute the block's output only at these query rows (keys and values still over
+    /// every position): the block returns `[B, M, D]` instead of `[B, T, D]`. For the last
+    /// block of a forward read only at its `keep` positions; never with a cache.
+    pub rows: Option<&'a QueryRows>,
 }
 
 impl<'a> BlockIo<'a> {
     /// Block `layer` over `x` with nothing captured and no cache (recorded layers would go
     /// to `scratch`, which stays empty).
     pub fn plain(params: &'a ParamView<'a>, layer: usize, x: &'a Tensor, ctx: &'a BlockContext, none: &'a HashSet<String>, scratch: &'a mut BTreeMap<String, Capture>) -> Self {
-        BlockIo { params, layer, x, ctx, capture: none, captures: scratch, cache: None }
+        BlockIo { params, layer, x, ctx, capture: none, captures: scratch, cache: None, rows: None }
+    }
+}
+
+/// The query rows of a block whose output is read only at some positions (the kept ones
+/// of the last block): per example its kept positions in order, padded to the longest
+/// example's count `M` by repeating its last one. The block then computes its queries,
+/// attention output, o_proj and MLP over `[B, M]` rows instead of `[B, T]`: exact, since
+/// every op but attention is row-wise and attention still reads every key and value.
+/// A padding row repeats a real one; nothing reads its output, so it gets no gradient.
+#[derive(Debug)]
+pub struct QueryRows {
+    /// Positions `[B, M]` int64.
+    pub pos: Tensor,
+    /// Flat positions `b·T + t` of the `B·M` rows, `[B·M]` int64 (what a row stands for).
+    pub flat: Tensor,
+    /// The kept rows among the `B·M`, in `keep`'s row-major order, `[N]` int64: the
+    /// block's output at `keep` is `out.reshape([-1, D]).index_select(0, kept)`.
+    pub kept: Tensor,
+    /// `M`.
+    pub m: i64,
+}
+
+impl QueryRows {
+    /// The rows of `keep` (`[B, T]` bool), on its device; `None` when there is no saving
+    /// (some example keeps every position, or none is kept at all).
+    pub fn from_keep(keep: &Tensor) -> Result<Option<QueryRows>> {
+        let (b, t) = match keep.size()[..] {
+            [b, t] => (b, t),
+            ref other => return Err(crate::Error::Internal(format!("keep of shape {other:?}, expected [batch, tokens]"))),
+        };
+        let flags = Vec::<i64>::try_from(keep.reshape([-1]).to_kind(tch::Kind::Int64).to_device(Device::Cpu))?;
+        let per: Vec<Vec<i64>> = flags.chunks(t.max(1) as usize).map(|r| (0..t).filter(|&i| r[i as usize] != 0).collect()).collect();
+        let m = per.iter().map(Vec::len).max().unwrap_or(0) as i64;
+        if m == 0 || m >= t {
+            return Ok(None);
+        }
+        let (mut pos, mut kept) = (Vec::with_capacity((b * m) as usize), Vec::new());
+        for (row, p) in per.iter().enumerate() {
+            let last = p.last().copied().unwrap_or(0);
+            for j in 0..m {
+                if (j as usize) < p.len() {
+                    kept.push(row as i64 * m + j);
+                }
+                pos.push(p.get(j as usize).copied().unwrap_or(last));
+            }
+        }
+        let flat: Vec<i64> = pos.iter().enumerate().map(|(i, &p)| (i as i64 / m) * t + p).collect();
+        let device = keep.device();
+        let mk = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+        Ok(Some(QueryRows { pos: mk(&pos).reshape([b, m]), flat: mk(&flat), kept: mk(&kept), m }))
+    }
+
+    /// Rows `[B, T, ..]` -> `[B, M, ..]` at these positions.
+    pub fn gather(&self, x: &Tensor) -> Tensor {
+        let size = x.size();
+        let mut out: Vec<i64> = size.clone();
+        out[1] = self.m;
+        let rest: i64 = size[2..].iter().product();
+        x.reshape([size[0] * size[1], rest]).index_select(0, &self.flat).reshape(out)
+    }
+
+    /// The rotary tables `[B, 1, T, hd]` at these rows, `[B, 1, M, hd]`.
+    pub(crate) fn gather_rope(&self, t: &Tensor) -> Tensor {
+        self.gather(&t.squeeze_dim(1)).unsqueeze(1)
+    }
+
+    /// The attention mask of these query rows over the `t` keys, `[B, 1, M, t]`.
+    pub(crate) fn mask(&self, mask: &AttnMask, t: i64) -> AttnMask {
+        let b = self.pos.size()[0];
+        match mask {
+            AttnMask::Causal => {
+                let keys = Tensor::arange(t, (tch::Kind::Int64, self.pos.device())).reshape([1, 1, 1, t]);
+                AttnMask::Keys(keys.le_tensor(&self.pos.reshape([b, 1, self.m, 1])))
+            }
+            AttnMask::Keys(m) if m.dim() == 4 => AttnMask::Keys(self.gather(&m.squeeze_dim(1)).unsqueeze(1)),
+            AttnMask::Keys(m) => AttnMask::Keys(m.index_select(0, &self.pos.reshape([-1])).reshape([b, 1, self.m, -1])),
+            AttnMask::All => AttnMask::All,
+        }
+    }
+
+    /// Records, for the captured layers among `names` (full weight names), that they ran
+    /// at these rows.
+    pub(crate) fn mark(&self, captures: &mut BTreeMap<String, Capture>, names: impl IntoIterator<Item = String>) {
+        for n in names {
+            if let Some(c) = captures.get_mut(&n) {
+                c.rows = Some(self.flat.shallow_clone());
+            }
+        }
     }
 }
 
@@ -391,9 +493,9 @@ impl Model {
     /// apply the head themselves ([`lm_head`], [`lm_head_input_grad`]).
     pub fn forward_hidden(&self, p: &ParamView, input: &ForwardInput) -> Result<ForwardOutput> {
         crate::error::guard(|| {
-            let (x, captures) = self.run_blocks(p, input, None)?;
+            let (x, captures, rows) = self.run_blocks(p, input, None)?;
             let keep = input.keep.map(|k| head_side(p, k));
-            Ok(ForwardOutput { logits: keep_rows(self.final_norm(p, &x)?, keep.as_ref()), captures })
+            Ok(ForwardOutput { logits: kept_hidden(self.final_norm(p, &x)?, keep.as_ref(), rows.as_ref()), captures })
         })
     }
 
@@ -401,9 +503,9 @@ impl Model {
     /// after the tokens in `cache` when there is one.
     /// `back`: under a layer split, carry the logits back to the main device.
     fn forward_with(&self, p: &ParamView, input: &ForwardInput, cache: Option<&mut KvCache>, back: bool) -> Result<ForwardOutput> {
-        let (x, captures) = self.run_blocks(p, input, cache)?;
+        let (x, captures, rows) = self.run_blocks(p, input, cache)?;
         let keep = input.keep.map(|k| head_side(p, k));
-        let logits = self.head(p, &x, keep.as_ref())?;
+        let logits = self.head_at(p, &x, keep.as_ref(), rows.as_ref())?;
         let logits = match p.layer_split() {
             Some(s) if back => s.cross.to_main(&logits),
             _ => logits,
@@ -411,13 +513,15 @@ impl Model {
         Ok(ForwardOutput { logits, captures })
     }
 
-    /// Embedding and every block: the last block's output and the captured layers.
+    /// Embedding and every block: the last block's output and the captured layers, and
+    /// the query rows the last block ran at ([`Model::query_rows`]; its output is then
+    /// `[B, M, D]`).
     fn run_blocks(
         &self,
         p: &ParamView,
         input: &ForwardInput,
         mut cache: Option<&mut KvCache>,
-    ) -> Result<(Tensor, BTreeMap<String, Capture>)> {
+    ) -> Result<(Tensor, BTreeMap<String, Capture>, Option<QueryRows>)> {
         input.dims()?;
         let mut captures = BTreeMap::new();
         let past = cache.as_ref().map_or(0, |c| c.len());
@@ -434,14 +538,33 @@ impl Model {
                 (0, x, ctx)
             }
         };
-        for i in start..self.n_blocks() {
+        let n = self.n_blocks();
+        let rows = if start < n && cache.is_none() { self.query_rows(p, input)? } else { None };
+        for i in start..n {
             if let Some(c) = p.crossing_at(i).filter(|_| i > start || input.entry.is_none()) {
                 x = c.boundary_to_sub(&x);
                 ctx = ctx.crossed(c);
             }
-            x = self.block(BlockIo { params: p, layer: i, x: &x, ctx: &ctx, capture: input.capture, captures: &mut captures, cache: cache.as_deref_mut() })?;
+            let rows = rows.as_ref().filter(|_| i + 1 == n);
+            x = self.block(BlockIo { params: p, layer: i, x: &x, ctx: &ctx, capture: input.capture, captures: &mut captures, cache: cache.as_deref_mut(), rows })?;
         }
-        Ok((x, captures))
+        Ok((x, captures, rows))
+    }
+
+    /// The query rows the last block of `input`'s forward runs at (on the device of the
+    /// head, where the last block is): its `keep` positions, unless the input asks for
+    /// every row ([`ForwardInput::full_last_block`]) or there is none to save. Callers
+    /// running a KV cache do not ask.
+    pub(crate) fn query_rows(&self, p: &ParamView, input: &ForwardInput) -> Result<Option<QueryRows>> {
+        match input.keep {
+            Some(k) if !input.full_last_block => QueryRows::from_keep(&head_side(p, k)),
+            _ => Ok(None),
+        }
+    }
+
+    /// [`Model::head`] over the last block's output, which ran at `rows` when given.
+    pub(crate) fn head_at(&self, p: &ParamView, x: &Tensor, keep: Option<&Tensor>, rows: Option<&QueryRows>) -> Result<Tensor> {
+        Ok(lm_head(&kept_hidden(self.final_norm(p, x)?, keep, rows), self.head_weight(p)?))
     }
 
     /// That `e` is a prefix of this input (same `[B, T]`) entering a block this view can
@@ -749,6 +872,18 @@ fn head_side(p: &ParamView, t: &Tensor) -> Tensor {
     match p.layer_split() {
         Some(s) => s.cross.to_sub(t),
         None => t.shallow_clone(),
+    }
+}
+
+/// Final hidden states -> the kept rows `[N, D]`: from `[B, M, D]` when the last block ran
+/// at `rows`, else as [`keep_rows`].
+pub(crate) fn kept_hidden(hidden: Tensor, keep: Option<&Tensor>, rows: Option<&QueryRows>) -> Tensor {
+    match rows {
+        Some(r) => {
+            let d = hidden.size()[2];
+            hidden.reshape([-1, d]).index_select(0, &r.kept)
+        }
+        None => keep_rows(hidden, keep),
     }
 }
 

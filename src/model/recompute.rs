@@ -69,6 +69,8 @@ pub fn grad_by_blocks(
     let none = HashSet::new();
     let mut scratch = BTreeMap::new();
     crate::error::guard(|| {
+        // The last block runs at the kept rows only, in both passes (as in the forward).
+        let rows = model.query_rows(p, input)?;
         // 1. Forward without grad, keeping the inputs of blocks `first..n`.
         let (mut inputs, last, ctx) = tch::no_grad(|| -> Result<_> {
             // From the boundary activations when given: the blocks below it ran once per batch.
@@ -91,7 +93,7 @@ pub fn grad_by_blocks(
                     x = c.boundary_to_sub(&x);
                     ctx = ctx.crossed(c);
                 }
-                let y = model.block(BlockIo::plain(p, i, &x, &ctx, &none, &mut scratch))?;
+                let y = model.block(BlockIo { rows: rows.as_ref().filter(|_| i + 1 == n), ..BlockIo::plain(p, i, &x, &ctx, &none, &mut scratch) })?;
                 if i >= first {
                     inputs.push(x);
                 }
@@ -107,7 +109,7 @@ pub fn grad_by_blocks(
                 Some(s) => s.cross.to_sub(k),
                 None => k.shallow_clone(),
             });
-            let logits = model.head(p, &h, keep.as_ref())?;
+            let logits = model.head_at(p, &h, keep.as_ref(), rows.as_ref())?;
             let loss = loss_fn(&logits)?;
             Ok(Tensor::f_run_backward(&[&loss], &[&h], false, false)?.remove(0))
         })?;
@@ -120,7 +122,7 @@ pub fn grad_by_blocks(
             let need_input = i > first;
             let mut out = tch::with_grad(|| -> Result<Vec<Tensor>> {
                 let x = x.set_requires_grad(need_input);
-                let y = model.block(BlockIo::plain(p, i, &x, &ctx, &none, &mut scratch))?;
+                let y = model.block(BlockIo { rows: rows.as_ref().filter(|_| i + 1 == n), ..BlockIo::plain(p, i, &x, &ctx, &none, &mut scratch) })?;
                 let surrogate = (y * &g).sum(Kind::Float);
                 let mut leaves: Vec<&Tensor> = Vec::with_capacity(mine.len() + 1);
                 if need_input {

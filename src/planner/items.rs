@@ -144,6 +144,19 @@ pub(super) fn resident(z: &Sizes, it: &mut Items, phase: Phase) {
         it.add(phase, Role::Main, &[Resident], "editor gradients (f32)", format!("{}·4", num(e_params)), e_params * 4);
         it.add_optimizer(o, phase, &[Resident], "Adam m and v (f32)", format!("2·{}·4", num(e_params)), 2 * e_params * 4);
     }
+    // Editing: a layer whose rank is more than half its width keeps `U·V` once a few edits
+    // have paid for it (`mend::editor`'s dense products; never in training).
+    let dense: i64 = editors.iter().flat_map(|e| e.widths.iter()).filter(|&&w| 2 * z.cfg.rank.min(w) > w).map(|&w| (z.cfg.n_hidden + 1) * w * w).sum();
+    if !train && dense > 0 {
+        it.add(
+            phase,
+            Role::Main,
+            &[Resident],
+            "editor's dense products U·V (f32; layers of rank > width/2, after a few edits)",
+            format!("Σ_{{2r>w}} (n_hidden+1)·w²·4 = {}·4", num(dense)),
+            dense * 4,
+        );
+    }
     let lr_copies = if train { 4 } else { 1 };
     it.add(
         phase,

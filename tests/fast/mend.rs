@@ -631,3 +631,73 @@ fn editor_plain_products_above_the_skinny_rows_match_the_transposed_ones() {
     }
     assert!(3 * 70 > EDITOR_SKINNY_ROWS && 3 * 20 <= EDITOR_SKINNY_ROWS, "the test must cover both paths");
 }
+
+/// #35: outside the autograd graph an editor layer whose rank is more than half its width
+/// applies `U·V` as one product once the rows it has transformed would have paid for
+/// forming it: a one-off edit stays factored, the next edits are dense and equal to the
+/// factored ones up to rounding; training never forms it, and an in-place change of the
+/// weights (an optimiser step) starts again from the factors, with the new weights.
+#[test]
+fn editor_dense_products_in_evaluation_match_the_factors() {
+    use dualedit::mend::Factors;
+    let params = engine("gpt2").edit_params.clone();
+    // MEND's default rank 1920 on the fixture's widths (320): rank = width, break-even 320 rows.
+    let cfg = MendConfig::default();
+    let pattern = |n: i64, phase: f64, f: fn(&Tensor) -> Tensor| f(&(Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + phase));
+    let perturb = |ed: &Editor, phase: f64| {
+        let (net, _) = ed.trainables();
+        tch::no_grad(|| {
+            for (i, t) in net.iter().enumerate() {
+                let mut t = t.shallow_clone();
+                let _ = t.g_add_(&(pattern(t.numel() as i64, phase + i as f64, Tensor::sin).reshape(t.size()) * 0.05));
+            }
+        });
+    };
+    let rows = 60;
+    let factors: Vec<Factors> = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (d_in, d_out) = p.in_out();
+            Factors {
+                x: pattern(rows * d_in, i as f64, Tensor::sin).reshape([rows, d_in]),
+                delta: pattern(rows * d_out, i as f64, Tensor::cos).reshape([rows, d_out]) * 1e-3,
+            }
+        })
+        .collect();
+    let close = |a: &[(Tensor, Tensor)], b: &[(Tensor, Tensor)], what: &str| {
+        for ((a0, a1), (b0, b1)) in a.iter().zip(b) {
+            for (x, y) in [(a0, b0), (a1, b1)] {
+                let scale = x.abs().max().double_value(&[]);
+                let diff = (x - y).abs().max().double_value(&[]);
+                assert!(scale > 0.0 && diff <= 1e-5 * scale, "{what}: differs by {diff} (largest {scale})");
+            }
+        }
+    };
+    let mut ed = Editor::new(&cfg, params.clone(), Device::Cpu, 0).unwrap();
+    perturb(&ed, 0.0);
+    let _ = ed.edit_terms(&factors, true);
+    let _ = ed.edit_terms(&factors, true);
+    assert_eq!(ed.dense_products(), 0, "training keeps the factors (U and V need their gradients)");
+    let _g = tch::no_grad_guard();
+    let first = ed.edit_terms(&factors, false);
+    assert_eq!(ed.dense_products(), 0, "180 rows per editor: below the break-even, factored");
+    let second = ed.edit_terms(&factors, false);
+    assert_eq!(ed.dense_products(), 4, "360 rows: both layers of both editors dense");
+    close(&first, &second, "dense against factored");
+    // An in-place change (as Adam's) starts again, from the new weights.
+    perturb(&ed, 7.0);
+    let mut fresh = Editor::new(&cfg, params.clone(), Device::Cpu, 1).unwrap();
+    let mut saved: std::collections::BTreeMap<String, Tensor> = ed.named_tensors().into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
+    let (stats, counts) = ed.named_stats();
+    saved.extend(stats);
+    fresh.load_tensors(&saved, &counts).unwrap();
+    let want = fresh.edit_terms(&factors, false);
+    let third = ed.edit_terms(&factors, false);
+    assert_eq!(ed.dense_products(), 0, "the weights changed: factored again");
+    close(&want, &third, "after the change, factored");
+    let fourth = ed.edit_terms(&factors, false);
+    assert_eq!(ed.dense_products(), 4);
+    close(&want, &fourth, "after the change, dense");
+    assert!((&first[0].0 - &third[0].0).abs().max().double_value(&[]) > 1e-6, "the change must move the edit for the test to mean something");
+}

@@ -404,6 +404,51 @@ fn views_grouped_by_length_score_as_one_padded_forward() {
     }
 }
 
+/// #35: on Qwen2-VL with images (M-RoPE tables, the image views and the text `loc` in
+/// their groups), the last block only at the scored positions gives the step of the whole
+/// last block: the same losses, metrics and editor gradients, single and split.
+#[test]
+fn last_block_at_the_kept_rows_scores_as_the_whole_block() {
+    use dualedit::mend::Editor;
+    use dualedit::train::{meta_loss, EditBatches};
+    let dir = tempfile::tempdir().unwrap();
+    let (_, _, (_, ex, _)) = one_record(dir.path());
+    let e = &ex[0];
+    let names: Vec<String> = ["self_attn.q_proj", "mlp.up_proj", "mlp.down_proj"].iter().map(|m| format!("model.layers.1.{m}.weight")).collect();
+    let cfg = MendConfig { rank: 8, edit_lr: 1e-3, max_length: 200, edit_params: names.clone(), ..MendConfig::default() };
+    for plan in [DevicePlan::single(Device::Cpu), DevicePlan::split_on(Device::Cpu, Device::Cpu)] {
+        let run = |at_kept: bool| {
+            let mut engine = open_engine(&fixture("qwen2_vl"), &LoadOptions { plan, ..LoadOptions::default() }, &names).unwrap();
+            engine.last_block_at_kept = at_kept;
+            let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
+            let b = EditBatches::for_config(&engine, &[e], &cfg).unwrap();
+            let (loss, parts) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+            loss.backward();
+            let (net, _) = editor.trainables();
+            let g: Vec<Tensor> = net.iter().filter(|t| t.grad().defined()).map(|t| t.grad().reshape([-1])).collect();
+            (parts, Tensor::cat(&g, 0))
+        };
+        let (p0, g0) = run(false);
+        let (p1, g1) = run(true);
+        let what = format!("{plan:?}");
+        let pairs = [
+            ("loss", p0.loss, p1.loss),
+            ("edit_nll", p0.edit_nll, p1.edit_nll),
+            ("loc_kl", p0.loc_kl, p1.loc_kl),
+            ("edit_acc", p0.edit_acc, p1.edit_acc),
+            ("image_edit_nll", p0.image_edit_nll.unwrap(), p1.image_edit_nll.unwrap()),
+            ("image_loc_kl", p0.image_loc_kl.unwrap(), p1.image_loc_kl.unwrap()),
+            ("image_loc_acc", p0.image_loc_acc.unwrap(), p1.image_loc_acc.unwrap()),
+        ];
+        for (k, a, b) in pairs {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()) + 1e-7, "{what}: {k}: whole last block {a}, kept rows {b}");
+        }
+        let scale = g0.abs().max().double_value(&[]);
+        let diff = (&g0 - &g1).abs().max().double_value(&[]);
+        assert!(scale > 0.0 && diff <= 1e-4 * scale, "{what}: editor gradients differ by {diff} (largest {scale})");
+    }
+}
+
 /// The Qwen2-VL fixture grown to four blocks (random weights), so that a chain of four
 /// devices has a block for each.
 fn four_block_qwen2_vl(dir: &Path) -> PathBuf {

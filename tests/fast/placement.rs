@@ -333,6 +333,116 @@ fn shared_prefix_gives_the_same_step_in_every_placement() {
     }
 }
 
+/// #35: the last block's queries, attention output, o_proj and MLP only at the scored
+/// positions (`Engine::last_block_at_kept`) give the same capture (factors and where each
+/// row came from), meta-loss, parts and editor gradients as the whole last block, with
+/// edited weights in the last block's attention output and MLP and one below it, a
+/// batch of two examples of different lengths and answer lengths (padding, and a padding
+/// query row), in every placement, with and without recomputation.
+#[test]
+fn last_block_at_the_kept_rows_gives_the_same_capture_and_step() {
+    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
+    let examples = [
+        EditExample {
+            inner: ex(&[5, 6, 7, 8, 9, 10], 2),
+            outer: ex(&[11, 12, 7, 8, 9, 10, 3], 3),
+            rephrased: true,
+            loc: Some(ex(&[20, 21, 22, 23], 2)),
+            portability: Vec::new(),
+            outer_image: None,
+            loc_image: None,
+        },
+        EditExample {
+            inner: ex(&[30, 31, 32, 33, 34, 35, 36, 37, 38], 3),
+            outer: ex(&[40, 41, 42, 43], 1),
+            rephrased: true,
+            loc: Some(ex(&[50, 51, 52, 53, 54, 55, 56], 3)),
+            portability: Vec::new(),
+            outer_image: None,
+            loc_image: None,
+        },
+    ];
+    let refs: Vec<&EditExample> = examples.iter().collect();
+    for model in ["gpt2", "llama"] {
+        let dir = fixture(model);
+        let edited: Vec<String> = match model {
+            "gpt2" => ["h.1.mlp.c_proj", "h.2.attn.c_proj", "h.2.mlp.c_fc", "h.2.mlp.c_proj"].iter().map(|m| format!("transformer.{m}.weight")).collect(),
+            _ => ["1.mlp.down_proj", "2.self_attn.o_proj", "2.mlp.up_proj", "2.mlp.down_proj"].iter().map(|m| format!("model.layers.{m}.weight")).collect(),
+        };
+        // The last block really runs at the kept rows: 2 examples, at most 3 answer tokens.
+        {
+            let cfg = MendConfig { edit_params: edited.clone(), ..config(model, false) };
+            let engine = Engine::new(load_model(&dir, Device::Cpu, Kind::Float).unwrap(), DevicePlan::single(Device::Cpu), &edited).unwrap();
+            let b = EditBatches::for_config(&engine, &refs, &cfg).unwrap();
+            let capture: std::collections::HashSet<String> = edited.iter().cloned().collect();
+            let out = engine.lm.model.forward_hidden(&dualedit::model::ParamView::frozen(&engine.lm.params), &b.inner.forward_input(&capture)).unwrap();
+            let (below, last) = (&out.captures[&edited[0]], &out.captures[&edited[3]]);
+            assert_eq!((&last.x.size()[..2], last.rows.as_ref().map(|r| r.size())), (&[2, 3][..], Some(vec![6])), "{model}: the last block's query rows");
+            assert_eq!((below.x.size()[..2].to_vec(), below.rows.is_none()), (b.inner.input_ids.size(), true), "{model}: a block below runs at every row");
+        }
+        for recompute in [false, true] {
+            let cfg = MendConfig { edit_params: edited.clone(), ..config(model, recompute) };
+            let run = |plan: DevicePlan, at_kept: bool| {
+                let mut engine = Engine::new(load_model(&dir, Device::Cpu, Kind::Float).unwrap(), plan, &cfg.edit_params).unwrap();
+                engine.last_block_at_kept = at_kept;
+                let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
+                let b = EditBatches::for_config(&engine, &refs, &cfg).unwrap();
+                let (nll, factors, at) = engine.capture_by_example(&b.inner, &Default::default()).unwrap();
+                let (loss, parts) = meta_loss(&engine, &mut editor, &b, true).unwrap();
+                loss.backward();
+                let (net, _) = editor.trainables();
+                let grads: Vec<tch::Tensor> = net.iter().filter(|t| t.grad().defined()).map(|t| t.grad().reshape([-1])).collect();
+                (nll, factors, at, parts, tch::Tensor::cat(&grads, 0))
+            };
+            for (name, plan) in [("single", DevicePlan::single(Device::Cpu)), ("replica", DevicePlan::split_on(Device::Cpu, Device::Cpu)), ("balanced", balanced(1))] {
+                let what = format!("{model}, recompute {recompute}, {name}");
+                let (n0, f0, at0, p0, g0) = run(plan, false);
+                let (n1, f1, at1, p1, g1) = run(plan, true);
+                assert!((n0 - n1).abs() <= 1e-5 * (1.0 + n0.abs()), "{what}: capture NLL {n0} vs {n1}");
+                for (i, name) in edited.iter().enumerate() {
+                    let pos = |t: &tch::Tensor| Vec::<i64>::try_from(t).unwrap();
+                    assert_eq!(pos(&at0[i]), pos(&at1[i]), "{what}: {name}: the factor rows' positions");
+                    for (k, a, b) in [("x", &f0[i].x, &f1[i].x), ("delta", &f0[i].delta, &f1[i].delta)] {
+                        assert_eq!(a.size(), b.size(), "{what}: {name}: {k}");
+                        let scale = a.abs().max().double_value(&[]);
+                        let diff = (a - b).abs().max().double_value(&[]);
+                        assert!(scale > 0.0 && diff <= 1e-4 * scale, "{what}: {name}: {k} differs by {diff} (largest {scale})");
+                    }
+                }
+                // Both examples' answers reach the last block: rows of both batch rows.
+                let t = b_tokens(&refs);
+                let last = pos_rows(&at1[edited.len() - 1], t);
+                assert_eq!(last, vec![0, 1], "{what}: the last block's factor rows come from both examples");
+                for (k, a, b) in [
+                    ("loss", p0.loss, p1.loss),
+                    ("edit_nll", p0.edit_nll, p1.edit_nll),
+                    ("loc_kl", p0.loc_kl, p1.loc_kl),
+                    ("edit_acc", p0.edit_acc, p1.edit_acc),
+                    ("loc_acc", p0.loc_acc, p1.loc_acc),
+                ] {
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()) + 1e-7, "{what}: {k}: whole last block {a}, kept rows {b}");
+                }
+                assert!(p0.loc_kl > 0.0, "{what}: the edit must move the locality logits for the test to mean something");
+                let scale = g0.abs().max().double_value(&[]);
+                let diff = (&g0 - &g1).abs().max().double_value(&[]);
+                assert!(scale > 0.0 && diff <= 1e-4 * scale, "{what}: editor gradients differ by {diff} (largest {scale})");
+            }
+        }
+    }
+}
+
+/// Tokens of the inner batch of `examples` (the longest input: its ids but the last).
+fn b_tokens(examples: &[&EditExample]) -> i64 {
+    examples.iter().map(|e| e.inner.ids.len() as i64 - 1).max().unwrap()
+}
+
+/// The distinct batch rows (`pos / t`) of flat positions `b·t + j`.
+fn pos_rows(at: &tch::Tensor, t: i64) -> Vec<i64> {
+    let mut rows: Vec<i64> = Vec::<i64>::try_from(at).unwrap().iter().map(|p| p / t).collect();
+    rows.dedup();
+    rows
+}
+
 /// A chain of `n` logical CPU devices (`cpu` + `cpu:1,...,cpu:{n-1}`) under the layer split:
 /// main holds blocks below `chain_at[0]`, `cpu:i` blocks `[chain_at[i-1], chain_at[i])`, the
 /// last blocks from `at` with the head.

@@ -172,19 +172,45 @@ fn blocks_one_at_a_time_equal_the_forward() {
         let ex = examples(&e);
         let b = EditBatches::new(&[&ex[0], &ex[3]], e.lm.tokenizer.pad_id(), Device::Cpu);
         let capture: HashSet<String> = e.edit_names().into_iter().collect();
-        let input = ForwardInput { attention_mask: Some(&b.outer.attention_mask), keep: Some(&b.outer.keep), ..ForwardInput::new(&b.outer.input_ids, &capture) };
+        // The last block at every row here (by default it runs at the kept rows only: below).
+        let input = ForwardInput {
+            attention_mask: Some(&b.outer.attention_mask),
+            keep: Some(&b.outer.keep),
+            full_last_block: true,
+            ..ForwardInput::new(&b.outer.input_ids, &capture)
+        };
         let p = ParamView::frozen(&e.lm.params);
         let _g = tch::no_grad_guard();
         let whole = e.lm.model.forward(&p, &input).unwrap();
         let (mut x, ctx) = e.lm.model.embed(&p, &input, 0).unwrap();
         let mut captures = BTreeMap::new();
         for i in 0..e.lm.model.n_blocks() {
-            x = e.lm.model.block(BlockIo { params: &p, layer: i, x: &x, ctx: &ctx, capture: &capture, captures: &mut captures, cache: None }).unwrap();
+            x = e.lm.model.block(BlockIo { params: &p, layer: i, x: &x, ctx: &ctx, capture: &capture, captures: &mut captures, cache: None, rows: None }).unwrap();
         }
         let logits = e.lm.model.head(&p, &x, input.keep).unwrap();
         assert!(logits.equal(&whole.logits), "{name}: logits differ");
         assert_eq!(captures.len(), whole.captures.len());
         for (n, c) in &whole.captures {
+            assert!(c.h.equal(&captures[n].h) && c.x.equal(&captures[n].x), "{name}: capture {n} differs");
+        }
+        // By default the last block runs at the kept rows: the same blocks with
+        // `BlockIo::rows` for the last one, and the head over its kept rows.
+        let input = ForwardInput { full_last_block: false, ..input };
+        let at_kept = e.lm.model.forward(&p, &input).unwrap();
+        let rows = dualedit::model::QueryRows::from_keep(&b.outer.keep).unwrap().expect("fewer kept rows than tokens");
+        let (mut x, ctx) = e.lm.model.embed(&p, &input, 0).unwrap();
+        let mut captures = BTreeMap::new();
+        let n = e.lm.model.n_blocks();
+        for i in 0..n {
+            let r = (i + 1 == n).then_some(&rows);
+            x = e.lm.model.block(BlockIo { params: &p, layer: i, x: &x, ctx: &ctx, capture: &capture, captures: &mut captures, cache: None, rows: r }).unwrap();
+        }
+        let d = x.size()[2];
+        let hidden = e.lm.model.final_norm(&p, &x).unwrap().reshape([-1, d]).index_select(0, &rows.kept);
+        let logits = dualedit::model::lm_head(&hidden, e.lm.model.head_weight(&p).unwrap());
+        assert!(logits.equal(&at_kept.logits), "{name}: logits at the kept rows differ");
+        assert!((&logits - &whole.logits).abs().max().double_value(&[]) < 1e-4, "{name}: the kept rows' logits are not the whole block's");
+        for (n, c) in &at_kept.captures {
             assert!(c.h.equal(&captures[n].h) && c.x.equal(&captures[n].x), "{name}: capture {n} differs");
         }
         assert_eq!(e.lm.model.block_of(&e.edit_names()[0]), Some(e.lm.model.n_blocks() - 3));
