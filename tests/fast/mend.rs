@@ -572,6 +572,26 @@ fn editor_init_depends_on_its_seed_alone() {
     });
 }
 
+/// A smooth deterministic pattern of `n` values (`f` of an arithmetic progression).
+fn pattern(n: i64, phase: f64, f: fn(&Tensor) -> Tensor) -> Tensor {
+    f(&(Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + phase))
+}
+
+/// `rows` patterned gradient factors per edited weight (small δ, as a real capture's).
+fn patterned_factors(params: &[dualedit::mend::editor::EditedParam], rows: i64) -> Vec<dualedit::mend::Factors> {
+    params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (d_in, d_out) = p.in_out();
+            dualedit::mend::Factors {
+                x: pattern(rows * d_in, i as f64, Tensor::sin).reshape([rows, d_in]),
+                delta: pattern(rows * d_out, i as f64, Tensor::cos).reshape([rows, d_out]) * 1e-3,
+            }
+        })
+        .collect()
+}
+
 /// The editor's products above `EDITOR_SKINNY_ROWS` rows per pass are computed plainly
 /// (`x·Vᵀ·Uᵀ`, #35), below transposed (`(U·(V·xᵀ))ᵀ`): the same transformed factors and
 /// the same editor gradients as the path that always transposes (`skinny_rows = MAX`),
@@ -579,10 +599,8 @@ fn editor_init_depends_on_its_seed_alone() {
 #[test]
 fn editor_plain_products_above_the_skinny_rows_match_the_transposed_ones() {
     use dualedit::mend::editor::EDITOR_SKINNY_ROWS;
-    use dualedit::mend::Factors;
     let params = engine("gpt2").edit_params.clone();
     let cfg = MendConfig { rank: 16, ..MendConfig::default() };
-    let pattern = |n: i64, phase: f64, f: fn(&Tensor) -> Tensor| f(&(Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + phase));
     for rows in [20i64, 70] {
         let run = |skinny: i64| -> (Vec<Tensor>, Tensor) {
             let mut ed = Editor::new(&cfg, params.clone(), Device::Cpu, 0).unwrap();
@@ -595,17 +613,7 @@ fn editor_plain_products_above_the_skinny_rows_match_the_transposed_ones() {
                     let _ = t.g_add_(&(pattern(t.numel() as i64, i as f64, Tensor::sin).reshape(t.size()) * 0.05));
                 }
             });
-            let factors: Vec<Factors> = params
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let (d_in, d_out) = p.in_out();
-                    Factors {
-                        x: pattern(rows * d_in, i as f64, Tensor::sin).reshape([rows, d_in]),
-                        delta: pattern(rows * d_out, i as f64, Tensor::cos).reshape([rows, d_out]) * 1e-3,
-                    }
-                })
-                .collect();
+            let factors = patterned_factors(&params, rows);
             let terms = ed.edit_terms(&factors, true);
             let loss = terms
                 .iter()
@@ -639,11 +647,9 @@ fn editor_plain_products_above_the_skinny_rows_match_the_transposed_ones() {
 /// weights (an optimiser step) starts again from the factors, with the new weights.
 #[test]
 fn editor_dense_products_in_evaluation_match_the_factors() {
-    use dualedit::mend::Factors;
     let params = engine("gpt2").edit_params.clone();
     // MEND's default rank 1920 on the fixture's widths (320): rank = width, break-even 320 rows.
     let cfg = MendConfig::default();
-    let pattern = |n: i64, phase: f64, f: fn(&Tensor) -> Tensor| f(&(Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + phase));
     let perturb = |ed: &Editor, phase: f64| {
         let (net, _) = ed.trainables();
         tch::no_grad(|| {
@@ -654,17 +660,7 @@ fn editor_dense_products_in_evaluation_match_the_factors() {
         });
     };
     let rows = 60;
-    let factors: Vec<Factors> = params
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let (d_in, d_out) = p.in_out();
-            Factors {
-                x: pattern(rows * d_in, i as f64, Tensor::sin).reshape([rows, d_in]),
-                delta: pattern(rows * d_out, i as f64, Tensor::cos).reshape([rows, d_out]) * 1e-3,
-            }
-        })
-        .collect();
+    let factors = patterned_factors(&params, rows);
     let close = |a: &[(Tensor, Tensor)], b: &[(Tensor, Tensor)], what: &str| {
         for ((a0, a1), (b0, b1)) in a.iter().zip(b) {
             for (x, y) in [(a0, b0), (a1, b1)] {

@@ -63,6 +63,30 @@ fn assert_agree(c: &Comparison, what: &str) {
     }
 }
 
+/// A text example: `ids` with its last `kept` tokens labelled.
+fn ex(ids: &[i64], kept: usize) -> Example {
+    Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None }
+}
+
+/// One meta-training micro-step (loss and backward) on a fixed rephrased example with a
+/// locality prompt: the editor (with its gradients) and the mover's counters after it.
+fn one_meta_step(engine: &Engine, cfg: &MendConfig) -> (Editor, dualedit::device::MoverStats) {
+    let mut editor = Editor::new(cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
+    let example = EditExample {
+        inner: ex(&[5, 6, 7, 8, 9, 10], 2),
+        outer: ex(&[11, 12, 7, 8, 9, 10], 2),
+        rephrased: true,
+        loc: Some(ex(&[20, 21, 22, 23, 24], 3)),
+        portability: Vec::new(),
+        outer_image: None,
+        loc_image: None,
+    };
+    let b = EditBatches::for_config(engine, &[&example], cfg).unwrap();
+    let (loss, _) = meta_loss(engine, &mut editor, &b, true).unwrap();
+    loss.backward();
+    (editor, engine.mover.stats())
+}
+
 fn balanced(at: usize) -> DevicePlan {
     DevicePlan::split_on(Device::Cpu, Device::Cpu).balanced(at).unwrap()
 }
@@ -175,21 +199,7 @@ fn layer_split_moves_weights_once_then_only_activations() {
     assert_eq!(setup.bytes_to_sub, expected as u64 * 4);
     assert_eq!(setup.bytes_to_main, 0);
 
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
-    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
-    let example = EditExample {
-        inner: ex(&[5, 6, 7, 8, 9, 10], 2),
-        outer: ex(&[11, 12, 7, 8, 9, 10], 2),
-        rephrased: true,
-        loc: Some(ex(&[20, 21, 22, 23, 24], 3)),
-        portability: Vec::new(),
-        outer_image: None,
-        loc_image: None,
-    };
-    let b = EditBatches::for_config(&engine, &[&example], &cfg).unwrap();
-    let (loss, _) = meta_loss(&engine, &mut editor, &b, true).unwrap();
-    loss.backward();
-    let step = engine.mover.stats();
+    let (editor, step) = one_meta_step(&engine, &cfg);
     let to_sub = step.bytes_to_sub - setup.bytes_to_sub;
     let to_main = step.bytes_to_main - setup.bytes_to_main;
     // The hidden states at the boundary, [B, T, 64] f32, once per batch: the capture's
@@ -220,7 +230,6 @@ fn recomputed_passes_share_one_boundary_per_batch() {
     let dir = fixture("gpt2");
     let mut cfg = config("gpt2", true);
     cfg.edit_params = vec!["transformer.h.1.mlp.c_fc.weight".into(), "transformer.h.2.mlp.c_proj.weight".into()];
-    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
     let example = EditExample {
         inner: ex(&[5, 6, 7, 8, 9, 10], 2),
         outer: ex(&[11, 12, 7, 8, 9, 10, 3], 3),
@@ -280,7 +289,6 @@ fn layer_split_refuses_bad_boundaries() {
 /// layer split then starts at its own boundary, block 1).
 #[test]
 fn shared_prefix_gives_the_same_step_in_every_placement() {
-    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
     let example = EditExample {
         inner: ex(&[5, 6, 7, 8, 9, 10], 2),
         outer: ex(&[11, 12, 7, 8, 9, 10, 3], 3),
@@ -341,7 +349,6 @@ fn shared_prefix_gives_the_same_step_in_every_placement() {
 /// query row), in every placement, with and without recomputation.
 #[test]
 fn last_block_at_the_kept_rows_gives_the_same_capture_and_step() {
-    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
     let examples = [
         EditExample {
             inner: ex(&[5, 6, 7, 8, 9, 10], 2),
@@ -525,21 +532,7 @@ fn chain_places_each_range_on_its_device_and_counts_each_crossing() {
     assert_eq!(setup.crossings[0].other_bytes, block(0), "{setup:?}");
     assert_eq!(setup.crossings[1].other_bytes, block(1), "{setup:?}");
     assert!(setup.crossings.iter().all(|c| c.boundary_crossings == 0));
-    let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
-    let ex = |ids: &[i64], kept: usize| Example { ids: ids.to_vec(), answer_start: ids.len() - kept, image: None };
-    let example = EditExample {
-        inner: ex(&[5, 6, 7, 8, 9, 10], 2),
-        outer: ex(&[11, 12, 7, 8, 9, 10], 2),
-        rephrased: true,
-        loc: Some(ex(&[20, 21, 22, 23, 24], 3)),
-        portability: Vec::new(),
-        outer_image: None,
-        loc_image: None,
-    };
-    let b = EditBatches::for_config(&engine, &[&example], &cfg).unwrap();
-    let (loss, _) = meta_loss(&engine, &mut editor, &b, true).unwrap();
-    loss.backward();
-    let step = engine.mover.stats();
+    let (editor, step) = one_meta_step(&engine, &cfg);
     let d = 64 * 4;
     for (i, (a, c)) in setup.crossings.iter().zip(&step.crossings).enumerate() {
         // The capture's batch (5 tokens) and the edited forward's (2 × 5), once each.
