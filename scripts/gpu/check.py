@@ -23,8 +23,8 @@ failed, the error; a failed step never stops the check):
                          GPU: three devices): whether losses agree, each device's peak, what
                          each crossing carried
   max_memory_cap         a `--max-memory DEVICE=CAP` between the balanced main peak and the
-                         single peak: single runs out of memory with the diagnosis, the split
-                         completes. A CPU cannot be capped: there the out-of-memory is injected
+                         single peak: single runs out of memory with the diagnosis, which
+                         names a placement that fits the cap (a GPU), the split completes. A CPU cannot be capped: there the out-of-memory is injected
                          (DUALEDIT_FAULT_OOM_STEP, builds with the fault-injection feature) and
                          the record says so
   qwen2vl_7b_step        Qwen2-VL-7B-shaped, --dtype, one IMAGE×IMAGE image: one meta-training
@@ -362,8 +362,9 @@ class Check:
             rec["oom_source"] = "the CUDA caching allocator's cap"
         res, _ = self.measured(key, "cap-single", ["--device", self.args.device], env=env, expect_fail=True, extra=caps)
         diag = res.get("diagnosis", "")
+        fit = re.search(r"would fit \(planner\): (.*)", diag)
         rec["single"] = {"completed": res["rc"] == 0, "out_of_memory": "out of memory" in diag.lower(),
-                         "diagnosis": diag[:2500] if diag else None}
+                         "would_fit": fit.group(1) if fit else None, "diagnosis": diag[:2500] if diag else None}
         split = ["--device", self.args.device, "--sub-device", self.args.sub, *bal["placement"].replace("balanced", "--placement balanced", 1).split()]
         rec["placement"] = bal["placement"]
         res, _ = self.measured(key, "cap-balanced", split, expect_fail=True, extra=caps)
@@ -372,6 +373,8 @@ class Check:
             raise RuntimeError("the single-device run under the cap did not run out of memory")
         if not rec["balanced"]["completed"]:
             raise RuntimeError(f"the balanced run under the cap failed: {rec['balanced']['error']}")
+        if can_cap and not rec["single"]["would_fit"]:
+            raise RuntimeError("the diagnosis names no placement that fits the cap, yet the split ran under it")
 
     def qwen2vl_7b_step(self, rec):
         key = "qwen2vl-7b"

@@ -37,8 +37,9 @@ impl FitAdvice {
     pub fn for_run(dir: &Path, config: &MendConfig, plan: &DevicePlan, dtype: Kind, tokens: i64, caps: &MaxMemory) -> Result<Self> {
         let (model, _) = read_config(dir)?;
         let name = |d: tch::Device| crate::device::memory::device_name(d);
-        let mut opts = PlanOptions::new(&name(plan.main), Some(&name(plan.sub)), dtype, tokens, None)?;
+        let mut opts = PlanOptions::new(&name(plan.main), Some(&name(plan.sub)), dtype, tokens, None)?.with_run_caps(caps.clone());
         opts.split = plan.split;
+        // Devices without a cap are planned against the card (keeping the reserve).
         let mut caps = caps.clone();
         for d in [plan.main, plan.sub] {
             if let (tch::Device::Cuda(_), None) = (d, caps.get(&name(d))) {

@@ -324,8 +324,7 @@ pub fn resolve_placement(base: DevicePlan, q: &PlacementQuery) -> Result<(Device
         return Ok((base, None));
     }
     let (model, _) = read_config(q.model)?;
-    let mut o = PlanOptions::new(q.main, q.sub, q.dtype, q.tokens, None)?;
-    o.caps = q.caps.cloned().unwrap_or_default();
+    let mut o = PlanOptions::new(q.main, q.sub, q.dtype, q.tokens, None)?.with_run_caps(q.caps.cloned().unwrap_or_default());
     o.balance_for = q.phase;
     o.optimizer = base.optimizer;
     let chosen = match q.request.fixed() {

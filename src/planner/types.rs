@@ -97,6 +97,14 @@ impl PlanOptions {
         })
     }
 
+    /// A run's `--max-memory`: caps the process enforced on the CUDA caching allocator
+    /// (`device::memory::apply_caps`), so its CUDA devices keep no context reserve.
+    pub fn with_run_caps(mut self, caps: MaxMemory) -> Self {
+        self.headroom.allocator_capped = caps.iter().map(|(d, _)| d.to_string()).filter(|d| d.starts_with("cuda")).collect();
+        self.caps = caps;
+        self
+    }
+
     /// The same options for `placement` (the layer split needs two devices, or `split`
     /// forced on one).
     pub fn with_placement(&self, placement: Placement, optimizer: OptimizerDevice) -> Result<Self> {

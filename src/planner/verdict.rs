@@ -7,7 +7,11 @@
 //! placement *fits* a device capped at `cap` when its peak is at most
 //! `cap × (1 − margin) − reserve` ([`Headroom`]; the reserve on CUDA devices only, the CPU
 //! has no context to keep). `plan`, `plan --fit` and `--placement auto` all use this one
-//! rule ([`super::choose`]).
+//! rule ([`super::choose`]). In a run, `--max-memory` caps the CUDA caching allocator
+//! itself (`device::memory::set_memory_cap`), and the context lies outside that cap: such
+//! devices keep the margin but no reserve ([`Headroom::allocator_capped`]; measured on an
+//! H200: a placement of 0.70 GiB ran under a 1.01 GiB allocator cap that the reserve
+//! called 0.41 GiB usable).
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -29,17 +33,21 @@ pub const DEFAULT_MARGIN: f64 = 0.10;
 pub const DEFAULT_RESERVE: u64 = 512 << 20;
 
 /// What of a cap a plan may use.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Headroom {
     /// Share of the cap kept free, in `[0, 1)`.
     pub margin: f64,
     /// Bytes kept free on each CUDA device.
     pub reserve_bytes: u64,
+    /// Devices whose cap is the caching allocator's (a run's `--max-memory`), not the
+    /// card's: the CUDA context is outside it, so they keep no reserve.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allocator_capped: Vec<String>,
 }
 
 impl Default for Headroom {
     fn default() -> Self {
-        Self { margin: DEFAULT_MARGIN, reserve_bytes: DEFAULT_RESERVE }
+        Self { margin: DEFAULT_MARGIN, reserve_bytes: DEFAULT_RESERVE, allocator_capped: Vec::new() }
     }
 }
 
@@ -71,7 +79,7 @@ impl Headroom {
     /// The bytes a plan may use on `device` capped at `cap`.
     pub fn usable(&self, device: &str, cap: u64) -> u64 {
         let after_margin = (cap as f64 * (1.0 - self.margin)) as u64;
-        if device.starts_with("cuda") {
+        if device.starts_with("cuda") && !self.allocator_capped.iter().any(|d| d == device) {
             after_margin.saturating_sub(self.reserve_bytes)
         } else {
             after_margin
@@ -80,7 +88,11 @@ impl Headroom {
 
     /// `cap × 0.90 − 512.0 MiB`, for messages.
     pub fn text(&self) -> String {
-        format!("cap x {:.2} - {} per CUDA device", 1.0 - self.margin, format_bytes(self.reserve_bytes))
+        let mut t = format!("cap x {:.2} - {} per CUDA device", 1.0 - self.margin, format_bytes(self.reserve_bytes));
+        if !self.allocator_capped.is_empty() {
+            t.push_str(&format!(" (no reserve on {}: the cap is the allocator's, the context is outside it)", self.allocator_capped.join(", ")));
+        }
+        t
     }
 }
 
@@ -325,7 +337,7 @@ pub fn fit(model: &Model, cfg: &MendConfig, o: &PlanOptions, sizes: &[u64], head
         one_card: answer(1, std::slice::from_ref(&single), &["cuda:0"]),
         two_cards: answer(2, &pairs, &["cuda:0", "cuda:1"]),
         sizes_bytes: sizes,
-        headroom: *headroom,
+        headroom: headroom.clone(),
         phase,
     })
 }
@@ -476,9 +488,14 @@ mod tests {
         assert_eq!(h.usable("cuda:0", 10 << 30), (9u64 << 30) - (512 << 20));
         assert_eq!(h.usable("cpu", 10 << 30), 9 << 30);
         assert_eq!(h.usable("cuda:1", 256 << 20), 0);
+        // A run's --max-memory caps the allocator: the context is outside, no reserve.
+        let h = Headroom { allocator_capped: vec!["cuda:0".into()], ..Headroom::default() };
+        assert_eq!(h.usable("cuda:0", 10 << 30), 9u64 << 30);
+        assert_eq!(h.usable("cuda:1", 10 << 30), (9u64 << 30) - (512 << 20));
+        assert!(h.text().contains("no reserve on cuda:0"), "{}", h.text());
         let h = Headroom::parse(Some("5%"), Some("1GiB")).unwrap();
         assert_eq!((h.margin, h.reserve_bytes), (0.05, 1 << 30));
-        assert_eq!(Headroom::parse(Some("0.2"), Some("0")).unwrap(), Headroom { margin: 0.2, reserve_bytes: 0 });
+        assert_eq!(Headroom::parse(Some("0.2"), Some("0")).unwrap(), Headroom { margin: 0.2, reserve_bytes: 0, allocator_capped: vec![] });
         for (m, r) in [(Some("100%"), None), (Some("-1"), None), (Some("lots"), None), (None, Some("big"))] {
             let e = Headroom::parse(m, r).unwrap_err().to_string();
             assert!(e.contains("--margin") || e.contains("--reserve"), "{e}");

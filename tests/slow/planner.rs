@@ -418,7 +418,7 @@ fn placements_of_a_7b_model() {
     // auto: replica does not fit two 12 GiB caps, the layer split does (raw caps here:
     // the headroom has its own test).
     let mut capped = o.clone();
-    capped.headroom = Headroom { margin: 0.0, reserve_bytes: 0 };
+    capped.headroom = Headroom { margin: 0.0, reserve_bytes: 0, allocator_capped: vec![] };
     capped.caps = "cuda:0=12GiB,cuda:1=12GiB".parse::<MaxMemory>().unwrap();
     let chosen = choose(&model, &cfg, &capped, Phase::Train).unwrap();
     assert_eq!(chosen.shape.placement, Placement::Balanced);
@@ -427,6 +427,16 @@ fn placements_of_a_7b_model() {
     capped.caps = "cuda:0=4GiB,cuda:1=4GiB".parse::<MaxMemory>().unwrap();
     let err = choose(&model, &cfg, &capped, Phase::Train).unwrap_err().to_string();
     assert!(err.contains("no placement fits") && err.contains("balanced") && err.contains("cap 4.00 GiB"), "{err}");
+    // Caps just above the split's peak / 0.9: as cards (the context's reserve) the split
+    // with Adam beside the editor does not fit; as a run's --max-memory, which caps the
+    // caching allocator with the context outside it, it does.
+    let peak = chosen.peak("cuda:0", Phase::Train).max(chosen.peak("cuda:1", Phase::Train));
+    let cap = (peak as f64 / 0.9) as u64 + (64 << 20);
+    let caps: MaxMemory = format!("cuda:0={cap},cuda:1={cap}").parse().unwrap();
+    let on_cards = choose(&model, &cfg, &PlanOptions { caps: caps.clone(), ..o.clone() }, Phase::Train).unwrap();
+    assert_ne!(on_cards.shape.optimizer_device, "cuda:0", "{}", on_cards.placement_label());
+    let in_run = choose(&model, &cfg, &o.clone().with_run_caps(caps), Phase::Train).unwrap();
+    assert_eq!((in_run.shape.placement, in_run.shape.optimizer_device.as_str()), (Placement::Balanced, "cuda:0"));
 
     // The command line: the table of every placement without --placement, one plan with it.
     let mend = dir.path().join("mend.json");
@@ -467,7 +477,7 @@ fn out_of_memory_names_the_placement_that_fits() {
     let (model, _) = dualedit::model::loader::read_config(dir.path()).unwrap();
     let mut o = PlanOptions::new("cuda:0", Some("cuda:1"), Kind::BFloat16, 128, None).unwrap();
     // Raw caps: the figures below were worked out without the headroom.
-    o.headroom = Headroom { margin: 0.0, reserve_bytes: 0 };
+    o.headroom = Headroom { margin: 0.0, reserve_bytes: 0, allocator_capped: vec![] };
     let simulate = |advice: FitAdvice, split: bool| -> String {
         let placed = Placed { split, weights: Kind::BFloat16, layout: Placement::Replica, optimizer: OptimizerDevice::Main, fit: Some(std::sync::Arc::new(advice)) };
         let mut tracker = dualedit::device::memory::MemoryTracker::new(&DevicePlan::single(Device::Cpu).roles());
@@ -487,7 +497,7 @@ fn out_of_memory_names_the_placement_that_fits() {
     assert!(msg.contains("at optimiser step 2, in phase: backward") && msg.contains("Tried to allocate"), "{msg}");
     // One 12 GiB card and no sub-device: the planner adds the second card and divides the model.
     let mut one = PlanOptions::new("cuda:0", None, Kind::BFloat16, 128, None).unwrap();
-    one.headroom = o.headroom;
+    one.headroom = o.headroom.clone();
     one.caps = "cuda:0=12GiB,cuda:1=12GiB".parse::<MaxMemory>().unwrap();
     let advice = FitAdvice::new(model.clone(), cfg.clone(), one.clone(), vec!["cuda:1".into(), "cpu".into()], replica).would_fit().unwrap();
     assert!(advice.starts_with("--sub-device cuda:1 --placement balanced (main cuda:0 "), "{advice}");
