@@ -6,11 +6,17 @@
 //! Configurations (environment, so that `cargo bench`'s own arguments pass through):
 //! - `DUALEDIT_BENCH_MODEL`: `small` (benches/vl_configs/qwen2_vl.json: text 4 × 512,
 //!   vocabulary 4096, vision tower 4 × 256; the default) or `tiny`
-//!   (benches/vl_configs/qwen2_vl_tiny.json: text 4 × 192, tower 2 × 128);
+//!   (benches/vl_configs/qwen2_vl_tiny.json: text 4 × 192, tower 2 × 128) or `medium`
+//!   (benches/vl_configs/qwen2_vl_medium.json: text 8 × 1024, vocabulary 16384, tower
+//!   4 × 512; 146 M parameters, the size of the issue #35's "small");
 //! - `DUALEDIT_BENCH_SIDE`: image side in pixels, 224 or 448 (default 448: 1024 patches,
 //!   256 image tokens per image);
-//! - `DUALEDIT_BENCH_DTYPE`: `f32` (default) or `bf16` (the model's weights; the editor
-//!   stays f32 on both sides);
+//! - `DUALEDIT_BENCH_DTYPE`: `f32` (default) or `bf16` (the model's weights; the editor's
+//!   weights stay f32 on both sides, its `U`/`V` products follow a bf16 model into bf16
+//!   here as in a run, `Editor::products_for`; EasyEdit's `.float()` editor computes them
+//!   in f32);
+//! - `DUALEDIT_BENCH_EDITOR_PRODUCTS=f32`: f32 editor products in a bf16 bench (the
+//!   path before, for an A/B);
 //! - `DUALEDIT_BENCH_RUNS` / `DUALEDIT_BENCH_WARMUP`: timed and warm-up runs (10 / 3).
 //!
 //! Sizes (both sides): three distinct images, image views `<|vision_start|>` + image
@@ -76,7 +82,7 @@ impl Setup {
     fn from_env() -> Self {
         let var = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
         let model = var("DUALEDIT_BENCH_MODEL", "small");
-        assert!(model == "small" || model == "tiny", "DUALEDIT_BENCH_MODEL must be small or tiny, not {model:?}");
+        assert!(["small", "tiny", "medium"].contains(&model.as_str()), "DUALEDIT_BENCH_MODEL must be small, tiny or medium, not {model:?}");
         let side: u32 = var("DUALEDIT_BENCH_SIDE", "448").parse().expect("DUALEDIT_BENCH_SIDE: a number of pixels");
         assert!(side >= 56 && side.is_multiple_of(28), "DUALEDIT_BENCH_SIDE must be a multiple of 28 (≥ 56), not {side}");
         let kind = match var("DUALEDIT_BENCH_DTYPE", "f32").as_str() {
@@ -91,10 +97,10 @@ impl Setup {
     }
 
     fn config_file(&self) -> &'static str {
-        if self.model == "tiny" {
-            "benches/vl_configs/qwen2_vl_tiny.json"
-        } else {
-            "benches/vl_configs/qwen2_vl.json"
+        match self.model.as_str() {
+            "tiny" => "benches/vl_configs/qwen2_vl_tiny.json",
+            "medium" => "benches/vl_configs/qwen2_vl_medium.json",
+            _ => "benches/vl_configs/qwen2_vl.json",
         }
     }
 
@@ -456,10 +462,18 @@ fn main() {
     let dir = model_dir(&setup);
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).expect("config")).expect("JSON");
     let lm = load_model(dir.path(), Device::Cpu, setup.kind).expect("load");
-    let edit_params: Vec<String> = (1..4).flat_map(|l| ["up_proj", "down_proj"].map(|m| format!("model.layers.{l}.mlp.{m}.weight"))).collect();
+    // The last three blocks, as EasyEdit's Qwen2-VL-7B preset (25–27 of 28).
+    let layers = json["num_hidden_layers"].as_i64().expect("num_hidden_layers");
+    let edit_params: Vec<String> = (layers - 3..layers).flat_map(|l| ["up_proj", "down_proj"].map(|m| format!("model.layers.{l}.mlp.{m}.weight"))).collect();
     let mut engine = Engine::new(lm, DevicePlan::single(Device::Cpu), &edit_params).expect("engine");
     let cfg = MendConfig { edit_params, ..MendConfig::default() };
     let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).expect("editor");
+    // As a run sets it (`Editor::products_for`); `DUALEDIT_BENCH_EDITOR_PRODUCTS=f32`
+    // keeps f32 products in a bf16 bench (the path before, as EasyEdit's `.float()` editor).
+    editor.product_kind = match std::env::var("DUALEDIT_BENCH_EDITOR_PRODUCTS").as_deref() {
+        Ok("f32") => Kind::Float,
+        _ => Editor::products_for(setup.kind, Device::Cpu),
+    };
     let img = |n: &str| dir.path().join(n);
     let (edit, rephrase, loc) = (img("edit.png"), img("rephrase.png"), img("loc.png"));
     let ex = EditExample {

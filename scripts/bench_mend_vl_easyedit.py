@@ -55,7 +55,9 @@ IMAGE_TOKENS, GRID = 64, [1, 16, 16]
 RANK, N_HIDDEN = 1920, 1
 LR, LR_LR, EDIT_LR, GRAD_CLIP, ACCUMULATE = 1e-6, 1e-4, 1e-4, 100.0, 10
 C_EDIT, C_LOC, I_EDIT = 0.1, 1.0, 0.1
-EDITED = [f"model.language_model.layers.{l}.mlp.{m}" for l in (1, 2, 3) for m in ("up_proj", "down_proj")]
+# The last three blocks' MLP projections (set in main from the config: blocks 1-3 of the
+# 4-block small and tiny models), as EasyEdit's Qwen2-VL-7B preset (25-27 of 28).
+EDITED = []
 
 
 def timed(name, fn, warmup, runs):
@@ -236,7 +238,7 @@ def view(raw, seed, pixels):
 def main():
     global IMAGE_TOKENS, GRID
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=["small", "tiny"], default="small")
+    ap.add_argument("--model", choices=["small", "tiny", "medium"], default="small")
     ap.add_argument("--side", type=int, default=448)
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     ap.add_argument("--runs", type=int, default=10)
@@ -247,8 +249,10 @@ def main():
     g = args.side // 14
     IMAGE_TOKENS, GRID = g * g // 4, [1, g, g]
     torch.set_num_threads(1)
-    config = "qwen2_vl_tiny.json" if args.model == "tiny" else "qwen2_vl.json"
+    config = {"tiny": "qwen2_vl_tiny.json", "medium": "qwen2_vl_medium.json"}.get(args.model, "qwen2_vl.json")
     raw = json.loads((ROOT / "benches/vl_configs" / config).read_text())
+    n_layers = raw["num_hidden_layers"]
+    EDITED[:] = [f"model.language_model.layers.{l}.mlp.{m}" for l in range(n_layers - 3, n_layers) for m in ("up_proj", "down_proj")]
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = Qwen2VLForConditionalGeneration._from_config(

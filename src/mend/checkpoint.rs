@@ -178,6 +178,7 @@ pub fn load_editor(dir: &Path, engine: &Engine) -> Result<(Editor, EditorMeta)> 
     // Seed 0: the random init is overwritten by the saved tensors below.
     let mut editor = Editor::new(&meta.config, meta.params.clone(), engine.plan.main, 0)?;
     editor.load_tensors(&tensors, &meta.stats_counts).map_err(|e| Error::file(&path, e.to_string()))?;
+    editor.product_kind = Editor::products_for(engine.lm.params.kind(), editor.device());
     Ok((editor, meta))
 }
 

@@ -129,7 +129,7 @@ impl LrLinear {
 
     /// `U·V` when it is formed (or is formed now, for the `rows` about to be transformed;
     /// see [`DenseProduct`]); `None`: use the factors.
-    fn dense_product(&mut self, rows: i64) -> Option<Tensor> {
+    fn dense_product(&mut self, rows: i64, kind: Kind) -> Option<Tensor> {
         let (width, rank) = (self.u.size()[0], self.u.size()[1]);
         if 2 * rank <= width {
             return None;
@@ -145,6 +145,10 @@ impl LrLinear {
         if self.dense.key != Some(key) {
             self.dense = DenseProduct { key: Some(key), rows: 0, w: None };
         }
+        if self.dense.w.as_ref().is_some_and(|w| w.kind() != kind) {
+            // The same weights in another product dtype: it has paid already.
+            self.dense.w = Some(self.u.matmul(&self.v).to_kind(kind));
+        }
         if self.dense.w.is_none() {
             // Formed once the rows seen would have saved its cost: 2·w²·r / (2·w·(2r − w)).
             let breakeven = width * rank / (2 * rank - width);
@@ -152,7 +156,7 @@ impl LrLinear {
                 self.dense.rows += rows;
                 return None;
             }
-            self.dense.w = Some(self.u.matmul(&self.v));
+            self.dense.w = Some(self.u.matmul(&self.v).to_kind(kind));
         }
         self.dense.w.as_ref().map(Tensor::shallow_clone)
     }
@@ -160,18 +164,20 @@ impl LrLinear {
     /// `x` `[N, width]`; `modes` `[N]` (int64): the mode of each row, selecting its
     /// scale/shift. `skinny`: rows up to which the product is computed transposed (see
     /// [`EDITOR_SKINNY_ROWS`]).
-    fn forward(&mut self, x: &Tensor, modes: &Tensor, skinny: i64) -> Tensor {
+    fn forward(&mut self, x: &Tensor, modes: &Tensor, p: Products) -> Tensor {
         // Up to `skinny` rows `U·(V·xᵀ)` then transposed, rather than `x·Vᵀ·Uᵀ`: the same
         // product, measured 15–35 % faster forward and 10 % faster forward + backward for
         // 16–96 rows on CPU (see `WeightLayout::apply`). Above, the plain product.
         let rows = x.size().first().copied().unwrap_or(0);
-        let product = match self.dense_product(rows) {
-            Some(w) if rows <= skinny => w.matmul(&x.tr()).tr(),
-            Some(w) => x.matmul(&w.tr()),
-            None if rows <= skinny => self.u.matmul(&self.v.matmul(&x.tr())).tr(),
-            None => x.matmul(&self.v.tr()).matmul(&self.u.tr()),
+        let c = |t: &Tensor| if p.kind == Kind::Float { t.shallow_clone() } else { t.to_kind(p.kind) };
+        let (xc, u, v) = (c(x), c(&self.u), c(&self.v));
+        let product = match self.dense_product(rows, p.kind) {
+            Some(w) if rows <= p.skinny => w.matmul(&xc.tr()).tr(),
+            Some(w) => xc.matmul(&w.tr()),
+            None if rows <= p.skinny => u.matmul(&v.matmul(&xc.tr())).tr(),
+            None => xc.matmul(&v.tr()).matmul(&u.tr()),
         };
-        let pre = product + &self.bias;
+        let pre = product.to_kind(Kind::Float) + &self.bias;
         let pre = pre * self.scale.index_select(0, modes) + self.shift.index_select(0, modes);
         // clamp(min = 0), not relu: the same values, but a gradient of 1 at exactly 0, as
         // the reference code has it. With U = 0 at start every pre-activation of the first
@@ -202,8 +208,8 @@ impl IdMlp {
         Self { layers }
     }
 
-    fn forward(&mut self, x: &Tensor, modes: &Tensor, skinny: i64) -> Tensor {
-        self.layers.iter_mut().fold(x.shallow_clone(), |h, l| l.forward(&h, modes, skinny))
+    fn forward(&mut self, x: &Tensor, modes: &Tensor, p: Products) -> Tensor {
+        self.layers.iter_mut().fold(x.shallow_clone(), |h, l| l.forward(&h, modes, p))
     }
 }
 
@@ -238,19 +244,19 @@ impl GradientTransform {
     /// `modes` the mode of each row. As the reference code: a factor that has an MLP is
     /// transformed from its normalised form, one without (x_only, delta_only, one_sided)
     /// passes through as it came.
-    fn forward(&mut self, f: &GroupRows, cfg: &MendConfig, skinny: i64) -> (Tensor, Tensor) {
+    fn forward(&mut self, f: &GroupRows, cfg: &MendConfig, p: Products) -> (Tensor, Tensor) {
         if cfg.mode == EditorMode::Combine {
             let mlp = self.mlp_x.as_mut().expect("combine editor has its MLP");
-            let out = mlp.forward(&Tensor::cat(&[&f.xn, &f.dn], -1), &f.modes, skinny);
+            let out = mlp.forward(&Tensor::cat(&[&f.xn, &f.dn], -1), &f.modes, p);
             let parts = out.split_with_sizes([self.d_in, self.d_out], -1);
             return (parts[0].shallow_clone(), parts[1].shallow_clone());
         }
         let xt = match &mut self.mlp_x {
-            Some(m) => m.forward(&f.xn, &f.modes, skinny),
+            Some(m) => m.forward(&f.xn, &f.modes, p),
             None => Tensor::cat(&f.x, 0),
         };
         let dt = match &mut self.mlp_d {
-            Some(m) => m.forward(&f.dn, &f.modes, skinny),
+            Some(m) => m.forward(&f.dn, &f.modes, p),
             None => Tensor::cat(&f.d, 0),
         };
         (xt, dt)
@@ -303,7 +309,21 @@ pub struct Editor {
     /// transposed: [`EDITOR_SKINNY_ROWS`]. The tests and the bench set it to `i64::MAX`
     /// for the path before #35 (always transposed) to compare.
     pub skinny_rows: i64,
+    /// The dtype of the editor's matrix products (`Float`, or `BFloat16` where a bf16
+    /// model's editor runs on the CPU: [`Editor::products_for`]). The editor's weights, statistics, biases,
+    /// scales and residuals stay f32; only the inputs of the `U`/`V` products are rounded,
+    /// and those products accumulate in f32 (oneDNN, cuBLAS).
+    pub product_kind: Kind,
     device: Device,
+}
+
+/// How one editor pass computes its `U`/`V` products.
+#[derive(Debug, Clone, Copy)]
+struct Products {
+    /// Rows up to which they are computed transposed ([`EDITOR_SKINNY_ROWS`]).
+    skinny: i64,
+    /// Their dtype ([`Editor::product_kind`]).
+    kind: Kind,
 }
 
 /// Rows up to which the editor's `U·(V·xᵀ)` is computed transposed (f32, the editor's
@@ -340,11 +360,25 @@ impl Editor {
             groups.into_iter().map(|(k, (d_in, d_out, n))| (k, GradientTransform::new(d_in, d_out, config, n, device))).collect()
         });
         let edit_lrs = Tensor::full([params.len() as i64], config.edit_lr, (Kind::Float, device)).set_requires_grad(true);
-        Ok(Self { config: config.clone(), params, assignment, transforms, edit_lrs, input_clip: None, skinny_rows: EDITOR_SKINNY_ROWS, device })
+        Ok(Self { config: config.clone(), params, assignment, transforms, edit_lrs, input_clip: None, skinny_rows: EDITOR_SKINNY_ROWS, product_kind: Kind::Float, device })
     }
 
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// The dtype of the editor's `U`/`V` products for a model whose weights are `weights`,
+    /// the editor on `device`: bf16 for a bf16 model on a CPU (the user asked for bf16;
+    /// its gradient factors, the editor's inputs, are bf16 already, and a CPU with
+    /// avx512_bf16 runs bf16 GEMMs at ~3× the f32 rate: 0.70× the small Qwen2-VL bench's
+    /// bf16 step), else f32. On CUDA the products stay f32: the bf16 copies of `U` and `V`
+    /// the graph keeps for the backward would add ~0.7 GB to a 7B editor's main device,
+    /// which is what the layer split leaves there. f16 keeps f32 (its range is narrow).
+    pub fn products_for(weights: Kind, device: Device) -> Kind {
+        match (weights, device) {
+            (Kind::BFloat16, Device::Cpu) => Kind::BFloat16,
+            _ => Kind::Float,
+        }
     }
 
     /// Transformed factors `(x̃, δ̃)` of parameter `i` alone; updates the normalisation
@@ -392,7 +426,7 @@ impl Editor {
             dn: Tensor::cat(&dns, 0),
             modes: Tensor::cat(&modes, 0),
         };
-        let (xt, dt) = t.forward(&group, &self.config, self.skinny_rows);
+        let (xt, dt) = t.forward(&group, &self.config, Products { skinny: self.skinny_rows, kind: self.product_kind });
         xt.split_with_sizes(&rows, 0).into_iter().zip(dt.split_with_sizes(&rows, 0)).collect()
     }
 

@@ -147,14 +147,15 @@ pub(super) fn resident(z: &Sizes, it: &mut Items, phase: Phase) {
     // Editing: a layer whose rank is more than half its width keeps `U·V` once a few edits
     // have paid for it (`mend::editor`'s dense products; never in training).
     let dense: i64 = editors.iter().flat_map(|e| e.widths.iter()).filter(|&&w| 2 * z.cfg.rank.min(w) > w).map(|&w| (z.cfg.n_hidden + 1) * w * w).sum();
+    let pb = products_bytes(z);
     if !train && dense > 0 {
         it.add(
             phase,
             Role::Main,
             &[Resident],
-            "editor's dense products U·V (f32; layers of rank > width/2, after a few edits)",
-            format!("Σ_{{2r>w}} (n_hidden+1)·w²·4 = {}·4", num(dense)),
-            dense * 4,
+            "editor's dense products U·V (in the products' dtype; layers of rank > width/2, after a few edits)",
+            format!("Σ_{{2r>w}} (n_hidden+1)·w²·{pb} = {}·{pb}", num(dense)),
+            dense * pb,
         );
     }
     let lr_copies = if train { 4 } else { 1 };
@@ -354,6 +355,27 @@ fn editor_activations(z: &Sizes, it: &mut Items, phase: Phase) {
     );
     // W' is one GEMM accumulating (lr·x̃)ᵀδ̃ into W (`WeightLayout::add_outer`): no
     // pseudo-gradient is formed, and the graph keeps only the factors.
+    if products_bytes(z) == 2 {
+        let uv: i64 = editors.iter().flat_map(|e| e.widths.iter()).map(|&w| (cfg.n_hidden + 1) * 2 * w * cfg.rank.min(w)).sum();
+        it.add(
+            phase,
+            Role::Main,
+            &[EditedForward, Backward],
+            "editor's U and V in bf16 for its products (kept for its backward)",
+            format!("Σ_editors (n_hidden+1)·2·w·r·2 = {}·2", num(uv)),
+            uv * 2,
+        );
+    }
+}
+
+/// Bytes per element of the editor's `U`/`V` products: bf16 for a bf16 model whose editor
+/// (main device) is the CPU, else f32 (`mend::Editor::products_for`).
+fn products_bytes(z: &Sizes) -> i64 {
+    if z.o.dtype == tch::Kind::BFloat16 && z.o.main.starts_with("cpu") {
+        2
+    } else {
+        4
+    }
 }
 
 /// The edit as the editor hands it on: factors, or `W'` (kept by the graph or whole).

@@ -290,6 +290,7 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     }
     let mut editor = crate::error::guard(|| Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main, o.common.seed))
         .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine.placement(), &o.config, &mut tracker, checkpoint::saved_state(&o.out)))?;
+    editor.product_kind = Editor::products_for(engine.lm.params.kind(), editor.device());
     tracker.mark("editor")?;
     std::fs::create_dir_all(&o.out).map_err(|e| Error::io(&o.out, e))?;
     let setup = TrainSetup {

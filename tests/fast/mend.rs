@@ -602,42 +602,73 @@ fn editor_plain_products_above_the_skinny_rows_match_the_transposed_ones() {
     let params = engine("gpt2").edit_params.clone();
     let cfg = MendConfig { rank: 16, ..MendConfig::default() };
     for rows in [20i64, 70] {
-        let run = |skinny: i64| -> (Vec<Tensor>, Tensor) {
-            let mut ed = Editor::new(&cfg, params.clone(), Device::Cpu, 0).unwrap();
-            ed.skinny_rows = skinny;
-            let (net, _) = ed.trainables();
-            // Every tensor moved off its init (U = 0 would hide the products' order).
-            tch::no_grad(|| {
-                for (i, t) in net.iter().enumerate() {
-                    let mut t = t.shallow_clone();
-                    let _ = t.g_add_(&(pattern(t.numel() as i64, i as f64, Tensor::sin).reshape(t.size()) * 0.05));
-                }
-            });
-            let factors = patterned_factors(&params, rows);
-            let terms = ed.edit_terms(&factors, true);
-            let loss = terms
-                .iter()
-                .enumerate()
-                .map(|(i, (a, b))| (a * pattern(a.numel() as i64, 1.0 + i as f64, Tensor::cos).reshape(a.size())).sum(Kind::Float) + (b * pattern(b.numel() as i64, 2.0 + i as f64, Tensor::sin).reshape(b.size())).sum(Kind::Float))
-                .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |x, y| x + y);
-            loss.backward();
-            let out = terms.iter().flat_map(|(a, b)| [a.detach(), b.detach()]).collect();
-            let grads: Vec<Tensor> = net.iter().filter(|t| t.grad().defined()).map(|t| t.grad().reshape([-1])).collect();
-            (out, Tensor::cat(&grads, 0))
-        };
-        let (t0, g0) = run(i64::MAX);
-        let (t1, g1) = run(EDITOR_SKINNY_ROWS);
+        let (t0, g0) = terms_and_grads(&params, &cfg, rows, |ed| ed.skinny_rows = i64::MAX);
+        let (t1, g1) = terms_and_grads(&params, &cfg, rows, |ed| ed.skinny_rows = EDITOR_SKINNY_ROWS);
         let what = format!("{rows} rows per weight ({} per pass, threshold {EDITOR_SKINNY_ROWS})", 3 * rows);
-        for (a, b) in t0.iter().zip(&t1) {
-            let scale = a.abs().max().double_value(&[]);
-            let diff = (a - b).abs().max().double_value(&[]);
-            assert!(scale > 0.0 && diff <= 1e-5 * scale, "{what}: transformed factors differ by {diff} (largest {scale})");
-        }
-        let scale = g0.abs().max().double_value(&[]);
-        let diff = (&g0 - &g1).abs().max().double_value(&[]);
-        assert!(scale > 0.0 && diff <= 1e-4 * scale, "{what}: editor gradients differ by {diff} (largest {scale})");
+        assert_close(&t0, &t1, &g0, &g1, (1e-5, 1e-4), &what);
     }
     assert!(3 * 70 > EDITOR_SKINNY_ROWS && 3 * 20 <= EDITOR_SKINNY_ROWS, "the test must cover both paths");
+}
+
+/// #35: a bf16 model's editor on the CPU runs its `U`/`V` products in bf16 (`Editor::products_for`):
+/// the transformed factors and the editor's gradients agree with the f32 products to
+/// bf16's rounding, on both product paths, and the gradients stay f32 (the weights and
+/// Adam state are f32). f32 and f16 models, and editors on CUDA, keep f32 products.
+#[test]
+fn editor_bf16_products_match_the_f32_ones_to_bf16_rounding() {
+    assert_eq!(Editor::products_for(Kind::BFloat16, Device::Cpu), Kind::BFloat16);
+    assert_eq!(Editor::products_for(Kind::BFloat16, Device::Cuda(0)), Kind::Float);
+    assert_eq!(Editor::products_for(Kind::Float, Device::Cpu), Kind::Float);
+    assert_eq!(Editor::products_for(Kind::Half, Device::Cpu), Kind::Float);
+    let params = engine("gpt2").edit_params.clone();
+    let cfg = MendConfig { rank: 16, ..MendConfig::default() };
+    for rows in [20i64, 70] {
+        let (t0, g0) = terms_and_grads(&params, &cfg, rows, |_| ());
+        let (t1, g1) = terms_and_grads(&params, &cfg, rows, |ed| ed.product_kind = Kind::BFloat16);
+        assert!(t1.iter().all(|t| t.kind() == Kind::Float) && g1.kind() == Kind::Float);
+        // Exactly equal would mean the products were not rounded at all.
+        assert!(t0.iter().zip(&t1).any(|(a, b)| (a - b).abs().max().double_value(&[]) > 0.0), "bf16 products changed nothing");
+        assert_close(&t0, &t1, &g0, &g1, (2e-2, 5e-2), &format!("{rows} rows per weight, bf16 products"));
+    }
+}
+
+/// One training pass of a patterned editor (every tensor moved off its init: U = 0 would
+/// hide the products) over `rows` patterned factor rows per weight, set up by `setup`:
+/// the edit terms and the editor's gradients of a patterned loss of them.
+fn terms_and_grads(params: &[dualedit::mend::editor::EditedParam], cfg: &MendConfig, rows: i64, setup: impl Fn(&mut Editor)) -> (Vec<Tensor>, Tensor) {
+    let mut ed = Editor::new(cfg, params.to_vec(), Device::Cpu, 0).unwrap();
+    setup(&mut ed);
+    let (net, _) = ed.trainables();
+    tch::no_grad(|| {
+        for (i, t) in net.iter().enumerate() {
+            let mut t = t.shallow_clone();
+            let _ = t.g_add_(&(pattern(t.numel() as i64, i as f64, Tensor::sin).reshape(t.size()) * 0.05));
+        }
+    });
+    let factors = patterned_factors(params, rows);
+    let terms = ed.edit_terms(&factors, true);
+    let loss = terms
+        .iter()
+        .enumerate()
+        .map(|(i, (a, b))| (a * pattern(a.numel() as i64, 1.0 + i as f64, Tensor::cos).reshape(a.size())).sum(Kind::Float) + (b * pattern(b.numel() as i64, 2.0 + i as f64, Tensor::sin).reshape(b.size())).sum(Kind::Float))
+        .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |x, y| x + y);
+    loss.backward();
+    let out = terms.iter().flat_map(|(a, b)| [a.detach(), b.detach()]).collect();
+    let grads: Vec<Tensor> = net.iter().filter(|t| t.grad().defined()).map(|t| t.grad().reshape([-1])).collect();
+    (out, Tensor::cat(&grads, 0))
+}
+
+/// Terms and gradients of two [`terms_and_grads`] runs agree within `tol` (terms,
+/// gradients) of their largest magnitude.
+fn assert_close(t0: &[Tensor], t1: &[Tensor], g0: &Tensor, g1: &Tensor, tol: (f64, f64), what: &str) {
+    for (a, b) in t0.iter().zip(t1) {
+        let scale = a.abs().max().double_value(&[]);
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(scale > 0.0 && diff <= tol.0 * scale, "{what}: transformed factors differ by {diff} (largest {scale})");
+    }
+    let scale = g0.abs().max().double_value(&[]);
+    let diff = (g0 - g1).abs().max().double_value(&[]);
+    assert!(scale > 0.0 && diff <= tol.1 * scale, "{what}: editor gradients differ by {diff} (largest {scale})");
 }
 
 /// #35: outside the autograd graph an editor layer whose rank is more than half its width
@@ -696,4 +727,15 @@ fn editor_dense_products_in_evaluation_match_the_factors() {
     assert_eq!(ed.dense_products(), 4);
     close(&want, &fourth, "after the change, dense");
     assert!((&first[0].0 - &third[0].0).abs().max().double_value(&[]) > 1e-6, "the change must move the edit for the test to mean something");
+    // bf16 products (a bf16 model): the dense product is formed again in bf16, and the
+    // edits stay within bf16's rounding of the f32 ones.
+    ed.product_kind = Kind::BFloat16;
+    let fifth = ed.edit_terms(&factors, false);
+    assert_eq!(ed.dense_products(), 4, "same weights, another dtype: formed again at once (it paid already)");
+    for ((a, b), (c, d)) in want.iter().zip(&fifth) {
+        for (x, y) in [(a, c), (b, d)] {
+            let scale = x.abs().max().double_value(&[]);
+            assert!((x - y).abs().max().double_value(&[]) <= 2e-2 * scale && y.kind() == Kind::Float);
+        }
+    }
 }
