@@ -847,7 +847,11 @@ fn keep_after_failed_step(
     match err {
         e @ (Error::OutOfMemory(_) | Error::Torch(_)) => match saved {
             Ok(()) => crate::device::oom::diagnose(e, step, phase, &engine.placement(), cfg, tracker, checkpoint::saved_state(out)),
-            Err(se) => se,
+            // The diagnosis still; the state on disk is the last one saved, if any.
+            Err(se) => {
+                warn!(dir = %out.display(), step, "saving the training state after the failed step failed too: {se}");
+                crate::device::oom::diagnose(e, step, phase, &engine.placement(), cfg, tracker, checkpoint::saved_state(out))
+            }
         },
         e => {
             match saved {
