@@ -170,12 +170,12 @@ impl LrLinear {
         // 16–96 rows on CPU (see `WeightLayout::apply`). Above, the plain product.
         let rows = x.size().first().copied().unwrap_or(0);
         let c = |t: &Tensor| if p.kind == Kind::Float { t.shallow_clone() } else { t.to_kind(p.kind) };
-        let (xc, u, v) = (c(x), c(&self.u), c(&self.v));
+        let xc = c(x);
         let product = match self.dense_product(rows, p.kind) {
             Some(w) if rows <= p.skinny => w.matmul(&xc.tr()).tr(),
             Some(w) => xc.matmul(&w.tr()),
-            None if rows <= p.skinny => u.matmul(&v.matmul(&xc.tr())).tr(),
-            None => xc.matmul(&v.tr()).matmul(&u.tr()),
+            None if rows <= p.skinny => c(&self.u).matmul(&c(&self.v).matmul(&xc.tr())).tr(),
+            None => xc.matmul(&c(&self.v).tr()).matmul(&c(&self.u).tr()),
         };
         let pre = product.to_kind(Kind::Float) + &self.bias;
         let pre = pre * self.scale.index_select(0, modes) + self.shift.index_select(0, modes);
@@ -310,9 +310,9 @@ pub struct Editor {
     /// for the path before #35 (always transposed) to compare.
     pub skinny_rows: i64,
     /// The dtype of the editor's matrix products (`Float`, or `BFloat16` where a bf16
-    /// model's editor runs on the CPU: [`Editor::products_for`]). The editor's weights, statistics, biases,
-    /// scales and residuals stay f32; only the inputs of the `U`/`V` products are rounded,
-    /// and those products accumulate in f32 (oneDNN, cuBLAS).
+    /// model's editor runs on the CPU: [`Editor::products_for`]). The editor's weights,
+    /// statistics, biases, scales and residuals stay f32; only the inputs of the `U`/`V`
+    /// products are rounded, and those products accumulate in f32 (oneDNN).
     pub product_kind: Kind,
     device: Device,
 }
