@@ -83,6 +83,21 @@ impl Aggregate {
     }
 }
 
+/// The dtype of a MEND editor's `U`/`V` products for a model whose weights are `weights`,
+/// the editor on the CPU (`on_cpu`) or an accelerator: bf16 for a bf16 model on a CPU (the
+/// user asked for bf16; its gradient factors, the editor's inputs, are bf16 already, and a
+/// CPU with avx512_bf16 runs bf16 GEMMs at ~3× the f32 rate: 0.70× the small Qwen2-VL
+/// bench's bf16 step), else f32. On CUDA the products stay f32: the bf16 copies of `U` and
+/// `V` the graph keeps for the backward would add ~0.7 GB to a 7B editor's main device,
+/// which is what the layer split leaves there. f16 keeps f32 (its range is narrow). One
+/// rule for the editor (`mend::Editor::products_for`) and the planner.
+pub fn editor_product_kind(weights: tch::Kind, on_cpu: bool) -> tch::Kind {
+    match weights {
+        tch::Kind::BFloat16 if on_cpu => tch::Kind::BFloat16,
+        _ => tch::Kind::Float,
+    }
+}
+
 /// How `--method mend-ls` combines an editor's edits ([`crate::mend::ls`]): the settings
 /// chosen by measurement for that editor, kept in its `editor.json` (`MendConfig::ls`) and
 /// used unless the `--ls-*` flags say otherwise. The defaults are those measured with the

@@ -270,11 +270,9 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
     w(out, format!("  {:<16} {:>6}", "locality", s.locality.map_or("-".into(), |l| format!("{l:.3}"))))?;
     w(out, format!("  {:<16} {:>6.3}", "edit success", s.edit_success))?;
     w(out, format!("  {:<16} {:>6.1} ms", "time per edit", s.edit_seconds * 1e3))?;
-    let memory = tracker.summary();
     w(out, String::new())?;
     w(out, "peak memory per device".into())?;
-    for (role, m) in memory.iter().filter(|(role, _)| plan.split || role.as_str() == "main") {
-        let role = if plan.split { role.as_str() } else { "main = sub" };
+    for (role, m) in tracker.summary_shown(plan.split) {
         w(out, format!(
             "  {:<10} {:<7} allocated {:>10}  reserved {:>10}{}",
             role,
@@ -284,5 +282,5 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
             if m.process_wide { "  (process-wide resident set)" } else { "" }
         ))?;
     }
-    Ok(DemoSummary { holdout: s, memory, seconds: start.elapsed().as_secs_f64() })
+    Ok(DemoSummary { holdout: s, memory: tracker.summary(), seconds: start.elapsed().as_secs_f64() })
 }

@@ -576,6 +576,16 @@ impl MemoryTracker {
         out
     }
 
+    /// [`Self::summary`] as a user reads it: without a sub-device (`split` false) main and
+    /// sub are one device, shown once as `main = sub`.
+    pub fn summary_shown(&self, split: bool) -> Vec<(String, RoleSummary)> {
+        self.summary()
+            .into_iter()
+            .filter(|(role, _)| split || role == "main")
+            .map(|(role, m)| (if split { role } else { "main = sub".to_string() }, m))
+            .collect()
+    }
+
     #[cfg(test)]
     fn push(&self, p: PhaseSample) {
         self.shared.timeline.lock().unwrap().push(p);

@@ -51,15 +51,9 @@ pub fn diagnose(
         other => other.to_string(),
     };
     let mut msg = format!("{what}\n  at optimiser step {step}, in phase: {phase}\n  per device:\n");
-    let mut shown: Vec<String> = Vec::new();
-    for (role, m) in tracker.summary() {
-        // A single-device run's sub-device is its main one: one line for it.
-        if shown.contains(&m.device) {
-            continue;
-        }
-        shown.push(m.device.clone());
+    for (role, m) in tracker.summary_shown(placement.split) {
         msg.push_str(&format!(
-            "    {role:<5} {:<8} peak allocated {:>10}  peak reserved {:>10}{}\n",
+            "    {role:<10} {:<8} peak allocated {:>10}  peak reserved {:>10}{}\n",
             m.device,
             format_bytes(m.peak_allocated_bytes),
             format_bytes(m.peak_reserved_bytes),

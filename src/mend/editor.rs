@@ -368,17 +368,9 @@ impl Editor {
     }
 
     /// The dtype of the editor's `U`/`V` products for a model whose weights are `weights`,
-    /// the editor on `device`: bf16 for a bf16 model on a CPU (the user asked for bf16;
-    /// its gradient factors, the editor's inputs, are bf16 already, and a CPU with
-    /// avx512_bf16 runs bf16 GEMMs at ~3× the f32 rate: 0.70× the small Qwen2-VL bench's
-    /// bf16 step), else f32. On CUDA the products stay f32: the bf16 copies of `U` and `V`
-    /// the graph keeps for the backward would add ~0.7 GB to a 7B editor's main device,
-    /// which is what the layer split leaves there. f16 keeps f32 (its range is narrow).
+    /// the editor on `device` ([`crate::config::editor_product_kind`]).
     pub fn products_for(weights: Kind, device: Device) -> Kind {
-        match (weights, device) {
-            (Kind::BFloat16, Device::Cpu) => Kind::BFloat16,
-            _ => Kind::Float,
-        }
+        crate::config::editor_product_kind(weights, device == Device::Cpu)
     }
 
     /// Transformed factors `(x̃, δ̃)` of parameter `i` alone; updates the normalisation

@@ -40,15 +40,13 @@ impl FitAdvice {
         let mut opts = PlanOptions::new(&name(plan.main), Some(&name(plan.sub)), dtype, tokens, None)?.with_run_caps(caps.clone());
         opts.split = plan.split;
         // Devices without a cap are planned against the card (keeping the reserve).
-        let mut caps = caps.clone();
         for d in [plan.main, plan.sub] {
-            if let (tch::Device::Cuda(_), None) = (d, caps.get(&name(d))) {
+            if let (tch::Device::Cuda(_), None) = (d, opts.caps.get(&name(d))) {
                 if let Ok(total) = crate::device::memory::total_bytes(d) {
-                    caps.0.insert(name(d), total);
+                    opts.caps.0.insert(name(d), total);
                 }
             }
         }
-        opts.caps = caps;
         let mut subs: Vec<String> = (0..tch::Cuda::device_count().max(0) as usize).map(|i| format!("cuda:{i}")).filter(|d| *d != opts.main).collect();
         if opts.main != "cpu" {
             subs.push("cpu".into());

@@ -368,14 +368,9 @@ fn editor_activations(z: &Sizes, it: &mut Items, phase: Phase) {
     }
 }
 
-/// Bytes per element of the editor's `U`/`V` products: bf16 for a bf16 model whose editor
-/// (main device) is the CPU, else f32 (`mend::Editor::products_for`).
+/// Bytes per element of the editor's `U`/`V` products (the editor is on the main device).
 fn products_bytes(z: &Sizes) -> i64 {
-    if z.o.dtype == tch::Kind::BFloat16 && z.o.main.starts_with("cpu") {
-        2
-    } else {
-        4
-    }
+    crate::config::editor_product_kind(z.o.dtype, z.o.main.starts_with("cpu")).elt_size_in_bytes() as i64
 }
 
 /// The edit as the editor hands it on: factors, or `W'` (kept by the graph or whole).
