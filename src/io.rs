@@ -154,15 +154,33 @@ pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
     })
 }
 
+/// The first tensor whose bytes could not be read while a file was being written:
+/// the safetensors writer cannot be told, so the views record it and the writer's caller
+/// fails the save (the temp file is discarded, the old file stays).
+type CopyFailure = std::sync::Arc<std::sync::Mutex<Option<String>>>;
+
 /// A tensor as the safetensors writer sees it: its bytes are produced only when the
 /// writer reaches it, so saving an editor and its optimiser state costs one tensor of
 /// extra host memory, not a second copy of everything.
 struct LazyBytes {
+    name: String,
     tensor: Tensor,
     /// The kind stored: the tensor is converted to it only when its bytes are written.
     kind: Kind,
     dtype: Dtype,
     shape: Vec<usize>,
+    failed: CopyFailure,
+}
+
+impl LazyBytes {
+    /// Host bytes of the tensor in the stored kind (a device copy or conversion can fail:
+    /// a device error, a tensor without plain storage).
+    fn bytes(&self) -> std::result::Result<Vec<u8>, tch::TchError> {
+        let t = self.tensor.f_to_device(Device::Cpu)?.f_to_kind(self.kind)?.f_contiguous()?;
+        let mut bytes = vec![0u8; safetensors::View::data_len(self)];
+        t.f_copy_data_u8(&mut bytes, t.numel())?;
+        Ok(bytes)
+    }
 }
 
 impl safetensors::View for LazyBytes {
@@ -173,14 +191,14 @@ impl safetensors::View for LazyBytes {
         &self.shape
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        let t = self.tensor.to_device(Device::Cpu).to_kind(self.kind).contiguous();
-        let mut bytes = vec![0u8; self.data_len()];
-        // Kinds and sizes were checked when the view was built; a failed copy here would
-        // be a device error, which the writer cannot report: leave zeros and log it.
-        if let Err(e) = t.f_copy_data_u8(&mut bytes, t.numel()) {
-            tracing::error!("copying a tensor for saving failed: {e}");
+        match self.bytes() {
+            Ok(b) => std::borrow::Cow::Owned(b),
+            Err(e) => {
+                let mut failed = self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                failed.get_or_insert_with(|| format!("tensor {:?} could not be copied for saving: {e}", self.name));
+                std::borrow::Cow::Owned(vec![0u8; self.data_len()])
+            }
         }
-        std::borrow::Cow::Owned(bytes)
     }
     fn data_len(&self) -> usize {
         self.tensor.numel() * self.kind.elt_size_in_bytes()
@@ -227,8 +245,11 @@ impl safetensors::View for AnyView {
 }
 
 /// Writes `tensors` as one safetensors file, atomically, each stored as [`Stored`] says.
-/// Returns the bytes of tensor data written (an index's `total_size`).
+/// Returns the bytes of tensor data written (an index's `total_size`). A tensor whose
+/// bytes cannot be read (a failed device copy) fails the whole write: no file with zeros
+/// in its place is ever left.
 pub fn write_safetensors_stored(path: &Path, tensors: Vec<(String, Stored)>, metadata: HashMap<String, String>) -> Result<u64> {
+    let failed = CopyFailure::default();
     let mut total = 0u64;
     let views = tensors
         .into_iter()
@@ -236,7 +257,8 @@ pub fn write_safetensors_stored(path: &Path, tensors: Vec<(String, Stored)>, met
             let view = match s {
                 Stored::Tensor(t, kind) => {
                     let shape = t.size().iter().map(|&d| d as usize).collect();
-                    AnyView::Lazy(LazyBytes { tensor: t.detach(), kind, dtype: dtype_of(kind)?, shape })
+                    let tensor = t.detach();
+                    AnyView::Lazy(LazyBytes { name: name.clone(), tensor, kind, dtype: dtype_of(kind)?, shape, failed: failed.clone() })
                 }
                 Stored::Raw { dtype, shape, bytes } => AnyView::Raw { dtype, shape, bytes },
             };
@@ -246,7 +268,11 @@ pub fn write_safetensors_stored(path: &Path, tensors: Vec<(String, Stored)>, met
         .collect::<Result<Vec<_>>>()?;
     let meta = (!metadata.is_empty()).then_some(metadata);
     replace_atomically(path, |tmp| {
-        safetensors::tensor::serialize_to_file(views, meta, tmp).map_err(|e| std::io::Error::other(e.to_string()))
+        safetensors::tensor::serialize_to_file(views, meta, tmp).map_err(|e| std::io::Error::other(e.to_string()))?;
+        match failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+            Some(why) => Err(std::io::Error::other(why)),
+            None => Ok(()),
+        }
     })?;
     Ok(total)
 }
@@ -265,19 +291,11 @@ pub fn sync_dir(dir: &Path) {
     }
 }
 
-/// Serialises named tensors (and string metadata) as safetensors, atomically.
+/// Serialises named tensors (and string metadata) as safetensors, atomically, each in
+/// its own kind.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)], metadata: HashMap<String, String>) -> Result<()> {
-    let views = tensors
-        .iter()
-        .map(|(name, t)| {
-            let shape = t.size().iter().map(|&d| d as usize).collect();
-            Ok((name.clone(), LazyBytes { tensor: t.detach(), kind: t.kind(), dtype: dtype_of(t.kind())?, shape }))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let meta = (!metadata.is_empty()).then_some(metadata);
-    replace_atomically(path, |tmp| {
-        safetensors::tensor::serialize_to_file(views, meta, tmp).map_err(|e| std::io::Error::other(e.to_string()))
-    })
+    let stored = tensors.iter().map(|(name, t)| (name.clone(), Stored::Tensor(t.shallow_clone(), t.kind()))).collect();
+    write_safetensors_stored(path, stored, metadata).map(drop)
 }
 
 /// Reads every tensor (on the CPU, in its stored kind) and the metadata of a safetensors file.
@@ -336,5 +354,23 @@ mod tests {
         // A root that does not exist is named.
         let err = resolve_under(&dir.path().join("nope"), Path::new("a")).unwrap_err().to_string();
         assert!(err.contains("nope"), "{err}");
+    }
+
+    /// A tensor whose bytes cannot be read (here: sparse, no plain storage; on a GPU a
+    /// failed device copy) fails the save with its name, and the file saved before stays.
+    #[test]
+    fn a_tensor_that_cannot_be_copied_fails_the_save_and_keeps_the_old_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("editor.safetensors");
+        write_safetensors(&path, &[("w".into(), Tensor::ones([2, 3], (Kind::Float, Device::Cpu)))], HashMap::new()).unwrap();
+        let before = std::fs::read(&path).unwrap();
+        let sparse = Tensor::eye(4, (Kind::Float, Device::Cpu)).to_sparse(None, None::<i64>, None::<i64>);
+        let err = write_safetensors(&path, &[("w".into(), Tensor::zeros([2, 3], (Kind::Float, Device::Cpu))), ("bad".into(), sparse)], HashMap::new())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"bad\"") && err.contains("editor.safetensors"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), before);
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left.len(), 1, "{left:?}");
     }
 }
