@@ -667,7 +667,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     let start = Instant::now();
     let first_step = counters.step;
     let fault = fault_oom_step();
-    let stats = key_stats(engine, cfg, setup.progress)?;
+    let mut stats = key_stats(engine, cfg, setup.progress)?;
     let unrelated = match &stats {
         Some(s) => s.grams()?,
         None => Vec::new(),
@@ -727,7 +727,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         }
     }
     bar.finish_and_clear();
-    if let Some(s) = &stats {
+    if let Some(s) = stats.as_mut() {
         // The edit-time solve keeps the `C` the editor was trained against.
         if out.join(checkpoint::EDITOR_JSON).is_file() {
             s.write_for_editor(out)?;

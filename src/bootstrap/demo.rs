@@ -133,7 +133,7 @@ fn common_plan(common: &Common) -> crate::edit::LoadOptions {
 pub fn many_editor_stats(root: &Path, opts: &crate::edit::LoadOptions) -> Result<()> {
     let many = many_editor_dir(root);
     let engine = crate::edit::open_engine(&model_dir(root), opts, &crate::edit::editor_params(&many)?)?;
-    let stats = crate::mend::stats::KeyStats::compute(&engine, &world_dir(root).join("corpus.txt"), usize::MAX, true)?;
+    let mut stats = crate::mend::stats::KeyStats::compute(&engine, &world_dir(root).join("corpus.txt"), usize::MAX, true)?;
     stats.write_for_editor(&many)?;
     link_many_editor(root)
 }

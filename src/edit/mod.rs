@@ -19,7 +19,7 @@ use tracing::info;
 use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::DevicePlan;
 use eval::RecordMetrics;
-use crate::mend::ls::{KeyMemory, LsChoice, LsEditor};
+use crate::mend::ls::{Fact, KeyMemory, LsChoice, LsEditor};
 use crate::mend::{checkpoint, Editor, Engine};
 use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
 use crate::model::qwen2_vl::Grid;
@@ -319,11 +319,13 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
             let ls = ls.resolve(&ed.config.ls);
             ls.validate()?;
             info!(dir = %editor.display(), step = meta.step, lambda = ls.lambda, keep_weight = ls.cov_weight, rounds = ls.rounds, "editor loaded (least-squares aggregation)");
+            let mut stats_text = None;
             let unrelated = match (unrelated, crate::mend::stats::editor_stats_path(editor)?) {
                 (Some(path), _) => crate::mend::ls::unrelated_grams(&engine, &crate::mend::ls::read_keep_text(path)?)?,
                 (None, Some(stats)) => {
                     let st = crate::mend::stats::KeyStats::load(&stats, &engine)?;
                     info!(file = %stats.display(), tokens = st.meta.tokens, "mend-ls solves against the editor's key statistics");
+                    stats_text = crate::mend::stats::SummedText::find(&st.meta, editor);
                     st.grams()?
                 }
                 (None, None) => {
@@ -335,7 +337,7 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
                     Vec::new()
                 }
             };
-            Method::MendLs(Box::new(LsEditor { editor: ed, config: ls, memory: KeyMemory::default(), unrelated, single_mend }))
+            Method::MendLs(Box::new(LsEditor { editor: ed, config: ls, memory: KeyMemory::default(), unrelated, stats_text, single_mend }))
         }
         MethodSpec::Auto { .. } => return Err(Error::Internal("--method auto was not resolved".into())),
     };
@@ -394,13 +396,16 @@ impl CallMethod {
 /// Computes the edited weights for the edit examples in `inner` (one batch; the update is
 /// the sum over its examples).
 pub fn make_edit(engine: &Engine, method: &mut Method, inner: &TokenBatch) -> Result<Overrides> {
-    make_edit_as(engine, method, inner, CallMethod::Auto, false)
+    make_edit_as(engine, method, inner, CallMethod::Auto, false, &[])
 }
 
 /// [`make_edit`] as `call` asks, for an edit of a batch or (`sequential`) for one edit of
 /// a run of them, where `mend-ls` always solves, even for a single request, so that the
 /// run is the batch of its edits.
-pub fn make_edit_as(engine: &Engine, method: &mut Method, inner: &TokenBatch, call: CallMethod, sequential: bool) -> Result<Overrides> {
+///
+/// `facts`: the facts the requests rewrite (those that name them), which `mend-ls` leaves
+/// out of its key statistics ([`crate::mend::ls::Fact`]).
+pub fn make_edit_as(engine: &Engine, method: &mut Method, inner: &TokenBatch, call: CallMethod, sequential: bool, facts: &[Fact]) -> Result<Overrides> {
     let _g = tch::no_grad_guard();
     call.check(method)?;
     if call.plain_mend(method, inner.batch_size(), sequential) {
@@ -430,7 +435,7 @@ pub fn make_edit_as(engine: &Engine, method: &mut Method, inner: &TokenBatch, ca
             let (_, factors) = engine.capture(inner)?;
             engine.edit_low_rank(editor, &factors, false)
         }
-        Method::MendLs(ls) => crate::mend::ls::edit(engine, ls, inner),
+        Method::MendLs(ls) => crate::mend::ls::edit(engine, ls, inner, facts),
     }
 }
 

@@ -32,6 +32,7 @@ use crate::data::easyedit::{DatasetKind, EditRecord};
 use crate::data::examples::{prepare, OverLong};
 use crate::data::multimodal::{parse_mm, prepare_mm, ImageRoots, MmLoad, MmRecord, VlPrompt};
 use crate::data::{EditExample, Example, TokenBatch};
+use crate::mend::ls::Fact;
 use crate::device::memory::{self, MemorySample};
 use crate::device::DevicePlan;
 use crate::edit::{self, Finish, Method, MethodSpec, RequestResult};
@@ -445,6 +446,12 @@ impl Session {
             return Err(Error::Internal("check_edit_call let a session without an editor edit".into()));
         };
         let refs: Vec<&EditExample> = examples.iter().collect();
+        // Each request's fact, for mend-ls's statistics (records and examples pair up;
+        // multimodal records name none).
+        let facts: Vec<Option<Fact>> = match records.len() == examples.len() {
+            true => records.iter().map(Fact::of).collect(),
+            false => vec![None; examples.len()],
+        };
         // The guard's probes: the requests' locality prompts (text, and image + question
         // for multimodal requests), against the weights now.
         let loc: Vec<&Example> = examples.iter().flat_map(|e| e.loc.iter().chain(&e.loc_image)).collect();
@@ -481,14 +488,15 @@ impl Session {
         let mut refused = 0usize;
         let metrics = if sequential {
             let mut committed_any = false;
-            for e in examples {
+            for (e, fact) in examples.iter().zip(&facts) {
                 let inner = self.engine.collate(&[&e.inner])?;
+                let fact: Vec<Fact> = fact.iter().cloned().collect();
                 let steps = self.stepwise.as_ref().map_or(1, |s| s.steps);
                 let mut request_committed = false;
                 for _ in 0..steps {
                     let overrides = match (&self.stepwise, &mut *method) {
                         (Some(sw), Method::Mend(editor)) => stepwise::step(&self.engine, editor, &inner, sw)?,
-                        (_, m) => edit::make_edit_as(&self.engine, m, &inner, call, true)?,
+                        (_, m) => edit::make_edit_as(&self.engine, m, &inner, call, true, &fact)?,
                     };
                     match checked(&self.engine, overrides, &inner, &mut reports)? {
                         Some(ov) => {
@@ -518,7 +526,8 @@ impl Session {
         } else {
             let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
             let batch = self.engine.collate(&inner)?;
-            let overrides = edit::make_edit_as(&self.engine, method, &batch, call, false)?;
+            let facts: Vec<Fact> = facts.into_iter().flatten().collect();
+            let overrides = edit::make_edit_as(&self.engine, method, &batch, call, false, &facts)?;
             let kept = checked(&self.engine, overrides, &batch, &mut reports)?;
             if kept.is_none() && guarded {
                 refused = examples.len();

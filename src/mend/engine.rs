@@ -459,11 +459,18 @@ impl Engine {
     /// The inputs of every edited weight's layer at the batch's real (unpadded) tokens,
     /// `[R, d_in]` f32 per edited weight, under the current weights, on the main device.
     pub fn layer_inputs(&self, batch: &TokenBatch) -> Result<Vec<Tensor>> {
+        self.layer_inputs_at(batch, &HashMap::new())
+    }
+
+    /// [`Engine::layer_inputs`] with the edited weights `at` (by name; the others as they
+    /// are) in place of the current ones, as [`Engine::capture_by_example`] takes them.
+    pub fn layer_inputs_at(&self, batch: &TokenBatch, at: &HashMap<String, Tensor>) -> Result<Vec<Tensor>> {
         let _g = tch::no_grad_guard();
         let entry = self.boundary(batch)?;
         // Every token's input, the last block's included.
         let input = ForwardInput { full_last_block: true, ..self.input_from(batch, &self.capture_set, entry.as_ref()) };
-        let out = self.lm.model.forward_hidden(&ParamView::frozen(&self.lm.params), &input)?;
+        let overrides: Overrides = at.iter().map(|(name, w)| (name.clone(), w.shallow_clone())).collect();
+        let out = self.lm.model.forward_hidden(&ParamView::new(&self.lm.params, Some(&overrides)), &input)?;
         crate::error::guard(|| {
             let real = batch.attention_mask.reshape([-1]).ne(0).nonzero().squeeze_dim(1);
             self.edit_params

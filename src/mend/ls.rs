@@ -39,13 +39,14 @@
 //! may push any of them. Capturing on the edited weights instead (targets `k·S_prev + v`)
 //! was measured first: the editor's inputs leave its training distribution after a few
 //! commits and 10 sequential edits broke the model (0.00 reliability; BENCHMARKS.md).
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use tch::{Kind, Tensor};
 use tracing::debug;
 
 pub use crate::config::LsConfig;
-use crate::data::{Example, TokenBatch};
+use crate::data::{EditRecord, Example, TokenBatch};
+use crate::mend::stats::{weight_scale, SummedText};
 use crate::mend::{losses, Editor, Engine};
 use crate::model::{LowRank, Overrides};
 use crate::{Error, Result};
@@ -143,26 +144,12 @@ pub fn read_keep_text(path: &std::path::Path) -> Result<Vec<String>> {
 /// unrelated keys), under the engine's current weights, in batches of 64. Logs its
 /// progress (texts done, elapsed, estimated time left) every 10 % or 30 s.
 pub fn unrelated_grams(engine: &Engine, texts: &[String]) -> Result<Vec<Tensor>> {
-    let max = (engine.lm.model.info().max_positions.max(2)) as usize;
     let mut examples = Vec::with_capacity(texts.len());
     let start = std::time::Instant::now();
     let mut progress = Progress::new(texts.len() * 2, "keys of the unrelated text (--ls-keep-text)");
     for t in texts {
         progress.step(1, start);
-        let t = if t.len() > MAX_KEEP_LINE_CHARS {
-            let mut end = MAX_KEEP_LINE_CHARS;
-            while !t.is_char_boundary(end) {
-                end -= 1;
-            }
-            &t[..end]
-        } else {
-            t.as_str()
-        };
-        let mut ids = engine.lm.tokenizer.encode(t)?;
-        // The last token is a target, not an input, in a batch: add one so all are inputs.
-        ids.truncate(max - 1);
-        ids.push(ids.last().copied().unwrap_or(0));
-        if ids.len() >= 2 {
+        if let Some((ids, _)) = crate::mend::stats::line_ids(engine, t, usize::MAX)? {
             examples.push(Example { ids, answer_start: 1, image: None });
         }
     }
@@ -214,6 +201,46 @@ impl Progress {
     }
 }
 
+/// A fact an edit rewrites, as its request states it: the subject and its answer before
+/// the edit (EasyEdit's `subject` and `ground_truth`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fact {
+    pub subject: String,
+    pub old: String,
+}
+
+impl Fact {
+    /// The fact of a request that names both (trimmed, non-empty); else `None`.
+    pub fn of(record: &EditRecord) -> Option<Fact> {
+        let subject = record.subject.as_deref()?.trim();
+        let old = record.ground_truth.as_deref()?.trim();
+        (!subject.is_empty() && !old.is_empty()).then(|| Fact { subject: subject.into(), old: old.into() })
+    }
+
+    /// Whether a line of text states it: names both the subject and the old answer.
+    fn stated_in(&self, line: &str) -> bool {
+        line.contains(&self.subject) && line.contains(&self.old)
+    }
+}
+
+/// The lines of the key statistics' text left out of the solve: those that state a fact
+/// one of the remembered edits rewrote ([`SummedText`]), with their keys' sums.
+#[derive(Default)]
+struct LeftOut {
+    /// Indices into [`SummedText::lines`].
+    lines: BTreeSet<usize>,
+    /// `Σ k kᵀ` of their keys per edited weight, f32 `[d_in, d_in]` (empty: no line).
+    sums: Vec<Tensor>,
+    /// Their tokens, counted as the statistics count them.
+    tokens: f64,
+}
+
+impl LeftOut {
+    fn shallow(&self) -> LeftOut {
+        LeftOut { lines: self.lines.clone(), sums: self.sums.iter().map(Tensor::shallow_clone).collect(), tokens: self.tokens }
+    }
+}
+
 /// Per edited weight: every committed edit's keys `K` `[R, d_in]`, targets `T` `[R, d_out]`
 /// (relative to the weights the memory started from), the edit each row belongs to `[R]`
 /// (int64, numbered in commit order) and the change `S` `[d_in, d_out]` committed so far.
@@ -244,6 +271,8 @@ struct Proposal {
     examples: Vec<Example>,
     /// Times each edit (remembered, then new) has been pushed by a round, this call included.
     pushes: Vec<usize>,
+    /// The statistics' lines left out, these edits' facts' included.
+    left_out: LeftOut,
 }
 
 /// The edits a session has committed with `mend-ls`, for re-solving over all of them.
@@ -258,6 +287,8 @@ pub struct KeyMemory {
     /// How many rounds have pushed each of them: at most `rounds` over an edit's life, so
     /// that edits one after another are pushed no more than the same edits in one batch.
     pushes: Vec<usize>,
+    /// The statistics' lines that state a committed edit's fact, out of every solve.
+    left_out: LeftOut,
     pending: Option<Proposal>,
 }
 
@@ -270,6 +301,7 @@ impl KeyMemory {
             edits: self.edits,
             examples: self.examples.clone(),
             pushes: self.pushes.clone(),
+            left_out: self.left_out.shallow(),
             pending: None,
         }
     }
@@ -315,6 +347,7 @@ impl KeyMemory {
         self.edits += p.edits;
         self.examples.extend(p.examples);
         self.pushes = p.pushes;
+        self.left_out = p.left_out;
         self.layers = layers;
     }
 
@@ -332,6 +365,11 @@ pub struct LsEditor {
     /// [`unrelated_grams`] of the unedited model, or the editor's key statistics
     /// ([`crate::mend::stats::KeyStats::grams`]), per edited weight (empty: none).
     pub unrelated: Vec<Tensor>,
+    /// The lines the key statistics in `unrelated` summed, when their text was found
+    /// ([`SummedText::find`]): each edit leaves out of the solve's statistics those that
+    /// state the fact it rewrites, so the solve does not keep the old fact. `None` with a
+    /// keep text or without statistics.
+    pub stats_text: Option<SummedText>,
     /// `--method auto`: a call with a single request and no edit remembered is plain MEND
     /// with this editor ([`crate::edit::make_edit`]), not a solve.
     pub single_mend: bool,
@@ -411,7 +449,7 @@ pub fn aggregate(
 /// the remembered edits and these (with rounds, pushed until no more of them answer); as a
 /// low-rank override `(I, S − S_prev)` (rank `d_in`).
 /// Not committed: [`KeyMemory::commit`] records it once the caller has committed it.
-pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch) -> Result<Overrides> {
+pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fact]) -> Result<Overrides> {
     let _g = tch::no_grad_guard();
     ls.config.validate()?;
     let first = ls.memory.edits;
@@ -423,7 +461,10 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch) -> Result<Ov
     // Captured at the weights the remembered edits started from, `W0 = W − S_prev`: each
     // edit's keys and shifts are those it would have in one batch with all the others.
     let undo: Vec<Option<Tensor>> = ls.memory.layers.iter().map(|l| l.s.as_ref().map(|s| -s)).collect();
-    let (_, factors, positions) = engine.capture_by_example(inner, &weights_plus(engine, &undo)?)?;
+    let w0 = weights_plus(engine, &undo)?;
+    let (_, factors, positions) = engine.capture_by_example(inner, &w0)?;
+    let left_out = leave_out(engine, ls, facts, &w0)?;
+    let unrelated = unrelated_without(ls, &left_out);
     let t_len = inner.input_ids.size()[1];
     let terms = ls.editor.edit_terms(&factors, false);
     let mut rows: Vec<Rows> = crate::error::guard(|| {
@@ -444,7 +485,7 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch) -> Result<Ov
         }
         Ok(rows)
     })?;
-    let mut s = solve_all(ls, &rows)?;
+    let mut s = solve_all(&ls.config, &unrelated, &rows)?;
     let mut out = overrides(engine, &ls.memory, &s)?;
     let mut pushes = ls.memory.pushes.clone();
     if ls.config.rounds > 0 {
@@ -477,7 +518,7 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch) -> Result<Ov
                     })
                     .collect())
             })?;
-            let s2 = solve_all(ls, &pushed)?;
+            let s2 = solve_all(&ls.config, &unrelated, &pushed)?;
             let out2 = overrides(engine, &ls.memory, &s2)?;
             let answers2 = answering(engine, &out2, &all)?;
             let answered2 = answers2.iter().filter(|a| **a).count();
@@ -498,13 +539,62 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch) -> Result<Ov
         edits: inner.batch_size(),
         examples: new_requests,
         pushes,
+        left_out,
     });
     Ok(out)
 }
 
-/// [`solve`] for every edited weight.
-fn solve_all(ls: &LsEditor, rows: &[Rows]) -> Result<Vec<Tensor>> {
-    crate::error::guard(|| Ok(rows.iter().enumerate().map(|(i, r)| solve(r, &ls.config, ls.unrelated.get(i))).collect()))
+/// [`solve`] for every edited weight, against `unrelated[i]` (none past its end).
+fn solve_all(config: &LsConfig, unrelated: &[Tensor], rows: &[Rows]) -> Result<Vec<Tensor>> {
+    crate::error::guard(|| Ok(rows.iter().enumerate().map(|(i, r)| solve(r, config, unrelated.get(i))).collect()))
+}
+
+/// The remembered edits' left-out lines plus the statistics' lines (not yet left out)
+/// that state one of `facts`, their keys taken at the weights `w0` the edits' keys are
+/// captured at (the statistics' own keys are the unedited model's, which `w0` is for a
+/// session that started from it).
+fn leave_out(engine: &Engine, ls: &LsEditor, facts: &[Fact], w0: &HashMap<String, Tensor>) -> Result<LeftOut> {
+    let mut out = ls.memory.left_out.shallow();
+    let Some(text) = &ls.stats_text else { return Ok(out) };
+    // A last line cut by --max-tokens was summed only in part: never left out.
+    let summed = text.lines.len().saturating_sub(usize::from(text.cut_last));
+    let new: Vec<usize> = (0..summed).filter(|i| !out.lines.contains(i) && facts.iter().any(|f| f.stated_in(&text.lines[*i]))).collect();
+    if new.is_empty() {
+        return Ok(out);
+    }
+    let mut examples = Vec::with_capacity(new.len());
+    for &i in &new {
+        if let Some((ids, _)) = crate::mend::stats::line_ids(engine, &text.lines[i], usize::MAX)? {
+            out.tokens += ids.len() as f64;
+            examples.push(Example { ids, answer_start: 1, image: None });
+        }
+    }
+    for chunk in examples.chunks(64) {
+        let xs = engine.layer_inputs_at(&engine.collate(&chunk.iter().collect::<Vec<_>>())?, w0)?;
+        out.sums = crate::error::guard(|| {
+            let g = xs.iter().map(|x| x.tr().matmul(x));
+            Ok(match out.sums.is_empty() {
+                true => g.collect(),
+                false => out.sums.iter().zip(g).map(|(a, b)| a + b).collect(),
+            })
+        })?;
+    }
+    debug!(lines = new.len(), tokens = out.tokens, "mend-ls leaves the statistics' lines stating the edited facts out of the solve");
+    out.lines.extend(new);
+    Ok(out)
+}
+
+/// The solve's unrelated Grams without the `left` lines: the statistics `Σ k kᵀ` less
+/// theirs, weighted for the tokens that remain (`unrelated` holds the statistics already
+/// weighted for all of theirs, [`crate::mend::stats::KeyStats::grams`]).
+fn unrelated_without(ls: &LsEditor, left: &LeftOut) -> Vec<Tensor> {
+    match &ls.stats_text {
+        Some(text) if !left.sums.is_empty() => {
+            let (all, rest) = (weight_scale(text.tokens), weight_scale((text.tokens - left.tokens).max(1.0)));
+            ls.unrelated.iter().zip(&left.sums).map(|(u, e)| (u - e.to_device(u.device()) * all) * (rest / all)).collect()
+        }
+        _ => ls.unrelated.iter().map(Tensor::shallow_clone).collect(),
+    }
 }
 
 /// Per edited weight, the change from the current weights to `W0 + s`: `s − S_prev`.

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::data::Example;
+use crate::mend::ls::MAX_KEEP_LINE_CHARS;
 use crate::mend::{checkpoint, Engine};
 use crate::{Error, Result};
 
@@ -49,8 +50,16 @@ pub struct StatsMeta {
     pub tokens: f64,
     /// Lines of text read.
     pub lines: usize,
-    /// The text file (informational).
+    /// The text file, as given to `dualedit stats`: [`SummedText::find`] reads its lines
+    /// again to leave out those that state an edited fact.
     pub text: String,
+    /// FNV-1a 64 (hex) of the summed lines, each trimmed and ended by `\n`: whether the
+    /// text found later is the one summed (absent in files of earlier versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_fnv: Option<String>,
+    /// Whether `--max-tokens` cut the last summed line short.
+    #[serde(default)]
+    pub cut: bool,
     /// Sum of each edited weight of the model they were computed on: statistics of
     /// another checkpoint are refused as an editor of another model is.
     pub weight_sums: std::collections::BTreeMap<String, f64>,
@@ -79,7 +88,7 @@ impl KeyStats {
         }
         let file = std::fs::File::open(text).map_err(|e| Error::io(text, e))?;
         let progress = crate::progress::Progress::new("key statistics", meta.len() as usize, show);
-        let max = engine.lm.model.info().max_positions.max(2) as usize;
+        let (mut fnv, mut cut) = (Fnv::default(), false);
         let mut sums: Option<Vec<Tensor>> = None;
         let (mut tokens, mut lines, mut read) = (0usize, 0usize, 0u64);
         let mut chunk: Vec<Example> = Vec::with_capacity(CHUNK_LINES);
@@ -109,14 +118,9 @@ impl KeyStats {
             if line.is_empty() {
                 continue;
             }
-            let cut = &line[..floor_char_boundary(line, crate::mend::ls::MAX_KEEP_LINE_CHARS)];
-            let mut ids = engine.lm.tokenizer.encode(cut)?;
-            // Every token is a key: the last one is an input too (as in `unrelated_grams`).
-            ids.truncate((max - 1).min(max_tokens - tokens));
-            ids.push(ids.last().copied().unwrap_or(0));
-            if ids.len() < 2 {
-                continue;
-            }
+            let Some((ids, budget_cut)) = line_ids(engine, line, max_tokens - tokens)? else { continue };
+            cut = budget_cut;
+            fnv.update(line);
             tokens += ids.len();
             lines += 1;
             chunk.push(Example { ids, answer_start: 1, image: None });
@@ -140,6 +144,8 @@ impl KeyStats {
             tokens: tokens as f64,
             lines,
             text: text.display().to_string(),
+            text_fnv: Some(fnv.hex()),
+            cut,
             weight_sums,
         };
         Ok(Self { meta, sums })
@@ -190,7 +196,7 @@ impl KeyStats {
     /// What the solve adds per edited weight before the keep weight: `Σ k kᵀ` scaled to
     /// at most [`WEIGHT_TOKENS`] tokens (f32 `[d_in, d_in]`).
     pub fn grams(&self) -> Result<Vec<Tensor>> {
-        let scale = (WEIGHT_TOKENS / self.meta.tokens).min(1.0);
+        let scale = weight_scale(self.meta.tokens);
         crate::error::guard(|| Ok(self.sums.iter().map(|s| (s * scale).to_kind(Kind::Float)).collect()))
     }
 
@@ -198,8 +204,14 @@ impl KeyStats {
     /// them in its `editor.json` (`key_stats`): the file first, then the description, each
     /// replaced atomically, so a failure leaves the editor as it was (at worst an unnamed
     /// statistics file beside it).
-    pub fn write_for_editor(&self, dir: &Path) -> Result<PathBuf> {
+    /// The text is recorded relative to the editor's folder when the two share a folder
+    /// (`../world/corpus.txt` for the embedded default), so that the pair can move
+    /// together and [`SummedText::find`] still finds it.
+    pub fn write_for_editor(&mut self, dir: &Path) -> Result<PathBuf> {
         let mut meta = checkpoint::read_editor_json(dir)?;
+        if let Some(rel) = relative_path(dir, Path::new(&self.meta.text)) {
+            self.meta.text = rel.display().to_string();
+        }
         let path = dir.join(KEY_STATS_FILE);
         self.save(&path)?;
         meta.key_stats = Some(KEY_STATS_FILE.to_string());
@@ -212,6 +224,111 @@ impl KeyStats {
 pub fn editor_stats_path(dir: &Path) -> Result<Option<PathBuf>> {
     let meta = checkpoint::read_editor_json(dir)?;
     Ok(meta.key_stats.map(|f| dir.join(f)))
+}
+
+/// The factor of statistics over `tokens` tokens in the solve: they stand for at most
+/// [`WEIGHT_TOKENS`] tokens (see the module's doc).
+pub fn weight_scale(tokens: f64) -> f64 {
+    (WEIGHT_TOKENS / tokens).min(1.0)
+}
+
+/// The statistics' tokens of one (trimmed, non-empty) text line: cut to
+/// [`MAX_KEEP_LINE_CHARS`] characters, encoded, at most the model's context − 1 and
+/// `budget` tokens, then the last token repeated, since in a batch the last token is a
+/// target and every token must be an input (a key). `None` for a line without a token;
+/// the flag says whether `budget` (not the context) cut it.
+pub fn line_ids(engine: &Engine, line: &str, budget: usize) -> Result<Option<(Vec<i64>, bool)>> {
+    let max = engine.lm.model.info().max_positions.max(2) as usize;
+    let mut ids = engine.lm.tokenizer.encode(&line[..floor_char_boundary(line, MAX_KEEP_LINE_CHARS)])?;
+    let keep = (max - 1).min(budget);
+    let cut = ids.len() > keep && budget < max - 1;
+    ids.truncate(keep);
+    ids.push(ids.last().copied().unwrap_or(0));
+    Ok((ids.len() >= 2).then_some((ids, cut)))
+}
+
+/// FNV-1a 64 over text lines, each followed by `\n`: a fingerprint of the summed text.
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn update(&mut self, line: &str) {
+        for b in line.bytes().chain(std::iter::once(b'\n')) {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn hex(&self) -> String {
+        format!("{:016x}", self.0)
+    }
+}
+
+/// Texts larger than this are not read back for [`SummedText`]: in a corpus that large the
+/// edited facts' own lines weigh nothing in the statistics.
+const MAX_SUMMED_TEXT_BYTES: u64 = 64 << 20;
+
+/// The lines the statistics summed, read back from their text, so that an edit can leave
+/// out of the solve's statistics the lines that state the fact it rewrites
+/// ([`crate::mend::ls::Fact`]): asked to keep those lines' keys as they were, the solve
+/// keeps the old fact at its rephrasings' keys too (the world's corpus states every fact
+/// in each of its relation's templates; docs/notebook.md, "Many edits, part 7").
+pub struct SummedText {
+    /// The summed lines, trimmed, in order.
+    pub lines: Vec<String>,
+    /// Whether the last one was cut by `--max-tokens` (then it is never left out).
+    pub cut_last: bool,
+    /// Tokens summed ([`StatsMeta::tokens`]).
+    pub tokens: f64,
+}
+
+impl SummedText {
+    /// The text of `meta`, found relative to the editor's folder `dir` (as
+    /// [`KeyStats::write_for_editor`] records it), as written, or relative to a folder
+    /// above `dir`, whose summed lines still have the fingerprint the statistics recorded. `None` (logged) when there is none: a file
+    /// of an earlier version (no fingerprint), a text moved, changed or over 64 MiB.
+    pub fn find(meta: &StatsMeta, dir: &Path) -> Option<Self> {
+        let want = meta.text_fnv.as_ref()?;
+        let given = Path::new(&meta.text);
+        let mut candidates = vec![dir.join(given), given.to_path_buf()];
+        if given.is_relative() {
+            candidates.extend(dir.ancestors().skip(1).map(|a| a.join(given)));
+        }
+        for path in candidates {
+            let Ok(m) = std::fs::metadata(&path) else { continue };
+            if !m.is_file() || m.len() > MAX_SUMMED_TEXT_BYTES {
+                continue;
+            }
+            let Ok(text) = std::fs::read_to_string(&path) else { continue };
+            // The summed lines are the first non-empty ones (a line without a token was
+            // not summed: then the fingerprint differs and nothing is left out).
+            let kept: Vec<String> = text.lines().map(str::trim).filter(|l| !l.is_empty()).take(meta.lines).map(String::from).collect();
+            let mut fnv = Fnv::default();
+            kept.iter().for_each(|l| fnv.update(l));
+            if kept.len() == meta.lines && fnv.hex() == *want {
+                tracing::debug!(file = %path.display(), lines = kept.len(), "the key statistics' text, for leaving out edited facts");
+                return Some(Self { lines: kept, cut_last: meta.cut, tokens: meta.tokens });
+            }
+        }
+        tracing::info!(text = %meta.text, "the key statistics' text is not found as it was summed: mend-ls keeps the edited facts' own lines in its statistics");
+        None
+    }
+}
+
+/// `target` relative to the folder `from` (`../world/corpus.txt`), when both exist and
+/// share a folder below the file system's root; else `None`.
+fn relative_path(from: &Path, target: &Path) -> Option<PathBuf> {
+    let (from, target) = (from.canonicalize().ok()?, target.canonicalize().ok()?);
+    let common = from.components().zip(target.components()).take_while(|(a, b)| a == b).count();
+    if common <= 1 {
+        return None;
+    }
+    let mut rel: PathBuf = from.components().skip(common).map(|_| "..").collect();
+    rel.extend(target.components().skip(common));
+    Some(rel)
 }
 
 /// The largest char boundary of `s` at or below `at`.

@@ -96,8 +96,8 @@ fn training_solve_is_the_edit_time_solve_and_trains_the_editor() {
     let inner: Vec<&Example> = ex.iter().map(|e| &e.inner).collect();
     let batch = engine.collate(&inner).unwrap();
     let editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 4).unwrap();
-    let mut lse = LsEditor { editor, config: cfg.ls, memory: KeyMemory::default(), unrelated: grams.iter().map(Tensor::shallow_clone).collect(), single_mend: false };
-    let at_edit = weights(&engine, &ls::edit(&engine, &mut lse, &batch).unwrap());
+    let mut lse = LsEditor { editor, config: cfg.ls, memory: KeyMemory::default(), stats_text: None, unrelated: grams.iter().map(Tensor::shallow_clone).collect(), single_mend: false };
+    let at_edit = weights(&engine, &ls::edit(&engine, &mut lse, &batch, &[]).unwrap());
     let mut editor = lse.editor;
 
     let (_, factors, positions) = engine.capture_by_example(&batch, &HashMap::new()).unwrap();

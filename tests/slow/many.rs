@@ -322,7 +322,7 @@ fn key_statistics_round_trip_and_refuse_what_does_not_fit() {
     let opts = LoadOptions::default();
     let names = dualedit::edit::editor_params(&editor).unwrap();
     let engine = dualedit::edit::open_engine(&common::root().join("data/model"), &opts, &names).unwrap();
-    let stats = KeyStats::compute(&engine, &text, 1_000_000, false).unwrap();
+    let mut stats = KeyStats::compute(&engine, &text, 1_000_000, false).unwrap();
     assert_eq!(stats.meta.lines, 2);
     assert_eq!(stats.sums.len(), names.len());
     let path = stats.write_for_editor(&editor).unwrap();
@@ -347,6 +347,76 @@ fn key_statistics_round_trip_and_refuse_what_does_not_fit() {
     std::fs::write(&empty, "\n  \n").unwrap();
     let err = KeyStats::compute(&engine, &empty, 1000, false).err().expect("empty text").to_string();
     assert!(err.contains("empty.txt"), "{err}");
+}
+
+/// An editor folder in `dir/name` with `data/editor-many`'s weights and statistics over
+/// `text` (written with its fingerprint, as `dualedit stats` does).
+fn editor_with_stats(dir: &Path, name: &str, text: &Path) -> PathBuf {
+    let editor = dir.join(name);
+    std::fs::create_dir(&editor).unwrap();
+    for f in ["editor.json", "editor.safetensors"] {
+        std::fs::copy(common::root().join("data/editor-many").join(f), editor.join(f)).unwrap();
+    }
+    let names = dualedit::edit::editor_params(&editor).unwrap();
+    let engine = dualedit::edit::open_engine(&common::root().join("data/model"), &LoadOptions::default(), &names).unwrap();
+    dualedit::mend::stats::KeyStats::compute(&engine, text, usize::MAX, false).unwrap().write_for_editor(&editor).unwrap();
+    editor
+}
+
+/// The edited weights after one unguarded batch of `records` with `mend-ls` (one solve, no
+/// rounds) and the editor's statistics.
+fn solved(editor: &Path, records: &[EditRecord]) -> Vec<tch::Tensor> {
+    let ls = LsChoice { rounds: Some(0), ..LsChoice::default() };
+    let mut s = session(&MethodSpec::MendLs { editor: editor.to_path_buf(), ls, unrelated: None });
+    s.guard = None;
+    let examples = prepare(&s.engine().lm.tokenizer, records, 32, &fresh()).unwrap();
+    s.edit_examples(records, &examples, false).unwrap();
+    let names = dualedit::edit::editor_params(editor).unwrap();
+    names.iter().map(|n| s.engine().weight(n).unwrap().copy()).collect()
+}
+
+fn max_rel_diff(a: &[tch::Tensor], b: &[tch::Tensor]) -> f64 {
+    a.iter().zip(b).map(|(a, b)| (a - b).abs().max().double_value(&[]) / b.abs().max().double_value(&[])).fold(0.0, f64::max)
+}
+
+/// Issue #36, generalisation: the solve leaves out of the key statistics the lines that
+/// state a fact the edits rewrite (subject and old answer), exactly as statistics computed
+/// without those lines; requests that name no subject leave nothing out; a text changed
+/// since the statistics were summed is not used.
+#[test]
+fn the_solve_leaves_the_edited_facts_own_lines_out_of_the_statistics() {
+    use dualedit::mend::stats::SummedText;
+    let dir = tempfile::tempdir().unwrap();
+    let (records, _) = load_records(&fresh(), DatasetKind::Requests).unwrap();
+    let records = &records[..10];
+    let corpus = common::root().join("data/world/corpus.txt");
+    let full = editor_with_stats(dir.path(), "full", &corpus);
+    let without = editor_with_stats(dir.path(), "without", &keep_text(records, dir.path()));
+    let left_out = solved(&full, records);
+    let same = max_rel_diff(&left_out, &solved(&without, records));
+    // Without subjects nothing is left out: the full statistics' solve, another one.
+    let anonymous: Vec<EditRecord> = records.iter().map(|r| EditRecord { subject: None, ..r.clone() }).collect();
+    let other = max_rel_diff(&solved(&full, &anonymous), &left_out);
+    println!("largest weight change between the solves, relative to the weight: {same:.2e} (statistics without the lines), {other:.2e} (nothing left out)");
+    // The solve is f32 at λ 1e-6: the two ways of forming the same statistics (f64 sums
+    // less f32 ones, f64 sums of fewer lines) round differently, by 3e-3 of the weight
+    // here (7.9e-4 at λ 1e-4, 1.8e-4 at λ 1e-2: rounding, amplified by the conditioning).
+    assert!(same < 1e-2 && other > 10.0 * same, "leaving the lines out = statistics without them: {same} against {other}");
+    // The text is found beside an ancestor of the editor when it was given relative, and
+    // only while its summed lines are unchanged.
+    let stats = dualedit::mend::stats::KeyStats::load(&full.join("key-stats.safetensors"), &dualedit::edit::open_engine(&common::root().join("data/model"), &LoadOptions::default(), &dualedit::edit::editor_params(&full).unwrap()).unwrap()).unwrap();
+    let text = SummedText::find(&stats.meta, &full).expect("the corpus as summed");
+    assert_eq!((text.lines.len(), text.tokens), (stats.meta.lines, stats.meta.tokens));
+    std::fs::create_dir(dir.path().join("world")).unwrap();
+    let moved = dir.path().join("world/corpus.txt");
+    std::fs::copy(&corpus, &moved).unwrap();
+    let relative = dualedit::mend::stats::StatsMeta { text: "world/corpus.txt".into(), ..stats.meta.clone() };
+    assert!(SummedText::find(&relative, &full).is_some(), "found under the editor's parent");
+    let changed = std::fs::read_to_string(&moved).unwrap().replacen("mining", "fishing", 1);
+    std::fs::write(&moved, changed).unwrap();
+    assert!(SummedText::find(&relative, &full).is_none(), "a changed text is not used");
+    let older = dualedit::mend::stats::StatsMeta { text_fnv: None, ..stats.meta.clone() };
+    assert!(SummedText::find(&older, &full).is_none(), "statistics without a fingerprint leave nothing out");
 }
 
 /// Issue #36, item 4: the default method picks by the number of requests, and the
@@ -403,9 +473,10 @@ fn the_default_command_holds_fifty_in_one_batch_and_twenty_in_a_row() {
 }
 
 /// What the default command reaches (reliability, generalisation, locality) less a margin:
-/// measured 0.94 / 0.35 / 1.00 in one batch of 50 and 0.81 / 0.29 / 1.00 for 20 in a row.
+/// measured 0.96 / 0.40 / 1.00 in one batch of 50 and 0.81 / 0.45 / 1.00 for 20 in a row
+/// (0.94 / 0.35 and 0.81 / 0.29 before the statistics left the edited facts' lines out).
 /// The issue's targets are 0.95 / 0.80 / 0.90 and 0.90 / 0.75 / 0.90: reliability in one
-/// batch is near, sequential reliability and generalisation are not met
-/// (docs/notebook.md, "Many edits by default").
-const BATCH: (f64, f64, f64) = (0.9, 0.3, 0.9);
-const SEQUENTIAL: (f64, f64, f64) = (0.75, 0.22, 0.9);
+/// batch is met here, sequential reliability and generalisation are not
+/// (docs/notebook.md, "Many edits by default" and part 7).
+const BATCH: (f64, f64, f64) = (0.93, 0.36, 0.9);
+const SEQUENTIAL: (f64, f64, f64) = (0.75, 0.4, 0.9);

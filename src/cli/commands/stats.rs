@@ -11,7 +11,7 @@ pub fn run(a: StatsArgs) -> anyhow::Result<()> {
     let opts = LoadOptions { plan: a.devices.placed(&place)?, dtype: tch::Kind::Float };
     let start = std::time::Instant::now();
     let engine = edit::open_engine(&a.model, &opts, &edit::editor_params(&a.editor)?)?;
-    let stats = KeyStats::compute(&engine, &a.text, a.max_tokens, !a.json)?;
+    let mut stats = KeyStats::compute(&engine, &a.text, a.max_tokens, !a.json)?;
     let path = stats.write_for_editor(&a.editor)?;
     let seconds = start.elapsed().as_secs_f64();
     if a.json {
