@@ -473,10 +473,11 @@ fn the_default_command_holds_fifty_in_one_batch_and_twenty_in_a_row() {
 }
 
 /// What the default command reaches (reliability, generalisation, locality) less a margin:
-/// measured 0.96 / 0.40 / 1.00 in one batch of 50 and 0.81 / 0.45 / 1.00 for 20 in a row
-/// (0.94 / 0.35 and 0.81 / 0.29 before the statistics left the edited facts' lines out).
+/// measured 0.96 / 0.40 / 1.00 in one batch of 50 and 0.89 / 0.45 / 1.00 for 20 in a row
+/// (0.94 / 0.35 and 0.81 / 0.29 before the statistics left the edited facts' lines out
+/// and `data/editor-many` took a fourth re-solve round).
 /// The targets are 0.95 / 0.80 / 0.90 and 0.90 / 0.75 / 0.90: reliability in one
 /// batch is met here, sequential reliability and generalisation are not
 /// (docs/notebook.md, "Many edits by default" and part 7).
 const BATCH: (f64, f64, f64) = (0.93, 0.36, 0.9);
-const SEQUENTIAL: (f64, f64, f64) = (0.75, 0.4, 0.9);
+const SEQUENTIAL: (f64, f64, f64) = (0.82, 0.4, 0.9);
