@@ -309,7 +309,7 @@ fn image_examples(
 /// EasyEdit's `pre` figures: each request measured on the current weights, unedited.
 fn measure_unedited(s: &Inner, examples: &[dualedit::data::EditExample]) -> dualedit::Result<String> {
     let refs: Vec<&dualedit::data::EditExample> = examples.iter().collect();
-    let m = dualedit::edit::measured_edit(s.engine(), &mut dualedit::edit::Method::Unedited, &refs)?;
+    let m = dualedit::edit::measured_edit(s.engine(), &mut dualedit::edit::Method::Unedited, &refs, &[])?;
     serde_json::to_string(&m.metrics).map_err(|e| Error::input(e.to_string()))
 }
 

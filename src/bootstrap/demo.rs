@@ -260,7 +260,7 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
         }
     }
     tracker.mark("edit")?;
-    let metrics = evaluate(&engine, &mut method, &examples, |_, _| {})?;
+    let metrics = evaluate(&engine, &mut method, &examples, &[], |_, _| {})?;
     tracker.mark("eval")?;
     let s = Summary::of(&metrics);
     w(out, String::new())?;

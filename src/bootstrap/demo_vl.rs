@@ -151,7 +151,7 @@ pub fn run_demo_vl(root: &Path, plan: DevicePlan, json: bool, out: &mut impl std
     // Back to the loaded weights: every held-out edit starts from the unedited model.
     let restore: crate::model::Overrides = originals.into_iter().collect();
     engine.commit(&restore)?;
-    let metrics = evaluate(&engine, &mut method, &examples, |_, _| {})?;
+    let metrics = evaluate(&engine, &mut method, &examples, &[], |_, _| {})?;
     let s = Summary::of(&metrics);
     let summary = VlDemoSummary {
         model: info.architecture.clone(),

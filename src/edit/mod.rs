@@ -446,8 +446,9 @@ pub struct Measured {
     pub metrics: Vec<RecordMetrics>,
 }
 
-/// Measures `examples` before, makes one batch edit of all of them, measures after.
-pub fn measured_edit(engine: &Engine, method: &mut Method, examples: &[&EditExample]) -> Result<Measured> {
+/// Measures `examples` before, makes one batch edit of all of them (rewriting `facts`,
+/// see [`make_edit_as`]), measures after.
+pub fn measured_edit(engine: &Engine, method: &mut Method, examples: &[&EditExample], facts: &[Fact]) -> Result<Measured> {
     if examples.is_empty() {
         return Err(Error::input("no edit requests"));
     }
@@ -456,23 +457,26 @@ pub fn measured_edit(engine: &Engine, method: &mut Method, examples: &[&EditExam
     let before = eval::measure_before(engine, examples, images.as_ref())?;
     let start = Instant::now();
     let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
-    let overrides = make_edit(engine, method, &engine.collate_with(&inner, images.as_ref())?)?;
+    let overrides = make_edit_as(engine, method, &engine.collate_with(&inner, images.as_ref())?, CallMethod::Auto, false, facts)?;
     let per_example = start.elapsed().as_secs_f64() / examples.len() as f64;
     let metrics = eval::measure_after(engine, &overrides, examples, &before, per_example, images.as_ref())?;
     Ok(Measured { overrides, metrics })
 }
 
 /// EasyEdit-style evaluation: each example is edited on its own, starting from the
-/// unedited model, and measured before and after.
+/// unedited model, and measured before and after. `facts`: each example's fact (or
+/// `None`; empty: none), for `mend-ls`.
 pub fn evaluate(
     engine: &Engine,
     method: &mut Method,
     examples: &[EditExample],
+    facts: &[Option<Fact>],
     mut on_record: impl FnMut(usize, &RecordMetrics),
 ) -> Result<Vec<RecordMetrics>> {
     let mut all = Vec::with_capacity(examples.len());
     for (i, e) in examples.iter().enumerate() {
-        let m = measured_edit(engine, method, &[e])?.metrics.remove(0);
+        let fact: Vec<Fact> = facts.get(i).cloned().flatten().into_iter().collect();
+        let m = measured_edit(engine, method, &[e], &fact)?.metrics.remove(0);
         on_record(i, &m);
         all.push(m);
     }

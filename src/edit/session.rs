@@ -448,10 +448,7 @@ impl Session {
         let refs: Vec<&EditExample> = examples.iter().collect();
         // Each request's fact, for mend-ls's statistics (records and examples pair up;
         // multimodal records name none).
-        let facts: Vec<Option<Fact>> = match records.len() == examples.len() {
-            true => records.iter().map(Fact::of).collect(),
-            false => vec![None; examples.len()],
-        };
+        let facts = Fact::of_each(records, examples.len());
         // The guard's probes: the requests' locality prompts (text, and image + question
         // for multimodal requests), against the weights now.
         let loc: Vec<&Example> = examples.iter().flat_map(|e| e.loc.iter().chain(&e.loc_image)).collect();

@@ -401,9 +401,10 @@ pub fn run_eval_counted(o: &EvalOptions, mut on_record: impl FnMut(usize, usize,
     let (engine, mut method) = edit::open(&o.common.model, &o.common.load_options(), &o.method)?;
     tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
-    let (_, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
+    let (records, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
+    let facts = crate::mend::ls::Fact::of_each(&records, examples.len());
     let t1 = Instant::now();
-    let records = crate::edit::evaluate(&engine, &mut method, &examples, |i, m| on_record(i, examples.len(), m))?;
+    let records = crate::edit::evaluate(&engine, &mut method, &examples, &facts, |i, m| on_record(i, examples.len(), m))?;
     tracker.mark("eval")?;
     let out = EvalOutput { method: method.name().into(), ls: method.ls_config(), capacity: None, summary: Summary::of(&records), records, data };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);
