@@ -26,10 +26,10 @@
 //! not a regular file there or does not decode (truncated, over 200:1, too many tokens
 //! with the text), a NUL byte in a path, 401 a missing or wrong bearer token, 403 a
 //! `/save` or an image path the server does not allow (no save or image root, or a path
-//! that leaves it), 404 unknown route, 405 wrong method, 413 body too large, 422 a
-//! well-formed request the model refuses (a prompt longer than its context, an edit
-//! without an editor), 503 queue full or shutting down, 500 a failure on the server's
-//! side. Which is which is decided by `Failure`: an error about a file the request named
+//! that leaves it), 404 unknown route, 405 wrong method, 408 a body not sent within the
+//! body timeout, 413 body too large, 422 a well-formed request the model refuses (a
+//! prompt longer than its context, an edit without an editor), 503 queue full, too many
+//! clients stalled mid-body, or shutting down, 500 a failure on the server's side. Which is which is decided by `Failure`: an error about a file the request named
 //! is the client's, anything else from the model's side is the server's. A message names
 //! only what the client sent (its relative path, its field); a 500 says only its kind, and
 //! the details (paths, libtorch messages) go to the log.
@@ -49,7 +49,8 @@
 //! so `/health` answers even while every worker waits on a slow client. Workers read,
 //! parse and validate bodies (every other 4xx); model requests go into one bounded queue
 //! that the model thread (the caller of [`Server::run`], which owns the session) runs in
-//! order and answers. Workers never wait on the model, so a full queue is answered 503 at
+//! order and answers. A body that does not arrive within the body timeout is answered 408
+//! and frees its worker (a thread of its own keeps the slow connection). Workers never wait on the model, so a full queue is answered 503 at
 //! once instead of letting waits grow without bound; a request that waited longer than
 //! the queue timeout is answered 503 without running.
 mod request;
@@ -88,6 +89,10 @@ pub struct ServeOptions {
     pub max_body_bytes: usize,
     /// A model request that waited longer than this is answered 503 without running.
     pub queue_timeout: Duration,
+    /// How long a worker waits for a request's body. A client that stalls mid-body is
+    /// answered 408 and its connection is left to a reader thread of its own (at most
+    /// [`MAX_SLOW_READERS`]), so slow clients hold no worker beyond this.
+    pub body_timeout: Duration,
     /// The existing directory `/save` writes into, at relative paths that stay inside it;
     /// `None` (the default) refuses `/save` with 403, since otherwise any client could
     /// write model folders wherever the process can.
@@ -115,6 +120,7 @@ impl Default for ServeOptions {
             workers: 4,
             max_body_bytes: 1 << 20,
             queue_timeout: Duration::from_secs(60),
+            body_timeout: Duration::from_secs(30),
             save_root: None,
             image_root: None,
             token: None,
@@ -244,6 +250,7 @@ impl Server {
             health: Health::of(&session, &self.opts),
             plan: session.engine().plan,
             edits_total: AtomicUsize::new(session.edits_total()),
+            slow_readers: Default::default(),
             tx,
             hidden: hidden_paths(&session, &self.opts),
         };
@@ -283,6 +290,8 @@ struct Shared<'a> {
     health: Health,
     plan: DevicePlan,
     edits_total: AtomicUsize,
+    /// Body reader threads running ([`body_within`]), shared with them.
+    slow_readers: std::sync::Arc<AtomicUsize>,
     tx: Sender<Job>,
     /// The server's own folders, as they may appear in a library message, with what a
     /// client is told instead (see [`Shared::scrub`]).
@@ -565,6 +574,7 @@ fn route(request: Request, shared: &Shared, to_workers: &Sender<Request>) {
             body["edits_total"] = json!(shared.edits_total.load(Ordering::Relaxed));
             body["queue_waiting"] = json!(shared.tx.len());
             body["workers_waiting"] = json!(to_workers.len());
+            body["body_readers"] = json!(shared.slow_readers.load(Ordering::Relaxed));
             respond(shared, request, 200, body)
         }
         "/memory" => match device_memory(&shared.plan) {
@@ -586,10 +596,15 @@ fn route(request: Request, shared: &Shared, to_workers: &Sender<Request>) {
     }
 }
 
+/// Reader threads that may wait on clients that stalled mid-body at once; beyond them a
+/// model request is answered 503 before its body is read.
+pub const MAX_SLOW_READERS: usize = 64;
+
 /// Reads and checks a model route's body, then queues it for the model thread.
-fn handle_model_request(mut request: Request, shared: &Shared) {
+fn handle_model_request(request: Request, shared: &Shared) {
     let path = route_path(request.url()).to_string();
-    let parsed = read_body(&mut request, shared.opts.max_body_bytes).and_then(|body| parse_op(&path, &body, shared.opts).map_err(|f| f.reply()));
+    let Some((request, body)) = body_within(request, shared) else { return };
+    let parsed = body.and_then(|body| parse_op(&path, &body, shared.opts).map_err(|f| f.reply()));
     let (op, paths) = match parsed {
         Ok(op) => op,
         Err((status, body)) => return respond(shared, request, status, body),
@@ -602,6 +617,49 @@ fn handle_model_request(mut request: Request, shared: &Shared) {
             respond(shared, job.request, 503, error_body(msg, "queue_full"))
         }
         Err(TrySendError::Disconnected(job)) => respond(shared, job.request, 503, error_body("server is shutting down", "shutting_down")),
+    }
+}
+
+/// The request's body ([`read_body`]), read on a thread of its own for at most the body
+/// timeout. A client that stalls longer is answered 408 (`None`: nothing more to do): its
+/// reader thread keeps the connection until the client sends the rest or goes, then
+/// answers it 408 itself, and the worker is free at once. When [`MAX_SLOW_READERS`] such
+/// threads already wait, the request is answered 503 without reading it.
+fn body_within(request: Request, shared: &Shared) -> Option<(Request, std::result::Result<Vec<u8>, Reply>)> {
+    let readers = &shared.slow_readers;
+    if readers.fetch_add(1, Ordering::SeqCst) >= MAX_SLOW_READERS {
+        readers.fetch_sub(1, Ordering::SeqCst);
+        let msg = format!("{MAX_SLOW_READERS} clients are already sending their bodies too slowly; retry later");
+        respond(shared, request, 503, error_body(msg, "slow_clients"));
+        return None;
+    }
+    let (tx, rx) = bounded(1);
+    let (max, timeout, counter) = (shared.opts.max_body_bytes, shared.opts.body_timeout, readers.clone());
+    let spawned = std::thread::Builder::new().name("body-reader".into()).spawn(move || {
+        let mut request = request;
+        let body = read_body(&mut request, max);
+        if let Err(crossbeam::channel::SendError((request, _))) = tx.send((request, body)) {
+            // The worker gave up on this client: answer it now that it has sent (or gone).
+            let msg = format!("the request body did not arrive within {} s", timeout.as_secs_f64());
+            let _ = request.respond(Response::from_string(error_body(msg, "timeout").to_string()).with_status_code(408).with_header(json_header()));
+        }
+        counter.fetch_sub(1, Ordering::SeqCst);
+    });
+    if let Err(e) = spawned {
+        readers.fetch_sub(1, Ordering::SeqCst);
+        warn!(error = %e, "cannot start a thread to read a request body");
+        // The request went with the closure that could not run: tiny_http answers 500
+        // when it is dropped.
+        shared.counters.count(500);
+        return None;
+    }
+    match rx.recv_timeout(timeout) {
+        Ok(got) => Some(got),
+        Err(_) => {
+            shared.counters.count(408);
+            warn!(seconds = timeout.as_secs_f64(), "a client did not send its request body in time: answered 408 when it sends or goes");
+            None
+        }
     }
 }
 

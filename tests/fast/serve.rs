@@ -460,6 +460,44 @@ fn bind_refuses_unsafe_settings() {
     assert!(err.contains("gone") && err.contains("existing directory"), "{err}");
 }
 
+/// A client that stalls mid-body holds its worker only for the body timeout: then the
+/// worker is free (the next request is answered 200 by the one worker), the stalled
+/// connection is kept by a reader thread of its own (counted in `/health`) and answered
+/// 408 once the client sends the rest.
+#[test]
+fn a_stalled_body_is_answered_408_and_frees_its_worker() {
+    let _serial = serial();
+    let session = Session::open(&fixture("gpt2"), None, &SessionOptions::default()).unwrap();
+    let opts = ServeOptions { workers: 1, queue: 2, body_timeout: Duration::from_millis(700), ..ServeOptions::default() };
+    let server = Running::start(session, opts);
+    let a = server.addr;
+    // Headers, then a body larger than tiny_http reads ahead (1 KiB), of which one byte.
+    let body = format!("{{\"text\": \"{}\"}}", "a ".repeat(2000));
+    let mut stalled = TcpStream::connect(a).unwrap();
+    write!(stalled, "POST /score HTTP/1.1\r\nHost: {a}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{", body.len()).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let t = Instant::now();
+    let (st, v) = http(a, "POST", "/score", Some(r#"{"text": "The capital of France is Paris"}"#));
+    assert_eq!(st, 200, "the one worker is free again: {v}");
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    let (_, h) = http(a, "GET", "/health", None);
+    assert_eq!(h["body_readers"], 1, "{h}");
+    // The rest of the body: the stalled client is answered 408, naming the timeout.
+    stalled.write_all(&body.as_bytes()[1..]).unwrap();
+    stalled.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut reply = String::new();
+    let _ = stalled.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+    assert!(reply.contains("\"kind\":\"timeout\"") && reply.contains("did not arrive within 0.7 s"), "{reply}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while http(a, "GET", "/health", None).1["body_readers"] != 0 {
+        assert!(Instant::now() < deadline, "the reader thread ends once it has answered");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let stats = server.stop();
+    assert!(stats.requests >= 3, "{stats:?}");
+}
+
 /// `dualedit serve` on port 0; returns the child and the address it printed.
 fn spawn_binary() -> (std::process::Child, SocketAddr, BufReader<std::process::ChildStderr>) {
     spawn_binary_with(&[], &[])

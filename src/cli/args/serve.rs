@@ -29,6 +29,10 @@ pub struct ServeArgs {
     /// Seconds a model request may wait in the queue before it is answered 503.
     #[arg(long, default_value_t = 60)]
     pub queue_timeout: u64,
+    /// Seconds a worker waits for a request's body before answering 408 (a client that
+    /// stalls mid-body then holds a thread of its own, not a worker).
+    #[arg(long, default_value_t = 30)]
+    pub body_timeout: u64,
     /// Allow POST /save, writing only to relative paths inside this existing directory
     /// (without it, /save is refused with 403).
     #[arg(long)]

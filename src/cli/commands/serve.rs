@@ -11,6 +11,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         queue: a.queue,
         max_body_bytes: a.max_body_bytes,
         queue_timeout: std::time::Duration::from_secs(a.queue_timeout),
+        body_timeout: std::time::Duration::from_secs(a.body_timeout),
         save_root: a.save_root,
         image_root: a.image_root,
         token: signals::token(a.token),
