@@ -17,7 +17,9 @@
 //! separately (MALMEN's normal equation, in the primal form: a `d_in × d_in` solve).
 //! Optionally `+ μ·Σ_j ‖c_j·S‖²` over keys `c_j` of unrelated text (`CᵀC` added to the
 //! normal matrix), which asks `S` to leave the layer's outputs there alone, as MEMIT's
-//! key covariance does.
+//! key covariance does. From the editor's key statistics each solve leaves out the lines
+//! that state a fact the edits rewrite ([`Fact`]): kept, they would ask `S` to keep the
+//! old fact at the edit's own rephrasings (docs/notebook.md, "Many edits, part 7").
 //!
 //! **Re-solve rounds** ([`LsConfig::rounds`]). One solve leaves some edits short of their
 //! target: the solve balances them against each other and the unrelated keys. A round

@@ -204,6 +204,7 @@ impl KeyStats {
     /// them in its `editor.json` (`key_stats`): the file first, then the description, each
     /// replaced atomically, so a failure leaves the editor as it was (at worst an unnamed
     /// statistics file beside it).
+    ///
     /// The text is recorded relative to the editor's folder when the two share a folder
     /// (`../world/corpus.txt` for the embedded default), so that the pair can move
     /// together and [`SummedText::find`] still finds it.
@@ -288,10 +289,14 @@ pub struct SummedText {
 impl SummedText {
     /// The text of `meta`, found relative to the editor's folder `dir` (as
     /// [`KeyStats::write_for_editor`] records it), as written, or relative to a folder
-    /// above `dir`, whose summed lines still have the fingerprint the statistics recorded. `None` (logged) when there is none: a file
-    /// of an earlier version (no fingerprint), a text moved, changed or over 64 MiB.
+    /// above `dir`, whose summed lines still have the fingerprint the statistics
+    /// recorded. `None` (logged) when there is none: statistics of an earlier version (no
+    /// fingerprint), a text moved, changed or over 64 MiB.
     pub fn find(meta: &StatsMeta, dir: &Path) -> Option<Self> {
-        let want = meta.text_fnv.as_ref()?;
+        let Some(want) = meta.text_fnv.as_ref() else {
+            tracing::info!(text = %meta.text, "the key statistics carry no fingerprint of their text (computed by an earlier version): mend-ls keeps the edited facts' own lines in them; run `dualedit stats` again to leave them out");
+            return None;
+        };
         let given = Path::new(&meta.text);
         let mut candidates = vec![dir.join(given), given.to_path_buf()];
         if given.is_relative() {

@@ -29,10 +29,11 @@
 //! that leaves it), 404 unknown route, 405 wrong method, 408 a body not sent within the
 //! body timeout, 413 body too large, 422 a well-formed request the model refuses (a
 //! prompt longer than its context, an edit without an editor), 503 queue full, too many
-//! clients stalled mid-body, or shutting down, 500 a failure on the server's side. Which is which is decided by `Failure`: an error about a file the request named
-//! is the client's, anything else from the model's side is the server's. A message names
-//! only what the client sent (its relative path, its field); a 500 says only its kind, and
-//! the details (paths, libtorch messages) go to the log.
+//! clients stalled mid-body, or shutting down, 500 a failure on the server's side. Which
+//! is which is decided by `Failure`: an error about a file the request named is the
+//! client's, anything else from the model's side is the server's. A message names only
+//! what the client sent (its relative path, its field); a 500 says only its kind, and the
+//! details (paths, libtorch messages) go to the log.
 //!
 //! Security: anyone who can reach the port can edit the model, read its scores and, with a
 //! save root, write model folders. So by default the server listens on loopback only,
@@ -44,15 +45,16 @@
 //! `Authorization: Bearer <token>`; a non-loopback address without a token is refused
 //! unless [`ServeOptions::insecure_no_token`] says otherwise.
 //!
-//! Threads: two acceptors answer what needs no body (health, memory, 401/404/405) and
-//! pass model routes' requests to a few workers through a bounded queue (503 when full),
-//! so `/health` answers even while every worker waits on a slow client. Workers read,
-//! parse and validate bodies (every other 4xx); model requests go into one bounded queue
-//! that the model thread (the caller of [`Server::run`], which owns the session) runs in
-//! order and answers. A body that does not arrive within the body timeout is answered 408
-//! and frees its worker (a thread of its own keeps the slow connection). Workers never wait on the model, so a full queue is answered 503 at
-//! once instead of letting waits grow without bound; a request that waited longer than
-//! the queue timeout is answered 503 without running.
+//! Threads: two acceptors answer what needs no body (health, memory, 401/404/405) and pass
+//! model routes' requests to a few workers through a bounded queue (503 when full), so
+//! `/health` answers even while every worker waits on a slow client. Workers read, parse
+//! and validate bodies (every other 4xx); model requests go into one bounded queue that
+//! the model thread (the caller of [`Server::run`], which owns the session) runs in order
+//! and answers. A body that does not arrive within the body timeout is answered 408 and
+//! frees its worker (a thread of its own keeps the slow connection). Workers never wait on
+//! the model, so a full queue is answered 503 at once instead of letting waits grow
+//! without bound; a request that waited longer than the queue timeout is answered 503
+//! without running.
 mod request;
 pub mod signals;
 
@@ -91,7 +93,7 @@ pub struct ServeOptions {
     pub queue_timeout: Duration,
     /// How long a worker waits for a request's body. A client that stalls mid-body is
     /// answered 408 and its connection is left to a reader thread of its own (at most
-    /// [`MAX_SLOW_READERS`]), so slow clients hold no worker beyond this.
+    /// [`MAX_BODY_READERS`]), so slow clients hold no worker beyond this.
     pub body_timeout: Duration,
     /// The existing directory `/save` writes into, at relative paths that stay inside it;
     /// `None` (the default) refuses `/save` with 403, since otherwise any client could
@@ -250,7 +252,7 @@ impl Server {
             health: Health::of(&session, &self.opts),
             plan: session.engine().plan,
             edits_total: AtomicUsize::new(session.edits_total()),
-            slow_readers: Default::default(),
+            body_readers: Default::default(),
             tx,
             hidden: hidden_paths(&session, &self.opts),
         };
@@ -291,7 +293,7 @@ struct Shared<'a> {
     plan: DevicePlan,
     edits_total: AtomicUsize,
     /// Body reader threads running ([`body_within`]), shared with them.
-    slow_readers: std::sync::Arc<AtomicUsize>,
+    body_readers: std::sync::Arc<AtomicUsize>,
     tx: Sender<Job>,
     /// The server's own folders, as they may appear in a library message, with what a
     /// client is told instead (see [`Shared::scrub`]).
@@ -574,7 +576,7 @@ fn route(request: Request, shared: &Shared, to_workers: &Sender<Request>) {
             body["edits_total"] = json!(shared.edits_total.load(Ordering::Relaxed));
             body["queue_waiting"] = json!(shared.tx.len());
             body["workers_waiting"] = json!(to_workers.len());
-            body["body_readers"] = json!(shared.slow_readers.load(Ordering::Relaxed));
+            body["body_readers"] = json!(shared.body_readers.load(Ordering::Relaxed));
             respond(shared, request, 200, body)
         }
         "/memory" => match device_memory(&shared.plan) {
@@ -598,7 +600,7 @@ fn route(request: Request, shared: &Shared, to_workers: &Sender<Request>) {
 
 /// Reader threads that may wait on clients that stalled mid-body at once; beyond them a
 /// model request is answered 503 before its body is read.
-pub const MAX_SLOW_READERS: usize = 64;
+pub const MAX_BODY_READERS: usize = 64;
 
 /// Reads and checks a model route's body, then queues it for the model thread.
 fn handle_model_request(request: Request, shared: &Shared) {
@@ -623,13 +625,13 @@ fn handle_model_request(request: Request, shared: &Shared) {
 /// The request's body ([`read_body`]), read on a thread of its own for at most the body
 /// timeout. A client that stalls longer is answered 408 (`None`: nothing more to do): its
 /// reader thread keeps the connection until the client sends the rest or goes, then
-/// answers it 408 itself, and the worker is free at once. When [`MAX_SLOW_READERS`] such
+/// answers it 408 itself, and the worker is free at once. When [`MAX_BODY_READERS`] such
 /// threads already wait, the request is answered 503 without reading it.
 fn body_within(request: Request, shared: &Shared) -> Option<(Request, std::result::Result<Vec<u8>, Reply>)> {
-    let readers = &shared.slow_readers;
-    if readers.fetch_add(1, Ordering::SeqCst) >= MAX_SLOW_READERS {
+    let readers = &shared.body_readers;
+    if readers.fetch_add(1, Ordering::SeqCst) >= MAX_BODY_READERS {
         readers.fetch_sub(1, Ordering::SeqCst);
-        let msg = format!("{MAX_SLOW_READERS} clients are already sending their bodies too slowly; retry later");
+        let msg = format!("{MAX_BODY_READERS} clients are already sending their bodies too slowly; retry later");
         respond(shared, request, 503, error_body(msg, "slow_clients"));
         return None;
     }
