@@ -474,7 +474,7 @@ fn a_stalled_body_is_answered_408_and_frees_its_worker() {
     // Headers, then a body larger than tiny_http reads ahead (1 KiB), of which one byte.
     let body = format!("{{\"text\": \"{}\"}}", "a ".repeat(2000));
     let mut stalled = TcpStream::connect(a).unwrap();
-    write!(stalled, "POST /score HTTP/1.1\r\nHost: {a}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{", body.len()).unwrap();
+    write!(stalled, "POST /score HTTP/1.1\r\nHost: {a}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{", body.len()).unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     let t = Instant::now();
     let (st, v) = http(a, "POST", "/score", Some(r#"{"text": "The capital of France is Paris"}"#));
