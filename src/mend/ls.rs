@@ -121,11 +121,7 @@ pub fn read_keep_text(path: &std::path::Path) -> Result<Vec<String>> {
         }
         let mut l = l.to_string();
         if l.len() > MAX_KEEP_LINE_CHARS {
-            let mut end = MAX_KEEP_LINE_CHARS;
-            while !l.is_char_boundary(end) {
-                end -= 1;
-            }
-            l.truncate(end);
+            l.truncate(crate::mend::stats::floor_char_boundary(&l, MAX_KEEP_LINE_CHARS));
             cut += 1;
         }
         lines.push(l);

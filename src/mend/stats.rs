@@ -337,7 +337,7 @@ fn relative_path(from: &Path, target: &Path) -> Option<PathBuf> {
 }
 
 /// The largest char boundary of `s` at or below `at`.
-fn floor_char_boundary(s: &str, at: usize) -> usize {
+pub(crate) fn floor_char_boundary(s: &str, at: usize) -> usize {
     if at >= s.len() {
         return s.len();
     }
