@@ -100,7 +100,7 @@ pub struct MethodArgs {
     #[arg(long)]
     pub ls_keep_weight: Option<f64>,
     /// --method mend-ls: re-solve rounds that push the edits whose prompts do not yet
-    /// answer their targets (default: the editor's, else 0; data/editor-many: 3).
+    /// answer their targets (default: the editor's, else 0; data/editor-many: 4).
     #[arg(long)]
     pub ls_rounds: Option<usize>,
     /// Step size of the fine-tuning baseline (--method ft).
