@@ -9,8 +9,10 @@ subject. docs/notebook.md, "Many edits, part 8". Needs transformers (the fixture
 
     PYTHONPATH=... .venv/bin/python scripts/ft_reference.py N KL STEPS [L2] [LAYERS]
     # zsRE: MODEL=Z DATA=zall.json KEEP=keep-all.txt DRIFT=drift.txt KEEP_SAMPLE=128 EDIT_BATCH=250 LR=5e-3
+    # from edited weights: INIT=DIR (the KL stays to MODEL)
 """
 import json, sys, torch, random
+import reference_pad
 from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 torch.manual_seed(0); random.seed(0)
 N = int(sys.argv[1]); KLW = float(sys.argv[2]); STEPS = int(sys.argv[3]); NORMW = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
@@ -32,11 +34,7 @@ else:
 recs = [r for r in recs if len(enc(r['prompt'] + ' ' + r['target_new'])) <= m.config.n_positions and len(enc(r['rephrase_prompt'] + ' ' + r['target_new'])) <= m.config.n_positions and len(enc(r['locality_prompt'] + ' ' + r['locality_ground_truth'])) <= m.config.n_positions]
 print('records', len(recs))
 KS = int(os.environ.get('KEEP_SAMPLE', '0'))
-def pad(seqs):
-    seqs = [s[:m.config.n_positions] for s in seqs]
-    L = max(len(s) for s in seqs); ids = torch.zeros(len(seqs), L, dtype=torch.long); mask = torch.zeros(len(seqs), L)
-    for i, s in enumerate(seqs): ids[i, :len(s)] = torch.tensor(s); mask[i, :len(s)] = 1
-    return ids, mask
+def pad(seqs): return reference_pad.pad(seqs, m.config.n_positions)
 def items(prompts, targets):
     out = []
     for p, t in zip(prompts, targets):
@@ -56,6 +54,11 @@ def score(its): return sum(sum(x == y for x, y in zip(p, b)) / len(b) for p, (a,
 pre_loc = acc(Lc)
 kids, kmask = pad([enc(l) for l in keep])
 W = [m.transformer.h[l].mlp.c_proj.weight for l in LAYERS]; W0 = [w.clone() for w in W]
+if os.environ.get('INIT'):  # start from another model's weights (e.g. a `dualedit edit --save`), the KL still to MODEL
+    init = GPT2LMHeadModel.from_pretrained(os.environ['INIT'])
+    with torch.no_grad():
+        for w, l in zip(W, LAYERS): w.copy_(init.transformer.h[l].mlp.c_proj.weight)
+    print('init from', os.environ['INIT'], 'reliability', score(E), flush=True)
 for w in W: w.requires_grad_(True)
 opt = torch.optim.Adam(W, lr=float(os.environ.get('LR', '1e-3')))
 EB = int(os.environ.get('EDIT_BATCH', '0')) or len(E)

@@ -23,10 +23,7 @@ L = max(LAYERS)
 prefixes = [""] + [tok.decode(enc(l)[:4]) + ". " for l in random.sample(keep, NPRE)]
 def subj_pos(text, subject):
     i = text.index(subject); return len(enc(text[:i + len(subject)])) - 1
-def pad(seqs):
-    Lm = max(len(s) for s in seqs); ids = torch.zeros(len(seqs), Lm, dtype=torch.long); mask = torch.zeros(len(seqs), Lm)
-    for i, s in enumerate(seqs): ids[i, :len(s)] = torch.tensor(s); mask[i, :len(s)] = 1
-    return ids, mask
+from reference_pad import pad
 def acc(prompts, targets):
     out = []
     for p, t in zip(prompts, targets):
