@@ -388,12 +388,16 @@ impl Session {
 
     /// What an edit call needs before it touches anything: an editor, requests, a method
     /// that composes with the session's settings, and guard settings in range.
-    fn check_edit_call(&self, examples: &[EditExample]) -> Result<()> {
+    fn check_edit_call(&self, records: &[EditRecord], examples: &[EditExample]) -> Result<()> {
         let Some(method) = self.method.as_ref() else {
             return Err(Error::input("this session has no editor: open it with a trained editor directory to edit"));
         };
         if examples.is_empty() {
             return Err(Error::input("no edit requests"));
+        }
+        if records.len() != examples.len() {
+            // Results, facts and examples are paired one for one.
+            return Err(Error::Internal(format!("{} records for {} edit examples", records.len(), examples.len())));
         }
         if self.stepwise.is_some() && matches!(method, Method::MendLs(_)) {
             // Each step would remember the same edit again: mend-ls composes by re-solving.
@@ -441,14 +445,13 @@ impl Session {
             }
             Ok(())
         };
-        self.check_edit_call(examples)?;
+        self.check_edit_call(records, examples)?;
         let Some(method) = self.method.as_mut() else {
             return Err(Error::Internal("check_edit_call let a session without an editor edit".into()));
         };
         let refs: Vec<&EditExample> = examples.iter().collect();
-        // Each request's fact, for mend-ls's statistics (records and examples pair up;
-        // multimodal records name none).
-        let facts = Fact::of_each(records, examples.len());
+        // Each request's fact, for mend-ls's statistics (multimodal records name none).
+        let facts: Vec<Option<Fact>> = records.iter().map(Fact::of).collect();
         // The guard's probes: the requests' locality prompts (text, and image + question
         // for multimodal requests), against the weights now.
         let loc: Vec<&Example> = examples.iter().flat_map(|e| e.loc.iter().chain(&e.loc_image)).collect();

@@ -215,15 +215,6 @@ impl Fact {
         (!subject.is_empty() && !old.is_empty()).then(|| Fact { subject: subject.into(), old: old.into() })
     }
 
-    /// The fact of each of `n` examples made from `records`, one for one (none when the
-    /// two do not pair up: records were left out).
-    pub fn of_each(records: &[EditRecord], n: usize) -> Vec<Option<Fact>> {
-        match records.len() == n {
-            true => records.iter().map(Fact::of).collect(),
-            false => vec![None; n],
-        }
-    }
-
     /// Whether a line of text states it: names both the subject and the old answer.
     fn stated_in(&self, line: &str) -> bool {
         line.contains(&self.subject) && line.contains(&self.old)

@@ -402,7 +402,8 @@ pub fn run_eval_counted(o: &EvalOptions, mut on_record: impl FnMut(usize, usize,
     tracker.mark("load")?;
     let load_s = t0.elapsed().as_secs_f64();
     let (records, examples, data) = load_examples(&engine, &o.data, o.ds, o.limit, o.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
-    let facts = crate::mend::ls::Fact::of_each(&records, examples.len());
+    // `load_examples` keeps the records its examples were made from, one for one.
+    let facts: Vec<_> = records.iter().map(crate::mend::ls::Fact::of).collect();
     let t1 = Instant::now();
     let records = crate::edit::evaluate(&engine, &mut method, &examples, &facts, |i, m| on_record(i, examples.len(), m))?;
     tracker.mark("eval")?;
