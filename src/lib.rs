@@ -6,6 +6,7 @@
 pub mod bootstrap;
 pub mod cli;
 pub mod config;
+pub mod convert;
 pub mod data;
 pub mod device;
 pub mod edit;

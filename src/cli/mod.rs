@@ -9,7 +9,7 @@ pub mod render;
 use clap::{Parser, Subcommand};
 
 use args::{
-    BuildDefaultArgs, CompareCmd, DemoArgs, EditArgs, EvalArgs, PlanArgs, PretrainArgs, ReportCmd, ScoreArgs, ServeArgs,
+    BuildDefaultArgs, CompareCmd, ConvertArgs, DemoArgs, EditArgs, EvalArgs, PlanArgs, PretrainArgs, ReportCmd, ScoreArgs, ServeArgs,
     StatsArgs, TrainArgs, WorldArgs,
 };
 
@@ -53,4 +53,7 @@ pub enum Command {
     /// Work with run reports: `report merge` puts many in one table.
     #[command(subcommand)]
     Report(ReportCmd),
+    /// Import a GGUF file (llama.cpp's format, quantised or not) as a Hugging Face model
+    /// folder that score, edit, train and transformers load.
+    Convert(ConvertArgs),
 }

@@ -15,6 +15,7 @@ mod cli;
 mod data;
 mod dual;
 mod edit;
+mod gguf;
 mod gpu_check;
 mod guard;
 mod mend;

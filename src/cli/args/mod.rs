@@ -3,6 +3,7 @@
 mod build_default;
 mod common;
 mod compare;
+mod convert;
 mod demo;
 mod device;
 mod edit;
@@ -19,6 +20,7 @@ mod world;
 pub use build_default::BuildDefaultArgs;
 pub use common::{dataset, parse_image_size, CommonArgs, GuardArgs, GuardFlags, MethodArg, MethodArgs};
 pub use compare::CompareCmd;
+pub use convert::ConvertArgs;
 pub use demo::DemoArgs;
 pub use device::DeviceArgs;
 pub use edit::EditArgs;

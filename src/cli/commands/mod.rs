@@ -2,6 +2,7 @@
 //! (`cli::render`). Nothing here computes what the library could.
 pub mod build_default;
 pub mod compare;
+pub mod convert;
 pub mod demo;
 pub mod edit;
 pub mod eval;
@@ -33,6 +34,7 @@ impl Command {
             Command::Plan(a) => plan::run(a),
             Command::Stats(a) => stats::run(a),
             Command::Report(c) => report::run(c),
+            Command::Convert(a) => convert::run(a),
         }
     }
 }
