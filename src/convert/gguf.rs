@@ -417,3 +417,70 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
     }
     Ok((version, metadata, tensors))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GGUF header with `kv` (key, type, value bytes) and one F32 tensor `t` of `n` values.
+    fn file(kv: &[(&str, u32, Vec<u8>)], n: u64) -> Vec<u8> {
+        let s = |b: &mut Vec<u8>, t: &str| {
+            b.extend((t.len() as u64).to_le_bytes());
+            b.extend(t.as_bytes());
+        };
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend((kv.len() as u64).to_le_bytes());
+        for (k, ty, v) in kv {
+            s(&mut b, k);
+            b.extend(ty.to_le_bytes());
+            b.extend(v);
+        }
+        s(&mut b, "t");
+        b.extend(1u32.to_le_bytes());
+        b.extend(n.to_le_bytes());
+        b.extend(0u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        while !b.len().is_multiple_of(32) {
+            b.push(0);
+        }
+        b.extend(std::iter::repeat_n(0u8, 4 * n as usize));
+        b
+    }
+
+    fn parse_err(bytes: &[u8]) -> String {
+        parse(bytes, Path::new("x.gguf")).err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_small_file_parses() {
+        let arr: Vec<u8> = [5u32.to_le_bytes().to_vec(), 3u64.to_le_bytes().to_vec(), [1i32, -2, 3].iter().flat_map(|v| v.to_le_bytes()).collect()].concat();
+        let (v, meta, tensors) = parse(&file(&[("a", 7, vec![1]), ("ids", 9, arr)], 8), Path::new("x.gguf")).unwrap();
+        assert_eq!(v, 3);
+        assert_eq!(meta["a"], Value::Bool(true));
+        assert_eq!(meta["ids"].numbers(), Some(vec![1.0, -2.0, 3.0]));
+        assert_eq!(meta["ids"].count(), Some(3));
+        assert_eq!((tensors[0].bytes, tensors[0].shape()), (32, vec![8]));
+    }
+
+    #[test]
+    fn lying_metadata_is_refused() {
+        assert!(parse_err(&file(&[("a", 7, vec![2])], 8)).contains("neither 0 nor 1"));
+        assert!(parse_err(&file(&[("a", 4, vec![0; 4]), ("a", 4, vec![0; 4])], 8)).contains("appears twice"));
+        assert!(parse_err(&file(&[("a", 13, vec![])], 8)).contains("unknown value type 13"));
+        assert!(parse_err(&file(&[("general.alignment", 4, 24u32.to_le_bytes().to_vec())], 8)).contains("power of two"));
+        // Arrays of arrays of arrays of arrays.
+        let mut nested = Vec::new();
+        for _ in 0..4 {
+            nested.extend(9u32.to_le_bytes());
+            nested.extend(1u64.to_le_bytes());
+        }
+        nested.extend(4u32.to_le_bytes());
+        nested.extend(0u64.to_le_bytes());
+        assert!(parse_err(&file(&[("a", 9, nested)], 8)).contains("nested"));
+        let mut bad_utf8 = 2u64.to_le_bytes().to_vec();
+        bad_utf8.extend([0xff, 0xfe]);
+        assert!(parse_err(&file(&[("a", 8, bad_utf8)], 8)).contains("not UTF-8"));
+    }
+}
