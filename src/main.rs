@@ -21,6 +21,7 @@ fn main() -> ExitCode {
         .with_ansi(stderr_colour())
         .init();
     let cli = Cli::parse();
+    dualedit::device::settle_threads();
     // tch panics on libtorch errors outside the guarded model code (a CUDA allocation while
     // loading, say): one line of error, never a backtrace.
     let result = match dualedit::error::guard(|| Ok(cli.command.run())) {

@@ -256,6 +256,7 @@ impl PySession {
         let inner = SendPtr(&mut self.inner);
         py.allow_threads(move || {
             let inner = inner;
+            dualedit::device::settle_threads();
             dualedit::error::guard(|| f(inner.0))
         })
         .py()
@@ -265,6 +266,7 @@ impl PySession {
         let inner = SendPtr(&self.inner);
         py.allow_threads(move || {
             let inner = inner;
+            dualedit::device::settle_threads();
             dualedit::error::guard(|| f(inner.0))
         })
         .py()
@@ -550,6 +552,7 @@ fn supervised<T: Send, E: Send>(
     std::thread::scope(|scope| {
         let cancel = &cancel;
         let handle = scope.spawn(move || {
+            dualedit::device::settle_threads();
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(cancel, &tx)));
             drop(tx);
             r

@@ -17,6 +17,18 @@ pub use request::DeviceRequest;
 
 use crate::{Error, Result};
 
+/// Gives the calling thread libtorch's process-wide intra-op thread count, for OpenMP and
+/// MKL alike. Both counts are per thread: `at::set_num_threads` sets the caller's, and a
+/// new thread takes the process-wide one lazily, at its first `parallel_for` only. Until
+/// then its matrix products run with MKL's own default (dynamic: as many threads as it
+/// likes), which on two cores splits the same product differently from later calls, and
+/// the last bits of a logit then depend on which thread asked and when. Every thread that
+/// runs model operations calls this before the first one, so the same request gives the
+/// same bits on any thread at any point of a process's life.
+pub fn settle_threads() {
+    tch::set_num_threads(tch::get_num_threads());
+}
+
 /// A device as the command line names it: `cpu` (= `cpu:0`), `cpu:N`, `cuda` (= `cuda:0`)
 /// or `cuda:N`. The one parser of device names; [`parse_device`] adds the check that the
 /// device exists here, which the planner (planning for another machine) leaves out.

@@ -40,6 +40,7 @@ impl Worker {
         let handle = std::thread::Builder::new()
             .name(format!("dualedit-{name}"))
             .spawn(move || {
+                super::settle_threads();
                 let _g = tch::no_grad_guard();
                 let none = Default::default();
                 for (batch, entry, at, full_last_block, reply) in rx {

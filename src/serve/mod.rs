@@ -244,6 +244,7 @@ impl Server {
     /// model request in flight, answers those still queued with 503, and returns. The
     /// calling thread becomes the model thread: the session never leaves it.
     pub fn run(self, mut session: Session, shutdown: &AtomicBool) -> Result<ServeStats> {
+        crate::device::settle_threads();
         let (tx, rx) = bounded::<Job>(self.opts.queue);
         session.guard = self.opts.guard.clone();
         let shared = Shared {
