@@ -167,6 +167,11 @@ pub(super) fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::res
                 return Err(bad("field `dir` is empty".into()));
             }
             let resolved = confine(path, "field `dir`", &dir, root, "save root")?;
+            // `.` (or a link to the root) would write the model's files among the root's
+            // saved folders; `confine` resolved every link, so equality is the test.
+            if root.canonicalize().is_ok_and(|r| r == resolved) {
+                return Err(forbidden(format!("{path}: field `dir` {dir:?} names the save root itself; a save goes into a named folder under the root")));
+            }
             paths.add(resolved.clone(), dir);
             Op::Save { dir: resolved }
         }
