@@ -24,7 +24,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use arch::{Arch, Layout};
-use dequant::GgmlType;
 use gguf::{Gguf, TensorInfo, Value};
 
 use crate::{Error, Result};
@@ -223,8 +222,10 @@ fn write_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> 
         .ok_or_else(|| Error::file(out, "cannot write a model here: name a folder"))?;
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    let prefix = format!(".{name}.dualedit-convert-");
+    remove_stale_temps(parent, &prefix);
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    let tmp = parent.join(format!(".{name}.dualedit-convert-{}-{nanos}", std::process::id()));
+    let tmp = parent.join(format!("{prefix}{}-{nanos}", std::process::id()));
     std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let result = write(&tmp).and_then(|()| {
         crate::io::sync_dir(&tmp);
@@ -239,7 +240,20 @@ fn write_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> 
     result
 }
 
-/// The ggml types a tensor may have, for `--help`.
-pub fn supported_types() -> String {
-    GgmlType::ALL.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ")
+/// Removes the temporary folders (`{prefix}{pid}-{nanos}`) of conversions whose process is
+/// gone (a killed conversion); those of a running process are left alone.
+fn remove_stale_temps(parent: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = file.strip_prefix(prefix) else { continue };
+        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        let alive = pid.is_some_and(|p| p == std::process::id() || Path::new(&format!("/proc/{p}")).exists());
+        if !alive {
+            match std::fs::remove_dir_all(e.path()) {
+                Ok(()) => tracing::info!(dir = %e.path().display(), "removed the temporary folder of an interrupted conversion"),
+                Err(err) => tracing::warn!(dir = %e.path().display(), "cannot remove the temporary folder of an interrupted conversion: {err}"),
+            }
+        }
+    }
 }

@@ -116,6 +116,19 @@ fn each_fixture_converts_to_what_transformers_loads() {
 }
 
 #[test]
+fn a_killed_conversions_temporary_folder_is_removed() {
+    let tmp = tempfile::tempdir().unwrap();
+    // No process has this id (Linux's pid_max is at most 2^22).
+    let stale = tmp.path().join(".model.dualedit-convert-999999999-1");
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("model.safetensors"), b"half").unwrap();
+    convert_gguf(&gguf("gpt2"), &tmp.path().join("model")).unwrap();
+    assert!(!stale.exists());
+    let names: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["model"]);
+}
+
+#[test]
 fn version_2_reads_as_version_3() {
     let tmp = tempfile::tempdir().unwrap();
     let mut bytes = std::fs::read(gguf("qwen2")).unwrap();
