@@ -10,9 +10,11 @@ use crate::Result;
 /// An architecture the importer converts, from `general.architecture`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
-    /// `llama`: LLaMA, SmolLM, and Mistral-style files (`MistralForCausalLM` when the file's
-    /// `general.name` is `mistral`, as transformers decides).
-    Llama { mistral: bool },
+    /// `llama`: LLaMA, SmolLM and Mistral-style files (llama.cpp writes Mistral's as `llama`;
+    /// transformers 5.23 would call a file whose `general.name` is exactly `mistral` a
+    /// Mistral and then fail to load it, gguf-py having no such architecture: here it is the
+    /// LLaMA it is, with no sliding window, as llama.cpp runs it).
+    Llama,
     /// `qwen2`: the LLaMA layout with q/k/v biases, and no rotary row permutation.
     Qwen2,
     /// `gpt2`: fused `c_attn`, learned positions, layer norms with biases, `Conv1D` weights.
@@ -35,9 +37,7 @@ impl Arch {
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
         let arch = g.get("general.architecture").and_then(Value::as_str).ok_or_else(|| g.error("no general.architecture (string) in the metadata"))?;
         Ok(match arch {
-            // transformers: `"mistral" in model_name`, where model_name is the list of
-            // general.name values — so a name of exactly "mistral".
-            "llama" => Arch::Llama { mistral: g.get("general.name").and_then(Value::as_str) == Some("mistral") },
+            "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "gpt2" => Arch::Gpt2,
             other => return Err(g.error(format!("architecture {other:?} is not supported (llama, qwen2 and gpt2 are)"))),
@@ -47,7 +47,7 @@ impl Arch {
     /// The metadata prefix of the architecture's keys (`llama.block_count`).
     pub fn key(self) -> &'static str {
         match self {
-            Arch::Llama { .. } => "llama",
+            Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Gpt2 => "gpt2",
         }
@@ -55,19 +55,9 @@ impl Arch {
 
     pub fn architecture(self) -> &'static str {
         match self {
-            Arch::Llama { mistral: false } => "LlamaForCausalLM",
-            Arch::Llama { mistral: true } => "MistralForCausalLM",
+            Arch::Llama => "LlamaForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Gpt2 => "GPT2LMHeadModel",
-        }
-    }
-
-    fn model_type(self) -> &'static str {
-        match self {
-            Arch::Llama { mistral: false } => "llama",
-            Arch::Llama { mistral: true } => "mistral",
-            Arch::Qwen2 => "qwen2",
-            Arch::Gpt2 => "gpt2",
         }
     }
 
@@ -110,7 +100,7 @@ impl Arch {
                 (format!("transformer.h.{n}.{sub}"), layout)
             }
             (Some(n), leaf) => {
-                let llama = matches!(self, Arch::Llama { .. });
+                let llama = self == Arch::Llama;
                 let (sub, layout) = match leaf {
                     "attn_norm" => ("input_layernorm", Layout::Same),
                     "ffn_norm" => ("post_attention_layernorm", Layout::Same),
@@ -160,7 +150,7 @@ impl Arch {
         };
         let mut c = Map::new();
         c.insert("architectures".into(), json!([self.architecture()]));
-        c.insert("model_type".into(), json!(self.model_type()));
+        c.insert("model_type".into(), json!(self.key()));
         let layers = need("block_count")?;
         let hidden = need("embedding_length")?;
         let heads = need("attention.head_count")?;
@@ -181,13 +171,13 @@ impl Arch {
                 c.insert("layer_norm_epsilon".into(), json!(float("attention.layer_norm_epsilon")?.unwrap_or(1e-5)));
                 c.insert("activation_function".into(), json!("gelu_new"));
             }
-            Arch::Llama { .. } | Arch::Qwen2 => {
+            Arch::Llama | Arch::Qwen2 => {
                 c.insert("num_hidden_layers".into(), json!(layers));
                 c.insert("hidden_size".into(), json!(hidden));
                 c.insert("intermediate_size".into(), json!(need("feed_forward_length")?));
                 c.insert("num_attention_heads".into(), json!(heads));
                 c.insert("num_key_value_heads".into(), json!(int("attention.head_count_kv")?.unwrap_or(heads)));
-                if matches!(self, Arch::Llama { .. }) {
+                if self == Arch::Llama {
                     if let Some(d) = int("rope.dimension_count")? {
                         c.insert("head_dim".into(), json!(d));
                     }
@@ -277,7 +267,7 @@ mod tests {
 
     #[test]
     fn names() {
-        let l = Arch::Llama { mistral: false };
+        let l = Arch::Llama;
         assert_eq!(l.hf_name("blk.3.attn_k.weight", 9, 3), Some(("model.layers.3.self_attn.k_proj.weight".into(), Layout::Unpermute { heads: 3 })));
         assert_eq!(Arch::Qwen2.hf_name("blk.0.attn_q.bias", 9, 3), Some(("model.layers.0.self_attn.q_proj.bias".into(), Layout::Same)));
         assert_eq!(Arch::Gpt2.hf_name("blk.1.attn_qkv.weight", 4, 4), Some(("transformer.h.1.attn.c_attn.weight".into(), Layout::Transpose)));
