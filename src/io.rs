@@ -32,28 +32,17 @@ fn replace_atomically(path: &Path, write: impl FnOnce(&Path) -> std::io::Result<
     result.map_err(|e| Error::io(path, e))
 }
 
-/// Reads a text file a user wrote (data, config): a directory or a missing file is named
-/// as such, and a leading UTF-8 byte-order mark (as some editors save) is dropped.
-pub fn read_text(path: &Path) -> Result<String> {
-    if path.is_dir() {
-        return Err(Error::file(path, "is a directory, expected a file"));
-    }
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    Ok(match text.strip_prefix('\u{feff}') {
-        Some(rest) => rest.to_string(),
-        None => text,
-    })
-}
+/// The most bytes of a text file a user names (records, training data, a config, a
+/// report, a chat template) that are read: a larger one is refused from its size.
+pub const MAX_TEXT_BYTES: u64 = 1 << 30;
 
-/// Reads a file a user named (an image, say) whole, refusing before any read what would
-/// hang or never end: the file is opened non-blocking (a FIFO or a device then cannot
-/// block in `open`), and anything that is not a regular file (FIFO, socket, device,
-/// directory) is an error naming it; a regular file longer than `max_bytes` is refused
-/// from its size, and the read itself stops at `max_bytes + 1` bytes (a file that grows
-/// while being read cannot make it unbounded).
-pub fn read_regular_capped(path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
+/// Opens a file a user named for reading, refusing before any read what would hang or
+/// never end: the file is opened non-blocking (a FIFO or a device then cannot block in
+/// `open`), and anything that is not a regular file (FIFO, socket, device, directory) is
+/// an error naming it and what it is. Every read of a user's file starts here
+/// ([`read_regular_capped`], [`read_text`]; streaming readers and maps call it directly).
+pub fn open_regular(path: &Path) -> Result<(std::fs::File, std::fs::Metadata)> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
@@ -64,9 +53,48 @@ pub fn read_regular_capped(path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
         })?;
     let meta = file.metadata().map_err(|e| Error::io(path, e))?;
     if !meta.is_file() {
-        let what = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device?)" };
-        return Err(Error::file(path, format!("is {what}, expected a regular file")));
+        let t = meta.file_type();
+        let what = if t.is_dir() {
+            "a directory"
+        } else if t.is_fifo() {
+            "a FIFO (named pipe)"
+        } else if t.is_char_device() || t.is_block_device() {
+            "a device"
+        } else if t.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        };
+        return Err(Error::file(path, format!("is {what}, not a regular file")));
     }
+    Ok((file, meta))
+}
+
+/// Reads a text file a user wrote (data, config, report) through [`read_regular_capped`]
+/// with [`MAX_TEXT_BYTES`]: a directory, FIFO or device, a missing file, a file too large
+/// and one that is not UTF-8 are each named as such, and a leading UTF-8 byte-order mark
+/// (as some editors save) is dropped.
+pub fn read_text(path: &Path) -> Result<String> {
+    read_text_capped(path, MAX_TEXT_BYTES)
+}
+
+/// [`read_text`] with a bound of its own.
+pub fn read_text_capped(path: &Path, max_bytes: u64) -> Result<String> {
+    let bytes = read_regular_capped(path, max_bytes)?;
+    let text = String::from_utf8(bytes).map_err(|e| Error::file(path, format!("is not UTF-8 text (invalid byte at offset {})", e.utf8_error().valid_up_to())))?;
+    Ok(match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    })
+}
+
+/// Reads a file a user named (an image, say) whole, refusing before any read what would
+/// hang or never end ([`open_regular`]); a regular file longer than `max_bytes` is refused
+/// from its size, and the read itself stops at `max_bytes + 1` bytes (a file that grows
+/// while being read cannot make it unbounded).
+pub fn read_regular_capped(path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let (file, meta) = open_regular(path)?;
     if meta.len() > max_bytes {
         return Err(Error::file(path, format!("is {} bytes, more than the {max_bytes} bytes allowed", meta.len())));
     }
@@ -300,10 +328,8 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)], metadata: Ha
 
 /// Reads every tensor (on the CPU, in its stored kind) and the metadata of a safetensors file.
 pub fn read_safetensors(path: &Path) -> Result<(BTreeMap<String, Tensor>, HashMap<String, String>)> {
-    let bytes = std::fs::read(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::file(path, "file not found"),
-        _ => Error::io(path, e),
-    })?;
+    // An editor or optimiser state: bounded by the file's own size, checked as a regular file.
+    let bytes = read_regular_capped(path, u64::MAX / 2)?;
     let bad = |e: safetensors::SafeTensorError| Error::file(path, format!("not a valid safetensors file (truncated or corrupt?): {e}"));
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(bad)?;
     let metadata = header.metadata().clone().unwrap_or_default();

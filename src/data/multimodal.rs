@@ -281,6 +281,11 @@ impl VlPrompt<'_> {
         if answer.is_empty() {
             return Err(Error::input(format!("empty answer for {text:?}")));
         }
+        // `<|image_pad|>` or `<|im_end|>` as a target would be edited in as that token
+        // (an image slot, the end of a turn), not as text.
+        if let Some(special) = tok.special_in(answer) {
+            return Err(Error::input(format!("answer {answer:?} for {text:?} contains the special token {special} (tokenizer {}); an answer is text", tok.path().display())));
+        }
         let prompt = self.template.image_prompt(text)?;
         let full = tok.encode(&format!("{prompt} {answer}"))?;
         let prompt_ids = tok.encode(&prompt)?;

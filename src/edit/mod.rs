@@ -204,10 +204,7 @@ impl MethodSpec {
 /// the file is not a JSON array (the reader then names what is wrong with it).
 pub fn request_count(path: &Path) -> Option<usize> {
     // Only a regular file is read here: a FIFO would block (the reader refuses it).
-    if !std::fs::metadata(path).ok()?.is_file() {
-        return None;
-    }
-    let text = std::fs::read_to_string(path).ok()?;
+    let text = crate::io::read_text(path).ok()?;
     match serde_json::from_str::<serde_json::Value>(&text).ok()? {
         serde_json::Value::Array(a) => Some(a.len()),
         _ => None,
@@ -794,7 +791,7 @@ fn write_model_files(lm: &LoadedModel, out: &Path) -> Result<()> {
     let mut written = std::collections::HashSet::new();
     let mut total = 0u64;
     for file in &files {
-        let f = std::fs::File::open(file).map_err(|e| Error::io(file, e))?;
+        let (f, _) = crate::io::open_regular(file)?;
         // SAFETY: read-only map, used only while this iteration copies headers and the
         // bytes of tensors the model does not hold.
         let mmap = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(file, e))?;

@@ -87,7 +87,7 @@ pub fn read_editor_json(dir: &Path) -> Result<EditorMeta> {
         return Err(Error::file(dir, "editor directory not found"));
     }
     let path = dir.join(EDITOR_JSON);
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let text = crate::io::read_text(&path)?;
     serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("invalid editor description: {e}")))
 }
 

@@ -107,11 +107,7 @@ pub const MAX_KEEP_LINE_CHARS: usize = 64 * 1024;
 /// file that is not a regular file (a FIFO would block), cannot be read, is not UTF-8 or
 /// has no non-empty line is an error naming it.
 pub fn read_keep_text(path: &std::path::Path) -> Result<Vec<String>> {
-    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
-    if !meta.is_file() {
-        return Err(Error::file(path, "--ls-keep-text must name a regular file of text lines (not a directory, FIFO or device)"));
-    }
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::io::read_text(path).map_err(|e| Error::file(path, format!("--ls-keep-text must name a regular file of text lines: {e}")))?;
     let mut lines = Vec::new();
     let (mut total, mut cut) = (0usize, 0usize);
     for l in text.lines().map(str::trim).filter(|l| !l.is_empty()) {

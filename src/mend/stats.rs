@@ -18,7 +18,6 @@
 //! weights its mean. The world's corpus (about 7,000 tokens) is used as it is, so the
 //! default editor's `μ` means what it meant with the corpus as the keep text.
 use std::collections::HashMap;
-use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -78,16 +77,18 @@ impl KeyStats {
     /// (`show`). A file that is not a regular UTF-8 text file, or has no line with two
     /// tokens, is an error naming it.
     pub fn compute(engine: &Engine, text: &Path, max_tokens: usize, show: bool) -> Result<Self> {
+        /// The longest line read (a line is cut to the model's context anyway).
+        const MAX_LINE_BYTES: u64 = 1 << 20;
         let _g = tch::no_grad_guard();
-        let meta = std::fs::metadata(text).map_err(|e| Error::io(text, e))?;
-        if !meta.is_file() {
-            return Err(Error::file(text, "--text must name a regular file of text lines (not a directory, FIFO or device)"));
-        }
+        let (file, meta) = crate::io::open_regular(text)
+            .map_err(|e| Error::file(text, format!("--text must name a regular file of text lines: {e}")))?;
         if max_tokens == 0 {
             return Err(Error::input("--max-tokens must be at least 1"));
         }
-        let file = std::fs::File::open(text).map_err(|e| Error::io(text, e))?;
-        let progress = crate::progress::Progress::new("key statistics", meta.len() as usize, show);
+        // Per mille of the work: the text read or `--max-tokens` summed, whichever ends it
+        // first, so the estimate holds for a long file cut by the token budget too.
+        let progress = crate::progress::Progress::new("key statistics (per mille)", 1000, show);
+        let done = |read: u64, tokens: usize| (1000 * read / meta.len().max(1)).max(1000 * tokens as u64 / max_tokens.max(1) as u64).min(1000);
         let (mut fnv, mut cut) = (Fnv::default(), false);
         let mut sums: Option<Vec<Tensor>> = None;
         let (mut tokens, mut lines, mut read) = (0usize, 0usize, 0u64);
@@ -111,9 +112,21 @@ impl KeyStats {
             chunk.clear();
             Ok(())
         };
-        for line in std::io::BufReader::new(file).lines() {
-            let line = line.map_err(|e| Error::file(text, format!("cannot be read as UTF-8 text: {e}")))?;
-            read += line.len() as u64 + 1;
+        let mut reader = std::io::BufReader::new(file);
+        let mut raw = Vec::new();
+        for number in 1.. {
+            // One line at a time, each bounded: a file without line breaks is not read whole.
+            raw.clear();
+            let n = std::io::BufRead::read_until(&mut std::io::Read::take(&mut reader, MAX_LINE_BYTES + 1), b'\n', &mut raw)
+                .map_err(|e| Error::io(text, e))?;
+            if n == 0 {
+                break;
+            }
+            if raw.len() as u64 > MAX_LINE_BYTES && raw.last() != Some(&b'\n') {
+                return Err(Error::file(text, format!("line {number} is longer than {MAX_LINE_BYTES} bytes; --text takes one text a line")));
+            }
+            let line = std::str::from_utf8(&raw).map_err(|e| Error::file(text, format!("line {number} cannot be read as UTF-8 text: {e}")))?;
+            read += n as u64;
             let line = line.trim();
             if line.is_empty() {
                 continue;
@@ -126,8 +139,8 @@ impl KeyStats {
             chunk.push(Example { ids, answer_start: 1, image: None });
             if chunk.len() == CHUNK_LINES {
                 flush(&mut chunk, &mut sums)?;
-                progress.set_position(read);
-                progress.set_message(format!("{tokens} tokens"));
+                progress.set_position(done(read, tokens));
+                progress.set_message(format!("{lines} lines, {tokens} tokens"));
             }
             if tokens >= max_tokens {
                 tracing::info!(file = %text.display(), tokens, "key statistics: --max-tokens reached; the rest of the text is not read");
@@ -303,11 +316,7 @@ impl SummedText {
             candidates.extend(dir.ancestors().skip(1).map(|a| a.join(given)));
         }
         for path in candidates {
-            let Ok(m) = std::fs::metadata(&path) else { continue };
-            if !m.is_file() || m.len() > MAX_SUMMED_TEXT_BYTES {
-                continue;
-            }
-            let Ok(text) = std::fs::read_to_string(&path) else { continue };
+            let Ok(text) = crate::io::read_text_capped(&path, MAX_SUMMED_TEXT_BYTES) else { continue };
             // The summed lines are the first non-empty ones (a line without a token was
             // not summed: then the fingerprint differs and nothing is left out).
             let kept: Vec<String> = text.lines().map(str::trim).filter(|l| !l.is_empty()).take(meta.lines).map(String::from).collect();

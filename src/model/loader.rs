@@ -37,11 +37,10 @@ pub fn parse_dtype(s: &str) -> Result<Kind> {
     }
 }
 
-fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::file(path, "file not found"),
-        _ => Error::io(path, e),
-    })?;
+/// A JSON file of a checkpoint (`config.json`), read as every user's file is
+/// ([`crate::io::read_text`]: a regular file, bounded).
+pub fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = crate::io::read_text(path)?;
     serde_json::from_str(&text).map_err(|e| Error::file(path, format!("malformed JSON: {e}")))
 }
 
@@ -129,13 +128,8 @@ pub fn read_weights(model: &Model, files: &[PathBuf], place: &dyn Fn(&str) -> De
     let n_layers = model.info().n_layers;
     let mut out = HashMap::with_capacity(expected.len());
     for path in files {
-        if path.is_dir() {
-            return Err(Error::file(path, "is a directory, expected a safetensors file"));
-        }
-        let file = std::fs::File::open(path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => Error::file(path, "weights file not found"),
-            _ => Error::io(path, e),
-        })?;
+        // A regular file (a FIFO or device cannot be mapped; a directory is named).
+        let (file, _) = crate::io::open_regular(path)?;
         // SAFETY: the map is read-only and lives only while this loop iteration copies
         // the tensors out; a file changed underneath would at worst give wrong values.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;

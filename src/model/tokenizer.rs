@@ -20,7 +20,9 @@ impl Tokenizer {
         if !path.exists() {
             return Err(Error::file(path, "tokenizer file not found"));
         }
-        let inner = tokenizers::Tokenizer::from_file(path)
+        // Read as every user's file is (a regular file, bounded), then parsed.
+        let bytes = crate::io::read_regular_capped(path, crate::io::MAX_TEXT_BYTES)?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| Error::file(path, format!("not a valid tokenizer.json: {e}")))?;
         Ok(Self { inner, path: path.to_path_buf() })
     }
@@ -76,6 +78,15 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// The first special token (`<|image_pad|>`, `<|im_end|>`, `<|endoftext|>`, ...) that
+    /// `text` spells out, if any: encoded, it would be that token, not text.
+    pub fn special_in(&self, text: &str) -> Option<String> {
+        let decoder = self.inner.get_added_tokens_decoder();
+        let mut specials: Vec<&str> = decoder.values().filter(|t| t.special && !t.content.is_empty()).map(|t| t.content.as_str()).collect();
+        specials.sort_unstable();
+        specials.into_iter().find(|s| text.contains(s)).map(String::from)
     }
 
     pub fn path(&self) -> &Path {

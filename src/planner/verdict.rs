@@ -201,8 +201,7 @@ pub fn planned_dtype(model_dir: &Path, flag: Option<&str>) -> Result<(Kind, Dtyp
         return Ok((crate::model::loader::parse_dtype(f)?, DtypeSource::Flag));
     }
     let path = model_dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, e.to_string()))?;
+    let v = crate::model::loader::read_json(&path)?;
     // Newer transformers write `dtype`; older ones `torch_dtype`.
     match v.get("torch_dtype").or_else(|| v.get("dtype")).and_then(|d| d.as_str()) {
         Some(d) => {
@@ -464,18 +463,29 @@ fn finish(
     Ok((if json { value.to_string() + "\n" } else { text }, failure))
 }
 
-/// Card sizes from `--fit 16GiB,24GiB,40GiB,80GiB`.
+/// The smallest card size `--fit` takes: a smaller one (`1KiB`) is a unit slip, not a card.
+pub const MIN_FIT_CARD_BYTES: u64 = 256 << 20;
+
+/// Card sizes from `--fit 16GiB,24GiB,40GiB,80GiB`: an empty entry (`16GiB,,24GiB`,
+/// `16GiB,`) or a size below [`MIN_FIT_CARD_BYTES`] is refused, naming it.
 pub fn parse_sizes(s: &str) -> Result<Vec<u64>> {
-    let out = s
-        .split(',')
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .map(|p| crate::device::placement::parse_size(p).map_err(|e| Error::input(format!("--fit {s:?}: {e}"))))
-        .collect::<Result<Vec<u64>>>()?;
-    if out.is_empty() {
+    if s.trim().is_empty() {
         return Err(Error::input(format!("--fit {s:?}: give card sizes, e.g. 16GiB,24GiB,40GiB,80GiB")));
     }
-    Ok(out)
+    s.split(',')
+        .map(str::trim)
+        .enumerate()
+        .map(|(i, p)| {
+            if p.is_empty() {
+                return Err(Error::input(format!("--fit {s:?}: size {} is empty (a stray comma?); give card sizes, e.g. 16GiB,24GiB", i + 1)));
+            }
+            let bytes = crate::device::placement::parse_size(p).map_err(|e| Error::input(format!("--fit {s:?}: {e}")))?;
+            if bytes < MIN_FIT_CARD_BYTES {
+                return Err(Error::input(format!("--fit {s:?}: {p:?} is {bytes} bytes, smaller than any card (at least 256MiB); a unit slip (GiB)?")));
+            }
+            Ok(bytes)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -503,5 +513,10 @@ mod tests {
         assert_eq!(parse_sizes("24GiB, 16GiB").unwrap(), vec![24 << 30, 16 << 30]);
         assert!(parse_sizes("").unwrap_err().to_string().contains("--fit"));
         assert!(parse_sizes("24GiB,huge").unwrap_err().to_string().contains("--fit"));
+        for (bad, needle) in [("1KiB", "smaller than any card"), ("16GiB,,24GiB", "size 2 is empty"), ("16GiB,", "size 2 is empty"), (",", "size 1 is empty"), (" ", "give card sizes")] {
+            let e = parse_sizes(bad).unwrap_err().to_string();
+            assert!(e.contains("--fit") && e.contains(needle), "{bad:?}: {e}");
+        }
+        assert_eq!(parse_sizes("256MiB").unwrap(), vec![256 << 20]);
     }
 }

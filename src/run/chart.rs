@@ -59,7 +59,7 @@ fn font_available() -> bool {
         let from_env = std::env::var_os("DUALEDIT_CHART_FONT").map(PathBuf::from);
         let candidates = from_env.into_iter().chain(FONT_CANDIDATES.iter().map(PathBuf::from)).chain(find_ttf(Path::new("/usr/share/fonts"), 4));
         for path in candidates {
-            let Ok(bytes) = std::fs::read(&path) else { continue };
+            let Ok(bytes) = crate::io::read_regular_capped(&path, 256 << 20) else { continue };
             // plotters keeps fonts for the life of the process, so the bytes are leaked once.
             let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
             if plotters::style::register_font(FONT_FAMILY, FontStyle::Normal, bytes).is_ok() {

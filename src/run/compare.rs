@@ -55,7 +55,7 @@ fn side(plan: &DevicePlan, metrics: BTreeMap<String, f64>, memory: BTreeMap<Stri
 }
 
 fn read_memory(report: &Path) -> Result<BTreeMap<String, RoleSummary>> {
-    let text = std::fs::read_to_string(report).map_err(|e| Error::io(report, e))?;
+    let text = crate::io::read_text(report)?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(report, e.to_string()))?;
     serde_json::from_value(v["memory"].clone()).map_err(|e| Error::file(report, e.to_string()))
 }

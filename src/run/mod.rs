@@ -84,6 +84,7 @@ fn report<M: Serialize>(
     tracker: &MemoryTracker,
 ) -> RunReport<M> {
     RunReport {
+        format: report::REPORT_FORMAT,
         command: command.into(),
         model: c.model.display().to_string(),
         devices: DeviceInfo::from(&c.plan),
@@ -99,10 +100,13 @@ fn report<M: Serialize>(
 }
 
 /// Checks a run's report path before any work: it must not be one of the run's input
-/// files (writing the report would replace it), and its folder must be creatable, so a
-/// long run does not fail at its very end.
+/// files (writing the report would replace it), nor replace anything dualedit did not
+/// write as a report, timeline or chart ([`report::check_replaceable`]; checked again when
+/// the report is written), and its folder must be creatable, so a long run does not fail
+/// at its very end.
 pub fn check_report_path(report: Option<&Path>, inputs: &[&Path]) -> Result<()> {
     let Some(report) = report else { return Ok(()) };
+    report::check_replaceable(report)?;
     let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
         _ => a == b,
@@ -418,7 +422,7 @@ pub fn run_eval_counted(o: &EvalOptions, mut on_record: impl FnMut(usize, usize,
 fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(usize, usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
     let unrelated: Vec<String> = match &c.drift_text {
         Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
+            let text = crate::io::read_text(p).map_err(|e| Error::file(p, format!("--drift-text: {e}")))?;
             let lines: Vec<String> = text.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
             if lines.is_empty() {
                 return Err(Error::file(p, "--drift-text has no non-empty line"));

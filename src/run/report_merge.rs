@@ -90,7 +90,7 @@ pub fn merge(paths: &[PathBuf]) -> Result<Merged> {
 /// One report file as a row; `None` for the memory timeline written beside every report
 /// (`<report>.timeline.json`, `{"samples": [...]}`), which `runs/*.json` also matches.
 pub fn read_row(path: &Path) -> Result<Option<Row>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::io::read_text(path)?;
     let v: Value = serde_json::from_str(&text).map_err(|e| Error::file(path, format!("not JSON: {e}")))?;
     if v.as_object().is_some_and(|o| o.len() == 1 && o.get("samples").is_some_and(Value::is_array)) {
         tracing::info!(file = %path.display(), "skipped: a memory timeline, not a report");
@@ -103,6 +103,7 @@ pub fn read_row(path: &Path) -> Result<Option<Row>> {
 pub fn row(path: &Path, v: &Value) -> Result<Row> {
     let not_a_report = || Error::file(path, "not a dualedit run report (train / eval / edit write one with command, devices, metrics, memory; compare writes compare.json)");
     let command = v.get("command").and_then(Value::as_str).ok_or_else(not_a_report)?;
+    check_format(path, v)?;
     if v.get("single").is_some() && v.get("dual").is_some() {
         return compare_row(path, command, v).ok_or_else(not_a_report);
     }
@@ -112,7 +113,15 @@ pub fn row(path: &Path, v: &Value) -> Result<Row> {
     let main = devices.get("main").and_then(Value::as_str).ok_or_else(not_a_report)?;
     let split = devices.get("split").and_then(Value::as_bool).unwrap_or(false);
     let sub = devices.get("sub").and_then(Value::as_str).unwrap_or(main);
+    // A key metric that is there but not a number (a string, an object) would leave its
+    // cell empty without a word: refused, naming it (null stays an absent metric).
+    if let Some(k) = KEY_METRICS.iter().find(|k| metrics_v.get(**k).is_some_and(|x| !(x.is_number() || x.is_boolean() || x.is_null()))) {
+        return Err(Error::file(path, format!("metric {k:?} is {}, not a number; this is not a report as dualedit writes it", metrics_v[*k])));
+    }
     let mut metrics = numeric_fields(metrics_v);
+    if metrics.is_empty() {
+        return Err(Error::file(path, "has no numeric metric (its row would be empty); this is not a report as dualedit writes it"));
+    }
     if let Some(last) = metrics_v.get("history").and_then(Value::as_array).and_then(|h| h.last()) {
         if let Some(loss) = last.get("loss").and_then(Value::as_f64) {
             metrics.insert("final_loss".into(), loss);
@@ -130,6 +139,20 @@ pub fn row(path: &Path, v: &Value) -> Result<Row> {
         peak_bytes: peaks(memory),
         wall_seconds,
     })
+}
+
+/// A report's `format` ([`crate::run::report::REPORT_FORMAT`]): absent (a report of a build
+/// before the tag) or one this build reads; a newer version, or anything else, is refused.
+fn check_format(path: &Path, v: &Value) -> Result<()> {
+    let Some(f) = v.get("format") else { return Ok(()) };
+    let ours = crate::run::report::REPORT_FORMAT;
+    let (name, version) = ours.rsplit_once('/').unwrap_or((ours, "1"));
+    let given = f.as_str().and_then(|s| s.rsplit_once('/')).filter(|(n, _)| *n == name).and_then(|(_, v)| v.parse::<u32>().ok());
+    match given {
+        Some(g) if g <= version.parse::<u32>().unwrap_or(1) => Ok(()),
+        Some(_) => Err(Error::file(path, format!("is a report of format {f} from a newer dualedit; this build reads {ours} (merge it with that build)"))),
+        None => Err(Error::file(path, format!("has format {f}, not a dualedit run report's ({ours})"))),
+    }
 }
 
 /// `compare.json`: the split side's devices and peaks; the ratio, the largest difference

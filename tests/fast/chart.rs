@@ -119,6 +119,7 @@ fn roles_on_one_device_share_a_line_and_single_samples_work() {
 
 fn report() -> RunReport<BTreeMap<String, f64>> {
     RunReport {
+        format: dualedit::run::report::REPORT_FORMAT,
         command: "train".into(),
         model: "m".into(),
         devices: DeviceInfo::from(&dualedit::device::DevicePlan::single(tch::Device::Cpu)),

@@ -285,3 +285,139 @@ fn docs_cli_md_is_generated_from_the_flags() {
         assert!(now.contains(&format!("## `dualedit {command}`")), "docs/cli.md has no section for {command}");
     }
 }
+
+/// A FIFO with nobody writing (made here; removed with its folder).
+fn fifo(path: &Path) -> PathBuf {
+    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {}", path.display());
+    path.to_path_buf()
+}
+
+/// Issue #48: a FIFO, a device or a folder where a command reads a file (records, data, a
+/// config, reports to merge) ends the command at once with one error naming the file,
+/// instead of waiting forever (a FIFO) or reading without end (`/dev/zero`).
+#[test]
+fn fifos_devices_and_folders_as_inputs_end_at_once_with_one_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = common::root();
+    let (model, editor) = (root.join("data/model"), root.join("data/editor"));
+    let pipe = fifo(&dir.path().join("pipe.json"));
+    let (data, cfg) = (root.join("data/world/edits-holdout.json"), root.join("configs/tiny.json"));
+    let (m, e, d, c, p) = (s(&model), s(&editor), s(&data), s(&cfg), s(&pipe));
+    let folder = dir.path().to_str().unwrap();
+    let runs: Vec<(Vec<&str>, &str, &str)> = vec![
+        (vec!["edit", "--model", m, "--editor", e, "--requests", p], p, "FIFO"),
+        (vec!["edit", "--model", m, "--editor", e, "--requests", "/dev/zero"], "/dev/zero", "device"),
+        (vec!["edit", "--model", m, "--editor", e, "--requests", folder], folder, "directory"),
+        (vec!["eval", "--model", m, "--editor", e, "--data", p, "--ds", "counterfact"], p, "FIFO"),
+        (vec!["train", "--model", m, "--data", p, "--ds", "counterfact", "--config", c, "--out", folder], p, "FIFO"),
+        (vec!["train", "--model", m, "--data", d, "--ds", "counterfact", "--config", p, "--out", folder], p, "FIFO"),
+        (vec!["plan", "--model", m, "--config", p], p, "FIFO"),
+        (vec!["plan", "--model", m, "--config", c, "--data", p, "--ds", "counterfact"], p, "FIFO"),
+        (vec!["report", "merge", p], p, "FIFO"),
+        (vec!["report", "merge", "/dev/zero"], "/dev/zero", "device"),
+    ];
+    for (args, file, what) in runs {
+        let t = std::time::Instant::now();
+        let o = dualedit(&args);
+        let took = t.elapsed();
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{args:?}: {err}");
+        assert!(err.contains(file) && err.contains(what), "{args:?}: {err}");
+        assert_eq!(err.lines().filter(|l| l.contains("error")).count(), 1, "{args:?}: one error: {err}");
+        // The process with libtorch's start; the read itself is refused before it begins.
+        assert!(took < std::time::Duration::from_secs(5), "{args:?} took {took:?}");
+    }
+}
+
+/// `plan --fit` refuses a size no card has and empty entries, naming the flag; `plan
+/// --optimizer-device sub` needs a sub-device.
+#[test]
+fn plan_fit_refuses_sizes_that_cannot_be_meant() {
+    let root = common::root();
+    let (model, cfg) = (root.join("data/model"), root.join("configs/tiny.json"));
+    for (fit, needle) in [("1KiB", "smaller than any card"), ("16GiB,,24GiB", "size 2 is empty"), ("16GiB,", "size 2 is empty")] {
+        let o = dualedit(&["plan", "--model", s(&model), "--config", s(&cfg), "--fit", fit]);
+        let err = stderr(&o);
+        assert!(!o.status.success() && err.contains("--fit") && err.contains(needle), "{fit}: {err}");
+    }
+    let o = dualedit(&["plan", "--model", s(&model), "--config", s(&cfg), "--fit", "16GiB,24GiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The optimiser "on the sub-device" of a one-device plan, as `train` refuses it.
+    let o = dualedit(&["plan", "--model", s(&model), "--config", s(&cfg), "--optimizer-device", "sub"]);
+    assert!(!o.status.success() && stderr(&o).contains("--optimizer-device sub needs a --sub-device"), "{}", stderr(&o));
+    let o = dualedit(&["plan", "--model", s(&model), "--config", s(&cfg), "--optimizer-device", "sub", "--sub-device", "cpu:1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// Every file of a folder, by name, with its bytes.
+fn snapshot(dirs: &[&Path]) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    for d in dirs {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_file() {
+                out.insert(p.clone(), std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Issue #48: `--report` never replaces an input of the run (the model's files, the
+/// editor's, the requests) or a file dualedit did not write (a user's file named as the
+/// report, or where its timeline or chart would go): refused before the run, naming the
+/// file, every input byte-identical after. A report dualedit wrote is replaced.
+#[test]
+fn a_report_never_replaces_an_input_or_a_file_it_did_not_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = common::root();
+    let (model, editor) = (dir.path().join("model"), dir.path().join("editor"));
+    for (from, to) in [(root.join("data/model"), &model), (root.join("data/editor"), &editor)] {
+        std::fs::create_dir(to).unwrap();
+        for e in std::fs::read_dir(&from).unwrap() {
+            let p = e.unwrap().path();
+            std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let requests = dir.path().join("requests.json");
+    std::fs::write(&requests, r#"[{"prompt": "The capital of France is", "target_new": "Rome", "subject": "France"}]"#).unwrap();
+    let user = dir.path().join("mine");
+    std::fs::create_dir(&user).unwrap();
+    std::fs::write(user.join("notes.json"), "my notes").unwrap();
+    std::fs::write(user.join("r.timeline.json"), "my timeline").unwrap();
+    std::fs::write(user.join("q.timeline.png"), "my picture").unwrap();
+    let before = snapshot(&[&model, &editor, dir.path(), &user]);
+    let edit = |report: &Path| dualedit(&["edit", "--model", s(&model), "--editor", s(&editor), "--requests", s(&requests), "--report", s(report)]);
+    for (report, named) in [
+        (model.join("model.safetensors"), model.join("model.safetensors")),
+        (model.join("config.json"), model.join("config.json")),
+        (model.join("tokenizer.json"), model.join("tokenizer.json")),
+        (editor.join("editor.json"), editor.join("editor.json")),
+        (requests.clone(), requests.clone()),
+        (user.join("notes.json"), user.join("notes.json")),
+        (user.join("r.json"), user.join("r.timeline.json")),
+        (user.join("q.json"), user.join("q.timeline.png")),
+        (model.clone(), model.clone()),
+    ] {
+        let o = edit(&report);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{}: {err}", report.display());
+        assert!(err.contains("--report") && err.contains(s(&named)), "{}: {err}", report.display());
+    }
+    assert_eq!(snapshot(&[&model, &editor, dir.path(), &user]), before, "an input or a user's file changed");
+    // A fresh path is written, then replaced by the next run (dualedit wrote it); the
+    // inputs stay as they were.
+    let ours = dir.path().join("runs/edit.json");
+    for _ in 0..2 {
+        let o = edit(&ours);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    assert!(ours.is_file() && dir.path().join("runs/edit.timeline.json").is_file());
+    let after = snapshot(&[&model, &editor, &user]);
+    assert!(after.iter().all(|(p, b)| before.get(p) == Some(b)), "an input changed");
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}

@@ -513,3 +513,19 @@ fn image_training_and_evaluation_over_a_chain_match_one_device() {
         assert!(c.metrics_agree, "{list} eval: max relative difference {}", c.max_relative_difference);
     }
 }
+
+/// Issue #48: an E-VQA target that spells a special token (`<|image_pad|>`, `<|im_end|>`)
+/// would be edited in as that token, not as text: the record is refused, naming the data
+/// file, the record and the token.
+#[test]
+fn a_target_that_is_a_special_token_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = roots(dir.path());
+    let engine = engine(DevicePlan::single(Device::Cpu));
+    for target in ["<|image_pad|>", "a cat<|im_end|>"] {
+        let data = write_data(dir.path(), &[record("What is in the picture?", target, "val/a.png")]);
+        let err = load_examples(&engine, &data, DatasetKind::Vqa, None, 200, Default::default(), Some(&r)).unwrap_err().to_string();
+        let token = if target.contains("image_pad") { "<|image_pad|>" } else { "<|im_end|>" };
+        assert!(err.contains("vqa.json") && err.contains("record 0") && err.contains("special token") && err.contains(token), "{target}: {err}");
+    }
+}

@@ -146,3 +146,39 @@ fn bad_reports_are_one_clear_error_naming_the_file() {
     let o = dualedit(&["report", "merge"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("REPORTS"));
 }
+
+/// Issue #48: a report of a newer format, or whose metrics are not numbers (its row would
+/// be empty), is refused naming the file; a report of this format, or of a build before
+/// the tag, merges.
+#[test]
+fn future_formats_and_non_numeric_metrics_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = |name: &str, format: Option<&str>, metrics: Value| {
+        let mut v = serde_json::json!({
+            "command": "eval", "model": "m", "dtype": "f32",
+            "devices": {"main": "cpu", "sub": "cpu", "split": false},
+            "metrics": metrics, "memory": {"main": {"peak_allocated_bytes": 10}}, "seconds": {"eval": 1.0},
+        });
+        if let Some(f) = format {
+            v["format"] = f.into();
+        }
+        let p = dir.path().join(name);
+        std::fs::write(&p, v.to_string()).unwrap();
+        p
+    };
+    let good = serde_json::json!({"reliability": 1.0});
+    let ok_now = report("now.json", Some(dualedit::run::report::REPORT_FORMAT), good.clone());
+    let ok_old = report("old.json", None, good.clone());
+    assert_eq!(dualedit::run::report_merge::merge(&[ok_now, ok_old]).unwrap().rows.len(), 2);
+    for (file, needle) in [
+        (report("future.json", Some("dualedit-run-report/2"), good.clone()), "newer dualedit"),
+        (report("alien.json", Some("someone-else/1"), good.clone()), "not a dualedit run report"),
+        (report("words.json", None, serde_json::json!({"reliability": "high"})), "not a number"),
+        (report("empty.json", None, serde_json::json!({"method": "mend"})), "no numeric metric"),
+    ] {
+        let o = dualedit(&["report", "merge", s(&file)]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(s(&file)) && err.contains(needle), "{}: {err}", file.display());
+        assert!(o.stdout.is_empty());
+    }
+}

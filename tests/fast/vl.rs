@@ -793,3 +793,32 @@ fn the_multimodal_default_ships_the_template_it_was_pretrained_with() {
     let t = dualedit::model::qwen2_vl::ChatTemplate::load(&dir).unwrap();
     assert!(format!("{t:?}").contains("chat_template.jinja"), "{t:?}");
 }
+
+/// Issue #48: a chat template that loops without bound, renders without bound, or is not a file
+/// (a folder, a FIFO, a device) is an error naming it, at once; never the default.
+#[test]
+fn chat_templates_that_never_end_or_are_no_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let jinja = dir.path().join("chat_template.jinja");
+    let t = std::time::Instant::now();
+    std::fs::write(&jinja, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}").unwrap();
+    let err = dualedit::model::qwen2_vl::ChatTemplate::load(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("chat_template.jinja") && err.contains("instructions"), "{err}");
+    std::fs::write(&jinja, "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}").unwrap();
+    let err = dualedit::model::qwen2_vl::ChatTemplate::load(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("chat_template.jinja") && (err.contains("bytes") || err.contains("instructions")), "{err}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(1), "took {:?}", t.elapsed());
+    std::fs::remove_file(&jinja).unwrap();
+    std::fs::create_dir(&jinja).unwrap();
+    let err = dualedit::model::qwen2_vl::ChatTemplate::load(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("chat_template.jinja") && err.contains("directory"), "{err}");
+    std::fs::remove_dir(&jinja).unwrap();
+    let fifo = std::ffi::CString::new(jinja.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let err = dualedit::model::qwen2_vl::ChatTemplate::load(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("chat_template.jinja") && err.contains("FIFO"), "{err}");
+    std::fs::remove_file(&jinja).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &jinja).unwrap();
+    let err = dualedit::model::qwen2_vl::ChatTemplate::load(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("chat_template.jinja") && err.contains("device"), "{err}");
+}

@@ -30,6 +30,11 @@ pub fn answer(a: &PlanArgs) -> anyhow::Result<(String, Option<String>)> {
     opts.headroom = verdict::Headroom::parse(a.margin.as_deref(), a.reserve.as_deref())?;
     opts.caps = d.max_memory.clone().unwrap_or_default();
     opts.optimizer = d.optimizer_device.unwrap_or_default();
+    if opts.optimizer == crate::device::OptimizerDevice::Sub && !opts.split {
+        // As `train` refuses it: planning the moments "on sub" of a one-device run would
+        // plan them on main without a word.
+        anyhow::bail!("--optimizer-device sub needs a --sub-device other than --device (this plan has one device): drop the flag or give a sub-device");
+    }
     opts.image = a.image_size;
     opts.loc_tokens = a.loc_length;
     if let Some(ds) = &a.ds {

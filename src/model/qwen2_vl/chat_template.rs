@@ -31,6 +31,18 @@ pub const QWEN2_VL_DEFAULT: &str = "{% set image_count = namespace(value=0) %}{%
 /// The name the template is registered under in its environment.
 const NAME: &str = "chat";
 
+/// The instructions one rendering may run (minijinja's fuel): Qwen2-VL's template takes a
+/// few hundred for one turn; a loop over a large range (nested, say) is stopped here
+/// instead of running without bound.
+const FUEL: u64 = 1_000_000;
+
+/// The most bytes one rendered prompt may take.
+const MAX_RENDERED_BYTES: usize = 1 << 20;
+
+/// What the template must render for the one image of a turn, exactly once: the prompt's
+/// ids are built by expanding this `<|image_pad|>` to the image's patches.
+const IMAGE_MARKERS: &str = "<|vision_start|><|image_pad|><|vision_end|>";
+
 /// A compiled chat template and the special-token globals (`bos_token`, ...) of its
 /// checkpoint.
 pub struct ChatTemplate {
@@ -47,13 +59,17 @@ impl std::fmt::Debug for ChatTemplate {
 
 impl ChatTemplate {
     /// The template of the checkpoint in `dir` (see the module docs for the order), or
-    /// Qwen2-VL's default when it has none. A file that is there but unreadable, not the
-    /// JSON it should be, or not a valid template is an error naming it.
+    /// Qwen2-VL's default when it has none. A file that is there but unreadable (a
+    /// directory, FIFO or device included), not the JSON it should be, not a valid
+    /// template, or one whose image turn lacks the image markers
+    /// (`<|vision_start|><|image_pad|><|vision_end|>`, once) is an error naming it.
     pub fn load(dir: &Path) -> Result<Self> {
         let tokenizer_config = read_json_if_present(&dir.join("tokenizer_config.json"))?;
         let jinja = dir.join("chat_template.jinja");
         let json = dir.join("chat_template.json");
-        let (text, origin) = if jinja.is_file() {
+        // Present in any form (a link, a folder, a FIFO): read, so that what is not a
+        // template file is named rather than passed over for the default.
+        let (text, origin) = if std::fs::symlink_metadata(&jinja).is_ok() {
             (crate::io::read_text(&jinja)?, jinja)
         } else if let Some(v) = read_json_if_present(&json)? {
             let t = template_field(&v).ok_or_else(|| Error::file(&json, "has no \"chat_template\" string"))?;
@@ -71,7 +87,22 @@ impl ChatTemplate {
         if let Some(cfg) = &tokenizer_config {
             t.add_special_tokens(cfg);
         }
+        t.check_image_markers()?;
         Ok(t)
+    }
+
+    /// The template's image turn must show the image: [`IMAGE_MARKERS`] exactly once.
+    fn check_image_markers(&self) -> Result<()> {
+        let probe = self.image_prompt("What is in the image?")?;
+        let n = probe.matches(IMAGE_MARKERS).count();
+        if n != 1 {
+            let at = self.origin.clone().unwrap_or_default();
+            return Err(Error::file(
+                at,
+                format!("the chat template renders {IMAGE_MARKERS} {n} times for a turn with one image, expected once (without it the image is not in the prompt): {probe:?}"),
+            ));
+        }
+        Ok(())
     }
 
     /// Qwen2-VL's released template ([`QWEN2_VL_DEFAULT`]), compiled once.
@@ -91,6 +122,7 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(FUEL));
         env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
@@ -128,8 +160,30 @@ impl ChatTemplate {
         }]);
         let at = || self.origin.clone().unwrap_or_else(|| PathBuf::from("<Qwen2-VL default chat template>"));
         let tmpl = self.env.get_template(NAME).map_err(|e| Error::file(at(), e.to_string()))?;
-        tmpl.render(context! { messages => Value::from_serialize(&messages), add_generation_prompt => true })
-            .map_err(|e| Error::file(at(), format!("rendering the chat template failed: {e:#}")))
+        let mut out = Capped(Vec::new());
+        tmpl.render_captured_to(context! { messages => Value::from_serialize(&messages), add_generation_prompt => true }, &mut out)
+            .map_err(|e| match e.kind() {
+                minijinja::ErrorKind::OutOfFuel => Error::file(at(), format!("the chat template ran past {FUEL} instructions for one turn (a loop without bound?)")),
+                minijinja::ErrorKind::WriteFailure => Error::file(at(), format!("the chat template rendered more than {MAX_RENDERED_BYTES} bytes for one turn")),
+                _ => Error::file(at(), format!("rendering the chat template failed: {e:#}")),
+            })?;
+        String::from_utf8(out.0).map_err(|e| Error::file(at(), format!("the chat template rendered invalid UTF-8: {e}")))
+    }
+}
+
+/// A rendering's output, refused past [`MAX_RENDERED_BYTES`].
+struct Capped(Vec<u8>);
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_RENDERED_BYTES {
+            return Err(std::io::Error::other("rendered prompt too large"));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -147,7 +201,7 @@ fn template_field(v: &Json) -> Option<String> {
 }
 
 fn read_json_if_present(path: &Path) -> Result<Option<Json>> {
-    if !path.exists() {
+    if std::fs::symlink_metadata(path).is_err() {
         return Ok(None);
     }
     let text = crate::io::read_text(path)?;
@@ -172,17 +226,26 @@ mod tests {
             r#"{"bos_token": {"content": "<s>"}, "chat_template": "TOKCFG"}"#,
         )
         .unwrap();
-        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "TOKCFG");
-        std::fs::write(dir.path().join("chat_template.json"), r#"{"chat_template": "JSON {{ bos_token }}"}"#).unwrap();
-        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "JSON <s>");
-        let jinja = "{% for m in messages %}[{{ m.role | upper }}]{% for c in m.content %}{% if c.type == 'text' %}{{ c.text.strip() }}{% else %}<|image_pad|>{% endif %}{% endfor %}{% endfor %}{% if add_generation_prompt %}=>{% endif %}";
+        // A template that drops the image markers is named.
+        let err = ChatTemplate::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("tokenizer_config.json") && err.contains("0 times"), "{err}");
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"bos_token": {"content": "<s>"}, "chat_template": "TOKCFG<|vision_start|><|image_pad|><|vision_end|>"}"#,
+        )
+        .unwrap();
+        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "TOKCFG<|vision_start|><|image_pad|><|vision_end|>");
+        std::fs::write(dir.path().join("chat_template.json"), r#"{"chat_template": "JSON {{ bos_token }}<|vision_start|><|image_pad|><|vision_end|>"}"#).unwrap();
+        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "JSON <s><|vision_start|><|image_pad|><|vision_end|>");
+        let jinja = "{% for m in messages %}[{{ m.role | upper }}]{% for c in m.content %}{% if c.type == 'text' %}{{ c.text.strip() }}{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}{% endfor %}{% if add_generation_prompt %}=>{% endif %}";
         std::fs::write(dir.path().join("chat_template.jinja"), jinja).unwrap();
-        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "[USER]<|image_pad|>q=>");
+        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "[USER]<|vision_start|><|image_pad|><|vision_end|>q=>");
         std::fs::write(dir.path().join("chat_template.jinja"), "{% if x %}").unwrap();
         let err = ChatTemplate::load(dir.path()).unwrap_err().to_string();
         assert!(err.contains("chat_template.jinja") && err.contains("invalid chat template"), "{err}");
         std::fs::write(dir.path().join("chat_template.jinja"), "{{ raise_exception('no images here') }}").unwrap();
-        let err = ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap_err().to_string();
+        let err = ChatTemplate::load(dir.path()).unwrap_err().to_string();
         assert!(err.contains("no images here"), "{err}");
     }
+
 }

@@ -143,8 +143,8 @@ impl ImageProcessorConfig {
     /// Reads `path`; a missing file gives the defaults (logged, naming them), a malformed
     /// one an error naming it.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(t) => t,
+        let text = match std::fs::symlink_metadata(path) {
+            Ok(_) => crate::io::read_text(path)?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let d = Self::default();
                 warn!(
