@@ -84,8 +84,10 @@ fn every_json_command_prints_one_json_object() {
         std::fs::copy(common::shipped("editor-many").join(f), many.join(f)).unwrap();
     }
     let (many, corpus) = (many.display().to_string(), common::shipped("world/corpus.txt").display().to_string());
+    let (gguf, converted) = (common::fixture("gguf/llama.gguf").display().to_string(), report("converted"));
     let runs: Vec<(&str, Vec<&str>, &str)> = vec![
         ("score", vec!["score", "--model", &model, "--text", "Vacorp was founded by", "--json"], "mean_nll"),
+        ("convert", vec!["convert", "--gguf", &gguf, "--out", &converted, "--json"], "parameters"),
         ("demo", vec!["demo", "--multimodal", "--json"], "easyedit"),
         ("plan", vec!["plan", "--model", &model, "--config", "configs/world.json", "--json"], "totals"),
         ("edit", vec!["edit", "--model", &model, "--editor", &editor, "--requests", &requests, "--json", "--report", &edit_report], "requests"),
