@@ -423,3 +423,30 @@ fn a_report_never_replaces_an_input_or_a_file_it_did_not_write() {
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
+
+/// Issue #48: `stats --text` streams its file, but a FIFO, a device or a line longer than
+/// 1 MiB (a file without line breaks) ends it at once with one error naming the file; the
+/// editor's folder is left as it was.
+#[test]
+fn stats_refuses_a_fifo_a_device_and_a_line_without_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = common::root();
+    let editor = dir.path().join("editor");
+    std::fs::create_dir(&editor).unwrap();
+    for e in std::fs::read_dir(root.join("data/editor")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, editor.join(p.file_name().unwrap())).unwrap();
+    }
+    let before = snapshot(&[&editor]);
+    let pipe = fifo(&dir.path().join("text.txt"));
+    let long = dir.path().join("long.txt");
+    std::fs::write(&long, "word ".repeat(300_000)).unwrap();
+    for (text, needle) in [(pipe.as_path(), "FIFO"), (Path::new("/dev/zero"), "device"), (long.as_path(), "longer than")] {
+        let t = std::time::Instant::now();
+        let o = dualedit(&["stats", "--model", s(&root.join("data/model")), "--editor", s(&editor), "--text", s(text)]);
+        let err = stderr(&o);
+        assert!(!o.status.success() && err.contains(s(text)) && err.contains(needle), "{}: {err}", text.display());
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "{}: took {:?}", text.display(), t.elapsed());
+    }
+    assert_eq!(snapshot(&[&editor]), before);
+}
