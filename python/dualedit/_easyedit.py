@@ -107,7 +107,9 @@ class Editor:
         Returns ``(metrics, session, None)``; ``metrics[i]`` holds ``case_id``,
         ``requested_rewrite``, ``time``, ``pre`` (``rewrite_acc``, ``rephrase_acc``,
         ``portability``) and ``post`` (the same and ``locality``: ``{key + "_acc": [...]}``),
-        each accuracy a one-element list as EasyEdit writes them.
+        each accuracy a one-element list as EasyEdit writes them, and ``refused`` (the
+        commit guard refused the edit, nothing of it was committed: ``post`` is the
+        weights without it) with the guard's ``refused_reason`` (``None`` when committed).
         """
         prompts_l = _prompts(prompts, kwargs)
         n = len(prompts_l)
@@ -171,6 +173,9 @@ class Editor:
                     "time": seconds,
                     "pre": m_pre,
                     "post": m_post,
+                    # The commit guard refused this edit: post is the weights without it.
+                    "refused": after["refused"],
+                    "refused_reason": after["refused_reason"],
                 }
             )
             if verbose:
@@ -205,7 +210,8 @@ class MultimodalEditor:
         "vision": {"prompt", "ground_truth", "image"}}``. Returns ``(metrics, session,
         None)``; ``metrics[i]["post"]`` holds ``rewrite_acc``, ``rephrase_acc``,
         ``rephrase_image_acc``, ``locality_acc`` and ``multimodal_locality_acc``;
-        ``metrics[i]["pre"]`` the first three before the edit.
+        ``metrics[i]["pre"]`` the first three before the edit; ``metrics[i]["refused"]``
+        and ``["refused_reason"]`` as :meth:`Editor.edit`'s.
         """
         prompts_l = _prompts(prompts, kwargs)
         n = len(prompts_l)
@@ -264,7 +270,8 @@ class MultimodalEditor:
                 m_post["locality_acc"] = after["locality"]
             if after.get("image_locality") is not None:
                 m_post["multimodal_locality_acc"] = after["image_locality"]
-            metrics.append({"case_id": i, "time": seconds, "pre": m_pre, "post": m_post})
+            metrics.append({"case_id": i, "time": seconds, "pre": m_pre, "post": m_post,
+                            "refused": after["refused"], "refused_reason": after["refused_reason"]})
             if verbose:
                 print(f"{i} editing: {prompts_l[i]} -> {targets_l[i]}  {m_post}")
         return metrics, s, None

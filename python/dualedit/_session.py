@@ -132,10 +132,11 @@ class Session:
         dtype: ``f32`` (default), ``bf16``, ``f16`` or a ``torch.dtype``.
         placement: ``replica`` (default), ``balanced`` or ``auto`` (the planner picks).
         max_memory: per-device caps, ``{"cuda:0": "24GiB"}`` or ``"cuda:0=24GiB"``.
-        method: ``mend`` (default with an editor), ``auto`` (one request per call with
+        method: ``auto`` (the default with an editor, as ``dualedit edit`` and
+            ``dualedit serve``: one request per call on an unedited session with
             ``mend``, several, or one after another, with ``mend-ls`` and the editor for
-            many edits the editor's ``editor.json`` names; a single request uses that
-            editor's ``mend``), ``mend-ls``, ``ft`` or ``unedited``.
+            many edits the editor's ``editor.json`` names), ``mend``, ``mend-ls``, ``ft``
+            or ``unedited``.
         guard: the commit guard on the requests' locality prompts (on by default, as in
             ``dualedit edit``); ``guard_*`` keyword arguments as the CLI's flags.
         **options: ``optimizer_device``, ``ft_lr``, ``ls_lambda``, ``ls_keep_weight``,
@@ -206,8 +207,8 @@ class Session:
 
         Returns:
             ``dualedit edit --json``'s report as a dict (``sequential``, ``guard``, the
-            summary's means, ``requests`` with each one's metrics and answer after the
-            edit), without its file-run fields (``data``, ``report``, ``saved``), plus
+            summary's means, ``requests`` with each one's metrics, answer after the
+            edit, ``refused`` and the guard's ``refused_reason``), without its file-run fields (``data``, ``report``, ``saved``), plus
             ``edits_total`` and ``seconds.edit`` (the library's edit call, the span the
             CLI's run report calls ``seconds.edit``).
         """

@@ -162,6 +162,9 @@ fn planning_config(editor: Option<&Path>) -> PyResult<MendConfig> {
     Ok(cfg)
 }
 
+/// The method with an editor when none is named: the CLI's `--method` default.
+const DEFAULT_METHOD: &str = dualedit::edit::DEFAULT_METHOD;
+
 /// The edit method as the CLI's `--method` and its `--ls-*` / `--ft-lr` flags name it.
 struct MethodChoice<'a> {
     method: Option<&'a str>,
@@ -174,9 +177,9 @@ struct MethodChoice<'a> {
     /// `auto` is for several edits: a session edits any number, `evaluate` groups of
     /// more than one.
     many: bool,
-    /// The method with an editor when none is named: `evaluate`'s is `auto` (as the
-    /// CLI's `eval`), a `Session`'s `mend` (a session cannot know how many requests it
-    /// will edit; `method="auto"` opens it for many).
+    /// The method with an editor when none is named: `auto` everywhere, as the CLI's
+    /// `--method` default (a `Session` opens it for many edits and makes a single request
+    /// in one call with plain `mend` of the same editor, as `serve` does).
     default: &'static str,
 }
 
@@ -349,7 +352,7 @@ impl PySession {
         if max_length == 0 {
             return Err(input_err("max_length must be at least 1"));
         }
-        let choice = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many: true, default: "mend" };
+        let choice = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many: true, default: DEFAULT_METHOD };
         let spec = choice.spec()?;
         let kind = parse_dtype(dtype)?;
         let placing = Placing { device, sub_device, placement, optimizer_device, max_memory };
@@ -776,7 +779,7 @@ fn evaluate(
         return Err(input_err("max_length must be at least 1"));
     }
     let many = edits_per_batch.or(sequential).is_some_and(|n| n > 1);
-    let spec = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many, default: "auto" }.spec()?;
+    let spec = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many, default: DEFAULT_METHOD }.spec()?;
     let kind = parse_dtype(dtype)?;
     let plan = Placing { device, sub_device, placement, optimizer_device, max_memory }.plan(
         &model,

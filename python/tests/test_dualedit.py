@@ -105,8 +105,9 @@ def test_session_edit_is_the_cli_edit_report(tmp_path, sequential):
     f.write_text(json.dumps(records))
     want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f),
                *(["--sequential"] if sequential else []), tmp=tmp_path)
-    # The CLI's default (--method auto): several requests with mend-ls and data/editor-many.
-    session = dualedit.Session(MODEL, EDITOR, method="auto")
+    # The CLI's default (--method auto) is the Session's: several requests with mend-ls
+    # and data/editor-many.
+    session = dualedit.Session(MODEL, EDITOR)
     got = session.edit(records, sequential=sequential)
     assert got["method"] == "mend-ls"
     for k in ("data", "report", "saved"):
@@ -144,18 +145,66 @@ def test_easyedit_form_metrics_equal_the_cli(tmp_path):
     # The unedited model does not answer the new targets: pre is below post.
     assert all(m["pre"]["rewrite_acc"][0] < m["post"]["rewrite_acc"][0] for m in metrics)
 
-    # sequential_edit=True: all kept, measured after the last, as `edit --sequential`.
+    # sequential_edit=True: all kept, measured after the last, as `edit --sequential`
+    # with the CLI's default method (mend-ls with the editor for many edits).
     metrics, edited, _ = editor.edit(**args, sequential_edit=True)
     f = tmp_path / "both.json"
     f.write_text(json.dumps(records))
-    want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f), "--sequential",
-               "--method", "mend", tmp=tmp_path)
+    want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f), "--sequential", tmp=tmp_path)
+    assert want["method"] == "mend-ls"
     assert edited.edits_total == committed(want) > 0
     for m, w in zip(metrics, want["requests"]):
         assert m["post"]["rewrite_acc"] == [w["reliability"]]
         assert m["post"]["rephrase_acc"] == [w["generalization"]]
         assert m["post"]["locality"]["neighborhood_acc"] == [w["locality"]]
     edited.reset()
+
+
+def test_the_default_method_is_the_cli_default(tmp_path):
+    """Issue #49: Session(model, editor) edits as `dualedit edit` and `serve` do (method
+    auto): one request on an unedited session with mend, several or one after another
+    with mend-ls; the EasyEdit form's sequential edits give `edit --sequential`'s numbers."""
+    session = dualedit.Session(MODEL, EDITOR)
+    assert session.method == "mend-ls"
+    assert session.edit(fresh(1))["method"] == "mend"
+    session.reset()
+    assert session.edit(fresh(3))["method"] == "mend-ls"
+    session.reset()
+    assert session.edit(fresh(1), sequential=True)["method"] == "mend-ls"
+    records = fresh(8, start=10)
+    f = tmp_path / "eight.json"
+    f.write_text(json.dumps(records))
+    want = cli("edit", "--model", str(MODEL), "--editor", str(EDITOR), "--requests", str(f), "--sequential", tmp=tmp_path)
+    metrics, edited, _ = dualedit.Editor(MODEL, EDITOR).edit(
+        prompts=[r["prompt"] for r in records], target_new=[r["target_new"] for r in records],
+        rephrase_prompts=[r["rephrase_prompt"] for r in records],
+        locality_inputs={"neighborhood": {"prompt": [r["locality_prompt"] for r in records],
+                                          "ground_truth": [r["locality_ground_truth"] for r in records]}},
+        subject=[r["subject"] for r in records], sequential_edit=True)
+    assert [m["post"]["rewrite_acc"] for m in metrics] == [[w["reliability"]] for w in want["requests"]]
+    assert [m["refused"] for m in metrics] == [w["refused"] for w in want["requests"]]
+    assert edited.edits_total == committed(want)
+
+
+def test_a_refused_edit_says_so_in_every_shape():
+    """Issue #49: a refused edit carries `refused` and the guard's reason, in the report's
+    requests and in the EasyEdit form, not only `rewrite_acc: 0.0`."""
+    strict = dict(guard_refuse=True, guard_min_agreement=1.0, guard_max_kl=1e-9)
+    records = fresh(2, start=20)
+    report = dualedit.Session(MODEL, EDITOR, **strict).edit(records, sequential=True)
+    assert report["refused"] == 2
+    for r in report["requests"]:
+        assert r["refused"] is True and "refused" in r["refused_reason"]
+    metrics, edited, _ = dualedit.Editor(MODEL, EDITOR, **strict).edit(
+        prompts=[r["prompt"] for r in records], target_new=[r["target_new"] for r in records],
+        locality_inputs={"neighborhood": {"prompt": [r["locality_prompt"] for r in records],
+                                          "ground_truth": [r["locality_ground_truth"] for r in records]}})
+    assert edited.edits_total == 0
+    for m in metrics:
+        assert m["refused"] is True and "refused" in m["refused_reason"], m
+    # Committed edits say so too.
+    ok = dualedit.Session(MODEL, EDITOR).edit(records[:1])
+    assert ok["requests"][0]["refused"] is False and ok["requests"][0]["refused_reason"] is None
 
 
 def test_image_edit_on_the_multimodal_default(tmp_path):

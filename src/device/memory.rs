@@ -179,6 +179,16 @@ pub fn reset_peak(device: Device) -> Result<()> {
     }
 }
 
+/// The machine's memory (`MemTotal` of `/proc/meminfo`): what the CPU devices share, the
+/// planner's capacity for them when `--max-memory` names none. `None` where it cannot be
+/// read (not Linux).
+pub fn host_total_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.trim_start_matches("MemTotal:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    (kib > 0).then_some(kib * 1024)
+}
+
 /// Total bytes of a CUDA device as its allocator sees it (`cudaMemGetInfo`'s total).
 pub fn total_bytes(device: Device) -> Result<u64> {
     match device {

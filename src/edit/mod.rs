@@ -109,6 +109,11 @@ impl Method {
     }
 }
 
+/// The method every interface edits with when none is named (the CLI's `--method`,
+/// `serve --method`, the Python package's `method=`): [`MethodSpec::Auto`], one request
+/// with `mend`, several or one after another with `mend-ls` and the editor for many edits.
+pub const DEFAULT_METHOD: &str = "auto";
+
 /// A method as the user names it, before anything is loaded.
 #[derive(Debug, Clone)]
 pub enum MethodSpec {
@@ -487,6 +492,12 @@ pub struct RequestResult {
     pub target_new: String,
     /// Greedy answer after the edit (as many tokens as the target has).
     pub answer_after: String,
+    /// The commit guard refused this request's edit: nothing of it was committed, and
+    /// its metrics after are the weights' without it.
+    pub refused: bool,
+    /// The guard's reason when it refused the edit (`null` otherwise): its one line, as
+    /// the report's `guard` entry has it.
+    pub refused_reason: Option<String>,
     #[serde(flatten)]
     pub metrics: RecordMetrics,
 }

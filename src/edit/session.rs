@@ -410,13 +410,23 @@ impl Session {
     }
 
     /// Each request with its greedy answer at the current weights and its metrics.
-    fn request_results(&self, records: &[EditRecord], examples: &[EditExample], metrics: Vec<RecordMetrics>) -> Result<Vec<RequestResult>> {
+    /// Each request's result; `refusals[i]`: the guard's reason when it refused request
+    /// `i`'s edit.
+    fn request_results(&self, records: &[EditRecord], examples: &[EditExample], metrics: Vec<RecordMetrics>, refusals: Vec<Option<String>>) -> Result<Vec<RequestResult>> {
         records
             .iter()
             .zip(examples)
             .zip(metrics)
-            .map(|((r, e), m)| {
-                Ok(RequestResult { prompt: r.prompt.clone(), target_new: r.target_new.clone(), answer_after: edit::answer(&self.engine, &e.inner)?, metrics: m })
+            .zip(refusals)
+            .map(|(((r, e), m), why)| {
+                Ok(RequestResult {
+                    prompt: r.prompt.clone(),
+                    target_new: r.target_new.clone(),
+                    answer_after: edit::answer(&self.engine, &e.inner)?,
+                    refused: why.is_some(),
+                    refused_reason: why,
+                    metrics: m,
+                })
             })
             .collect()
     }
@@ -486,9 +496,11 @@ impl Session {
         call.check(method)?;
         let method_name = method.name_for(call, examples.len(), sequential);
         let mut refused = 0usize;
+        // Per request, the guard's reason when it refused its edit.
+        let mut refusals: Vec<Option<String>> = vec![None; examples.len()];
         let metrics = if sequential {
             let mut committed_any = false;
-            for (e, fact) in examples.iter().zip(&facts) {
+            for ((e, fact), refusal) in examples.iter().zip(&facts).zip(refusals.iter_mut()) {
                 let inner = self.engine.collate(&[&e.inner])?;
                 let fact: Vec<Fact> = fact.iter().cloned().collect();
                 let steps = self.stepwise.as_ref().map_or(1, |s| s.steps);
@@ -511,6 +523,9 @@ impl Session {
                     }
                 }
                 refused += usize::from(!request_committed);
+                if !request_committed {
+                    *refusal = Some(reports.last().map_or_else(|| "refused by the commit guard".to_string(), |r| r.message.clone()));
+                }
                 committed_any |= request_committed;
             }
             if refused > 0 {
@@ -531,6 +546,8 @@ impl Session {
             let kept = checked(&self.engine, overrides, &batch, &mut reports)?;
             if kept.is_none() && guarded {
                 refused = examples.len();
+                let why = reports.last().map_or_else(|| "refused by the commit guard".to_string(), |r| format!("the batch of {} edits: {}", examples.len(), r.message));
+                refusals.iter_mut().for_each(|r| *r = Some(why.clone()));
                 tracing::warn!("the commit guard refused the batch of {} edits: nothing was committed ({})", examples.len(), reports.last().map_or("", |r| r.message.as_str()));
             }
             method.committed(match (&kept, guarded) {
@@ -548,7 +565,7 @@ impl Session {
             m
         };
         self.edits_total += examples.len() - refused;
-        let out = self.request_results(records, examples, metrics)?;
+        let out = self.request_results(records, examples, metrics, refusals)?;
         let summary = Summary::of(&out.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
         Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total, guard: reports, refused, method: method_name })
     }

@@ -19,7 +19,8 @@ use super::{items::*, render::*, sizes::*, types::*, *};
 
 /// The layer split's boundary `k` (blocks `[k, L)` on the sub-device) that balances the two
 /// devices: it minimises the larger of the main and sub peaks in `o.balance_for`, each
-/// divided by its capacity when `o.caps` gives one. `k` runs from 0 (only the embedding
+/// divided by its capacity when both have one ([`PlanOptions::balance_load`]: a
+/// `--max-memory` cap, or the host's memory for a CPU device), else in bytes. `k` runs from 0 (only the embedding
 /// on main) to the first edited block (everything that needs gradients on sub); the
 /// smallest `k` wins ties.
 pub fn balanced_boundary(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<i64> {
@@ -28,7 +29,7 @@ pub fn balanced_boundary(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Re
     let mut best: Option<(f64, i64)> = None;
     for k in 0..=first {
         let p = at(k)?;
-        let load = |dev: &str| p.peak(dev, o.balance_for) as f64 / o.caps.get(dev).map_or(1.0, |c| c as f64);
+        let load = |dev: &str| o.balance_load(dev, p.peak(dev, o.balance_for));
         let worst = load(&o.main).max(load(&o.sub));
         if best.is_none_or(|(b, _)| worst < b) {
             best = Some((worst, k));
@@ -41,7 +42,8 @@ pub fn balanced_boundary(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Re
 /// `(chain_at, k)`, main holding blocks below `chain_at[0]`, the chain's device `j` blocks
 /// `[chain_at[j], chain_at[j + 1])`, the last device blocks from `k` (≤ the first edited
 /// block) with the head and every edited block. They minimise the largest device's peak in
-/// `o.balance_for` (each divided by its capacity when `o.caps` gives one); the smallest
+/// `o.balance_for` (each divided by its capacity when every device has one,
+/// [`PlanOptions::balance_load`]); the smallest
 /// boundaries win ties. Without a chain, [`balanced_boundary`].
 ///
 /// Main's peak depends only on `chain_at[0]` and the last device's only on `k` (the
@@ -66,7 +68,7 @@ pub fn balanced_chain(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Resul
             m + 1
         )));
     }
-    let load = |dev: &str, bytes: u64| bytes as f64 / o.caps.get(dev).map_or(1.0, |c| c as f64);
+    let load = |dev: &str, bytes: u64| o.balance_load(dev, bytes);
     let n = first as usize + 1;
     let (mut main_load, mut last_load) = (Vec::with_capacity(n), Vec::with_capacity(n));
     for k in 0..n as i64 {
@@ -138,21 +140,23 @@ pub fn plan_all(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<Vec<
 }
 
 /// `--placement auto`: the first plan of [`plan_all`] whose every device's peak in
-/// `phase` fits its capacity (devices without a cap in `o.caps` always fit). When none
-/// fits, the error lists each placement's peaks against the caps.
+/// `phase` fits its capacity (a CPU device's is the host's memory without a cap,
+/// [`PlanOptions::judged_caps`]; a GPU without a cap always fits). When none fits, the
+/// error lists each placement's peaks against the caps.
 pub fn choose(model: &Model, cfg: &MendConfig, o: &PlanOptions, phase: Phase) -> Result<MemoryPlan> {
     let o = PlanOptions { balance_for: phase, ..o.clone() };
     let plans = plan_all(model, cfg, &o)?;
+    let caps = o.judged_caps();
     let mut lines = Vec::new();
     for p in plans {
-        match super::verdict::over(&p, &o.caps, &o.headroom, phase) {
+        match super::verdict::over(&p, &caps, &o.headroom, phase) {
             None => return Ok(p),
             Some(why) => lines.push(format!("  {}: {why}", p.placement_label())),
         }
     }
     Err(Error::OutOfMemory(format!(
         "no placement fits --max-memory {} (usable: {}):\n{}",
-        o.caps.0.iter().map(|(d, b)| format!("{d}={}", format_bytes(*b))).collect::<Vec<_>>().join(","),
+        caps.0.iter().map(|(d, b)| format!("{d}={}", format_bytes(*b))).collect::<Vec<_>>().join(","),
         o.headroom.text(),
         lines.join("\n")
     )))

@@ -62,6 +62,10 @@ pub struct PlanOptions {
     /// What of each cap a placement may use ([`super::verdict::Headroom`]: 10 % and 0.5 GiB
     /// per CUDA device unless `plan --margin/--reserve` say otherwise).
     pub headroom: super::verdict::Headroom,
+    /// The host's memory: the capacity of a CPU device `caps` names none for (host
+    /// memory is a capacity too), [`PlanOptions::capacity`]. `None`: unknown. By default
+    /// this machine's ([`crate::device::memory::host_total_bytes`]).
+    pub host_bytes: Option<u64>,
 }
 
 impl PlanOptions {
@@ -94,7 +98,38 @@ impl PlanOptions {
             image_processor: ImageProcessorConfig::default(),
             loc_tokens: None,
             headroom: super::verdict::Headroom::default(),
+            host_bytes: crate::device::memory::host_total_bytes(),
         })
+    }
+
+    /// What `device` holds: its `--max-memory` cap, else for a CPU device the host's
+    /// memory ([`PlanOptions::host_bytes`]); `None` for a GPU without a cap.
+    pub fn capacity(&self, device: &str) -> Option<u64> {
+        self.caps.get(device).or_else(|| if device.starts_with("cpu") { self.host_bytes } else { None })
+    }
+
+    /// The caps a placement is judged against: `--max-memory`'s, and the host's memory
+    /// for each CPU device of the plan it names no cap for.
+    pub fn judged_caps(&self) -> MaxMemory {
+        let mut caps = self.caps.clone();
+        // `cpu` also for the optimiser's moments on the CPU (`--optimizer-device cpu`).
+        for d in self.devices().into_iter().chain(["cpu".to_string()]) {
+            if let (None, Some(c)) = (caps.get(&d), self.capacity(&d)) {
+                caps.0.insert(d, c);
+            }
+        }
+        caps
+    }
+
+    /// A device's share of its capacity for the layer split's balance: `bytes / capacity`
+    /// when every device of the plan has a capacity ([`PlanOptions::capacity`]), else plain
+    /// bytes (a share of one device is never weighed against bytes of another).
+    pub fn balance_load(&self, device: &str, bytes: u64) -> f64 {
+        let all = self.devices().iter().all(|d| self.capacity(d).is_some());
+        match self.capacity(device).filter(|_| all) {
+            Some(c) => bytes as f64 / c.max(1) as f64,
+            None => bytes as f64,
+        }
     }
 
     /// A run's `--max-memory`: caps the process enforced on the CUDA caching allocator

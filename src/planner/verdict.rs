@@ -286,10 +286,17 @@ pub fn nothing_fits_line(verdicts: &[PlacementVerdict], caps: &MaxMemory, headro
     }
 }
 
-/// The smallest card of the sizes asked for on which the run fits, on `cards` cards.
+/// The smallest card of the sizes asked for on which the run fits, on `cards` cards
+/// (and the host's memory, for one card with the CPU as sub-device).
 #[derive(Debug, Clone, Serialize)]
 pub struct FitCards {
     pub cards: usize,
+    /// The devices planned: `cuda:0`, `cuda:0` + `cuda:1`, or `cuda:0` + `cpu`.
+    pub devices: Vec<String>,
+    /// The CPU's capacity with one card and the CPU: `--max-memory cpu=...`, else the
+    /// host's memory (`None`: unknown, the CPU is then not judged).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_bytes: Option<u64>,
     /// The smallest size that fits; `None` when none of the sizes does.
     pub card_bytes: Option<u64>,
     /// What fits on it (the first placement in `--placement auto`'s order).
@@ -297,21 +304,29 @@ pub struct FitCards {
     pub placement: Option<PlacementVerdict>,
 }
 
-/// `plan --fit`: one card and two cards.
+/// `plan --fit`: one card, and two cards or (`--sub-device cpu`) one card with the CPU.
 #[derive(Debug, Clone, Serialize)]
 pub struct FitAnswer {
     pub sizes_bytes: Vec<u64>,
     pub headroom: Headroom,
     pub phase: Phase,
     pub one_card: FitCards,
-    pub two_cards: FitCards,
+    /// Without a CPU sub-device.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub two_cards: Option<FitCards>,
+    /// With `--sub-device cpu`: one card and the host's memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub card_and_host: Option<FitCards>,
 }
 
 /// The smallest of `sizes` on which the run of `o` (its dtype, tokens, image; devices
 /// replaced by `cuda:0`, and `cuda:0` + `cuda:1`) fits, judged on `phase` peaks. The
 /// placements of two cards are planned once (equal caps balance the layer split by bytes
-/// whatever the size) and judged against each size in turn.
-pub fn fit(model: &Model, cfg: &MendConfig, o: &PlanOptions, sizes: &[u64], headroom: &Headroom, phase: Phase) -> Result<FitAnswer> {
+/// whatever the size) and judged against each size in turn. With `host`, a CPU device
+/// (`--sub-device cpu`), the second answer is one card and that CPU instead, its capacity
+/// the host's memory or its `--max-memory` cap; those placements are planned per size
+/// (the layer split balances each device's share of its capacity).
+pub fn fit(model: &Model, cfg: &MendConfig, o: &PlanOptions, sizes: &[u64], headroom: &Headroom, phase: Phase, host: Option<&str>) -> Result<FitAnswer> {
     if sizes.is_empty() {
         return Err(Error::input("--fit: give card sizes, e.g. 16GiB,24GiB,40GiB,80GiB"));
     }
@@ -320,25 +335,49 @@ pub fn fit(model: &Model, cfg: &MendConfig, o: &PlanOptions, sizes: &[u64], head
     sizes.dedup();
     let base = PlanOptions { balance_for: phase, caps: MaxMemory::default(), ..o.clone() };
     let one = PlanOptions { main: "cuda:0".into(), sub: "cuda:0".into(), split: false, ..base.clone() };
-    let two = PlanOptions { main: "cuda:0".into(), sub: "cuda:1".into(), split: true, ..base };
     let single = plan_model(model, cfg, &one.single())?;
-    let pairs = plan_all(model, cfg, &two)?;
+    let judged = |plans: &[MemoryPlan], caps: &MaxMemory| plans.iter().map(|p| judge(p, caps, headroom, phase)).find(|v| v.fits);
+    let caps_of = |devices: &[&str], s: u64| MaxMemory(devices.iter().map(|d| (d.to_string(), s)).collect::<BTreeMap<_, _>>());
     let answer = |cards: usize, plans: &[MemoryPlan], devices: &[&str]| -> FitCards {
+        let devs = devices.iter().map(|d| d.to_string()).collect();
         for &s in &sizes {
-            let caps = MaxMemory(devices.iter().map(|d| (d.to_string(), s)).collect::<BTreeMap<_, _>>());
-            if let Some(v) = plans.iter().map(|p| judge(p, &caps, headroom, phase)).find(|v| v.fits) {
-                return FitCards { cards, card_bytes: Some(s), placement: Some(v) };
+            if let Some(v) = judged(plans, &caps_of(devices, s)) {
+                return FitCards { cards, devices: devs, host_bytes: None, card_bytes: Some(s), placement: Some(v) };
             }
         }
-        FitCards { cards, card_bytes: None, placement: None }
+        FitCards { cards, devices: devs, host_bytes: None, card_bytes: None, placement: None }
     };
-    Ok(FitAnswer {
-        one_card: answer(1, std::slice::from_ref(&single), &["cuda:0"]),
-        two_cards: answer(2, &pairs, &["cuda:0", "cuda:1"]),
-        sizes_bytes: sizes,
-        headroom: headroom.clone(),
-        phase,
-    })
+    let one_card = answer(1, std::slice::from_ref(&single), &["cuda:0"]);
+    let (two_cards, card_and_host) = if let Some(cpu) = host {
+        let host = o.capacity(cpu);
+        let devices = vec!["cuda:0".to_string(), cpu.to_string()];
+        let mut found = FitCards { cards: 1, devices: devices.clone(), host_bytes: host, card_bytes: None, placement: None };
+        for &s in &sizes {
+            let mut caps = caps_of(&["cuda:0"], s);
+            if let Some(h) = host {
+                caps.0.insert(cpu.to_string(), h);
+            }
+            let with = PlanOptions {
+                main: "cuda:0".into(),
+                sub: cpu.to_string(),
+                chain: Vec::new(),
+                chain_at: Vec::new(),
+                split: true,
+                caps: caps.clone(),
+                ..base.clone()
+            };
+            if let Some(v) = judged(&plan_all(model, cfg, &with)?, &caps) {
+                found.card_bytes = Some(s);
+                found.placement = Some(v);
+                break;
+            }
+        }
+        (None, Some(found))
+    } else {
+        let two = PlanOptions { main: "cuda:0".into(), sub: "cuda:1".into(), chain: Vec::new(), chain_at: Vec::new(), split: true, ..base };
+        (Some(answer(2, &plan_all(model, cfg, &two)?, &["cuda:0", "cuda:1"])), None)
+    };
+    Ok(FitAnswer { one_card, two_cards, card_and_host, sizes_bytes: sizes, headroom: headroom.clone(), phase })
 }
 
 impl FitAnswer {
@@ -346,8 +385,15 @@ impl FitAnswer {
         let mut out = String::new();
         let sizes = self.sizes_bytes.iter().map(|s| format_bytes(*s)).collect::<Vec<_>>().join(", ");
         let _ = writeln!(out, "fit: the smallest of {sizes} per card (usable {}):", self.headroom.text());
-        for f in [&self.one_card, &self.two_cards] {
-            let cards = if f.cards == 1 { "one card " } else { "two cards" };
+        for f in [Some(&self.one_card), self.two_cards.as_ref(), self.card_and_host.as_ref()].into_iter().flatten() {
+            let cards = match (f.cards, f.devices.len()) {
+                (1, 1) => "one card ".to_string(),
+                (1, _) => match f.host_bytes {
+                    Some(h) => format!("one card + {} ({} of host memory)", f.devices[1], format_bytes(h)),
+                    None => format!("one card + {} (host memory unknown, not judged)", f.devices[1]),
+                },
+                _ => "two cards".to_string(),
+            };
             match (&f.card_bytes, &f.placement) {
                 (Some(s), Some(v)) => {
                     let peaks = v.devices.iter().map(|d| format!("{} {}", d.device, format_bytes(d.peak_bytes))).collect::<Vec<_>>().join(", ");
@@ -371,6 +417,9 @@ pub struct PlanQuestion {
     pub dtype_source: DtypeSource,
     /// `--fit` card sizes.
     pub fit: Option<Vec<u64>>,
+    /// `--fit` with `--sub-device cpu`: the CPU device it plans one card with (instead of
+    /// two cards).
+    pub fit_host: Option<String>,
     /// `--data`: the records' shape the options were taken from.
     pub data: Option<super::data::DataShape>,
     pub json: bool,
@@ -393,24 +442,32 @@ pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion
         "headroom": o.headroom, "data": q.data,
     });
     let judged = !o.caps.is_empty();
+    // A CPU device is judged against the host's memory when no cap names it.
+    let caps = o.judged_caps();
     if let Some(sizes) = &q.fit {
-        let f = fit(model, cfg, o, sizes, &o.headroom, phase)?;
+        let f = fit(model, cfg, o, sizes, &o.headroom, phase, q.fit_host.as_deref())?;
         let mut planned_json = planned_json;
-        for (k, v) in [("main", "cuda:0"), ("sub", "cuda:1")] {
+        let sub = q.fit_host.clone().unwrap_or_else(|| "cuda:1".to_string());
+        for (k, v) in [("main", "cuda:0"), ("sub", sub.as_str())] {
             planned_json[k] = serde_json::Value::from(v);
         }
         let out = if q.json {
             serde_json::json!({ "planned": planned_json, "fit": f }).to_string() + "\n"
         } else {
             let data = q.data.as_ref().map(|d| d.text()).unwrap_or_default();
-            format!("{}{data}{}", planned_text(&single.shape, q.dtype_source, phase, "cuda:0 (one card) or cuda:0 + cuda:1 (two cards)"), f.text())
+            let devices = if q.fit_host.is_some() {
+                format!("cuda:0 (one card) or cuda:0 + {sub} (one card and host memory)")
+            } else {
+                "cuda:0 (one card) or cuda:0 + cuda:1 (two cards)".to_string()
+            };
+            format!("{}{data}{}", planned_text(&single.shape, q.dtype_source, phase, &devices), f.text())
         };
         return Ok((out, None));
     }
     let (mut value, mut text, verdicts) = match (q.placement, o.split) {
         (None, true) => {
             let table = PlacementTable::new(model, cfg, o)?;
-            let v: Vec<PlacementVerdict> = table.rows.iter().map(|r| judge_row(r, &o.main, &o.caps, &o.headroom)).collect();
+            let v: Vec<PlacementVerdict> = table.rows.iter().map(|r| judge_row(r, &o.main, &caps, &o.headroom)).collect();
             let text = format!("{planned}{}{COLUMNS}(--placement NAME prints one placement's items and formulas)\n", table.text());
             (serde_json::to_value(&table).map_err(|e| Error::Torch(e.to_string()))?, text, v)
         }
@@ -422,13 +479,13 @@ pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion
                     // Nothing fits: judge every placement, so the answer says by how much.
                     Err(_) => {
                         let all = plan_all(model, cfg, &PlanOptions { balance_for: phase, ..o.clone() })?;
-                        let v: Vec<PlacementVerdict> = all.iter().map(|p| judge(p, &o.caps, &o.headroom, phase)).collect();
-                        return finish(serde_json::json!({}), format!("{planned}"), v, planned_json, judged, &o.caps, &o.headroom, q.json);
+                        let v: Vec<PlacementVerdict> = all.iter().map(|p| judge(p, &caps, &o.headroom, phase)).collect();
+                        return finish(serde_json::json!({}), format!("{planned}"), v, planned_json, judged, &caps, &o.headroom, q.json);
                     }
                 },
                 None => plan_model(model, cfg, &PlanOptions { placement: Placement::Replica, ..o.clone() })?,
             };
-            let v = vec![judge(&plan, &o.caps, &o.headroom, phase)];
+            let v = vec![judge(&plan, &caps, &o.headroom, phase)];
             (serde_json::to_value(&plan).map_err(|e| Error::Torch(e.to_string()))?, format!("{planned}{}", plan.table()), v)
         }
     };
@@ -438,7 +495,7 @@ pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion
         text.push_str("(--max-memory DEVICE=SIZE,... gives each placement a verdict)\n");
         return Ok((if q.json { value.to_string() + "\n" } else { text }, None));
     }
-    finish(value, text, verdicts, planned_json, judged, &o.caps, &o.headroom, q.json)
+    finish(value, text, verdicts, planned_json, judged, &caps, &o.headroom, q.json)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -13,6 +13,7 @@ mod architecture;
 mod chart;
 mod cli;
 mod data;
+mod defaults;
 mod dual;
 mod edit;
 mod gguf;

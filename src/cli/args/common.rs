@@ -67,6 +67,9 @@ impl CommonArgs {
     }
 }
 
+/// `--ft-lr`'s default.
+pub const DEFAULT_FT_LR: f64 = 1e-3;
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum MethodArg {
     /// One request: mend; several, or one after another: mend-ls with the editor for many
@@ -84,7 +87,7 @@ pub struct MethodArgs {
     /// Trained editor directory (for --method auto, mend, mend-ls).
     #[arg(long)]
     pub editor: Option<PathBuf>,
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, value_enum, default_value = crate::edit::DEFAULT_METHOD)]
     pub method: MethodArg,
     /// --method mend-ls: ridge weight of the least-squares solve, relative to the mean
     /// squared norm of the edits' keys (default: the editor's `ls` settings in its
@@ -104,7 +107,7 @@ pub struct MethodArgs {
     #[arg(long)]
     pub ls_rounds: Option<usize>,
     /// Step size of the fine-tuning baseline (--method ft).
-    #[arg(long, default_value_t = 1e-3)]
+    #[arg(long, default_value_t = DEFAULT_FT_LR)]
     pub ft_lr: f64,
     /// Maximum tokens of any prompt + answer.
     #[arg(long, default_value_t = 512)]

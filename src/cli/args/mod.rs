@@ -18,7 +18,7 @@ mod train;
 mod world;
 
 pub use build_default::BuildDefaultArgs;
-pub use common::{dataset, parse_image_size, CommonArgs, GuardArgs, GuardFlags, MethodArg, MethodArgs};
+pub use common::{dataset, parse_image_size, CommonArgs, GuardArgs, GuardFlags, MethodArg, MethodArgs, DEFAULT_FT_LR};
 pub use compare::CompareCmd;
 pub use convert::ConvertArgs;
 pub use demo::DemoArgs;

@@ -12,6 +12,11 @@ pub struct ServeArgs {
     /// Trained editor directory (without one, /edit answers 422).
     #[arg(long)]
     pub editor: Option<PathBuf>,
+    /// The edit method, as `edit`'s: `auto` (the default everywhere) makes a request of
+    /// one edit on a fresh session with mend, several (or edits after earlier ones) with
+    /// mend-ls and the editor for many edits the editor names; `mend`, `mend-ls`, `ft`.
+    #[arg(long, value_enum, default_value = crate::edit::DEFAULT_METHOD)]
+    pub method: super::MethodArg,
     #[command(flatten)]
     pub devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights.

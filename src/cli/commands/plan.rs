@@ -67,6 +67,8 @@ pub fn answer(a: &PlanArgs) -> anyhow::Result<(String, Option<String>)> {
         placement: d.placement,
         dtype_source,
         fit: a.fit.as_deref().map(verdict::parse_sizes).transpose()?,
+        // `--fit` with `--sub-device cpu`: one card and the host's memory.
+        fit_host: (d.sub_device.is_some() && opts.chain.is_empty() && opts.sub.starts_with("cpu")).then(|| opts.sub.clone()),
         data,
         json: a.json,
     };

@@ -1,5 +1,5 @@
 //! `dualedit serve`: a session's operations as JSON over HTTP until SIGINT / SIGTERM.
-use crate::cli::args::ServeArgs;
+use crate::cli::args::{MethodArg, MethodArgs, ServeArgs, DEFAULT_FT_LR};
 use crate::config::MendConfig;
 use crate::edit::LoadOptions;
 use crate::model::parse_dtype;
@@ -27,14 +27,24 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
     let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype };
     let server = Server::bind(&a.listen, opts)?;
-    // `--method auto`: requests of several edits (or after earlier ones) go to mend-ls
-    // with the editor for many edits, when the editor names one; one request to mend.
-    let session = match &a.editor {
-        Some(editor) => {
-            let spec = crate::edit::MethodSpec::Auto { editor: editor.clone(), ls: Default::default(), unrelated: None, many: true };
-            crate::edit::session::Session::open_method(&a.model, &spec, &session_opts)?
+    // `--method auto` (the default, as `edit`'s and the Python package's): requests of
+    // several edits (or after earlier ones) go to mend-ls with the editor for many edits,
+    // when the editor names one; one request to mend. A server edits any number: `many`.
+    let session = match (&a.editor, a.method) {
+        (None, MethodArg::Auto) => crate::edit::session::Session::open(&a.model, None, &session_opts)?,
+        (editor, method) => {
+            let args = MethodArgs {
+                editor: editor.clone(),
+                method,
+                ls_lambda: None,
+                ls_keep_text: None,
+                ls_keep_weight: None,
+                ls_rounds: None,
+                ft_lr: DEFAULT_FT_LR,
+                max_length: config.max_length,
+            };
+            crate::edit::session::Session::open_method(&a.model, &args.resolve(true)?, &session_opts)?
         }
-        None => crate::edit::session::Session::open(&a.model, None, &session_opts)?,
     };
     // First SIGINT/SIGTERM: finish the request in flight, then exit. A second one: now.
     let stop = signals::stop_on_signals()?;
