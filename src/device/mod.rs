@@ -67,7 +67,9 @@ impl std::str::FromStr for DeviceName {
     type Err = Error;
 
     fn from_str(name: &str) -> Result<Self> {
-        let index = |s: &str| s.parse::<usize>().ok();
+        // Plain decimal only: `cpu:01` or `cpu:+1` is no name a user means (usize's parser
+        // takes both).
+        let index = |s: &str| (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.starts_with('0'))).then(|| s.parse::<usize>().ok()).flatten();
         match name.trim() {
             "cpu" => Ok(DeviceName::Cpu(0)),
             "cuda" => Ok(DeviceName::Cuda(0)),
@@ -98,6 +100,9 @@ pub fn parse_device(name: &str) -> Result<Device> {
 /// [`parse_device`] keeping the name (a logical `cpu:N` stays itself).
 pub fn parse_device_name(name: &str) -> Result<DeviceName> {
     let err = |msg: String| Error::Device { name: name.to_string(), msg };
+    if name.trim() != name {
+        return Err(err("has spaces around it; expected cpu, cpu:N (a logical CPU device), cuda or cuda:N".into()));
+    }
     let parsed = name.parse::<DeviceName>()?;
     if let DeviceName::Cuda(i) = parsed {
         let count = tch::Cuda::device_count() as usize;
@@ -203,6 +208,9 @@ const CHAIN_ROLES: [&str; MAX_CHAIN] = ["chain1", "chain2", "chain3", "chain4", 
 /// ([`parse_device_name`], or [`str::parse`] for a planner that plans another machine).
 pub fn parse_sub_list(main: DeviceName, list: &str, check: impl Fn(&str) -> Result<DeviceName>) -> Result<Vec<DeviceName>> {
     let bad = |msg: String| Error::input(format!("--sub-device {list:?}: {msg}"));
+    if list.trim() != list {
+        return Err(bad("spaces around the value; expected cpu, cpu:N (a logical CPU device), cuda or cuda:N, or a list of them".into()));
+    }
     let parts: Vec<&str> = list.split(',').map(str::trim).collect();
     if parts.iter().any(|p| p.is_empty()) {
         return Err(bad("an empty device name (give DEVICE or DEVICE,DEVICE,...)".into()));

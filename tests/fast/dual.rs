@@ -91,7 +91,8 @@ fn same_device_flags_mean_single_device() {
         assert_eq!((plan.main_name(), plan.sub_name()), ("cpu".to_string(), sub.to_string()));
     }
     assert_eq!(DevicePlan::parse("cpu:0", Some("cpu")).unwrap().split, false);
-    for bad in ["cpu:", "cpu:x", "cpu:-1", "cpu1"] {
+    // Issue #48: spellings usize's parser takes that no user means.
+    for bad in ["cpu:", "cpu:x", "cpu:-1", "cpu1", "cpu:01", "cpu:+1", " cpu:1", "cpu:1 ", "cuda:007"] {
         let err = DevicePlan::parse("cpu", Some(bad)).unwrap_err().to_string();
         assert!(err.contains(bad) && err.contains("cpu:N"), "{bad}: {err}");
     }
