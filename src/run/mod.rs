@@ -593,5 +593,8 @@ pub fn request_line(i: usize, r: &RequestResult) -> String {
         line.push_str(&format!(", rephrase image {}, image locality {}", opt(m.image_generalization), opt(m.image_locality)));
     }
     line.push(')');
+    if let Some(why) = &r.refused_reason {
+        line.push_str(&format!(" REFUSED: {why}"));
+    }
     line
 }
