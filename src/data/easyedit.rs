@@ -755,13 +755,13 @@ mod tests {
     }
 
     #[test]
-    fn missing_file_is_io_error() {
+    fn missing_file_is_named() {
         let path = Path::new("/nonexistent/dir/edits.json");
         match load_records(path, DatasetKind::Requests) {
-            Err(e @ Error::Io { .. }) => {
-                assert!(e.to_string().contains("/nonexistent/dir/edits.json"), "{e}")
+            Err(e @ Error::File { .. }) => {
+                assert!(e.to_string().contains("/nonexistent/dir/edits.json: file not found"), "{e}")
             }
-            other => panic!("expected Error::Io, got {other:?}"),
+            other => panic!("expected a file error naming it, got {other:?}"),
         }
     }
 

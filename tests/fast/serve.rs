@@ -692,6 +692,16 @@ fn vl_session() -> Session {
     Session::from_parts(engine, Some(editor))
 }
 
+/// An image root under `top` with the three pictures of [`vqa_request`]`("a.png")`.
+fn vqa_images(top: &Path) -> std::path::PathBuf {
+    let root = top.join("images");
+    std::fs::create_dir_all(&root).unwrap();
+    png(&root.join("a.png"), 40, 30, 3);
+    png(&root.join("r.png"), 224, 28, 11);
+    png(&root.join("loc.png"), 50, 50, 9);
+    root
+}
+
 /// One E-VQA edit request whose question image is `image` (the others are r.png, loc.png).
 fn vqa_request(image: &str) -> Value {
     json!({
@@ -1022,11 +1032,7 @@ fn errors_name_only_the_clients_paths_and_client_faults_are_4xx() {
 fn serve_guards_edits_and_reports_its_decisions() {
     let _serial = serial();
     let top = tempfile::tempdir().unwrap();
-    let root = top.path().join("images");
-    std::fs::create_dir_all(&root).unwrap();
-    png(&root.join("a.png"), 40, 30, 3);
-    png(&root.join("r.png"), 224, 28, 11);
-    png(&root.join("loc.png"), 50, 50, 9);
+    let root = vqa_images(top.path());
     let server = Running::start(vl_session(), ServeOptions { image_root: Some(root.clone()), ..ServeOptions::default() });
     let a = server.addr;
     let edit = |extra: Option<Value>| {
@@ -1094,11 +1100,7 @@ fn serve_guards_edits_and_reports_its_decisions() {
 fn concurrent_image_scores_are_one_answer_before_and_after_an_edit_and_a_reset() {
     let _serial = serial();
     let top = tempfile::tempdir().unwrap();
-    let root = top.path().join("images");
-    std::fs::create_dir_all(&root).unwrap();
-    png(&root.join("a.png"), 40, 30, 3);
-    png(&root.join("r.png"), 224, 28, 11);
-    png(&root.join("loc.png"), 50, 50, 9);
+    let root = vqa_images(top.path());
     let server = Running::start(vl_session(), ServeOptions { image_root: Some(root), ..ServeOptions::default() });
     let a = server.addr;
     let body = json!({ "text": "What is in the picture? a cat", "image": "a.png" }).to_string();
