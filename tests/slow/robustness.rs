@@ -235,7 +235,7 @@ fn user_files_are_never_overwritten() {
     // --report naming the data file.
     let data = std::fs::read(&requests).unwrap();
     let (ok, err) = cli(&["eval", "--model", m, "--method", "unedited", "--data", r, "--ds", "counterfact", "--report", r]);
-    assert!(!ok && err.contains("--report would overwrite"), "{err}");
+    assert!(!ok && err.contains("--report") && err.contains("not a dualedit run report"), "{err}");
     assert_eq!(std::fs::read(&requests).unwrap(), data);
 }
 
