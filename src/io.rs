@@ -400,3 +400,22 @@ mod tests {
         assert_eq!(left.len(), 1, "{left:?}");
     }
 }
+
+/// Removes the temporary folders `{prefix}{pid}-...` in `parent` whose process is gone (an
+/// interrupted `what`: a save, a conversion); those of a running process are left alone.
+/// Whole-or-nothing writers put their folder together under such a name beside its target.
+pub fn remove_stale_temp_dirs(parent: &Path, prefix: &str, what: &str) {
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = file.strip_prefix(prefix) else { continue };
+        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        let alive = pid.is_some_and(|p| p == std::process::id() || Path::new(&format!("/proc/{p}")).exists());
+        if !alive {
+            match std::fs::remove_dir_all(e.path()) {
+                Ok(()) => tracing::info!(dir = %e.path().display(), "removed the temporary folder of an interrupted {what}"),
+                Err(err) => tracing::warn!(dir = %e.path().display(), "cannot remove the temporary folder of an interrupted {what}: {err}"),
+            }
+        }
+    }
+}

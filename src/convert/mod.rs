@@ -223,7 +223,7 @@ fn write_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> 
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
     let prefix = format!(".{name}.dualedit-convert-");
-    remove_stale_temps(parent, &prefix);
+    crate::io::remove_stale_temp_dirs(parent, &prefix, "conversion");
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     let tmp = parent.join(format!("{prefix}{}-{nanos}", std::process::id()));
     std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
@@ -238,22 +238,4 @@ fn write_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> 
         let _ = std::fs::remove_dir_all(&tmp);
     }
     result
-}
-
-/// Removes the temporary folders (`{prefix}{pid}-{nanos}`) of conversions whose process is
-/// gone (a killed conversion); those of a running process are left alone.
-fn remove_stale_temps(parent: &Path, prefix: &str) {
-    let Ok(entries) = std::fs::read_dir(parent) else { return };
-    for e in entries.flatten() {
-        let file = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = file.strip_prefix(prefix) else { continue };
-        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
-        let alive = pid.is_some_and(|p| p == std::process::id() || Path::new(&format!("/proc/{p}")).exists());
-        if !alive {
-            match std::fs::remove_dir_all(e.path()) {
-                Ok(()) => tracing::info!(dir = %e.path().display(), "removed the temporary folder of an interrupted conversion"),
-                Err(err) => tracing::warn!(dir = %e.path().display(), "cannot remove the temporary folder of an interrupted conversion: {err}"),
-            }
-        }
-    }
 }

@@ -708,25 +708,6 @@ fn temp_prefix(name: &str) -> String {
     format!(".{name}.dualedit-save-")
 }
 
-/// Removes temporary folders of saves to `name` in `parent` whose process is gone (a
-/// killed save); those of a running process are left alone.
-fn clean_stale_temps(parent: &Path, name: &str) {
-    let prefix = temp_prefix(name);
-    let Ok(entries) = std::fs::read_dir(parent) else { return };
-    for e in entries.flatten() {
-        let file = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = file.strip_prefix(&prefix) else { continue };
-        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
-        let alive = pid.is_some_and(|p| p == std::process::id() || Path::new(&format!("/proc/{p}")).exists());
-        if !alive {
-            match std::fs::remove_dir_all(e.path()) {
-                Ok(()) => tracing::info!(dir = %e.path().display(), "removed the temporary folder of an interrupted save"),
-                Err(err) => tracing::warn!(dir = %e.path().display(), "cannot remove the temporary folder of an interrupted save: {err}"),
-            }
-        }
-    }
-}
-
 /// Writes the (edited) model as a Hugging Face folder that `score` and transformers load:
 /// every non-weight file of the source folder (configs, tokenizer files, preprocessor
 /// and chat template, ...) copied, and the weights in the source's layout (tensor names,
@@ -745,7 +726,7 @@ pub fn save_model(lm: &LoadedModel, dir: &Path) -> Result<()> {
         .to_string();
     let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
-    clean_stale_temps(parent, &name);
+    crate::io::remove_stale_temp_dirs(parent, &temp_prefix(&name), "save");
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     let tmp = parent.join(format!("{}{}-{nanos}", temp_prefix(&name), std::process::id()));
     std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
