@@ -489,13 +489,17 @@ fn example_at(n: usize, seed: i64, g: usize) -> usize {
 }
 
 /// One optimiser step in the report's history: its losses (the means over its
-/// micro-batches, the same fields at the top level of the JSON) and the gradient norm.
+/// micro-batches, the same fields at the top level of the JSON), the gradient norm and
+/// its wall time (its micro-batches and the optimiser's update; the losses are read back,
+/// so a GPU's queued work is finished when it is taken), which gives the time per step
+/// after the first (warm-up) step without a separate benchmark.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepLog {
     pub step: usize,
     #[serde(flatten)]
     pub losses: StepLosses,
     pub grad_norm: f64,
+    pub seconds: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -675,6 +679,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     engine.timeline.set_on(true);
     while counters.step < cfg.max_steps {
         let step = counters.step;
+        let step_start = Instant::now();
         engine.timeline.set_on(step < first_step + TIMELINE_STEPS);
         let mark = step < first_step + 2 || step.is_multiple_of(cfg.val_every);
         let mut phase = "start";
@@ -703,7 +708,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
         if mark {
             tracker.mark("optimizer_step")?;
         }
-        history.push(StepLog { step: counters.step, losses: acc, grad_norm });
+        history.push(StepLog { step: counters.step, losses: acc, grad_norm, seconds: step_start.elapsed().as_secs_f64() });
         bar.set_message(format!(
             "loss {:.4} edit_acc {:.2} loc_kl {:.4} loc_acc {:.2}",
             acc.loss, acc.edit_acc, acc.loc_kl, acc.loc_acc

