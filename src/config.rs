@@ -1,4 +1,5 @@
-//! MEND hyper-parameters, read from JSON presets in `configs/`.
+//! MEND hyper-parameters, read from JSON presets in `configs/` (or EasyEdit's hparams YAMLs,
+//! [`easyedit`]).
 //!
 //! Defaults follow EasyEdit's `hparams/TRAINING/MEND/*.yaml`.
 use std::path::Path;
@@ -6,6 +7,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
+
+pub mod easyedit;
 
 /// How the editor transforms the gradient factors `(x, δ)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -260,8 +263,17 @@ impl Default for MendConfig {
 }
 
 impl MendConfig {
+    /// Reads `configs/*.json` (ours), or an EasyEdit MEND hparams YAML (`.yaml` / `.yml`,
+    /// [`easyedit`]: its keys mapped, what it carries that is not a config logged).
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = crate::io::read_text(path)?;
+        if easyedit::is_yaml(path) {
+            let r = easyedit::from_easyedit(&text).map_err(|e| Error::file(path, format!("EasyEdit hparams: {e}")))?;
+            if !r.ignored.is_empty() {
+                tracing::warn!("{}: EasyEdit keys not used here: {}", path.display(), r.ignored.join("; "));
+            }
+            return Ok(r.config);
+        }
         let cfg: MendConfig =
             serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid MEND config: {e}")))?;
         cfg.validate().map_err(|e| Error::file(path, e.to_string()))?;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # EasyEdit, made ready here to travel to a GPU machine that has no package registry (#51).
 #
-#   scripts/gpu/easyedit_env.sh [--src GIT_DIR] [--out DIR]
+#   scripts/gpu/easyedit_env.sh [--src GIT_DIR] [--out DIR] [--test-site]
 #
 # Writes DIR (default .easyedit, ignored by git) holding one archive, easyedit-env.tar.xz,
 # that unpacks (tar -xJf) into
@@ -13,6 +13,11 @@
 #                                                          (data/real/model, when built)
 # and checks that `import easyeditor` works from the unpacked copy with the network cut
 # (unshare -n, where it can) against this machine's torch and transformers.
+#
+# --test-site also installs, into DIR/image-site (never carried), the GPU image's packages
+# that `import easyeditor` needs (transformers 5.17 as there, pandas, peft, timm, opencv, ...)
+# for this machine's Python: the CPU dry run of scripts/gpu/versus.py (tests/slow/gpu_versus.rs)
+# imports EasyEdit against them as the GPU machine would, and so does the import check here.
 #
 # GIT_DIR: a clone (or bare mirror) of github.com/zjunlp/EasyEdit holding $COMMIT (default
 # $EASYEDIT_SRC, else a mirror under /work/.mirror, else a fresh clone from GitHub).
@@ -31,10 +36,12 @@ cd "$here"
 COMMIT=14cea8245f06715684592ab55184939b99d70784   # EasyEdit main, 2026-07-14
 src="${EASYEDIT_SRC:-}"
 out="$here/.easyedit"
+test_site=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --src) src="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
+    --test-site) test_site=1; shift ;;
     *) echo "easyedit_env: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -113,6 +120,26 @@ fi
   echo "carried=$(ls "$wheels" "$wheels"/3.1* | grep '\.whl$' | sed 's/-py.*\|-cp.*//' | sort -u | tr '\n' ' ')"
   echo "stand_in=av (PyAV, video only)"
 } > "$stage/EasyEdit/EASYEDIT-INFO"
+
+# What the GPU image has (KINDS.md, 2026-11) and `import easyeditor` loads, for this
+# machine's Python: the stand-in for that image in the CPU dry run.
+image_pkgs="transformers==5.17.0 huggingface_hub==1.33.0 tokenizers safetensors pyyaml tqdm numpy pandas scipy
+scikit-learn joblib threadpoolctl matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil six
+narwhals cloudpickle peft timm torchvision opencv-python-headless sentence-transformers pillow regex requests
+urllib3 idna certifi charset-normalizer accelerate psutil packaging einops pyarrow xxhash jinja2 markupsafe
+filelock fsspec typing-extensions hf-xet httpx anyio h11 httpcore typer click shellingham rich annotated-doc
+markdown-it-py mdurl pygments aiohttp multidict yarl frozenlist aiosignal attrs propcache aiohappyeyeballs
+portalocker protobuf sentencepiece tabulate"
+if [ "$test_site" = 1 ]; then
+  log "installing the GPU image's packages for this Python into $out/image-site (the dry run's stand-in)"
+  rm -rf "$out/image-site.partial"
+  # No dependency resolution: torch stays the venv's (a resolver would fetch another).
+  "$python" -m pip install --quiet --no-deps --target "$out/image-site.partial" $image_pkgs || die "could not install the image's packages"
+  rm -rf "$out/image-site" && mv "$out/image-site.partial" "$out/image-site"
+fi
+if [ -d "$out/image-site" ]; then
+  EASYEDIT_CHECK_PYTHONPATH="$out/image-site${EASYEDIT_CHECK_PYTHONPATH:+:$EASYEDIT_CHECK_PYTHONPATH}"
+fi
 
 # The check: import from the unpacked copy, this machine's torch and transformers beside it
 # (the GPU image has its own), no network.

@@ -4,7 +4,8 @@
 #
 #   scripts/gpu/versus.sh [OUT_JSON] [versus.py options]     # default OUT_JSON: $OUT/gpu-versus.json
 #
-# Carried: the binary (scripts/gpu/build.sh) and .easyedit (scripts/gpu/easyedit_env.sh).
+# Carried: the binary (scripts/gpu/build.sh; xz it to fit) and .easyedit/easyedit-env.tar.xz
+# (scripts/gpu/easyedit_env.sh; not .easyedit/image-site, the CPU stand-in for the image).
 # Environment as scripts/gpu/check.sh: DEVICE, SUB, DUALEDIT_BIN, PYTHON, WORK.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

@@ -9,7 +9,7 @@ pub mod render;
 use clap::{Parser, Subcommand};
 
 use args::{
-    BuildDefaultArgs, CompareCmd, ConvertArgs, DemoArgs, EditArgs, EvalArgs, PlanArgs, PretrainArgs, ReportCmd, ScoreArgs, ServeArgs,
+    BuildDefaultArgs, CompareCmd, ConfigArgs, ConvertArgs, DemoArgs, EditArgs, EvalArgs, PlanArgs, PretrainArgs, ReportCmd, ScoreArgs, ServeArgs,
     StatsArgs, TrainArgs, WorldArgs,
 };
 
@@ -56,4 +56,6 @@ pub enum Command {
     /// Import a GGUF file (llama.cpp's format, quantised or not) as a Hugging Face model
     /// folder that score, edit, train and transformers load.
     Convert(ConvertArgs),
+    /// Print an EasyEdit MEND hparams YAML as dualedit's config JSON.
+    Config(ConfigArgs),
 }

@@ -15,6 +15,7 @@ mod cli;
 mod data;
 mod defaults;
 mod dual;
+mod easyedit_hparams;
 mod edit;
 mod gguf;
 mod gpu_check;

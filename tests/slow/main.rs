@@ -10,6 +10,7 @@
 mod common;
 
 mod default;
+mod gpu_versus;
 mod many;
 mod planner;
 mod real;

@@ -3,6 +3,7 @@
 mod build_default;
 mod common;
 mod compare;
+mod config;
 mod convert;
 mod demo;
 mod device;
@@ -20,6 +21,7 @@ mod world;
 pub use build_default::BuildDefaultArgs;
 pub use common::{dataset, parse_image_size, CommonArgs, GuardArgs, GuardFlags, MethodArg, MethodArgs, DEFAULT_FT_LR};
 pub use compare::CompareCmd;
+pub use config::ConfigArgs;
 pub use convert::ConvertArgs;
 pub use demo::DemoArgs;
 pub use device::DeviceArgs;

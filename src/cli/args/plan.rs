@@ -9,7 +9,8 @@ pub struct PlanArgs {
     /// Model directory; only its config.json is read (no weights needed).
     #[arg(long)]
     pub model: PathBuf,
-    /// MEND hyper-parameters (JSON, see configs/).
+    /// MEND hyper-parameters: JSON (see configs/), or an EasyEdit MEND hparams YAML as it is
+    /// (`dualedit config --from-easyedit` shows what it becomes).
     #[arg(long)]
     pub config: PathBuf,
     /// The devices planned for (they need not exist on this machine).

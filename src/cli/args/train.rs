@@ -14,7 +14,8 @@ pub struct TrainArgs {
     /// zsre, counterfact, vqa or caption (E-VQA / E-IC, with --image-root).
     #[arg(long)]
     pub ds: String,
-    /// MEND hyper-parameters (JSON, see configs/).
+    /// MEND hyper-parameters: JSON (see configs/), or an EasyEdit MEND hparams YAML as it is
+    /// (`dualedit config --from-easyedit` shows what it becomes).
     #[arg(long)]
     pub config: PathBuf,
     /// Directory for the editor checkpoint, training state and report.

@@ -2,6 +2,7 @@
 //! (`cli::render`). Nothing here computes what the library could.
 pub mod build_default;
 pub mod compare;
+pub mod config;
 pub mod convert;
 pub mod demo;
 pub mod edit;
@@ -35,6 +36,7 @@ impl Command {
             Command::Stats(a) => stats::run(a),
             Command::Report(c) => report::run(c),
             Command::Convert(a) => convert::run(a),
+            Command::Config(a) => config::run(a),
         }
     }
 }
