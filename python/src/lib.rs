@@ -83,9 +83,11 @@ fn json<T: serde::Serialize>(v: &T) -> PyResult<String> {
 // Options shared by the session and the runs
 
 /// `f32`, `bf16` or `f16`, as the CLI's `--dtype`; also `float32`, `bfloat16`, `float16`
-/// and torch's names (`torch.float32`), so `dtype=torch.bfloat16` works. `None`: f32.
-fn parse_dtype(s: Option<&str>) -> PyResult<Kind> {
-    let Some(s) = s else { return Ok(Kind::Float) };
+/// and torch's names (`torch.float32`), so `dtype=torch.bfloat16` works. `None`: what the
+/// checkpoint in `model` says its weights are, else f32 (the CLI's and `plan`'s rule,
+/// `dualedit::model::model_dtype`).
+fn parse_dtype(model: &Path, s: Option<&str>) -> PyResult<Kind> {
+    let Some(s) = s else { return Ok(dualedit::model::model_dtype(model, None).py()?.0) };
     match s.trim().trim_start_matches("torch.") {
         "f32" | "float32" | "float" => Ok(Kind::Float),
         "bf16" | "bfloat16" => Ok(Kind::BFloat16),
@@ -354,7 +356,7 @@ impl PySession {
         }
         let choice = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many: true, default: DEFAULT_METHOD };
         let spec = choice.spec()?;
-        let kind = parse_dtype(dtype)?;
+        let kind = parse_dtype(&model, dtype)?;
         let placing = Placing { device, sub_device, placement, optimizer_device, max_memory };
         let plan = placing.plan(&model, &planning_config(spec.editor_dir())?, kind, max_length, Phase::Edit)?;
         let opts = LoadOptions { plan, dtype: kind };
@@ -679,7 +681,7 @@ fn train(
     if recompute {
         cfg.recompute = true;
     }
-    let kind = parse_dtype(dtype)?;
+    let kind = parse_dtype(&model, dtype)?;
     let plan = Placing { device, sub_device, placement, optimizer_device, max_memory }.plan(&model, &cfg, kind, cfg.max_length, Phase::Train)?;
     let opts = TrainOptions {
         common: Common {
@@ -780,7 +782,7 @@ fn evaluate(
     }
     let many = edits_per_batch.or(sequential).is_some_and(|n| n > 1);
     let spec = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many, default: DEFAULT_METHOD }.spec()?;
-    let kind = parse_dtype(dtype)?;
+    let kind = parse_dtype(&model, dtype)?;
     let plan = Placing { device, sub_device, placement, optimizer_device, max_memory }.plan(
         &model,
         &planning_config(spec.editor_dir())?,

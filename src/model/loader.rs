@@ -37,6 +37,58 @@ pub fn parse_dtype(s: &str) -> Result<Kind> {
     }
 }
 
+/// The CLI's name of a weight dtype (`f32`, `bf16`, `f16`), as reports and plans write it.
+pub fn dtype_name(k: Kind) -> &'static str {
+    match k {
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        _ => "f32",
+    }
+}
+
+/// Where the weights' dtype of a run or a plan came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DtypeSource {
+    /// `--dtype` (or Python's `dtype=`).
+    Flag,
+    /// `config.json`'s `dtype` (or the older `torch_dtype`): what the weights are.
+    Config,
+    /// Neither: f32.
+    Default,
+}
+
+impl DtypeSource {
+    /// For logs and plans: where the dtype came from.
+    pub fn describe(self) -> &'static str {
+        match self {
+            DtypeSource::Flag => "--dtype",
+            DtypeSource::Config => "the checkpoint's config.json dtype",
+            DtypeSource::Default => "default; config.json gives no dtype",
+        }
+    }
+}
+
+/// The weights' dtype for every command (train, edit, eval, serve, score, plan) and the
+/// Python `Session`: `flag` when given, else what the checkpoint says it is (`config.json`'s
+/// `dtype`, or `torch_dtype` from older transformers; Qwen2-VL-7B says `bfloat16`), else f32.
+/// One rule, so `plan` and the run it plans agree (running a bf16 checkpoint in f32 would
+/// double its weights' memory).
+pub fn model_dtype(model_dir: &Path, flag: Option<&str>) -> Result<(Kind, DtypeSource)> {
+    if let Some(f) = flag {
+        return Ok((parse_dtype(f)?, DtypeSource::Flag));
+    }
+    let path = model_dir.join("config.json");
+    let v = read_json(&path)?;
+    match v.get("dtype").or_else(|| v.get("torch_dtype")).and_then(|d| d.as_str()) {
+        Some(d) => {
+            let k = parse_dtype(d).map_err(|_| Error::file(&path, format!("dtype {d:?} is not one dualedit runs (float32, bfloat16, float16); give --dtype")))?;
+            Ok((k, DtypeSource::Config))
+        }
+        None => Ok((Kind::Float, DtypeSource::Default)),
+    }
+}
+
 /// A JSON file of a checkpoint (`config.json`), read as every user's file is
 /// ([`crate::io::read_text`]: a regular file, bounded).
 pub fn read_json(path: &Path) -> Result<serde_json::Value> {

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use tch::{Device, Tensor};
 
 pub use family::{Family, VisionLanguage};
-pub use loader::{load_model, load_model_split, parse_dtype, random_params, LoadedModel};
+pub use loader::{load_model, load_model_split, model_dtype, parse_dtype, random_params, DtypeSource, LoadedModel};
 pub use params::{Crossing, LayerSplit, LowRank, Overrides, ParamStore, ParamView, Prefix, Scope};
 pub use tokenizer::Tokenizer;
 

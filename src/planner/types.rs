@@ -394,13 +394,7 @@ pub(super) fn dtype_bytes(k: Kind) -> i64 {
     k.elt_size_in_bytes() as i64
 }
 
-pub(super) fn dtype_name(k: Kind) -> &'static str {
-    match k {
-        Kind::BFloat16 => "bf16",
-        Kind::Half => "f16",
-        _ => "f32",
-    }
-}
+pub(super) use crate::model::loader::dtype_name;
 
 pub(super) fn num(n: i64) -> String {
     // 124439808 -> 124,439,808

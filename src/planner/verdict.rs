@@ -182,45 +182,18 @@ pub fn over(plan: &MemoryPlan, caps: &MaxMemory, headroom: &Headroom, phase: Pha
     (!over.is_empty()).then(|| over.join(", "))
 }
 
-/// Where the planned weight dtype came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DtypeSource {
-    /// `--dtype`.
-    Flag,
-    /// `config.json`'s `torch_dtype` (what the released weights are).
-    Config,
-    /// Neither: f32.
-    Default,
-}
+pub use crate::model::DtypeSource;
 
-/// The weight dtype to plan: `--dtype` when given, else `config.json`'s `torch_dtype`
-/// (Qwen2-VL-7B says `bfloat16`: planning it in f32 nearly doubles the weights), else f32.
+/// The weight dtype to plan: [`crate::model::model_dtype`], the rule the runs use.
 pub fn planned_dtype(model_dir: &Path, flag: Option<&str>) -> Result<(Kind, DtypeSource)> {
-    if let Some(f) = flag {
-        return Ok((crate::model::loader::parse_dtype(f)?, DtypeSource::Flag));
-    }
-    let path = model_dir.join("config.json");
-    let v = crate::model::loader::read_json(&path)?;
-    // Newer transformers write `dtype`; older ones `torch_dtype`.
-    match v.get("torch_dtype").or_else(|| v.get("dtype")).and_then(|d| d.as_str()) {
-        Some(d) => {
-            let k = crate::model::loader::parse_dtype(d).map_err(|_| Error::file(&path, format!("torch_dtype {d:?} is not one the planner knows (float32, bfloat16, float16); give --dtype")))?;
-            Ok((k, DtypeSource::Config))
-        }
-        None => Ok((Kind::Float, DtypeSource::Default)),
-    }
+    crate::model::model_dtype(model_dir, flag)
 }
 
 /// What a plan assumed, in one line: the dtype and where it came from, batch, tokens,
 /// image, the devices, and which phase's peaks the verdicts judge.
 pub fn planned_text(shape: &PlanShape, source: DtypeSource, phase_judged: Phase, devices: &str) -> String {
     let mut out = String::new();
-    let src = match source {
-        DtypeSource::Flag => "--dtype",
-        DtypeSource::Config => "config.json torch_dtype",
-        DtypeSource::Default => "default; config.json gives no torch_dtype",
-    };
+    let src = source.describe();
     let image = match &shape.image {
         Some(im) => format!(", image {}x{} (resized {}x{}, {} tokens)", im.size.0, im.size.1, im.resized.0, im.resized.1, im.tokens),
         None => String::new(),

@@ -45,14 +45,6 @@ pub struct Common {
     pub image_roots: Option<ImageRoots>,
 }
 
-fn dtype_name(k: Kind) -> &'static str {
-    match k {
-        Kind::BFloat16 => "bf16",
-        Kind::Half => "f16",
-        _ => "f32",
-    }
-}
-
 impl Common {
     /// `model` on `device` alone in f32, seed 0, no report path, records over the maximum
     /// length skipped, no images: what the programs that build defaults and the tests run
@@ -88,7 +80,7 @@ fn report<M: Serialize>(
         command: command.into(),
         model: c.model.display().to_string(),
         devices: DeviceInfo::from(&c.plan),
-        dtype: dtype_name(c.dtype).into(),
+        dtype: crate::model::loader::dtype_name(c.dtype).into(),
         seed: c.seed,
         data: Some(data),
         metrics,

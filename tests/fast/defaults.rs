@@ -228,3 +228,47 @@ fn plan_fit_with_the_cpu_answers_for_one_gpu_and_host_memory() {
     assert!(ok, "{err}");
     assert!(v["fit"]["two_cards"]["card_bytes"].is_number() && v["fit"].get("card_and_host").is_none(), "{v}");
 }
+
+/// Item 2: a checkpoint whose config.json says bf16 is planned and run in bf16 unless
+/// `--dtype` says otherwise (the run logs where its dtype came from at info level, the
+/// plan prints it).
+#[test]
+fn plan_and_train_take_the_checkpoints_dtype_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("llama-bf16");
+    std::fs::create_dir(&model).unwrap();
+    for e in std::fs::read_dir(common::fixture("llama")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, model.join(p.file_name().unwrap())).unwrap();
+    }
+    let mut cfg = common::json_file(&model.join("config.json"));
+    cfg["dtype"] = "bfloat16".into();
+    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let config = dir.path().join("c.json");
+    std::fs::write(&config, r#"{"rank": 8, "accumulate": 1, "max_steps": 1, "val_every": 1, "val_records": 1, "max_length": 32}"#).unwrap();
+    let (m, c) = (model.to_str().unwrap(), config.to_str().unwrap());
+
+    let plan = common::dualedit(&["plan", "--model", m, "--config", c, "--json"]);
+    assert!(plan.status.success(), "{}", String::from_utf8_lossy(&plan.stderr));
+    let v: Value = serde_json::from_slice(&plan.stdout).unwrap();
+    assert_eq!(v["shape"]["dtype"], "bf16", "{}", v["shape"]);
+
+    let data = common::root().join("data/world/edits-train.json");
+    let train = |extra: &[&str], name: &str| -> Value {
+        let (out, report) = (dir.path().join(name), dir.path().join(format!("{name}.json")));
+        let o = common::dualedit(&[
+            &["train", "--model", m, "--config", c, "--data", data.to_str().unwrap(), "--ds", "counterfact", "--limit", "6", "--truncate"][..],
+            &["--out", out.to_str().unwrap(), "--report", report.to_str().unwrap()],
+            extra,
+        ]
+        .concat());
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        common::json_file(&report)
+    };
+    assert_eq!(train(&[], "auto")["dtype"], "bf16");
+    assert_eq!(train(&["--dtype", "f32"], "flag")["dtype"], "f32");
+    // The plan's text says where its dtype came from.
+    let plan = common::dualedit(&["plan", "--model", m, "--config", c]);
+    let text = String::from_utf8_lossy(&plan.stdout);
+    assert!(text.contains("in bf16 (the checkpoint's config.json dtype)"), "{text}");
+}

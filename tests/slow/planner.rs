@@ -556,7 +556,7 @@ fn plan_answers_whether_qwen2_vl_7b_fits() {
     assert!(placements[0]["devices"][0]["usable_bytes"].as_u64().unwrap() < 22 * GIB);
     assert!(v["chosen"].as_str().unwrap().starts_with("balanced"), "{}", v["chosen"]);
     let (_, text, _) = plan(&[&two[..], &caps24[..]].concat());
-    for want in ["planned: Qwen2VLForConditionalGeneration in bf16 (config.json torch_dtype), batch 1 x 386 tokens", "image 448x448", "main/1 = ", "max/1 = ", "chosen: balanced", "OVER    replica"] {
+    for want in ["planned: Qwen2VLForConditionalGeneration in bf16 (the checkpoint's config.json dtype), batch 1 x 386 tokens", "image 448x448", "main/1 = ", "max/1 = ", "chosen: balanced", "OVER    replica"] {
         assert!(text.contains(want), "{want:?} not in:\n{text}");
     }
     // --placement auto takes the same rule: balanced, not replica at 0.3 GiB of headroom.

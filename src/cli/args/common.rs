@@ -10,7 +10,7 @@ use crate::config::MendConfig;
 use crate::data::examples::OverLong;
 use crate::data::DatasetKind;
 use crate::edit::MethodSpec;
-use crate::model::parse_dtype;
+use crate::model::model_dtype;
 use crate::planner::{Phase, PlaceFor};
 use crate::run::Common;
 
@@ -22,9 +22,10 @@ pub struct CommonArgs {
     pub model: PathBuf,
     #[command(flatten)]
     pub devices: DeviceArgs,
-    /// f32, bf16 or f16 for the model weights (editor maths is always f32).
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    /// f32, bf16 or f16 for the model weights (editor maths is always f32). Default: what
+    /// the checkpoint's config.json says its weights are (`dtype`), else f32, as `plan`.
+    #[arg(long)]
+    pub dtype: Option<String>,
     #[arg(long, default_value_t = 0)]
     pub seed: i64,
     /// Where to write the run report (JSON).
@@ -49,7 +50,7 @@ pub struct CommonArgs {
 impl CommonArgs {
     /// `config`, `tokens` and `phase`: what the placement is planned for.
     pub fn resolve(&self, config: &MendConfig, tokens: usize, phase: Phase) -> anyhow::Result<Common> {
-        let dtype = parse_dtype(&self.dtype)?;
+        let dtype = run_dtype(&self.model, self.dtype.as_deref())?;
         let place = PlaceFor { model: &self.model, config, dtype, tokens: tokens as i64, phase };
         Ok(Common {
             model: self.model.clone(),
@@ -65,6 +66,14 @@ impl CommonArgs {
             image_roots: self.image_root.clone().map(|r| crate::data::multimodal::ImageRoots::new(r, self.rephrase_image_root.clone())),
         })
     }
+}
+
+/// The weights' dtype of a run ([`model_dtype`], the rule `plan` uses), logged with where
+/// it came from so a bf16 checkpoint run in bf16 (or forced to f32) is never a surprise.
+pub fn run_dtype(model: &std::path::Path, flag: Option<&str>) -> anyhow::Result<tch::Kind> {
+    let (kind, source) = model_dtype(model, flag)?;
+    tracing::info!("weights in {} ({})", crate::model::loader::dtype_name(kind), source.describe());
+    Ok(kind)
 }
 
 /// `--ft-lr`'s default.

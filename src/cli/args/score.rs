@@ -17,9 +17,9 @@ pub struct ScoreArgs {
     pub image: Option<PathBuf>,
     #[command(flatten)]
     pub devices: DeviceArgs,
-    /// f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    /// f32, bf16 or f16. Default: the checkpoint's config.json `dtype`, else f32.
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

@@ -19,9 +19,10 @@ pub struct ServeArgs {
     pub method: super::MethodArg,
     #[command(flatten)]
     pub devices: DeviceArgs,
-    /// f32, bf16 or f16 for the model weights.
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    /// f32, bf16 or f16 for the model weights. Default: the checkpoint's config.json
+    /// `dtype`, else f32 (as `plan`).
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// Address to listen on; anything but loopback needs --token (or --insecure-no-token).
     #[arg(long, default_value = crate::serve::DEFAULT_LISTEN)]
     pub listen: String,

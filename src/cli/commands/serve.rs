@@ -2,7 +2,6 @@
 use crate::cli::args::{MethodArg, MethodArgs, ServeArgs, DEFAULT_FT_LR};
 use crate::config::MendConfig;
 use crate::edit::LoadOptions;
-use crate::model::parse_dtype;
 use crate::planner::{Phase, PlaceFor};
 use crate::serve::{signals, ServeOptions, Server};
 
@@ -19,7 +18,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         guard: a.guard.config()?,
         ..Default::default()
     };
-    let dtype = parse_dtype(&a.dtype)?;
+    let dtype = crate::cli::args::run_dtype(&a.model, a.dtype.as_deref())?;
     let config = match &a.editor {
         Some(dir) => crate::mend::checkpoint::trained_config(dir)?,
         None => MendConfig::default(),
