@@ -34,6 +34,10 @@ mean of its report's per-step wall times after the first step, divided by the re
 accumulates (set to EasyEdit's accumulate_bs). Peaks: the CUDA allocator's (EasyEdit from
 reset before its steps; dualedit's report, the whole run); on a CPU the process RSS, where
 the ratios mean little. Ratios are dualedit / EasyEdit.
+
+The JSON's "markdown" is the BENCHMARKS table (one row per measurement, both tools and the
+ratio); `dualedit report merge` also reads each EasyEdit run (easyedit-runs/*.json) beside
+dualedit's own reports (runs/*.json) as rows of one table.
 """
 import argparse
 import json

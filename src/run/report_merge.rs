@@ -7,8 +7,10 @@
 //! build still merges, its unknown fields ignored): the run reports of `train`, `eval` and
 //! `edit` ([`crate::run::report::RunReport`]) and the `compare.json` of `compare`
 //! ([`crate::run::compare::Comparison`], one row: the split side's devices and peaks, the
-//! ratio and agreement as metrics, the two wall times summed). Anything else is refused
-//! with the file named.
+//! ratio and agreement as metrics, the two wall times summed), and EasyEdit's MEND timed by
+//! `scripts/gpu/easyedit_mend.py` (format `dualedit-easyedit-mend/1`: its time per step, one
+//! edit's time, the peaks), so both tools' runs of `scripts/gpu/versus.py` sit in one table.
+//! Anything else is refused with the file named.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -101,6 +103,9 @@ pub fn read_row(path: &Path) -> Result<Option<Row>> {
 
 /// The row of a parsed report (`path` only names it).
 pub fn row(path: &Path, v: &Value) -> Result<Row> {
+    if v.get("format").and_then(Value::as_str) == Some(EASYEDIT_FORMAT) {
+        return easyedit_row(path, v);
+    }
     let not_a_report = || Error::file(path, "not a dualedit run report (train / eval / edit write one with command, devices, metrics, memory; compare writes compare.json)");
     let command = v.get("command").and_then(Value::as_str).ok_or_else(not_a_report)?;
     check_format(path, v)?;
@@ -153,6 +158,54 @@ fn check_format(path: &Path, v: &Value) -> Result<()> {
         Some(_) => Err(Error::file(path, format!("is a report of format {f} from a newer dualedit; this build reads {ours} (merge it with that build)"))),
         None => Err(Error::file(path, format!("has format {f}, not a dualedit run report's ({ours})"))),
     }
+}
+
+/// The format of `scripts/gpu/easyedit_mend.py`'s JSON (EasyEdit's own MEND, timed).
+pub const EASYEDIT_FORMAT: &str = "dualedit-easyedit-mend/1";
+
+/// EasyEdit's run: `seconds_per_step` (its mean `train_step` time after warm-up),
+/// `edit_seconds` (one `MEND.edit`), peaks of the steps (`main`) and of the edit (`edit`);
+/// a run that failed is refused with the phase and error it records.
+fn easyedit_row(path: &Path, v: &Value) -> Result<Row> {
+    if let Some(e) = v.get("error").and_then(Value::as_str) {
+        let phase = v.get("phase").and_then(Value::as_str).unwrap_or("?");
+        return Err(Error::file(path, format!("EasyEdit's run failed in {phase}: {e}")));
+    }
+    let num = |x: Option<&Value>| x.and_then(Value::as_f64);
+    let train = v.get("train");
+    let edit = v.get("edit");
+    let mut metrics = BTreeMap::new();
+    for (k, x) in [
+        ("seconds_per_step", num(train.and_then(|t| t.get("mean_step_seconds")))),
+        ("edit_seconds", num(edit.and_then(|e| e.get("seconds")))),
+        ("steps", num(v.get("steps"))),
+        ("final_loss", num(v.get("last_loss"))),
+    ] {
+        if let Some(x) = x {
+            metrics.insert(k.to_string(), x);
+        }
+    }
+    if metrics.is_empty() {
+        return Err(Error::file(path, "an EasyEdit run with no timing (no train or edit): not as easyedit_mend.py writes it"));
+    }
+    let mut peak_bytes = BTreeMap::new();
+    for (role, x) in [("main", train), ("edit", edit)] {
+        if let Some(b) = x.and_then(|t| t.get("peak_bytes")).and_then(Value::as_u64) {
+            peak_bytes.insert(role.to_string(), b);
+        }
+    }
+    let steps: f64 = train.and_then(|t| t.get("step_seconds")).and_then(Value::as_array).map_or(0.0, |s| s.iter().filter_map(Value::as_f64).sum());
+    Ok(Row {
+        file: path.to_path_buf(),
+        command: "easyedit mend".into(),
+        model: v.get("model").and_then(Value::as_str).map(String::from),
+        devices: v.get("device").and_then(Value::as_str).unwrap_or("?").to_string(),
+        placement: None,
+        dtype: v.get("dtype").and_then(Value::as_str).map(|d| crate::model::loader::dtype_name(crate::model::parse_dtype(d).unwrap_or(tch::Kind::Float)).to_string()),
+        metrics,
+        peak_bytes,
+        wall_seconds: num(v.get("load_seconds")).unwrap_or(0.0) + steps,
+    })
 }
 
 /// `compare.json`: the split side's devices and peaks; the ratio, the largest difference

@@ -182,3 +182,29 @@ fn future_formats_and_non_numeric_metrics_are_refused() {
         assert!(o.stdout.is_empty());
     }
 }
+
+/// EasyEdit's own MEND as `scripts/gpu/easyedit_mend.py` timed it on the H200 (#51, kept in
+/// `docs/gpu/`) merges into the table beside dualedit's reports; a failed run is refused
+/// with its phase and error.
+#[test]
+fn easyedit_runs_merge_as_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let versus = common::json_file(&common::root().join("docs/gpu/gpu-versus-h200-2026-11-27.json"));
+    let ee = dir.path().join("easyedit-vl7b.json");
+    std::fs::write(&ee, versus["steps"]["vl7b"]["easyedit"].to_string()).unwrap();
+    let ours = reports(dir.path());
+    let out = ok(dualedit(&["report", "merge", "--json", s(&ee), s(&ours[0])]));
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let row = &v["rows"][0];
+    assert_eq!(row["command"], "easyedit mend", "{row}");
+    assert_eq!((row["devices"].as_str(), row["dtype"].as_str()), (Some("cuda:0"), Some("bf16")), "{row}");
+    assert_eq!(row["metrics"]["seconds_per_step"].as_f64(), Some(1.2546), "{row}");
+    assert_eq!(row["peak_bytes"]["main"].as_u64(), Some(35014137856), "{row}");
+    assert!(row["peak_bytes"]["edit"].as_u64().unwrap() > 0, "{row}");
+    assert_eq!(v["rows"].as_array().unwrap().len(), 2);
+    // The run whose import failed (the first H200 run) is refused, naming the phase.
+    let failed = dir.path().join("failed.json");
+    std::fs::write(&failed, versus["runs"]["dualedit_side"]["steps"]["vl7b"]["easyedit"].to_string()).unwrap();
+    let o = dualedit(&["report", "merge", s(&failed)]);
+    common::assert_clean_error(&o, &["failed.json", "failed in import", "sniffio"]);
+}
