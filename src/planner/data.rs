@@ -127,10 +127,7 @@ pub fn data_shape(model_dir: &Path, model: &Model, path: &Path, ds: DatasetKind,
             kept.push(k.max(l.map_or(0, |l| l.1)));
         }
     }
-    let by_area = |v: &mut Vec<(i64, i64)>| -> Option<(i64, i64)> {
-        let mut keyed: Vec<(i64, i64, i64)> = v.iter().map(|&(w, h)| (w * h, w, h)).collect();
-        nearest_rank(&mut keyed, percentile).map(|(_, w, h)| (w, h))
-    };
+    let (image_longest, image_at_percentile) = images_by_area(&images, percentile);
     Ok(DataShape {
         file: path.to_path_buf(),
         records,
@@ -138,9 +135,18 @@ pub fn data_shape(model_dir: &Path, model: &Model, path: &Path, ds: DatasetKind,
         text_tokens: spread(text, percentile),
         labelled: spread(kept, percentile),
         loc_tokens: (!loc.is_empty()).then(|| spread(loc, percentile)),
-        image_longest: images.iter().copied().max_by_key(|(w, h)| w * h),
-        image_at_percentile: by_area(&mut images),
+        image_longest,
+        image_at_percentile,
     })
+}
+
+/// The largest image `(width, height)` and the one at `percentile`, both ordered by area,
+/// then width, then height: at P100 the two are the same picture (not 768x1024 and
+/// 1024x768, of equal area).
+fn images_by_area(images: &[(i64, i64)], percentile: f64) -> (Option<(i64, i64)>, Option<(i64, i64)>) {
+    let mut keyed: Vec<(i64, i64, i64)> = images.iter().map(|&(w, h)| (w * h, w, h)).collect();
+    let largest = keyed.iter().copied().max().map(|(_, w, h)| (w, h));
+    (largest, nearest_rank(&mut keyed, percentile).map(|(_, w, h)| (w, h)))
 }
 
 impl DataShape {
@@ -178,5 +184,15 @@ mod tests {
         assert_eq!(nearest_rank(&mut v(), 0.1), Some(1));
         assert_eq!(nearest_rank(&mut Vec::<i64>::new(), 50.0), None);
         assert_eq!(spread(vec![5, 1, 9], 50.0), Spread { longest: 9, at_percentile: 5 });
+    }
+
+    #[test]
+    fn largest_image_and_p100_agree_on_ties_of_area() {
+        for images in [vec![(768, 1024), (1024, 768), (10, 10)], vec![(1024, 768), (768, 1024), (10, 10)]] {
+            let (largest, p100) = images_by_area(&images, 100.0);
+            assert_eq!(largest, p100, "{images:?}");
+            assert_eq!(largest, Some((1024, 768)));
+        }
+        assert_eq!(images_by_area(&[], 50.0), (None, None));
     }
 }

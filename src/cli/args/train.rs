@@ -21,6 +21,8 @@ pub struct TrainArgs {
     /// Directory for the editor checkpoint, training state and report.
     #[arg(long)]
     pub out: PathBuf,
+    /// Stop after this many optimiser steps (each of the config's `accumulate` micro-batches),
+    /// in place of the config's `max_steps`.
     #[arg(long)]
     pub max_steps: Option<usize>,
     /// Use only the first N records of the file.
