@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check on the machine that has the GPU: one command, one JSON (scripts/gpu/check.py).
+# The GPU check on the machine that has the GPU: one command, one JSON (scripts/gpu/check.py;
+# GPU_SCRIPT=versus.py runs the side-by-side with EasyEdit instead: scripts/gpu/versus.sh).
 #
 #   scripts/gpu/check.sh [OUT_JSON] [check.py options]     # default OUT_JSON: $OUT/gpu-check.json or ./gpu-check.json
 #
@@ -13,10 +14,12 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$here"
 python="${PYTHON:-python3}"
-out="${1:-${OUT:-.}/gpu-check.json}"
+script="${GPU_SCRIPT:-check.py}"
+name="${script%.py}"
+out="${1:-${OUT:-.}/gpu-$name.json}"
 [ $# -gt 0 ] && shift
 torch_lib="$("$python" -c 'import os, torch; print(os.path.join(torch.__path__[0], "lib"))')" \
   || { echo "[gpu/check] error: $python cannot import torch (set PYTHON)" >&2; exit 1; }
 export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
-exec "$python" scripts/gpu/check.py --python "$python" --out "$out" --work "${WORK:-/tmp/dualedit-gpu-check}" "$@"
+exec "$python" "scripts/gpu/$script" --python "$python" --out "$out" --work "${WORK:-/tmp/dualedit-gpu-$name}" "$@"
