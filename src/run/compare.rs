@@ -45,6 +45,12 @@ pub struct Comparison {
     /// What "agree" allows ([`tolerance`] of the runs' dtype).
     pub tolerance: f64,
     pub metrics_agree: bool,
+    /// The metric of the largest relative difference (`loss.step00039`, `reliability`, ...);
+    /// `None` when no metric was compared.
+    pub worst_metric: Option<String>,
+    /// The first metric, in the report's order (training steps in step order), whose
+    /// difference is beyond the tolerance: where a drift starts. `None` when they agree.
+    pub first_beyond_tolerance: Option<String>,
     /// Dual main-device peak over single-device peak (allocated bytes).
     pub main_peak_ratio: f64,
 }
@@ -61,21 +67,29 @@ fn read_memory(report: &Path) -> Result<BTreeMap<String, RoleSummary>> {
 }
 
 fn finish(command: &str, single: Side, dual: Side, dtype: Kind) -> Comparison {
-    let max_rel = single
+    // Relative difference per metric; a metric the dual side lacks counts as NaN (never
+    // agreeing), and NaN sorts above every number.
+    let rel: Vec<(&String, f64)> = single
         .metrics
         .iter()
         .map(|(k, a)| {
             let b = dual.metrics.get(k).copied().unwrap_or(f64::NAN);
-            (a - b).abs() / (1.0 + a.abs())
+            (k, (a - b).abs() / (1.0 + a.abs()))
         })
-        .fold(0.0, f64::max);
+        .collect();
+    let tol = tolerance(dtype);
+    let worst = rel.iter().copied().max_by(|x, y| x.1.total_cmp(&y.1));
+    let max_rel = worst.map_or(0.0, |w| w.1);
+    let beyond = |r: f64| r.is_nan() || r > tol;
     let peak = |s: &Side| s.memory.get("main").map(|m| m.peak_allocated_bytes).unwrap_or(0) as f64;
     Comparison {
         command: command.into(),
         main_peak_ratio: peak(&dual) / peak(&single).max(1.0),
-        metrics_agree: max_rel <= tolerance(dtype),
+        metrics_agree: !rel.iter().any(|r| beyond(r.1)),
+        worst_metric: worst.map(|w| w.0.clone()),
+        first_beyond_tolerance: rel.iter().find(|r| beyond(r.1)).map(|r| r.0.clone()),
         max_relative_difference: max_rel,
-        tolerance: tolerance(dtype),
+        tolerance: tol,
         single,
         dual,
     }
@@ -191,12 +205,49 @@ pub fn table(c: &Comparison) -> String {
         row(&mut s, &format!("peak allocated ({role})"), get(&c.single), get(&c.dual));
     }
     row(&mut s, "wall time", format!("{:.1} s", c.single.wall_seconds), format!("{:.1} s", c.dual.wall_seconds));
+    let worst = match &c.worst_metric {
+        Some(k) => format!(
+            "largest relative difference {:.2e} at {k} ({} vs {})",
+            c.max_relative_difference,
+            c.single.metrics.get(k).map_or("-".into(), |v| format!("{v:.6}")),
+            c.dual.metrics.get(k).map_or("missing".into(), |v| format!("{v:.6}"))
+        ),
+        None => "no metric compared".into(),
+    };
+    let first = c.first_beyond_tolerance.as_ref().map_or(String::new(), |k| format!("; first beyond it: {k}"));
     s.push_str(&format!(
-        "metrics agree: {} (max relative difference {:.2e}, tolerance {:.1e}); dual main peak / single peak = {:.3}\n",
+        "metrics agree: {} ({worst}; tolerance {:.1e}{first}); dual main peak / single peak = {:.3}\n",
         if c.metrics_agree { "yes" } else { "NO" },
-        c.max_relative_difference,
         c.tolerance,
         c.main_peak_ratio
     ));
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn side_with(metrics: &[(&str, f64)]) -> Side {
+        Side { devices: "cpu".into(), metrics: metrics.iter().map(|(k, v)| (k.to_string(), *v)).collect(), memory: BTreeMap::new(), wall_seconds: 1.0, report: PathBuf::new() }
+    }
+
+    #[test]
+    fn a_disagreement_names_the_worst_metric_and_where_the_drift_starts() {
+        let single = side_with(&[("loss.step00001", 5.0), ("loss.step00002", 5.0), ("loss.step00039", 5.418)]);
+        let dual = side_with(&[("loss.step00001", 5.0), ("loss.step00002", 5.001), ("loss.step00039", 5.359)]);
+        let c = finish("train", single, dual, Kind::Float);
+        assert!(!c.metrics_agree);
+        assert_eq!(c.worst_metric.as_deref(), Some("loss.step00039"));
+        assert_eq!(c.first_beyond_tolerance.as_deref(), Some("loss.step00002"));
+        let text = table(&c);
+        assert!(text.contains("metrics agree: NO (largest relative difference") && text.contains("at loss.step00039 (5.418000 vs 5.359000)"), "{text}");
+        assert!(text.contains("first beyond it: loss.step00002"), "{text}");
+        // A metric the dual side lacks never agrees.
+        let c = finish("eval", side_with(&[("reliability", 1.0)]), side_with(&[]), Kind::Float);
+        assert!(!c.metrics_agree && c.worst_metric.as_deref() == Some("reliability"));
+        // Agreement: no drift named.
+        let c = finish("eval", side_with(&[("reliability", 1.0)]), side_with(&[("reliability", 1.0)]), Kind::Float);
+        assert!(c.metrics_agree && c.first_beyond_tolerance.is_none());
+    }
 }

@@ -67,6 +67,8 @@ fn reports(dir: &Path) -> Vec<PathBuf> {
         max_relative_difference: 1e-7,
         tolerance: 1e-4,
         metrics_agree: true,
+        worst_metric: Some("loss.step00001".into()),
+        first_beyond_tolerance: None,
         main_peak_ratio: 0.6,
     };
     let compare = dir.join("compare.json");

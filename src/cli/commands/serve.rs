@@ -18,6 +18,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         guard: a.guard.config()?,
         ..Default::default()
     };
+    // The address and token are checked (an open listener refused) before anything is read.
+    let server = Server::bind(&a.listen, opts)?;
     let dtype = crate::cli::args::run_dtype(&a.model, a.dtype.as_deref())?;
     let config = match &a.editor {
         Some(dir) => crate::mend::checkpoint::trained_config(dir)?,
@@ -25,7 +27,6 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     };
     let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
     let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype };
-    let server = Server::bind(&a.listen, opts)?;
     // `--method auto` (the default, as `edit`'s and the Python package's): requests of
     // several edits (or after earlier ones) go to mend-ls with the editor for many edits,
     // when the editor names one; one request to mend. A server edits any number: `many`.
