@@ -16,7 +16,7 @@ fn stderr_colour() -> bool {
 fn main() -> ExitCode {
     dualedit::device::memory::tune_host_allocator();
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,dualedit::run=info".into()))
         .with_writer(std::io::stderr)
         .with_ansi(stderr_colour())
         .init();

@@ -709,8 +709,12 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
             tracker.mark("optimizer_step")?;
         }
         history.push(StepLog { step: counters.step, losses: acc, grad_norm, seconds: step_start.elapsed().as_secs_f64() });
+        // The last validation (on the held-out split) rides along the training losses.
+        let val = validations.last().map_or(String::new(), |v: &ValLog| {
+            format!(" | val@{} loss {:.4} edit_acc {:.2} loc_acc {:.2}", v.step, v.loss, v.edit_acc, v.loc_acc)
+        });
         bar.set_message(format!(
-            "loss {:.4} edit_acc {:.2} loc_kl {:.4} loc_acc {:.2}",
+            "loss {:.4} edit_acc {:.2} loc_kl {:.4} loc_acc {:.2}{val}",
             acc.loss, acc.edit_acc, acc.loc_kl, acc.loc_acc
         ));
         bar.set_position(counters.step as u64);

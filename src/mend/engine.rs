@@ -98,6 +98,26 @@ impl Pending {
     }
 }
 
+/// The candidate nearest to `name` by edit distance (characters), when it is near enough
+/// to be the name meant (at most a third of the name's length away): a typo's correction.
+fn closest<'a>(name: &str, candidates: impl Iterator<Item = &'a String>) -> Option<&'a String> {
+    let distance = |a: &str, b: &str| -> usize {
+        let b: Vec<char> = b.chars().collect();
+        let mut row: Vec<usize> = (0..=b.len()).collect();
+        for (i, ca) in a.chars().enumerate() {
+            let mut diag = row[0];
+            row[0] = i + 1;
+            for (j, cb) in b.iter().enumerate() {
+                let next = (diag + usize::from(ca != *cb)).min(row[j] + 1).min(row[j + 1] + 1);
+                diag = row[j + 1];
+                row[j + 1] = next;
+            }
+        }
+        row[b.len()]
+    };
+    candidates.map(|c| (distance(name, c), c)).filter(|(d, _)| *d * 3 <= name.chars().count()).min().map(|(_, c)| c)
+}
+
 impl Engine {
     /// Places `lm` (loaded on `plan.main`) and checks the edited weight names.
     pub fn new(lm: LoadedModel, plan: DevicePlan, edit_names: &[String]) -> Result<Self> {
@@ -115,7 +135,8 @@ impl Engine {
                 return Err(Error::input(format!("edit_params lists {name:?} twice")));
             }
             let w = lm.params.get(name).ok_or_else(|| {
-                Error::input(format!("edit_params names {name:?}, which is not a parameter of the model in {model_dir}"))
+                let hint = closest(name, lm.params.names().filter(|n| lm.model.layout(n).is_some())).map_or(String::new(), |c| format!("; did you mean {c:?}?"));
+                Error::input(format!("edit_params names {name:?}, which is not a parameter of the model in {model_dir}{hint}"))
             })?;
             let layout = lm.model.layout(name).ok_or_else(|| {
                 Error::input(format!(
@@ -693,5 +714,15 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn closest_names_a_typo_not_a_stranger() {
+        let names: Vec<String> = ["model.layers.2.mlp.up_proj.weight", "model.layers.2.mlp.down_proj.weight", "lm_head.weight"].map(String::from).to_vec();
+        assert_eq!(super::closest("model.layers.2.mlp.upproj.weight", names.iter()), Some(&names[0]));
+        assert_eq!(super::closest("transformer.h.2.mlp.c_fc.weight", names.iter()), None);
     }
 }

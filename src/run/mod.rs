@@ -280,7 +280,16 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     if train_set.is_empty() {
         return Err(Error::file(&o.data, "no records left for training after holding out the validation split"));
     }
-    info!(train = train_set.len(), val = val_set.len(), "meta-training");
+    // Which records validate is a choice the user should see, not find in the code (the
+    // CLI shows this module's info lines by default).
+    info!(
+        "meta-training on {} records; validating on the last {} of {} (min(val_records = {}, records / 5){})",
+        train_set.len(),
+        val_set.len(),
+        data.used,
+        o.config.val_records,
+        if dropped > 0 { format!(", {dropped} repeating a training record dropped") } else { String::new() }
+    );
     if val_set.is_empty() {
         tracing::warn!("no validation split (val_records is 0 or there are fewer than 5 records): the editor is selected by its training-batch loss");
     }

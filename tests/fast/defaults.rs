@@ -272,3 +272,26 @@ fn plan_and_train_take_the_checkpoints_dtype_alike() {
     let text = String::from_utf8_lossy(&plan.stdout);
     assert!(text.contains("in bf16 (the checkpoint's config.json dtype)"), "{text}");
 }
+
+/// Item 9: `train` says which records it validates on and carries the validation in its
+/// progress line; a misspelt `edit_params` name gets the nearest real one.
+#[test]
+fn train_names_its_validation_split_and_a_typo_gets_a_suggestion() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::fixture("llama");
+    let data = common::root().join("data/world/edits-train.json");
+    let run = |cfg: &str, name: &str| {
+        let c = dir.path().join(format!("{name}.json"));
+        std::fs::write(&c, cfg).unwrap();
+        common::dualedit(&[
+            "train", "--model", model.to_str().unwrap(), "--config", c.to_str().unwrap(), "--data", data.to_str().unwrap(), "--ds", "counterfact",
+            "--limit", "10", "--truncate", "--out", dir.path().join(name).to_str().unwrap(),
+        ])
+    };
+    let o = run(r#"{"rank": 8, "accumulate": 1, "max_steps": 2, "val_every": 1, "val_records": 4, "max_length": 32}"#, "ok");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("meta-training on 8 records; validating on the last 2 of 10 (min(val_records = 4, records / 5))"), "{err}");
+    let o = run(r#"{"rank": 8, "max_steps": 1, "edit_params": ["model.layers.2.mlp.upproj.weight"]}"#, "typo");
+    common::assert_clean_error(&o, &["model.layers.2.mlp.upproj.weight", "did you mean \"model.layers.2.mlp.up_proj.weight\"?"]);
+}
