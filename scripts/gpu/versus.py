@@ -273,7 +273,6 @@ class Versus(gpu_check.Check):
             raise RuntimeError(e["error"])
 
     def main(self):
-        self.text_len = 32
         self.step("environment", self.environment, 120)
         self.step("easyedit", self.easyedit, 200)
         self.step("models", self.write_models, 240)

@@ -414,26 +414,20 @@ mod tests {
 
     #[test]
     fn refusals_name_the_key_or_line() {
-        let e = from_easyedit("alg_name: ROME\n").unwrap_err().to_string();
-        assert!(e.contains("alg_name") && e.contains("ROME"), "{e}");
-        let e = from_easyedit("alg: MEND\nmlp_class: MLP\n")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("mlp_class"), "{e}");
-        let e = parse_yaml("alg: MEND\nouter:\n  inner: 1\n")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("line 3"), "{e}");
-        let e = parse_yaml("a: [1, 2]\n").unwrap_err().to_string();
-        assert!(e.contains("line 1"), "{e}");
-        let e = from_easyedit("alg: MEND\nrank: 0\n")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("rank"), "{e}");
-        let e = from_easyedit("alg: MEND\nrank: 1.5\n")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("rank"), "{e}");
+        let config = |t: &str| from_easyedit(t).map(|_| ());
+        let yaml = |t: &str| parse_yaml(t).map(|_| ());
+        let cases: [(&dyn Fn(&str) -> Result<()>, &str, &[&str]); 6] = [
+            (&config, "alg_name: ROME\n", &["alg_name", "ROME"]),
+            (&config, "alg: MEND\nmlp_class: MLP\n", &["mlp_class"]),
+            (&yaml, "alg: MEND\nouter:\n  inner: 1\n", &["line 3"]),
+            (&yaml, "a: [1, 2]\n", &["line 1"]),
+            (&config, "alg: MEND\nrank: 0\n", &["rank"]),
+            (&config, "alg: MEND\nrank: 1.5\n", &["rank"]),
+        ];
+        for (read, text, needles) in cases {
+            let e = read(text).unwrap_err().to_string();
+            assert!(needles.iter().all(|n| e.contains(n)), "{text:?}: {e}");
+        }
     }
 
     #[test]

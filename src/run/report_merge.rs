@@ -201,7 +201,8 @@ fn easyedit_row(path: &Path, v: &Value) -> Result<Row> {
         model: v.get("model").and_then(Value::as_str).map(String::from),
         devices: v.get("device").and_then(Value::as_str).unwrap_or("?").to_string(),
         placement: None,
-        dtype: v.get("dtype").and_then(Value::as_str).map(|d| crate::model::loader::dtype_name(crate::model::parse_dtype(d).unwrap_or(tch::Kind::Float)).to_string()),
+        // torch's names (`bfloat16`) as the CLI writes them (`bf16`); an unknown one as it is.
+        dtype: v.get("dtype").and_then(Value::as_str).map(|d| crate::model::parse_dtype(d).map_or_else(|_| d.to_string(), |k| crate::model::loader::dtype_name(k).to_string())),
         metrics,
         peak_bytes,
         wall_seconds: num(v.get("load_seconds")).unwrap_or(0.0) + steps,

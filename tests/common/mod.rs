@@ -211,3 +211,46 @@ pub fn assert_clean_error(out: &std::process::Output, needles: &[&str]) {
         assert!(err.contains(n), "error {err:?} should mention {n:?}");
     }
 }
+
+/// `dualedit edit --model M --requests R --report P --json` with `extra` flags: its output.
+pub fn edit_json(model: &Path, requests: &Path, report: &Path, extra: &[&str]) -> Output {
+    dualedit_cmd()
+        .args(["edit", "--model"])
+        .arg(model)
+        .arg("--requests")
+        .arg(requests)
+        .arg("--report")
+        .arg(report)
+        .arg("--json")
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// `dualedit serve --model M --listen 127.0.0.1:0` with `args` and `env`, read until it
+/// prints its address: the child, the address, its stderr (keep draining it, or the server
+/// blocks on a full pipe) and the log lines before the address.
+pub fn spawn_serve(model: &Path, args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, std::net::SocketAddr, std::io::BufReader<std::process::ChildStderr>, String) {
+    use std::io::BufRead;
+    let mut child = dualedit_cmd()
+        .args(["serve", "--model"])
+        .arg(model)
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let (mut line, mut log) = (String::new(), String::new());
+    let addr = loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "serve exited before listening:\n{log}");
+        log.push_str(&line);
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    (child, addr, err, log)
+}

@@ -3,10 +3,10 @@
 //! commit guard's refusals carried per request in every interface's result, and `plan`
 //! with one GPU and the CPU (host memory is a capacity). The Python package's side is in
 //! `python/tests/test_dualedit.py`.
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -27,19 +27,8 @@ fn requests(dir: &Path, n: usize) -> (PathBuf, Value) {
 fn cli_edit(dir: &Path, requests: &Path, extra: &[&str]) -> (bool, Value, Value) {
     let report = dir.join("report.json");
     let _ = std::fs::remove_file(&report);
-    let out = common::dualedit_cmd()
-        .args(["edit", "--model"])
-        .arg(common::shipped("model"))
-        .arg("--editor")
-        .arg(common::shipped("editor"))
-        .arg("--requests")
-        .arg(requests)
-        .arg("--report")
-        .arg(&report)
-        .arg("--json")
-        .args(extra)
-        .output()
-        .unwrap();
+    let editor = common::shipped("editor");
+    let out = common::edit_json(&common::shipped("model"), requests, &report, &[&["--editor", editor.to_str().unwrap()][..], extra].concat());
     let stdout = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
     (out.status.success(), stdout, common::json_file(&report))
 }
@@ -79,28 +68,8 @@ fn the_cli_default_is_auto_and_a_refusal_is_named_per_request() {
 
 /// `dualedit serve` on the shipped model and editor, no `--method`.
 fn spawn_serve(args: &[&str]) -> (Child, SocketAddr) {
-    let mut child = common::dualedit_cmd()
-        .args(["serve", "--model"])
-        .arg(common::shipped("model"))
-        .arg("--editor")
-        .arg(common::shipped("editor"))
-        .args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    let mut log = String::new();
-    let addr = loop {
-        line.clear();
-        assert!(err.read_line(&mut line).unwrap() > 0, "serve exited before listening:\n{log}");
-        log.push_str(&line);
-        if let Some(rest) = line.split("http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
+    let editor = common::shipped("editor");
+    let (child, addr, mut err, log) = common::spawn_serve(&common::shipped("model"), &[&["--editor", editor.to_str().unwrap()][..], args].concat(), &[]);
     assert!(!log.contains("several edits with plain mend"), "{log}");
     // Keep draining the log so the server never blocks on a full pipe.
     std::thread::spawn(move || {

@@ -133,74 +133,30 @@ fn stand_in(file: &str, to: &[usize], dir: &std::path::Path) -> std::path::PathB
 #[test]
 fn easyedit_yamls_train_on_small_stand_ins() {
     let dir = tempfile::tempdir().unwrap();
-    let data = common::root().join("data/world/edits-train.json");
-    for (file, model) in [
-        ("training-gpt2-xl.yaml", "gpt2"),
-        ("training-llama-7b.yaml", "llama"),
+    // The multimodal one trains on the visual world's records.
+    let world = dir.path().join("world");
+    let out = dualedit(&["world", "--vl", "--out", world.to_str().unwrap(), "--image-size", "84x84", "--train-scenes", "3", "--holdout-scenes", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = common::root().join("data/world/edits-train.json").display().to_string();
+    let (vqa, root) = (world.join("vqa-train.json").display().to_string(), world.display().to_string());
+    let text_data = ["--data", text.as_str(), "--ds", "counterfact", "--truncate"];
+    let vl_data = ["--data", vqa.as_str(), "--ds", "vqa", "--image-root", root.as_str()];
+    // The Qwen2-VL stand-in has two blocks: the yaml's three map onto 0, 1, 1 (deduplicated).
+    for (file, model, layers, data) in [
+        ("training-gpt2-xl.yaml", "gpt2", [0, 1, 2], &text_data[..]),
+        ("training-llama-7b.yaml", "llama", [0, 1, 2], &text_data[..]),
+        ("training-qwen2vl-7b.yaml", "qwen2_vl", [0, 1, 1], &vl_data[..]),
     ] {
-        let cfg = stand_in(file, &[0, 1, 2], dir.path());
+        let cfg = stand_in(file, &layers, dir.path());
         let out_dir = dir.path().join(format!("ed-{model}"));
-        let out = dualedit(&[
-            "train",
-            "--model",
-            common::fixture(model).to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--ds",
-            "counterfact",
-            "--limit",
-            "12",
-            "--truncate",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--out",
-            out_dir.to_str().unwrap(),
-        ]);
+        let (m, c, o) = (common::fixture(model).display().to_string(), cfg.display().to_string(), out_dir.display().to_string());
+        let out = dualedit(&[&["train", "--model", m.as_str(), "--limit", "12", "--config", c.as_str(), "--out", o.as_str()][..], data].concat());
         assert!(out.status.success(), "{file} on {model}: {}", stderr(&out));
         let saved: Value = common::json_file(&out_dir.join("editor.json"));
-        assert!(saved.to_string().contains(".2.mlp."), "{file}: {saved}");
+        assert!(saved.to_string().contains(&format!(".{}.mlp.", layers[2])), "{file}: {saved}");
         // The keys it leaves out are named once, with the flags that give them.
         let err = stderr(&out);
         assert_eq!(err.matches("EasyEdit keys not used").count(), 1, "{err}");
-        assert!(
-            err.contains("device (--device / --sub-device)")
-                || err.contains("model_name (--model)"),
-            "{err}"
-        );
+        assert!(err.contains("device (--device / --sub-device)") || err.contains("model_name (--model)"), "{err}");
     }
-    // The multimodal one on the Qwen2-VL stand-in, with the visual world's records.
-    let world = dir.path().join("world");
-    let out = dualedit(&[
-        "world",
-        "--vl",
-        "--out",
-        world.to_str().unwrap(),
-        "--image-size",
-        "84x84",
-        "--train-scenes",
-        "3",
-        "--holdout-scenes",
-        "2",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let cfg = stand_in("training-qwen2vl-7b.yaml", &[0, 1, 1], dir.path());
-    let out_dir = dir.path().join("ed-vl");
-    let out = dualedit(&[
-        "train",
-        "--model",
-        common::fixture("qwen2_vl").to_str().unwrap(),
-        "--data",
-        world.join("vqa-train.json").to_str().unwrap(),
-        "--ds",
-        "vqa",
-        "--image-root",
-        world.to_str().unwrap(),
-        "--limit",
-        "12",
-        "--config",
-        cfg.to_str().unwrap(),
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
-    assert!(out.status.success(), "qwen2vl yaml: {}", stderr(&out));
 }

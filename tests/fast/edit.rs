@@ -20,17 +20,7 @@ fn requests(dir: &Path, n: usize) -> PathBuf {
 /// Runs `dualedit edit` on `model` with `extra` flags and returns its one JSON object.
 fn edit(dir: &Path, model: &Path, requests: &Path, extra: &[&str]) -> serde_json::Value {
     let report = tempfile::NamedTempFile::new_in(dir).unwrap().into_temp_path().keep().unwrap();
-    let out = common::dualedit_cmd()
-        .args(["edit", "--model"])
-        .arg(model)
-        .arg("--requests")
-        .arg(requests)
-        .arg("--report")
-        .arg(&report)
-        .arg("--json")
-        .args(extra)
-        .output()
-        .unwrap();
+    let out = common::edit_json(model, requests, &report, extra);
     assert!(out.status.success(), "edit {extra:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }

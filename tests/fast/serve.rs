@@ -3,10 +3,10 @@
 //! requests, and SIGINT/SIGTERM on the `dualedit serve` binary.
 use crate::common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::path::Path;
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::thread::JoinHandle;
@@ -579,25 +579,7 @@ fn spawn_binary() -> (std::process::Child, SocketAddr, BufReader<std::process::C
 }
 
 fn spawn_binary_with(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, SocketAddr, BufReader<std::process::ChildStderr>) {
-    let mut child = common::dualedit_cmd()
-        .args(["serve", "--model"])
-        .arg(fixture("gpt2"))
-        .args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .envs(env.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        assert!(err.read_line(&mut line).unwrap() > 0, "serve exited before listening");
-        if let Some(rest) = line.split("http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
+    let (child, addr, err, _) = common::spawn_serve(&fixture("gpt2"), args, env);
     (child, addr, err)
 }
 
