@@ -113,7 +113,7 @@ pub fn format_bytes(b: u64) -> String {
 }
 
 /// One reading of a device's memory, in bytes.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Default)]
 pub struct MemorySample {
     pub current_allocated_bytes: u64,
     pub peak_allocated_bytes: u64,
@@ -403,6 +403,15 @@ pub struct MemoryTracker {
 
 /// One entry per role, devices read once each. Either every role is recorded or, on an
 /// error, none.
+/// Inserts one instant's entries (all with the same `elapsed_ms`) keeping the timeline in
+/// time order: the sampler thread and the phase marks each take their time before they
+/// read the devices and lock the timeline, so either may arrive second with the earlier time.
+fn insert_in_time_order(tl: &mut Vec<PhaseSample>, entries: Vec<PhaseSample>) {
+    let Some(ms) = entries.first().map(|e| e.elapsed_ms) else { return };
+    let at = tl.partition_point(|p| p.elapsed_ms <= ms);
+    tl.splice(at..at, entries);
+}
+
 fn read_roles(roles: &[(String, Device)], phase: &str, elapsed_ms: f64) -> Result<Vec<PhaseSample>> {
     let mut by_device: HashMap<Device, MemorySample> = HashMap::new();
     let mut entries = Vec::with_capacity(roles.len());
@@ -482,7 +491,7 @@ impl MemoryTracker {
                     }
                 };
                 let Ok(mut tl) = shared.timeline.lock() else { return };
-                tl.extend(entries);
+                insert_in_time_order(&mut tl, entries);
                 taken += 1;
                 if taken > MAX_SAMPLED_PER_ROLE {
                     // Keep every second sampled instant (all roles of an instant together).
@@ -539,9 +548,7 @@ impl MemoryTracker {
             );
         }
         let mut tl = self.shared.timeline.lock().map_err(|_| Error::Torch("memory timeline lock poisoned".into()))?;
-        // The sampler may have read the devices after `elapsed_ms` was taken: keep time order.
-        let at = tl.partition_point(|p| p.elapsed_ms <= elapsed_ms);
-        tl.splice(at..at, entries);
+        insert_in_time_order(&mut tl, entries);
         Ok(())
     }
 
@@ -827,6 +834,26 @@ mod tests {
         assert!(tl.windows(2).all(|w| w[1].elapsed_ms >= w[0].elapsed_ms));
         assert_eq!(tl.iter().filter(|p| p.phase != SAMPLED_PHASE).count(), 4);
         drop(tr); // joins the thread
+    }
+
+    #[test]
+    fn an_instant_that_arrives_late_goes_in_its_time_place() {
+        let at = |phase: &str, ms: f64| PhaseSample {
+            phase: phase.into(),
+            role: "main".into(),
+            device: "cpu".into(),
+            elapsed_ms: ms,
+            sample: MemorySample::default(),
+        };
+        let mut tl = Vec::new();
+        insert_in_time_order(&mut tl, vec![at("load", 1.0)]);
+        insert_in_time_order(&mut tl, vec![at("eval", 5.0)]);
+        // The sampler took its time (3 ms) before the eval mark but locked after it.
+        insert_in_time_order(&mut tl, vec![at(SAMPLED_PHASE, 3.0), at(SAMPLED_PHASE, 3.0)]);
+        insert_in_time_order(&mut tl, vec![at("end", 5.0)]);
+        insert_in_time_order(&mut tl, vec![]);
+        let got: Vec<(&str, f64)> = tl.iter().map(|p| (p.phase.as_str(), p.elapsed_ms)).collect();
+        assert_eq!(got, [("load", 1.0), (SAMPLED_PHASE, 3.0), (SAMPLED_PHASE, 3.0), ("eval", 5.0), ("end", 5.0)]);
     }
 
     #[test]
