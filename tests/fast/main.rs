@@ -20,6 +20,7 @@ mod edit;
 mod gguf;
 mod gpu_check;
 mod guard;
+mod jpeg;
 mod mend;
 mod mm;
 mod models;

@@ -41,7 +41,6 @@ fn pixels_and_token_counts_match_the_processor() {
     for model in ["qwen2_vl", "qwen2_5_vl"] {
         let proc = processor(model);
         assert_eq!((proc.min_pixels, proc.max_pixels), (3136, 12544), "{model}: both preprocessor layouts read");
-        let mut jpeg_worst = 0f64;
         for (name, meta) in r["images"].as_object().unwrap() {
             let img = image::prepare(&fixture("vl_images").join(name), &proc).unwrap_or_else(|e| panic!("{name}: {e}"));
             let grid: Vec<i64> = meta["grid_thw"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
@@ -50,77 +49,33 @@ fn pixels_and_token_counts_match_the_processor() {
             let theirs = &pixels[name];
             assert_eq!(img.pixel_values.size(), theirs.size(), "{name}: pixel_values shape");
             let (d, levels) = pixel_diff(&img.pixel_values, theirs);
-            // The format Pillow found by content (a JPEG named .png is a JPEG).
-            if meta["format"] == "PNG" {
-                // PNG decoding in every mode, compositing, Pillow 13's bicubic (pass order
-                // included) and the f32 normalisation are reproduced exactly.
-                assert_eq!(d, 0.0, "{name} ({}): max abs pixel diff {d}", meta["mode"]);
-            } else {
-                // JPEG: the image crate's jpeg-decoder vs Pillow's libjpeg-turbo (IDCT, chroma
-                // upsampling and CMYK rounding) differ by up to 3 8-bit levels in places, noise
-                // JPEGs included; BENCHMARKS.md has the measured numbers.
-                assert!(levels <= 4.0, "{name}: max abs pixel diff {d} ({levels:.2} levels)");
-                jpeg_worst = jpeg_worst.max(levels);
-            }
-            eprintln!("{model} {name} ({} {}): grid {grid:?}, max abs pixel diff {d:e} ({levels:.2} 8-bit levels)", meta["format"], meta["mode"]);
+            // Decoding (PNG in every mode; JPEG with libjpeg-turbo's arithmetic, CMYK and EXIF
+            // files included, and a JPEG named .png by content), compositing, Pillow 13's
+            // bicubic (pass order included) and the f32 normalisation are reproduced exactly.
+            assert_eq!(d, 0.0, "{name} ({} {}): max abs pixel diff {d} ({levels:.2} levels)", meta["format"], meta["mode"]);
         }
-        eprintln!("{model}: JPEG worst {jpeg_worst:.2} levels");
     }
 }
 
-/// Every reference case: token ids exactly, log-probabilities of the text tokens ≤ 1e-4.
-/// Cases whose images are JPEG use the processor's own pixel values (decoders differ);
-/// PNG cases go from the file through dualedit's preprocessing.
+/// Every reference case from the image files through dualedit's preprocessing (PNG and
+/// JPEG alike): token ids exactly, log-probabilities of the text tokens within 2e-5 of
+/// transformers' (whose processor read the same files with Pillow), 1e-5 where an image is a
+/// JPEG. The pixels are exact (above); what is left is f32 summation order in the towers.
 fn check_model(name: &str) {
     let dir = fixture(name);
     let r = json(&dir.join("reference.json"));
     let lm = load_model(&dir, Device::Cpu, Kind::Float).unwrap();
-    let vl = lm.model.family().vision_language().expect("loads as a vision-language model");
     let params = ParamView::frozen(&lm.params);
-    let proc = processor(name);
-    let pixels = reference_pixels();
-    let (mut worst, mut jpeg_worst) = (0f64, 0f64);
+    let img_ref = json(&fixture("vl_images").join("reference.json"));
+    let (mut worst, mut jpeg_worst, mut jpeg_cases) = (0f64, 0f64, 0);
     for case in r["cases"].as_array().unwrap() {
         let images: Vec<String> = case["images"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect();
         let text = case["text"].as_str().unwrap();
         let want_ids: Vec<i64> = case["input_ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
         let want_lp: Vec<f64> = case["logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32 as f64).collect();
         let paths: Vec<PathBuf> = images.iter().map(|i| fixture("vl_images").join(i)).collect();
-        let img_ref = json(&fixture("vl_images").join("reference.json"));
-        let all_png = images.iter().all(|i| img_ref["images"][i.as_str()]["format"] == "PNG");
-        let got = if all_png {
-            let refs: Vec<&Path> = paths.iter().map(|p| p.as_path()).collect();
-            dualedit::edit::score::score_with_images(&lm, &params, text, &refs).unwrap()
-        } else {
-            // Same computation from the processor's pixel values.
-            let prepared: Vec<_> = paths.iter().map(|p| image::prepare(p, &proc).unwrap()).collect();
-            let grids: Vec<_> = prepared.iter().map(|p| p.grid).collect();
-            let px = Tensor::cat(&images.iter().map(|i| &pixels[i]).collect::<Vec<_>>(), 0);
-            let feats = vl.image_features(&params, &px, &grids).unwrap();
-            let mut ids: Vec<i64> = grids.iter().flat_map(|g| vl.image_prompt(g)).collect();
-            ids.extend(lm.tokenizer.encode(text).unwrap());
-            let pos = vl.mrope_positions(&ids, &grids).unwrap().unsqueeze(1);
-            let t = Tensor::from_slice(&ids).unsqueeze(0);
-            let none = Default::default();
-            let input = dualedit::model::ForwardInput {
-                position_ids: Some(&pos),
-                image_embeds: Some(&feats),
-                ..dualedit::model::ForwardInput::new(&t, &none)
-            };
-            let _g = tch::no_grad_guard();
-            let logits = lm.model.forward(&params, &input).unwrap().logits.get(0).log_softmax(-1, Kind::Float);
-            let n = ids.len() as i64;
-            let lp = logits.narrow(0, 0, n - 1).gather(1, &t.get(0).narrow(0, 1, n - 1).unsqueeze(1), false).squeeze_dim(1);
-            let lp: Vec<f64> = Vec::try_from(lp.to_kind(Kind::Double)).unwrap();
-            let text_n = ids.len() - grids.iter().map(|g| vl.image_prompt(g).len()).sum::<usize>();
-            assert_eq!(ids, want_ids, "{name} {images:?}: token ids");
-            dualedit::edit::score::Score {
-                tokens: ids[ids.len() - text_n..].to_vec(),
-                logprobs: lp[lp.len() - text_n..].to_vec(),
-                mean_nll: 0.0,
-                image_tokens: grids.iter().map(|g| g.iter().product::<i64>() as usize / 4).sum(),
-            }
-        };
+        let refs: Vec<&Path> = paths.iter().map(|p| p.as_path()).collect();
+        let got = dualedit::edit::score::score_with_images(&lm, &params, text, &refs).unwrap();
         // The text's ids are the tail of the reference sequence; the image prefix is its
         // head: `image_tokens` image pads, and a start and an end marker per image.
         let pads = want_ids.iter().filter(|&&t| t == r["token_ids"]["<|image_pad|>"].as_i64().unwrap()).count();
@@ -133,18 +88,15 @@ fn check_model(name: &str) {
             worst = worst.max((a - b).abs());
         }
         let d = got.logprobs.iter().zip(expected).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-        assert!(d <= 1e-4, "{name} {images:?}: max abs log-prob diff {d}");
-        if !all_png {
-            // The whole pipeline from the JPEG file: the decoder's few-level pixel
-            // differences move these random-weight log-probs by more than 1e-4, not by much.
-            let refs: Vec<&Path> = paths.iter().map(|p| p.as_path()).collect();
-            let s = dualedit::edit::score::score_with_images(&lm, &params, text, &refs).unwrap();
-            let d = s.logprobs.iter().zip(expected).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        let jpeg = images.iter().any(|i| img_ref["images"][i.as_str()]["format"] == "JPEG");
+        if jpeg {
             jpeg_worst = jpeg_worst.max(d);
-            assert!(d <= 0.2, "{name} {images:?}: from the JPEG file, max abs log-prob diff {d}");
+            jpeg_cases += 1;
         }
+        assert!(d <= if jpeg { 1e-5 } else { 2e-5 }, "{name} {images:?}: max abs log-prob diff {d}");
     }
-    eprintln!("{name}: max abs log-prob diff over all cases {worst:e} (JPEG cases from the file: {jpeg_worst:e})");
+    assert!(jpeg_cases >= 2, "{name}: the reference has {jpeg_cases} cases with a JPEG");
+    eprintln!("{name}: max abs log-prob diff over all cases {worst:e}, the {jpeg_cases} with a JPEG {jpeg_worst:e}");
 }
 
 #[test]

@@ -31,10 +31,9 @@
 //!    patches of a block contiguous, each row `C · temporal_patch · patch · patch` with
 //!    the frame repeated `temporal_patch_size` times.
 //!
-//! PNG decoding is exact. JPEG decoding (the `image` crate's `jpeg-decoder` vs Pillow's
-//! libjpeg-turbo) may differ by a few 8-bit levels where IDCT, chroma upsampling and
-//! CMYK conversion round differently; tests/fast/vl.rs and BENCHMARKS.md give the measured
-//! difference.
+//! Decoding is exact for both formats: PNG through the `image` crate, JPEG with
+//! libjpeg-turbo's own arithmetic and Pillow's settings and conversions ([`super::jpeg`]);
+//! tests/fast/jpeg.rs holds Pillow's pixels for every kind of JPEG.
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -349,9 +348,13 @@ fn header_of(bytes: &[u8], what: &Path) -> Result<ImageHeader> {
         Ok(other) => return Err(Error::file(what, format!("{other:?} images are not supported (PNG or JPEG)"))),
         Err(_) => return Err(Error::file(what, "not a PNG or JPEG image (unrecognised file signature)")),
     };
-    let (width, height) = image::io::Reader::with_format(std::io::Cursor::new(bytes), image_format(format))
-        .into_dimensions()
-        .map_err(|e| Error::file(what, format!("cannot read the {} header (truncated or corrupt?): {e}", format.extension())))?;
+    let header_error = |e: String| Error::file(what, format!("cannot read the {} header (truncated or corrupt?): {e}", format.extension()));
+    let (width, height) = match format {
+        ImageKind::Jpeg => super::jpeg::dimensions(bytes).map_err(header_error)?,
+        ImageKind::Png => image::io::Reader::with_format(std::io::Cursor::new(bytes), image::ImageFormat::Png)
+            .into_dimensions()
+            .map_err(|e| header_error(e.to_string()))?,
+    };
     if width == 0 || height == 0 {
         return Err(Error::file(what, "image has no pixels"));
     }
@@ -363,13 +366,6 @@ fn header_of(bytes: &[u8], what: &Path) -> Result<ImageHeader> {
         ));
     }
     Ok(ImageHeader { format, width, height })
-}
-
-fn image_format(k: ImageKind) -> image::ImageFormat {
-    match k {
-        ImageKind::Png => image::ImageFormat::Png,
-        ImageKind::Jpeg => image::ImageFormat::Jpeg,
-    }
 }
 
 /// Reads `path` as [`open_checked`] does (regular file, size cap, format by content,
@@ -416,7 +412,12 @@ pub fn decode_bytes(bytes: &[u8], what: &Path) -> Result<Rgb8> {
 /// [`decode_bytes`] with the given treatment of transparency.
 pub fn decode_bytes_with(bytes: &[u8], what: &Path, alpha: AlphaMode) -> Result<Rgb8> {
     let header = header_of(bytes, what)?;
-    let mut reader = image::io::Reader::with_format(std::io::Cursor::new(bytes), image_format(header.format));
+    if header.format == ImageKind::Jpeg {
+        let (width, height, data) = super::jpeg::decode(bytes, MAX_IMAGE_PIXELS)
+            .map_err(|e| Error::file(what, format!("cannot decode the jpg image (truncated or corrupt?): {e}")))?;
+        return Ok(Rgb8 { height, width, data });
+    }
+    let mut reader = image::io::Reader::with_format(std::io::Cursor::new(bytes), image::ImageFormat::Png);
     let mut limits = image::io::Limits::default();
     limits.max_image_width = Some(header.width);
     limits.max_image_height = Some(header.height);
@@ -424,7 +425,7 @@ pub fn decode_bytes_with(bytes: &[u8], what: &Path, alpha: AlphaMode) -> Result<
     limits.max_alloc = Some(header.width as u64 * header.height as u64 * 8 + (1 << 20));
     reader.limits(limits);
     let img = reader.decode().map_err(|e| {
-        Error::file(what, format!("cannot decode the {} image (truncated or corrupt?): {e}", header.format.extension()))
+        Error::file(what, format!("cannot decode the png image (truncated or corrupt?): {e}"))
     })?;
     let (width, height) = (img.width() as usize, img.height() as usize);
     if width == 0 || height == 0 {

@@ -23,6 +23,7 @@
 pub mod chat_template;
 pub mod config;
 pub mod image;
+mod jpeg;
 pub mod vision;
 
 
