@@ -64,6 +64,25 @@ def _prompts(prompts: StrOrList, kwargs: Mapping[str, Any]) -> List[str]:
     return prompts_l
 
 
+def _from_hparams(hparams: Any, session_options: Dict[str, Any]) -> Tuple[Any, Any]:
+    """``(model, editor)`` from EasyEdit's hparams (an object or a dict): ``model_name``,
+    ``archive``; its ``device`` (an int is a CUDA index) goes into ``session_options``."""
+    get = (lambda k: hparams.get(k)) if isinstance(hparams, Mapping) else (lambda k: getattr(hparams, k, None))
+    model = get("model_name")
+    if model is None:
+        raise InputError("hparams has no model_name (the model folder)")
+    device = get("device")
+    if device is not None and "device" not in session_options:
+        session_options["device"] = f"cuda:{device}" if isinstance(device, int) else str(device)
+    return model, get("archive")
+
+
+def _keep_original_weight(kwargs: Dict[str, Any]) -> None:
+    """EasyEdit's ``keep_original_weight``: accepted and, as in EasyEdit's current editors,
+    without effect (``sequential_edit`` decides whether edits are kept)."""
+    kwargs.pop("keep_original_weight", None)
+
+
 def _one(v: Optional[List[Any]]) -> Optional[List[float]]:
     return None if v is None else [v]
 
@@ -80,14 +99,7 @@ class Editor:
     def from_hparams(cls, hparams: Any, **session_options: Any) -> "Editor":
         """From EasyEdit-style hyper-parameters: ``model_name`` (the model folder),
         ``archive`` (the trained editor folder) and optionally ``device``."""
-        get = (lambda k: hparams.get(k)) if isinstance(hparams, Mapping) else (lambda k: getattr(hparams, k, None))
-        model = get("model_name")
-        if model is None:
-            raise InputError("hparams has no model_name (the model folder)")
-        device = get("device")
-        if device is not None and "device" not in session_options:
-            session_options["device"] = f"cuda:{device}" if isinstance(device, int) else str(device)
-        return cls(model, get("archive"), **session_options)
+        return cls(*_from_hparams(hparams, session_options), **session_options)
 
     def edit(
         self,
@@ -111,6 +123,7 @@ class Editor:
         commit guard refused the edit, nothing of it was committed: ``post`` is the
         weights without it) with the guard's ``refused_reason`` (``None`` when committed).
         """
+        _keep_original_weight(kwargs)
         prompts_l = _prompts(prompts, kwargs)
         n = len(prompts_l)
         targets = _as_list("target_new", target_new, n)
@@ -190,11 +203,18 @@ class MultimodalEditor:
     def __init__(self, model: PathLike, editor: Optional[PathLike] = None, **session_options: Any) -> None:
         self.session = Session(model, editor, **session_options)
 
+    @classmethod
+    def from_hparams(cls, hparams: Any, **session_options: Any) -> "MultimodalEditor":
+        """As :meth:`Editor.from_hparams`: ``model_name`` (the Qwen2-VL folder), ``archive``
+        (the trained editor folder) and optionally ``device``."""
+        return cls(*_from_hparams(hparams, session_options), **session_options)
+
     def edit(
         self,
         prompts: StrOrList,
         targets: StrOrList,
         image: Any,
+        file_type: Optional[StrOrList] = None,
         rephrase_prompts: Optional[StrOrList] = None,
         rephrase_image: Any = None,
         locality_inputs: Optional[Mapping[str, Any]] = None,
@@ -205,18 +225,27 @@ class MultimodalEditor:
     ) -> Tuple[List[Dict[str, Any]], Session, None]:
         """Edits and measures as EasyEdit's ``MultimodalEditor.edit``.
 
-        ``image`` / ``rephrase_image``: paths (relative to ``image_root``) or PIL images,
-        one per prompt. ``locality_inputs``: ``{"text": {"prompt", "ground_truth"},
-        "vision": {"prompt", "ground_truth", "image"}}``. Returns ``(metrics, session,
+        The arguments are EasyEdit's, in its order. Only ``prompts``, ``targets`` and
+        ``image`` are required; a metric whose inputs are not given is left out of the
+        result (not reported as zero). ``image`` / ``rephrase_image``: paths (relative to
+        ``image_root``) or PIL images, one per prompt; ``file_type``: ``"image"`` (one or
+        one per prompt; videos are not edited). ``locality_inputs``: ``{"text": {"prompt",
+        "ground_truth"}, "vision": {"prompt", "ground_truth", "image"}}``, either or both.
+        ``keep_original_weight`` is accepted as EasyEdit's editors accept it. Returns ``(metrics, session,
         None)``; ``metrics[i]["post"]`` holds ``rewrite_acc``, ``rephrase_acc``,
         ``rephrase_image_acc``, ``locality_acc`` and ``multimodal_locality_acc``;
         ``metrics[i]["pre"]`` the first three before the edit; ``metrics[i]["refused"]``
         and ``["refused_reason"]`` as :meth:`Editor.edit`'s.
         """
+        _keep_original_weight(kwargs)
         prompts_l = _prompts(prompts, kwargs)
         n = len(prompts_l)
         targets_l = _as_list("targets", targets, n)
         images = _as_list("image", image, n)
+        kinds = _as_list("file_type", file_type, None if isinstance(file_type, str) else n) or []
+        for k in kinds:
+            if k != "image":
+                raise InputError(f"file_type {k!r}: dualedit edits with images ('image'); videos are not supported")
         rephrases = _as_list("rephrase_prompts", rephrase_prompts, n)
         rephrase_images = _as_list("rephrase_image", rephrase_image, n)
         text_loc = vision_loc = None

@@ -40,6 +40,9 @@ class _Bar:
         if self.callback is not None:
             self.callback(done, total, m)
         elif self.tqdm is not None:
+            if total and self.tqdm.total != total:  # known once the data set is read
+                self.tqdm.total = total
+                self.tqdm.refresh()
             self.tqdm.update(done - self.tqdm.n)
             if "reliability" in m:
                 self.tqdm.set_postfix(reliability=f"{m['reliability']:.2f}", refresh=False)

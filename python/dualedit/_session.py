@@ -72,11 +72,14 @@ class _Images:
         self.dir: Optional[str] = None
         self.n = 0
 
-    def path(self, image: Any) -> Any:
-        if image is None or isinstance(image, str):
+    def path(self, image: Any, root: Optional[PathLike] = None) -> Any:
+        """A path for the Rust side: a relative path under ``root`` when one is given (as an
+        edit's images are under its ``image_root``), a PIL image written to a file."""
+        if image is None:
             return image
-        if isinstance(image, os.PathLike):
-            return os.fspath(image)
+        if isinstance(image, (str, os.PathLike)):
+            p = os.fspath(image)
+            return os.path.join(os.fspath(root), p) if root is not None and not os.path.isabs(p) else p
         if hasattr(image, "save") and hasattr(image, "size"):  # a PIL image
             if self.dir is None:
                 self.dir = tempfile.mkdtemp(prefix="dualedit-images-")
@@ -259,26 +262,27 @@ class Session:
 
     # -- reading the model -----------------------------------------------------------
 
-    def score(self, text: str, image: Any = None) -> Score:
+    def score(self, text: str, image: Any = None, image_root: Optional[PathLike] = None) -> Score:
         """Next-token log-probabilities of ``text`` under the current (edited) weights,
-        after ``image`` (a path or PIL image; Qwen2-VL models) when given."""
+        after ``image`` (a path or PIL image; Qwen2-VL models) when given. A relative path
+        is under ``image_root`` (default the working folder), as in :meth:`edit`."""
         with _Images() as images:
-            text_json, tensor = self._s.score(text, images.path(image))
+            text_json, tensor = self._s.score(text, images.path(image, image_root))
         d = json.loads(text_json)
         return Score(tokens=d["tokens"], logprobs=d["logprobs"], mean_nll=d["mean_nll"], image_tokens=d["image_tokens"], tensor=tensor)
 
-    def generate(self, prompt: str, max_new_tokens: int = 16, image: Any = None) -> Dict[str, Any]:
-        """Greedy continuation of ``prompt`` (after ``image`` when given): a dict with
-        ``text``, ``tokens``, ``prompt_tokens`` and ``finish_reason``
-        (``length``, ``eos`` or ``context``)."""
+    def generate(self, prompt: str, max_new_tokens: int = 16, image: Any = None, image_root: Optional[PathLike] = None) -> Dict[str, Any]:
+        """Greedy continuation of ``prompt`` (after ``image`` when given, a relative path
+        under ``image_root`` as in :meth:`score`): a dict with ``text``, ``tokens``,
+        ``prompt_tokens`` and ``finish_reason`` (``length``, ``eos`` or ``context``)."""
         if max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         with _Images() as images:
-            return json.loads(self._s.generate(prompt, max_new_tokens, images.path(image)))
+            return json.loads(self._s.generate(prompt, max_new_tokens, images.path(image, image_root)))
 
-    def answer(self, prompt: str, max_new_tokens: int = 16, image: Any = None) -> str:
+    def answer(self, prompt: str, max_new_tokens: int = 16, image: Any = None, image_root: Optional[PathLike] = None) -> str:
         """The text of :meth:`generate`."""
-        return self.generate(prompt, max_new_tokens, image)["text"]
+        return self.generate(prompt, max_new_tokens, image, image_root)["text"]
 
     # -- state -----------------------------------------------------------------------
 

@@ -842,13 +842,13 @@ fn evaluate(
         v["report"] = serde_json::Value::from(out.join("compare.json").display().to_string());
         return Ok(v.to_string());
     }
-    let total = limit.unwrap_or(0);
+    // The total is the data set's record count (after --limit), known once it is read.
     let progress = progress.as_ref();
-    let mut on = |_: Python<'_>, (i, m): (usize, String)| call_progress(progress, i + 1, total, &m);
+    let mut on = |_: Python<'_>, (i, total, m): (usize, usize, String)| call_progress(progress, i + 1, total, &m);
     let (out, path) = supervised(py, &mut on, &|| (), |cancel, tx| {
-        run::run_eval(&opts, |i, m| {
+        run::run_eval_counted(&opts, |i, total, m| {
             stop_if_cancelled(cancel);
-            let _ = tx.send((i, serde_json::to_string(m).unwrap_or_default()));
+            let _ = tx.send((i, total, serde_json::to_string(m).unwrap_or_default()));
         })
     })?;
     // The CLI's `eval --json` object.

@@ -227,6 +227,9 @@ def test_image_edit_on_the_multimodal_default(tmp_path):
         assert got[k] == want[k], k
     s.reset()
     assert s.score(records[0]["src"], image=world / records[0]["image"]).logprobs == before.logprobs
+    # A relative image is under image_root, as the edit's images are.
+    assert s.score(records[0]["src"], image=records[0]["image"], image_root=world).logprobs == before.logprobs
+    assert s.answer(records[0]["src"], 3, image=records[0]["image"], image_root=world) == s.answer(records[0]["src"], 3, image=world / records[0]["image"])
 
     # EasyEdit's MultimodalEditor form, images as paths.
     mm = dualedit.MultimodalEditor(VL / "model", VL / "editor")
@@ -242,6 +245,17 @@ def test_image_edit_on_the_multimodal_default(tmp_path):
                     "rephrase_image_acc": want["image_generalization"], "locality_acc": want["locality"],
                     "multimodal_locality_acc": want["image_locality"]}
     assert set(metrics[0]["pre"]) == {"rewrite_acc", "rephrase_acc", "rephrase_image_acc"}
+
+    # Only what EasyEdit requires (prompts, targets, image), through from_hparams, with
+    # EasyEdit's file_type and keep_original_weight: the absent views' metrics are absent.
+    mm = dualedit.MultimodalEditor.from_hparams({"model_name": str(VL / "model"), "archive": str(VL / "editor"), "device": "cpu"})
+    metrics, _, _ = mm.edit([r["src"]], [r["alt"]], [r["image"]], "image", image_root=world, keep_original_weight=True)
+    assert metrics[0]["post"] == {"rewrite_acc": want["reliability"]} and set(metrics[0]["pre"]) == {"rewrite_acc"}, metrics
+    metrics, _, _ = mm.edit([r["src"]], [r["alt"]], [r["image"]], image_root=world,
+                            locality_inputs={"text": {"prompt": [r["loc"]], "ground_truth": [r["loc_ans"]]}})
+    assert metrics[0]["post"] == {"rewrite_acc": want["reliability"], "locality_acc": want["locality"]}, metrics
+    with pytest.raises(dualedit.InputError, match="video"):
+        mm.edit([r["src"]], [r["alt"]], [r["image"]], file_type="video", image_root=world)
 
 
 def test_pil_images_are_accepted():
@@ -289,6 +303,21 @@ def test_evaluate_reports_progress_and_matches_the_cli(tmp_path):
     for k in ("n", "reliability", "generalization", "locality", "method", "data"):
         assert got[k] == want[k], k
     assert [r for _, _, r in seen] == [r["reliability"] for r in got["records"]]
+
+
+def test_evaluates_progress_bar_knows_its_total(tmp_path, monkeypatch):
+    tqdm_auto = pytest.importorskip("tqdm.auto")
+    bars = []
+
+    class Bar(tqdm_auto.tqdm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            bars.append(self)
+
+    monkeypatch.setattr(tqdm_auto, "tqdm", Bar)
+    dualedit.evaluate(MODEL, DATA / "world" / "edits-holdout.json", "counterfact", EDITOR, limit=2, report=tmp_path / "a.json")
+    dualedit.evaluate(MODEL, DATA / "world" / "edits-holdout.json", "counterfact", EDITOR, report=tmp_path / "b.json")
+    assert [(b.total, b.n) for b in bars] == [(2, 2), (50, 50)]
 
 
 def test_an_interrupt_stops_evaluate_cleanly(tmp_path):

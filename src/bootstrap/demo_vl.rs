@@ -126,7 +126,7 @@ pub fn run_demo_vl(root: &Path, plan: DevicePlan, json: bool, out: &mut impl std
         _ => return Err(crate::Error::file(&holdout, "the first held-out record has no rephrase or locality image")),
     };
     let mload = crate::data::multimodal::load_mm(&holdout, DatasetKind::Vqa, &roots, false)?;
-    let unrelated_question = mload.records.first().map(|m| m.m_loc_q.clone()).unwrap_or_default();
+    let unrelated_question = mload.records.first().and_then(|m| m.m_loc.as_ref()).map(|m| m.question.clone()).unwrap_or_default();
     let clean = |s: String| s.trim().to_string();
     let before = clean(answer(&engine, &e.inner)?);
     let unrelated_before = clean(answer(&engine, loc_image)?);

@@ -57,21 +57,30 @@ pub struct ImageFile {
     pub width: i64,
 }
 
-/// One E-VQA / E-IC record with its images resolved.
+/// One E-VQA / E-IC record with its images resolved. Only `src`, `alt` and `image` are
+/// required, as in EasyEdit; a view whose fields are absent (or empty) is not built, and
+/// the metrics that need it are absent, not zero.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MmRecord {
     pub src: String,
     pub pred: Option<String>,
     pub alt: String,
-    /// `None` when the record's `rephrase` is empty.
+    /// `None` when the record's `rephrase` is empty or absent.
     pub rephrase: Option<String>,
     pub image: ImageFile,
-    pub image_rephrase: ImageFile,
-    pub loc: String,
-    pub loc_ans: String,
-    pub m_loc: ImageFile,
-    pub m_loc_q: String,
-    pub m_loc_a: String,
+    pub image_rephrase: Option<ImageFile>,
+    /// The text locality question and its answer (`loc`, `loc_ans`).
+    pub loc: Option<(String, String)>,
+    /// The image locality view: image, question, answer (`m_loc`, `m_loc_q`, `m_loc_a`).
+    pub m_loc: Option<MultimodalLocality>,
+}
+
+/// An E-VQA record's unrelated image and question (EasyEdit's `m_loc`, `m_loc_q`, `m_loc_a`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MultimodalLocality {
+    pub image: ImageFile,
+    pub question: String,
+    pub answer: String,
 }
 
 impl MmRecord {
@@ -84,8 +93,8 @@ impl MmRecord {
             subject: None,
             ground_truth: self.pred.clone(),
             rephrase: self.rephrase.clone(),
-            locality_prompt: Some(self.loc.clone()),
-            locality_ground_truth: Some(self.loc_ans.clone()),
+            locality_prompt: self.loc.as_ref().map(|l| l.0.clone()),
+            locality_ground_truth: self.loc.as_ref().map(|l| l.1.clone()),
             portability: Vec::new(),
         }
     }
@@ -155,6 +164,36 @@ pub fn load_mm(path: &Path, kind: DatasetKind, roots: &ImageRoots, strict: bool)
     parse_mm(&text, path, kind, roots, strict)
 }
 
+/// An optional string key: absent, `null` or blank is `None`.
+fn opt_key<'a>(obj: &'a serde_json::Map<String, Value>, i: usize, key: &str) -> std::result::Result<Option<&'a str>, String> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok((!s.trim().is_empty()).then_some(s.as_str())),
+        Some(_) => Err(format!("record {i}: key {key:?} must be a string")),
+    }
+}
+
+/// Keys that make one view together: all given, or none (one alone is a mistake, named).
+fn group<'a, const N: usize>(obj: &'a serde_json::Map<String, Value>, i: usize, keys: [&str; N]) -> std::result::Result<Option<[&'a str; N]>, String> {
+    let vals = keys.map(|k| opt_key(obj, i, k));
+    let mut out = [""; N];
+    let mut given = Vec::new();
+    for (n, v) in vals.into_iter().enumerate() {
+        if let Some(v) = v? {
+            out[n] = v;
+            given.push(keys[n]);
+        }
+    }
+    match given.len() {
+        0 => Ok(None),
+        n if n == N => Ok(Some(out)),
+        _ => {
+            let missing: Vec<&str> = keys.iter().filter(|k| !given.contains(k)).copied().collect();
+            Err(format!("record {i}: {} given without {} (they make one view: give all or none)", given.join(", "), missing.join(", ")))
+        }
+    }
+}
+
 fn str_key<'a>(obj: &'a serde_json::Map<String, Value>, i: usize, key: &str) -> std::result::Result<&'a str, String> {
     match obj.get(key) {
         Some(Value::String(s)) => Ok(s),
@@ -194,8 +233,12 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
             return Err(Error::file(path, format!("record {i}: expected a JSON object")));
         };
         let s = |key: &str| str_key(obj, i, key).map_err(|m| Error::file(path, m));
-        let (src, alt) = (s("src")?, s("alt")?);
-        let fields = [s("rephrase")?, s("image")?, s("image_rephrase")?, s("loc")?, s("loc_ans")?, s("m_loc")?, s("m_loc_q")?, s("m_loc_a")?];
+        let (src, alt, img) = (s("src")?, s("alt")?, s("image")?);
+        let fail = |m: String| Error::file(path, m);
+        let rephrase = opt_key(obj, i, "rephrase").map_err(fail)?;
+        let img_rephrase = opt_key(obj, i, "image_rephrase").map_err(fail)?;
+        let loc = group(obj, i, ["loc", "loc_ans"]).map_err(fail)?;
+        let m_loc = group(obj, i, ["m_loc", "m_loc_q", "m_loc_a"]).map_err(fail)?;
         let pred = match obj.get("pred") {
             Some(Value::String(p)) if !p.trim().is_empty() => Some(p.clone()),
             _ => None,
@@ -208,11 +251,14 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
             out.skipped_empty.push((i, "empty \"src\" (prompt)".into()));
             continue;
         }
-        let [rephrase, img, img_rephrase, loc, loc_ans, m_loc, m_loc_q, m_loc_a] = fields;
         let images = (|| -> std::result::Result<_, String> {
-            Ok((check(&roots.image_root, img)?, check(&roots.rephrase_root, img_rephrase)?, check(&roots.image_root, m_loc)?))
+            Ok((
+                check(&roots.image_root, img)?,
+                img_rephrase.map(|p| check(&roots.rephrase_root, p)).transpose()?,
+                m_loc.map(|[p, _, _]| check(&roots.image_root, p)).transpose()?,
+            ))
         })();
-        let (image, image_rephrase, m_loc) = match images {
+        let (image, image_rephrase, m_loc_image) = match images {
             Ok(t) => t,
             Err(why) if strict => return Err(Error::file(path, format!("record {i}: {why}"))),
             Err(why) => {
@@ -221,7 +267,7 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
                 continue;
             }
         };
-        let rephrase = (!rephrase.trim().is_empty()).then(|| rephrase.to_string());
+        let rephrase = rephrase.map(str::to_string);
         out.no_rephrase += usize::from(rephrase.is_none());
         out.records.push(MmRecord {
             src: src.to_string(),
@@ -230,11 +276,8 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
             rephrase,
             image,
             image_rephrase,
-            loc: loc.to_string(),
-            loc_ans: loc_ans.to_string(),
-            m_loc,
-            m_loc_q: m_loc_q.to_string(),
-            m_loc_a: m_loc_a.to_string(),
+            loc: loc.map(|[q, a]| (q.to_string(), a.to_string())),
+            m_loc: m_loc.zip(m_loc_image).map(|([_, q, a], image)| MultimodalLocality { image, question: q.to_string(), answer: a.to_string() }),
         });
         out.file_index.push(i);
     }
@@ -245,6 +288,10 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
     }
     if out.no_rephrase > 0 {
         tracing::warn!(file = %path.display(), "{} of {} records have an empty \"rephrase\": their rephrase accuracy is not measured", out.no_rephrase, out.records.len());
+    }
+    let partial = out.records.iter().filter(|r| r.image_rephrase.is_none() || r.loc.is_none() || r.m_loc.is_none()).count();
+    if partial > 0 {
+        tracing::info!(file = %path.display(), "{partial} of {} records leave out image_rephrase, loc / loc_ans or m_loc / m_loc_q / m_loc_a: the metrics of those views are absent for them", out.records.len());
     }
     if !out.skipped_empty.is_empty() || !out.skipped_image.is_empty() {
         tracing::warn!(
@@ -321,18 +368,24 @@ pub fn prepare_mm(tok: &Tokenizer, vp: VlPrompt, load: &MmLoad, max_len: usize, 
     for (pos, (r, &i)) in load.records.iter().zip(&load.file_index).enumerate() {
         let fail = |e: Error| Error::file(path, format!("record {i}: {e}"));
         let views = (|| -> Result<std::result::Result<EditExample, String>> {
-            let question = format!("Question: {} Short answer:", r.m_loc_q.trim());
+            // Absent views are not built (their metrics are absent); no rephrase: the edit
+            // prompt stands in for `edit_outer`, which is then not measured (`rephrased: false`).
             let built = [
-                ("edit_inner", vp.image_example(tok, &r.image, &r.src, &r.alt)),
-                // No rephrase: the view is not measured (`rephrased: false`); the edit
-                // prompt stands in so the example keeps its shape.
-                ("edit_outer", vp.image_example(tok, &r.image, r.rephrase.as_deref().unwrap_or(&r.src), &r.alt)),
-                ("edit_outer_image", vp.image_example(tok, &r.image_rephrase, &r.src, &r.alt)),
-                ("loc", Example::new(tok, &r.loc, &r.loc_ans)),
-                ("loc_image", vp.image_example(tok, &r.m_loc, &question, &r.m_loc_a)),
+                ("edit_inner", Some(vp.image_example(tok, &r.image, &r.src, &r.alt))),
+                ("edit_outer", Some(vp.image_example(tok, &r.image, r.rephrase.as_deref().unwrap_or(&r.src), &r.alt))),
+                ("edit_outer_image", r.image_rephrase.as_ref().map(|i| vp.image_example(tok, i, &r.src, &r.alt))),
+                ("loc", r.loc.as_ref().map(|(q, a)| Example::new(tok, q, a))),
+                (
+                    "loc_image",
+                    r.m_loc.as_ref().map(|m| vp.image_example(tok, &m.image, &format!("Question: {} Short answer:", m.question.trim()), &m.answer)),
+                ),
             ];
             let mut views = Vec::with_capacity(5);
             for (name, e) in built {
+                let Some(e) = e else {
+                    views.push(None);
+                    continue;
+                };
                 let e = e.map_err(fail)?;
                 let image_tokens = e.ids.iter().filter(|&&t| t == vp.vl.tokens().image_pad).count();
                 let text = e.ids.len() - image_tokens;
@@ -346,21 +399,15 @@ pub fn prepare_mm(tok: &Tokenizer, vp: VlPrompt, load: &MmLoad, max_len: usize, 
                 match (why, policy) {
                     (Some(w), OverLong::Strict) => return Err(fail(Error::input(w))),
                     (Some(w), _) => return Ok(Err(w)),
-                    (None, _) => views.push(e),
+                    (None, _) => views.push(Some(e)),
                 }
             }
-            let mut it = views.into_iter();
-            let mut next = || it.next().ok_or_else(|| Error::Internal("a view was not built".into()));
-            let (inner, outer, outer_image, loc, loc_image) = (next()?, next()?, next()?, next()?, next()?);
-            Ok(Ok(EditExample {
-                inner,
-                outer,
-                rephrased: r.rephrase.is_some(),
-                loc: Some(loc),
-                portability: Vec::new(),
-                outer_image: Some(outer_image),
-                loc_image: Some(loc_image),
-            }))
+            let [inner, outer, outer_image, loc, loc_image]: [Option<Example>; 5] =
+                views.try_into().map_err(|_| Error::Internal("five views expected".into()))?;
+            let (Some(inner), Some(outer)) = (inner, outer) else {
+                return Err(Error::Internal("the edit views are always built".into()));
+            };
+            Ok(Ok(EditExample { inner, outer, rephrased: r.rephrase.is_some(), loc, portability: Vec::new(), outer_image, loc_image }))
         })()?;
         match views {
             Ok(e) => {

@@ -97,7 +97,18 @@ pub fn data_shape(model_dir: &Path, model: &Model, path: &Path, ds: DatasetKind,
         let root = image_root.ok_or_else(|| Error::input(format!("plan --data with --ds {}: give --image-root DIR (where the records' images are)", ds.as_str())))?;
         let proc = ImageProcessorConfig::load(&model_dir.join("preprocessor_config.json"))?;
         let load = load_mm(path, ds, &ImageRoots::new(root.to_path_buf(), None), false)?;
-        images = load.records.iter().map(|r| [&r.image, &r.image_rephrase, &r.m_loc].into_iter().map(|i| (i.width, i.height)).max_by_key(|(w, h)| w * h).unwrap_or((0, 0))).collect();
+        images = load
+            .records
+            .iter()
+            .map(|r| {
+                [Some(&r.image), r.image_rephrase.as_ref(), r.m_loc.as_ref().map(|m| &m.image)]
+                    .into_iter()
+                    .flatten()
+                    .map(|i| (i.width, i.height))
+                    .max_by_key(|(w, h)| w * h)
+                    .unwrap_or((0, 0))
+            })
+            .collect();
         let template = crate::data::multimodal::ChatTemplate::load(model_dir)?;
         let p = prepare_mm(&tok, VlPrompt { vl, proc: &proc, template: &template }, &load, unlimited, context, OverLong::Skip, path)?;
         image_pad = Some(vl.tokens().image_pad);

@@ -73,8 +73,8 @@ fn reader_resolves_roots_and_skips_empty_targets_and_missing_images() {
     let a = &load.records[0];
     assert_eq!(a.image.path, r.image_root.join("val/a.png"));
     assert_eq!((a.image.height, a.image.width), (30, 40));
-    assert_eq!(a.image_rephrase.path, r.rephrase_root.join("r.png"));
-    assert_eq!(a.m_loc.path, r.image_root.join("loc.png"));
+    assert_eq!(a.image_rephrase.as_ref().unwrap().path, r.rephrase_root.join("r.png"));
+    assert_eq!(a.m_loc.as_ref().unwrap().image.path, r.image_root.join("loc.png"));
     assert_eq!(a.pred.as_deref(), Some("a dog"));
 
     // --strict: the bad image is an error naming the file, the record and the image.
@@ -83,11 +83,57 @@ fn reader_resolves_roots_and_skips_empty_targets_and_missing_images() {
     // The rephrase root defaults to the image root, where r.png is not.
     let err = load_mm(&data, DatasetKind::Vqa, &ImageRoots::new(r.image_root.clone(), None), true).unwrap_err().to_string();
     assert!(err.contains("r.png"), "{err}");
-    // A key missing is an error naming it; text readers refuse the kind.
+    // A required key missing is an error naming it; text readers refuse the kind.
     let err = parse_mm(r#"[{"src": "q", "alt": "a"}]"#, Path::new("x.json"), DatasetKind::Caption, &r, false).unwrap_err().to_string();
-    assert!(err.contains("x.json") && err.contains("rephrase"), "{err}");
+    assert!(err.contains("x.json") && err.contains("\"image\""), "{err}");
     let err = dualedit::data::load_records(&data, DatasetKind::Vqa).unwrap_err().to_string();
     assert!(err.contains("--image-root") || err.contains("multimodal"), "{err}");
+}
+
+/// Only `src`, `alt` and `image` are required (EasyEdit's optional views): a record without
+/// the others is edited and measured, the metrics of its absent views are absent (not zero),
+/// and one half of a view (`loc` without `loc_ans`) is an error naming both keys.
+#[test]
+fn optional_views_may_be_left_out_and_their_metrics_are_absent() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = roots(dir.path());
+    let full = record("What is in the picture?", "a cat", "val/a.png");
+    let bare = serde_json::json!({"src": "What is shown?", "alt": "a bird", "image": "val/b.png"});
+    let mut some = bare.clone();
+    some["loc"] = full["loc"].clone();
+    some["loc_ans"] = full["loc_ans"].clone();
+    some["rephrase"] = serde_json::Value::Null;
+    let text = serde_json::to_string(&[full, bare, some]).unwrap();
+    let load = parse_mm(&text, Path::new("x.json"), DatasetKind::Vqa, &r, true).unwrap();
+    assert_eq!(load.records.len(), 3);
+    let b = &load.records[1];
+    assert!(b.rephrase.is_none() && b.image_rephrase.is_none() && b.loc.is_none() && b.m_loc.is_none(), "{b:?}");
+    assert!(load.records[2].loc.is_some() && load.records[2].m_loc.is_none());
+
+    let mut s = vl_session();
+    let out = s.edit_image_requests(&text, &r).unwrap();
+    assert_eq!(out.requests.len(), 3);
+    let m = |i: usize| serde_json::to_value(&out.requests[i]).unwrap();
+    for k in ["generalization", "image_generalization", "locality", "image_locality"] {
+        assert!(m(0)[k].is_number(), "the full record has {k}: {}", m(0));
+    }
+    let bare = m(1);
+    assert!(bare["reliability"].is_number(), "{bare}");
+    assert!(bare["generalization"].is_null() && bare["locality"].is_null(), "{bare}");
+    assert!(bare.get("image_generalization").is_none() && bare.get("image_locality").is_none(), "{bare}");
+    assert!(m(2)["locality"].is_number() && m(2).get("image_locality").is_none(), "{}", m(2));
+    // The means are over the records that have the view.
+    let loc: Vec<f64> = [0, 2].iter().map(|&i| m(i)["locality"].as_f64().unwrap()).collect();
+    assert!((out.summary.locality.unwrap() - (loc[0] + loc[1]) / 2.0).abs() < 1e-12);
+    assert_eq!(out.summary.image_locality, m(0)["image_locality"].as_f64());
+
+    // Half a view is a mistake, named.
+    for (drop, keeps) in [("loc_ans", "loc"), ("m_loc_q", "m_loc")] {
+        let mut half = record("Q?", "a", "val/a.png");
+        half.as_object_mut().unwrap().remove(drop);
+        let err = parse_mm(&serde_json::to_string(&[half]).unwrap(), Path::new("x.json"), DatasetKind::Vqa, &r, true).unwrap_err().to_string();
+        assert!(err.contains("x.json") && err.contains("record 0") && err.contains(drop) && err.contains(keeps), "{err}");
+    }
 }
 
 fn engine(plan: DevicePlan) -> Engine {
