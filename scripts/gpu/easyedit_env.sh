@@ -5,7 +5,7 @@
 #
 # Writes DIR (default .easyedit, ignored by git) holding one archive, easyedit-env.tar.xz,
 # that unpacks (tar -xJf) into
-#   EasyEdit/easyeditor, EasyEdit/hparams/TRAINING/MEND   the public repository at $COMMIT
+#   EasyEdit/easyeditor, EasyEdit/hparams/{,TRAINING/}MEND the public repository at $COMMIT
 #   EasyEdit/EASYEDIT-INFO                                 commit, source, what was carried
 #   site/                                                  what `import easyeditor` needs that
 #                                                          the GPU machines' image lacks
@@ -62,7 +62,7 @@ git -C "$src" cat-file -e "$COMMIT^{commit}" 2>/dev/null || die "$src does not h
 
 stage="$work/stage"
 mkdir -p "$stage/EasyEdit" "$stage/site"
-git -C "$src" archive "$COMMIT" easyeditor hparams/TRAINING/MEND requirements.txt LICENSE | tar -x -C "$stage/EasyEdit"
+git -C "$src" archive "$COMMIT" easyeditor hparams/TRAINING/MEND hparams/MEND requirements.txt LICENSE | tar -x -C "$stage/EasyEdit"
 
 # Pure-Python wheels (no dependencies resolved: the list is the import's closure), pinned as
 # EasyEdit's requirements.txt pins them where it does.

@@ -849,6 +849,14 @@ fn image_edits_and_generation_take_uploads_as_well_as_paths() {
     let (_, after) = score(a, json!({ "text": text, "image_base64": b64("val/a.png") }));
     assert_eq!(after["logprobs"], after_path["logprobs"], "uploads edit as paths do");
     assert_eq!(temp_images(), 0, "uploads' temporary files are removed after the request");
+    // Only src, alt and an image, as EasyEdit allows: edited, the absent views' metrics absent.
+    http(a, "POST", "/reset", None);
+    let (st, bare) = edit(a, json!([{ "src": "What is in the picture?", "alt": "a cat", "image_base64": b64("val/a.png") }]));
+    assert_eq!(st, 200, "{bare}");
+    let r0 = &bare["requests"][0];
+    assert!(r0["reliability"].is_number() && r0["locality"].is_null() && r0.get("image_locality").is_none(), "{bare}");
+    let (_, after_bare) = score(a, json!({ "text": text, "image_base64": b64("val/a.png") }));
+    assert_eq!(after_bare["logprobs"], after_path["logprobs"], "the same edit without the other views");
     // Paths still need the root, for /edit and /generate alike.
     let (st, v) = edit(a, json!([mixed]));
     assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{v}");
