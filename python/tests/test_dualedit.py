@@ -352,12 +352,17 @@ def test_ctrl_c_stops_training_after_its_step_with_the_editor_saved(tmp_path):
     import time
 
     out = tmp_path / "editor"
+    # A training that only Ctrl-C ends (no step limit or early stop within reach): on a fast
+    # machine world.json's early stop could end it before the interrupt comes.
+    cfg = json.loads((ROOT / "configs" / "world.json").read_text())
+    cfg.update(max_steps=10**7, early_stop_patience=10**6)
+    (tmp_path / "endless.json").write_text(json.dumps(cfg))
     timer = threading.Timer(3.0, _thread.interrupt_main)  # as Ctrl-C: SIGINT's flag in the main thread
     timer.start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        dualedit.train(MODEL, DATA / "world" / "edits-train.json", "counterfact", ROOT / "configs" / "world.json", out,
-                       max_steps=100000, limit=40, progress=False)
+        dualedit.train(MODEL, DATA / "world" / "edits-train.json", "counterfact", tmp_path / "endless.json", out,
+                       limit=40, progress=False)
     timer.cancel()
     assert time.monotonic() - t0 < 120
     assert (out / "editor.safetensors").exists() and (out / "train_state.safetensors").exists()
