@@ -125,6 +125,43 @@ fn multimodal_demo_shows_an_image_edit_and_five_metrics_quickly() {
     assert!(elapsed.as_secs() < 60, "demo --multimodal --json took {elapsed:?}");
 }
 
+/// Fifty E-VQA edits in one batch on the multimodal default (a finding of the #48 sweep: such
+/// a batch ran past 60 s) end in seconds, guarded or not: refused whole with one error
+/// naming the guard, or, without it, reported with EasyEdit's five metrics.
+#[test]
+fn fifty_image_edits_in_one_batch_end_in_seconds() {
+    let _serial = serial();
+    let root = common::root();
+    let world = root.join("data/vl/world");
+    let records: Vec<serde_json::Value> = common::json_file(&world.join("vqa-holdout.json")).as_array().unwrap()[..50].to_vec();
+    let dir = tempfile::tempdir().unwrap();
+    let requests = dir.path().join("vqa50.json");
+    std::fs::write(&requests, serde_json::to_string(&records).unwrap()).unwrap();
+    for guard in [true, false] {
+        let start = std::time::Instant::now();
+        let mut cmd = common::dualedit_cmd();
+        cmd.args(["edit", "--model", root.join("data/vl/model").to_str().unwrap(), "--editor", root.join("data/vl/editor").to_str().unwrap()]);
+        cmd.args(["--ds", "vqa", "--requests", requests.to_str().unwrap(), "--image-root", world.to_str().unwrap(), "--json"]);
+        cmd.args(["--report", dir.path().join(format!("r{guard}.json")).to_str().unwrap()]);
+        if !guard {
+            cmd.arg("--no-guard");
+        }
+        let out = cmd.output().unwrap();
+        let elapsed = start.elapsed();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() {
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(v["n"], 50, "{v}");
+            assert!(v["easyedit"]["multimodal_locality_acc"].is_number(), "{v}");
+        } else {
+            assert!(guard, "without the guard the batch is committed: {stderr}");
+            let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+            assert!(errors.len() == 1 && errors[0].contains("guard"), "{stderr}");
+        }
+        assert!(elapsed.as_secs() < 30, "guard {guard}: 50 image edits took {elapsed:?}");
+    }
+}
+
 /// The shipped multimodal model answers from the picture it is shown: held-out questions
 /// are right with their own image and mostly wrong with another scene's (the record's
 /// `m_loc` image), so an image edit has image-specific states to work on. (The model the
