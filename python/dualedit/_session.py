@@ -210,7 +210,7 @@ class Session:
 
         Returns:
             ``dualedit edit --json``'s report as a dict (``sequential``, ``guard``, the
-            summary's means, ``requests`` with each one's metrics, answer after the
+            summary's means, ``requests`` with each one's metrics, answers before and after the
             edit, ``refused`` and the guard's ``refused_reason``), without its file-run fields (``data``, ``report``, ``saved``), plus
             ``edits_total`` and ``seconds.edit`` (the library's edit call, the span the
             CLI's run report calls ``seconds.edit``).

@@ -79,6 +79,7 @@ def test_edit_score_reset_restores_the_score_exactly(session, tmp_path):
     out = session.edit(holdout(2))
     assert out["n"] == 2 and out["edits_total"] == 2 and session.edits_total == 2
     assert [r["answer_after"].strip() for r in out["requests"]] == [r["target_new"] for r in holdout(2)]
+    assert all(isinstance(r["answer_before"], str) and r["answer_before"] != r["answer_after"] for r in out["requests"]), out
     edited = session.score(TEXT)
     assert edited.logprobs != before.logprobs, "the edit changed nothing the score sees"
     # save() writes the edited model as a folder a new session loads, with the same scores.

@@ -490,6 +490,9 @@ pub fn evaluate(
 pub struct RequestResult {
     pub prompt: String,
     pub target_new: String,
+    /// Greedy answer before this edit call committed anything (as many tokens as the
+    /// target has).
+    pub answer_before: String,
     /// Greedy answer after the edit (as many tokens as the target has).
     pub answer_after: String,
     /// The commit guard refused this request's edit: nothing of it was committed, and

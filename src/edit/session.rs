@@ -412,16 +412,26 @@ impl Session {
     /// Each request with its greedy answer at the current weights and its metrics.
     /// Each request's result; `refusals[i]`: the guard's reason when it refused request
     /// `i`'s edit.
-    fn request_results(&self, records: &[EditRecord], examples: &[EditExample], metrics: Vec<RecordMetrics>, refusals: Vec<Option<String>>) -> Result<Vec<RequestResult>> {
+    /// `answers_before[i]`: request `i`'s greedy answer before this call committed anything.
+    fn request_results(
+        &self,
+        records: &[EditRecord],
+        examples: &[EditExample],
+        answers_before: Vec<String>,
+        metrics: Vec<RecordMetrics>,
+        refusals: Vec<Option<String>>,
+    ) -> Result<Vec<RequestResult>> {
         records
             .iter()
             .zip(examples)
+            .zip(answers_before)
             .zip(metrics)
             .zip(refusals)
-            .map(|(((r, e), m), why)| {
+            .map(|((((r, e), before), m), why)| {
                 Ok(RequestResult {
                     prompt: r.prompt.clone(),
                     target_new: r.target_new.clone(),
+                    answer_before: before,
                     answer_after: edit::answer(&self.engine, &e.inner)?,
                     refused: why.is_some(),
                     refused_reason: why,
@@ -460,6 +470,7 @@ impl Session {
             return Err(Error::Internal("check_edit_call let a session without an editor edit".into()));
         };
         let refs: Vec<&EditExample> = examples.iter().collect();
+        let answers_before = examples.iter().map(|e| edit::answer(&self.engine, &e.inner)).collect::<Result<Vec<_>>>()?;
         // Each request's fact, for mend-ls's statistics (multimodal records name none).
         let facts: Vec<Option<Fact>> = records.iter().map(Fact::of).collect();
         // The guard's probes: the requests' locality prompts (text, and image + question
@@ -565,7 +576,7 @@ impl Session {
             m
         };
         self.edits_total += examples.len() - refused;
-        let out = self.request_results(records, examples, metrics, refusals)?;
+        let out = self.request_results(records, examples, answers_before, metrics, refusals)?;
         let summary = Summary::of(&out.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
         Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total, guard: reports, refused, method: method_name })
     }

@@ -582,9 +582,10 @@ pub fn request_line(i: usize, r: &RequestResult) -> String {
     let m = &r.metrics;
     let opt = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}"));
     let mut line = format!(
-        "[{i}] {:?} -> {:?}: now answers {:?} (reliability {:.2}, generalization {}, locality {}",
+        "[{i}] {:?} -> {:?}: answered {:?}, now {:?} (reliability {:.2}, generalization {}, locality {}",
         r.prompt,
         r.target_new,
+        r.answer_before,
         r.answer_after,
         m.reliability,
         opt(m.generalization),

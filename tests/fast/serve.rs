@@ -150,6 +150,7 @@ fn edit_generate_save_reset_over_http() {
     assert_eq!(st, 200, "{out}");
     assert_eq!(out["requests"][0]["edit_success"], true, "{out}");
     assert_eq!(out["requests"][0]["answer_after"].as_str().unwrap().trim(), rec.target_new);
+    assert!(out["requests"][0]["answer_before"].as_str().is_some_and(|a| a.trim() != rec.target_new), "{out}");
     assert_eq!(out["edits_total"], 1);
 
     // Generation now starts with the new target's tokens.

@@ -35,6 +35,10 @@ fn edit_then_generate_returns_the_new_target_and_reset_restores_scores_exactly()
     assert!(m.edit_success && m.reliability == 1.0, "{m:?}");
     assert!(m.nll_post < m.nll_pre - 1.0, "{m:?}");
     assert_eq!(out.requests[0].answer_after.trim(), recs[0].target_new);
+    // The answer before is the unedited model's, as many tokens as the target has.
+    let before_answer = s.engine().lm.tokenizer.decode(&gen_before.tokens[..want.len()]).unwrap();
+    assert_eq!(out.requests[0].answer_before, before_answer);
+    assert_ne!(out.requests[0].answer_before.trim(), recs[0].target_new);
     assert_eq!(s.edits_total(), 1);
 
     // The edit is in the weights: generation now starts with the new target.
