@@ -6,6 +6,8 @@
 //! After the timings it prints the peak resident set of the process.
 //!
 //! `./x bench --bench mend`; results in BENCHMARKS.md.
+#[path = "common/step.rs"]
+mod step;
 use std::time::Duration;
 
 use criterion::{black_box, Criterion};
@@ -13,7 +15,6 @@ use dualedit::config::MendConfig;
 use dualedit::data::{EditExample, Example, TokenBatch};
 use dualedit::device::memory;
 use dualedit::device::DevicePlan;
-use dualedit::mend::optim::Adam;
 use dualedit::mend::{Editor, Engine};
 use dualedit::model::gpt2::{Gpt2, Gpt2Config};
 use dualedit::model::{load_model, random_params, Model};
@@ -90,30 +91,5 @@ fn main() {
         })
     });
 
-    let (net, lrs) = editor.trainables();
-    let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
-    c.bench_function("mend_gpt2_small/train_microbatch_17tok", |bench| {
-        bench.iter(|| {
-            let (loss, parts) = meta_loss(&engine, &mut editor, &b, true).expect("meta loss");
-            (loss / cfg.accumulate as f64).backward();
-            black_box(parts)
-        })
-    });
-    c.bench_function("mend_gpt2_small/adam_step", |bench| {
-        bench.iter(|| {
-            adam.clip(cfg.grad_clip);
-            adam.step();
-        })
-    });
-    adam.zero_grad();
-    c.final_summary();
-
-    let m = memory::sample(Device::Cpu).expect("rss");
-    println!(
-        "editor parameters: {}; peak resident set of the process: {} ({} bytes)",
-        editor.n_parameters(),
-        memory::format_bytes(m.peak_allocated_bytes),
-        m.peak_allocated_bytes
-    );
-    println!("a meta-training step = train_microbatch + adam_step / accumulate ({})", cfg.accumulate);
+    step::bench_step(&mut c, "mend_gpt2_small", &engine, &mut editor, &b, &cfg);
 }

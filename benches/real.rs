@@ -9,6 +9,8 @@
 //!
 //! `./x demo --real` prepares the model once (it is built, not committed); without it this
 //! bench says so and measures nothing. `./x bench --bench real`; results in BENCHMARKS.md.
+#[path = "common/step.rs"]
+mod step;
 use std::path::Path;
 use std::time::Duration;
 
@@ -19,8 +21,7 @@ use dualedit::data::TokenBatch;
 use dualedit::device::memory;
 use dualedit::edit::LoadOptions;
 use dualedit::mend::checkpoint::load_editor;
-use dualedit::mend::optim::Adam;
-use dualedit::train::{meta_loss, EditBatches};
+use dualedit::train::EditBatches;
 use tch::Device;
 
 fn main() {
@@ -57,30 +58,5 @@ fn main() {
     });
 
     let b = EditBatches::new(&[ex], pad, Device::Cpu);
-    let (net, lrs) = editor.trainables();
-    let mut adam = Adam::new(vec![(cfg.lr, net), (cfg.lr_lr, lrs)]);
-    c.bench_function("mend_smollm2_135m/train_microbatch", |bench| {
-        bench.iter(|| {
-            let (loss, parts) = meta_loss(&engine, &mut editor, &b, true).expect("meta loss");
-            (loss / cfg.accumulate as f64).backward();
-            black_box(parts)
-        })
-    });
-    c.bench_function("mend_smollm2_135m/adam_step", |bench| {
-        bench.iter(|| {
-            adam.clip(cfg.grad_clip);
-            adam.step();
-        })
-    });
-    adam.zero_grad();
-    c.final_summary();
-
-    let m = memory::sample(Device::Cpu).expect("rss");
-    println!(
-        "editor parameters: {}; peak resident set of the process: {} ({} bytes)",
-        editor.n_parameters(),
-        memory::format_bytes(m.peak_allocated_bytes),
-        m.peak_allocated_bytes
-    );
-    println!("a meta-training step = {} x train_microbatch + adam_step (accumulate {})", cfg.accumulate, cfg.accumulate);
+    step::bench_step(&mut c, "mend_smollm2_135m", &engine, &mut editor, &b, &cfg);
 }

@@ -34,16 +34,12 @@ import re
 import resource
 import sys
 import time
-import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from easyedit_mend import recorded, write  # noqa: E402  (one JSON-writing scaffold for both)
+
 FORMAT = "dualedit-easyedit-real/1"
-
-
-def write(out, result):
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
 
 
 def moved(inner, layers):
@@ -93,20 +89,7 @@ def main():
     os.chdir(work)  # EasyEdit writes its logs/ into the working folder
     result = {"format": FORMAT, "tool": "easyedit", "model": str(args.model), "edits": args.edits, "hparams_from": args.hparams,
               "phase": "import"}
-    info = args.easyedit / "EASYEDIT-INFO"
-    if info.is_file():
-        result["easyedit"] = dict(l.split("=", 1) for l in info.read_text().splitlines() if "=" in l)
-    try:
-        run(args, work, result)
-        result["phase"] = "done"
-    except BaseException as e:  # recorded: the caller reads the JSON
-        result["error"] = f"{type(e).__name__}: {e}"
-        result["traceback"] = traceback.format_exc()[-4000:]
-        write(args.out, result)
-        print(f"easyedit_real: {result['phase']} failed: {result['error']}", file=sys.stderr)
-        return 1
-    write(args.out, result)
-    return 0
+    return recorded("easyedit_real", run, args, work, result)
 
 
 def run(args, work, result):

@@ -125,6 +125,13 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     result = {"format": FORMAT, "tool": "easyedit", "family": args.family, "model": str(args.model), "device": args.device,
               "steps": args.steps, "warmup": args.warmup, "phase": "import"}
+    return recorded("easyedit_mend", run, args, work, result)
+
+
+def recorded(name, run, args, work, result):
+    """Runs `run(args, work, result)` and writes `result` to `args.out` whatever happens: with
+    the carried EasyEdit's commit, and on a failure the phase, the error and its traceback.
+    Returns the exit code."""
     info = args.easyedit / "EASYEDIT-INFO"
     if info.is_file():
         result["easyedit"] = dict(l.split("=", 1) for l in info.read_text().splitlines() if "=" in l)
@@ -135,7 +142,7 @@ def main():
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()[-4000:]
         write(args.out, result)
-        print(f"easyedit_mend: {result['phase']} failed: {result['error']}", file=sys.stderr)
+        print(f"{name}: {result['phase']} failed: {result['error']}", file=sys.stderr)
         return 1
     write(args.out, result)
     return 0
