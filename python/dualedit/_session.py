@@ -209,11 +209,14 @@ class Session:
         needs a session opened with ``auto`` and an editor for many edits, or ``mend-ls``).
 
         Returns:
-            ``dualedit edit --json``'s report as a dict (``sequential``, ``guard``, the
-            summary's means, ``requests`` with each one's metrics, answers before and after the
-            edit, ``refused`` and the guard's ``refused_reason``), without its file-run fields (``data``, ``report``, ``saved``), plus
-            ``edits_total`` and ``seconds.edit`` (the library's edit call, the span the
-            CLI's run report calls ``seconds.edit``).
+            The edit's one result, as ``dualedit edit --json`` and ``serve``'s ``/edit``
+            give it: ``method``, ``sequential``, the summary's means (``seconds_per_edit``
+            among them), ``requests`` with each one's metrics, answers before and after
+            and the guard's ``refused`` / ``refused_reason``, ``edits_total``, ``guard``,
+            ``refused`` and ``conflicts`` (locality prompts naming a subject the call
+            edits, contradictory requests); not the CLI's file-run fields (``data``,
+            ``report``, ``saved``); plus ``seconds.edit`` (the library's edit call, the
+            span the CLI's run report calls ``seconds.edit``).
         """
         if method is not None and method.replace("_", "-") not in ("auto", "mend", "mend-ls"):
             raise InputError(

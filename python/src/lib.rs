@@ -278,21 +278,13 @@ impl PySession {
     }
 }
 
-/// The JSON report of an edit, shaped as `dualedit edit --json`'s (without the file-run
-/// fields `data`, `report` and `saved`), plus `edits_total`.
-///
-/// `seconds.edit` is the span the CLI's run report calls `seconds.edit`: the library's
-/// `Session::edit_examples` call (the records already tokenised).
-fn edit_report((out, edit_s): (dualedit::edit::session::EditOutcome, f64), sequential: bool) -> PyResult<String> {
-    let mut v = serde_json::json!({ "sequential": sequential, "guard": out.guard, "seconds": { "edit": edit_s } });
-    let summary = serde_json::to_value(&out.summary).map_err(|e| input_err(e.to_string()))?;
-    if let (Some(obj), serde_json::Value::Object(s)) = (v.as_object_mut(), summary) {
-        obj.extend(s);
-        obj.insert("requests".into(), serde_json::to_value(&out.requests).map_err(|e| input_err(e.to_string()))?);
-        obj.insert("edits_total".into(), serde_json::Value::from(out.edits_total));
-        obj.insert("method".into(), serde_json::Value::from(out.method));
-        obj.insert("refused".into(), serde_json::Value::from(out.refused));
-    }
+/// The JSON of an edit: the session's `EditOutcome` (the keys `dualedit edit --json` and
+/// `serve`'s `/edit` answer with), plus `seconds.edit`, the span the CLI's run report calls
+/// `seconds.edit`: the library's `Session::edit_examples` call (the records already
+/// tokenised).
+fn edit_report((out, edit_s): (dualedit::edit::session::EditOutcome, f64)) -> PyResult<String> {
+    let mut v = serde_json::to_value(&out).map_err(|e| input_err(e.to_string()))?;
+    v["seconds"] = serde_json::json!({ "edit": edit_s });
     Ok(v.to_string())
 }
 
@@ -404,7 +396,7 @@ impl PySession {
             s.call_method = dualedit::edit::CallMethod::Auto;
             Ok((out?, t.elapsed().as_secs_f64()))
         })?;
-        edit_report(out, sequential)
+        edit_report(out)
     }
 
     /// Applies E-VQA records (a JSON array; `image`, `image_rephrase` and `m_loc` named
@@ -438,7 +430,7 @@ impl PySession {
             let t = std::time::Instant::now();
             Ok((s.edit_examples(&text, &examples, sequential)?, t.elapsed().as_secs_f64()))
         })?;
-        edit_report(out, sequential)
+        edit_report(out)
     }
 
     /// EasyEdit's `pre` metrics: text requests (a JSON array) measured on the current

@@ -314,7 +314,7 @@ pub fn run_demo(set: &DemoSet, plan: DevicePlan, shown: usize, out: &mut impl st
     w(out, format!("  {:<16} {:>6}", "generalization", s.generalization.map_or("-".into(), |g| format!("{g:.3}"))))?;
     w(out, format!("  {:<16} {:>6}", "locality", s.locality.map_or("-".into(), |l| format!("{l:.3}"))))?;
     w(out, format!("  {:<16} {:>6.3}", "edit success", s.edit_success))?;
-    w(out, format!("  {:<16} {:>6.1} ms", "time per edit", s.edit_seconds * 1e3))?;
+    w(out, format!("  {:<16} {:>6.1} ms", "time per edit", s.seconds_per_edit * 1e3))?;
     w(out, String::new())?;
     w(out, "peak memory per device".into())?;
     for (role, m) in tracker.summary_shown(plan.split) {

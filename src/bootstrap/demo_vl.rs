@@ -191,6 +191,6 @@ pub fn run_demo_vl(root: &Path, plan: DevicePlan, json: bool, out: &mut impl std
     w(out, format!("  {:<22} {:>6}  (locality_acc)", "text locality", f(h.locality)))?;
     w(out, format!("  {:<22} {:>6}  (multimodal_locality_acc: top-10 lists unchanged, every position)", "image locality", f(h.image_locality)))?;
     w(out, format!("  {:<22} {:>6}  (top-1: the unrelated image's answer unchanged)", "", f(h.image_locality_top1)))?;
-    w(out, format!("  {:<22} {:>6.1} ms", "time per edit", h.edit_seconds * 1e3))?;
+    w(out, format!("  {:<22} {:>6.1} ms", "time per edit", h.seconds_per_edit * 1e3))?;
     Ok(summary)
 }

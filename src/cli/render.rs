@@ -48,6 +48,7 @@ pub fn summary(s: &Summary) {
 
 /// `edit`: each request's answer and metrics, the guard's decisions, the summary.
 pub fn edited(out: &EditOutput, report: &Path) {
+    let (saved, out) = (&out.saved, &out.outcome);
     for (i, r) in out.requests.iter().enumerate() {
         println!("{}", crate::run::request_line(i, r));
     }
@@ -56,9 +57,13 @@ pub fn edited(out: &EditOutput, report: &Path) {
     if refused + scaled > 0 {
         println!("guard: {refused} edit(s) refused, {scaled} scaled back, of {} (see the report's \"guard\")", out.guard.len());
     }
+    let conflicts = out.conflicts.len();
+    if conflicts > 0 {
+        println!("conflicts: {conflicts} between requests of this call (see the report's \"conflicts\")");
+    }
     println!("method {}", out.method);
     summary(&out.summary);
-    if let Some(dir) = &out.saved {
+    if let Some(dir) = saved {
         println!("edited model saved to {}", dir.display());
     }
     println!("report: {}", report.display());
@@ -78,6 +83,12 @@ pub fn evaluated(out: &EvalOutput, report: &Path) {
         }
         if c.guard_accepted + c.guard_scaled + c.guard_refused > 0 {
             println!("guard: {} accepted, {} scaled back, {} refused", c.guard_accepted, c.guard_scaled, c.guard_refused);
+        }
+        if c.locality_conflicts + c.contradictions > 0 {
+            println!(
+                "conflicts: {} locality prompt(s) naming a subject edited in their group (left out of the guard), {} contradictory pair(s)",
+                c.locality_conflicts, c.contradictions
+            );
         }
     }
     summary(&out.summary);

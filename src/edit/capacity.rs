@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use crate::data::easyedit::EditRecord;
 use crate::data::{EditExample, Example};
+use crate::edit::conflicts::{self, Conflict};
 use crate::edit::eval::RecordMetrics;
 use crate::mend::guard::Decision;
 use crate::mend::losses;
@@ -73,6 +74,11 @@ pub struct CapacityReport {
     pub guard_accepted: usize,
     pub guard_scaled: usize,
     pub guard_refused: usize,
+    /// Over all groups: locality prompts naming a subject edited in the same group (left
+    /// out of the guard's verdict and of the drift texts) and pairs of contradictory
+    /// requests ([`crate::edit::conflicts`]).
+    pub locality_conflicts: usize,
+    pub contradictions: usize,
 }
 
 /// Mean over `texts` of each one's mean NLL per token (every token after the first),
@@ -135,11 +141,15 @@ pub fn measure(
     let sequential = matches!(grouping, Grouping::Sequential(_));
     let (mut all, mut drifts, mut seconds) = (Vec::with_capacity(examples.len()), Vec::new(), 0.0);
     let (mut accepted, mut scaled, mut refused) = (0, 0, 0);
+    let (mut locality_conflicts, mut contradictions) = (0, 0);
     for (g, (recs, exs)) in records.chunks(n).zip(examples.chunks(n)).enumerate() {
         session.reset()?;
         let texts: Vec<String> = if unrelated.is_empty() {
+            let excluded = conflicts::probe_excluded(&conflicts::find(recs), recs.len());
             recs.iter()
-                .filter_map(|r| Some(format!("{} {}", r.locality_prompt.as_ref()?, r.locality_ground_truth.as_ref()?)))
+                .zip(excluded)
+                .filter(|(_, x)| !x)
+                .filter_map(|(r, _)| Some(format!("{} {}", r.locality_prompt.as_ref()?, r.locality_ground_truth.as_ref()?)))
                 .collect()
         } else {
             let subjects: Vec<&str> = recs.iter().filter_map(|r| r.subject.as_deref()).filter(|s| !s.is_empty()).collect();
@@ -149,9 +159,15 @@ pub fn measure(
         let (scored, nll_before) = mean_nll(session, &texts)?;
         let out = session.edit_examples(recs, exs, sequential)?;
         // Per-record edit seconds are the group's edit time over its size.
-        seconds += out.requests.first().map_or(0.0, |r| r.metrics.edit_seconds) * exs.len() as f64;
+        seconds += out.requests.first().map_or(0.0, |r| r.metrics.seconds_per_edit) * exs.len() as f64;
         if scored > 0 {
             drifts.push(Drift { texts: scored, nll_before, nll_after: mean_nll(session, &texts)?.1 });
+        }
+        for c in &out.conflicts {
+            match c {
+                Conflict::LocalityOfEditedSubject { .. } => locality_conflicts += 1,
+                Conflict::Contradiction { .. } => contradictions += 1,
+            }
         }
         for rep in &out.guard {
             match rep.decision {
@@ -183,6 +199,8 @@ pub fn measure(
         guard_accepted: accepted,
         guard_scaled: scaled,
         guard_refused: refused,
+        locality_conflicts,
+        contradictions,
     };
     Ok((all, report))
 }

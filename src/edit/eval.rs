@@ -26,7 +26,9 @@ pub struct Metrics<S> {
     pub edit_success: S,
     pub nll_pre: f64,
     pub nll_post: f64,
-    pub edit_seconds: f64,
+    /// The call's edit time divided by its number of edits (a batch's one edit is shared
+    /// by its requests; in a row, each request's own): the same for every request of a call.
+    pub seconds_per_edit: f64,
     /// Multimodal: accuracy of the target with the rephrase image (EasyEdit's
     /// `rephrase_image_acc`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -101,7 +103,7 @@ impl Summary {
             edit_success: mean(&|r| Some(if r.edit_success { 1.0 } else { 0.0 })).unwrap_or(0.0),
             nll_pre: mean(&|r| Some(r.nll_pre)).unwrap_or(0.0),
             nll_post: mean(&|r| Some(r.nll_post)).unwrap_or(0.0),
-            edit_seconds: mean(&|r| Some(r.edit_seconds)).unwrap_or(0.0),
+            seconds_per_edit: mean(&|r| Some(r.seconds_per_edit)).unwrap_or(0.0),
             image_generalization,
             image_locality,
             image_locality_top1: mean(&|r| r.image_locality_top1),
@@ -197,7 +199,7 @@ pub fn measure_after(
     overrides: &Overrides,
     examples: &[&EditExample],
     before: &Before,
-    edit_seconds: f64,
+    seconds_per_edit: f64,
     images: Option<&StepImages>,
 ) -> Result<Vec<RecordMetrics>> {
     let _g = tch::no_grad_guard();
@@ -241,7 +243,7 @@ pub fn measure_after(
             edit_success: rel.exact[i],
             nll_pre: before.nll[i],
             nll_post: rel.nll[i],
-            edit_seconds,
+            seconds_per_edit,
             image_generalization,
             image_locality,
             image_locality_top1,

@@ -5,6 +5,7 @@
 //! [`crate::edit::session::Session`] (and through it `dualedit edit` and `serve`), the demo and
 //! `eval` all edit through these functions; [`crate::edit::eval`] keeps the metrics.
 pub mod capacity;
+pub mod conflicts;
 pub mod eval;
 pub mod score;
 pub mod session;

@@ -35,6 +35,7 @@ use crate::data::{EditExample, Example, TokenBatch};
 use crate::mend::ls::Fact;
 use crate::device::memory::{self, MemorySample};
 use crate::device::DevicePlan;
+use crate::edit::conflicts::{self, Conflict};
 use crate::edit::{self, Finish, Method, MethodSpec, RequestResult};
 use crate::edit::eval::{self, RecordMetrics, Summary};
 use crate::mend::guard::{self, GuardConfig, GuardReport};
@@ -62,13 +63,22 @@ pub struct Generation {
     pub finish_reason: Finish,
 }
 
-/// The result of one [`Session::edit`] call.
+/// The result of one [`Session::edit`] call: the one result type of an edit, which
+/// `dualedit edit --json` (and its report), `serve`'s `/edit` and Python's `edit` render
+/// with the same keys (each adds what only it knows: the CLI the saved folder, the server
+/// the guard settings of the request, Python the call's seconds).
 #[derive(Debug, Clone, Serialize)]
 pub struct EditOutcome {
-    /// Per request, in order: its metrics and the model's greedy answer after the edit.
-    pub requests: Vec<RequestResult>,
-    /// Means over `requests`.
+    /// The method this call ran: the session's, except `mend` for a single request of
+    /// a session opened with `--method auto` ([`crate::edit::MethodSpec::Auto`]).
+    pub method: &'static str,
+    /// Whether the requests were edited one after another (else as one batch).
+    pub sequential: bool,
+    /// Means over `requests` (at the top level of the JSON).
+    #[serde(flatten)]
     pub summary: Summary,
+    /// Per request, in order: its metrics and the model's greedy answers before and after.
+    pub requests: Vec<RequestResult>,
     /// Requests committed into this session's weights since it was opened or last reset.
     pub edits_total: usize,
     /// The commit guard's decision on each edit (one per request, or per step with
@@ -79,9 +89,10 @@ pub struct EditOutcome {
     /// that into an error ([`EditOutcome::refused_error`]); a server and the library
     /// answer with it here and a warning in the log.
     pub refused: usize,
-    /// The method this call ran: the session's, except `mend` for a single request of
-    /// a session opened with `--method auto` ([`crate::edit::MethodSpec::Auto`]).
-    pub method: &'static str,
+    /// Requests of this call that cannot be judged as independent edits
+    /// ([`conflicts`]): locality prompts naming a subject the call edits (left out of
+    /// the guard's verdict) and contradictory requests.
+    pub conflicts: Vec<Conflict>,
 }
 
 impl EditOutcome {
@@ -473,15 +484,28 @@ impl Session {
         let answers_before = examples.iter().map(|e| edit::answer(&self.engine, &e.inner)).collect::<Result<Vec<_>>>()?;
         // Each request's fact, for mend-ls's statistics (multimodal records name none).
         let facts: Vec<Option<Fact>> = records.iter().map(Fact::of).collect();
+        let conflicts = conflicts::find(records);
+        if let Some(line) = conflicts::describe(&conflicts, records) {
+            tracing::warn!("{line}");
+        }
         // The guard's probes: the requests' locality prompts (text, and image + question
-        // for multimodal requests), against the weights now.
-        let loc: Vec<&Example> = examples.iter().flat_map(|e| e.loc.iter().chain(&e.loc_image)).collect();
+        // for multimodal requests), against the weights now; not a text prompt that names
+        // a subject this call edits (its answer is meant to move).
+        let excluded = conflicts::probe_excluded(&conflicts, examples.len());
+        let loc: Vec<&Example> = examples
+            .iter()
+            .zip(&excluded)
+            .flat_map(|(e, &x)| e.loc.iter().filter(move |_| !x).chain(&e.loc_image))
+            .collect();
         let probes = match &self.guard {
             Some(_) => guard::Probes::new(&self.engine, &loc)?,
             None => None,
         };
         if self.guard.is_some() && probes.is_none() {
-            tracing::warn!("no request has a locality prompt: the commit guard has nothing to measure and is off");
+            match excluded.iter().any(|&x| x) {
+                true => tracing::warn!("every locality prompt names a subject this call edits: the commit guard has nothing to measure and is off"),
+                false => tracing::warn!("no request has a locality prompt: the commit guard has nothing to measure and is off"),
+            }
         }
         // Whether `checked` measures (and reports) each edit.
         let guarded = probes.is_some();
@@ -578,7 +602,7 @@ impl Session {
         self.edits_total += examples.len() - refused;
         let out = self.request_results(records, examples, answers_before, metrics, refusals)?;
         let summary = Summary::of(&out.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
-        Ok(EditOutcome { requests: out, summary, edits_total: self.edits_total, guard: reports, refused, method: method_name })
+        Ok(EditOutcome { method: method_name, sequential, summary, requests: out, edits_total: self.edits_total, guard: reports, refused, conflicts })
     }
 
     /// Next-token log-probabilities of `text` under the current (edited) weights.

@@ -25,7 +25,7 @@ use crate::edit::{self, LoadOptions, MethodSpec, RequestResult};
 use crate::edit::eval::{RecordMetrics, Summary};
 use crate::mend::{checkpoint, Editor, Engine};
 use crate::run::report::{DeviceInfo, RunReport};
-use crate::edit::session::Session;
+use crate::edit::session::{EditOutcome, Session};
 use crate::train::{self, TrainReport, TrainSetup};
 use crate::{Error, Result};
 
@@ -477,20 +477,12 @@ pub struct EditOptions {
     pub stepwise: Option<crate::mend::stepwise::Stepwise>,
 }
 
+/// `dualedit edit`'s result: the session's [`EditOutcome`] (the keys `serve` and Python
+/// answer with) plus the folder the edited model was saved to.
 #[derive(Debug, Clone, Serialize)]
 pub struct EditOutput {
-    /// The method the edit ran (`--method auto` picks `mend` or `mend-ls`).
-    pub method: &'static str,
-    pub sequential: bool,
-    /// The guard's decision on each edit committed (one per request when sequential, one
-    /// for the batch); empty without a guard or without locality prompts.
-    pub guard: Vec<crate::mend::guard::GuardReport>,
-    /// Edits the guard refused, nothing of them committed (a sequential run that committed
-    /// others; a refused batch is an error).
-    pub refused: usize,
     #[serde(flatten)]
-    pub summary: Summary,
-    pub requests: Vec<RequestResult>,
+    pub outcome: EditOutcome,
     pub saved: Option<PathBuf>,
     /// What was read from the requests file and what was left out: the report's
     /// top-level `data` (skipped here so the report does not carry it twice).
@@ -530,7 +522,7 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
         }
         None => None,
     };
-    let out = EditOutput { method: outcome.method, refused: outcome.refused, sequential: o.sequential, guard: outcome.guard, summary: outcome.summary, requests: outcome.requests, saved, data };
+    let out = EditOutput { outcome, saved, data };
     let seconds = BTreeMap::from([("load".to_string(), t1.duration_since(t0).as_secs_f64()), ("edit".to_string(), edit_s)]);
     let path = o.common.report.clone().unwrap_or_else(|| crate::run::report::default_path("edit"));
     let path = report("edit", &o.common, session.engine(), out.data.clone(), &out, seconds, &tracker).write(&path, &tracker)?;
@@ -554,7 +546,7 @@ pub fn summary_table(s: &Summary) -> String {
         ("edit_success", format!("{:.4}", s.edit_success)),
         ("nll_pre", format!("{:.4}", s.nll_pre)),
         ("nll_post", format!("{:.4}", s.nll_post)),
-        ("edit_seconds", format!("{:.4}", s.edit_seconds)),
+        ("seconds_per_edit", format!("{:.4}", s.seconds_per_edit)),
         ("generalization", cell(s.generalization, "no rephrases")),
         ("locality", cell(s.locality, "no locality prompts")),
     ];

@@ -37,7 +37,7 @@ pub const KEY_METRICS: &[&str] = &[
     "final_loss",
     "steps",
     "seconds_per_step",
-    "edit_seconds",
+    "seconds_per_edit",
     "main_peak_ratio",
     "max_relative_difference",
 ];
@@ -124,6 +124,10 @@ pub fn row(path: &Path, v: &Value) -> Result<Row> {
         return Err(Error::file(path, format!("metric {k:?} is {}, not a number; this is not a report as dualedit writes it", metrics_v[*k])));
     }
     let mut metrics = numeric_fields(metrics_v);
+    // Reports before the key was named for what it is (a mean over edits) call it `edit_seconds`.
+    if let Some(x) = metrics.remove("edit_seconds") {
+        metrics.entry("seconds_per_edit".into()).or_insert(x);
+    }
     if metrics.is_empty() {
         return Err(Error::file(path, "has no numeric metric (its row would be empty); this is not a report as dualedit writes it"));
     }
@@ -164,7 +168,7 @@ fn check_format(path: &Path, v: &Value) -> Result<()> {
 pub const EASYEDIT_FORMAT: &str = "dualedit-easyedit-mend/1";
 
 /// EasyEdit's run: `seconds_per_step` (its mean `train_step` time after warm-up),
-/// `edit_seconds` (one `MEND.edit`), peaks of the steps (`main`) and of the edit (`edit`);
+/// `seconds_per_edit` (one `MEND.edit`), peaks of the steps (`main`) and of the edit (`edit`);
 /// a run that failed is refused with the phase and error it records.
 fn easyedit_row(path: &Path, v: &Value) -> Result<Row> {
     if let Some(e) = v.get("error").and_then(Value::as_str) {
@@ -177,7 +181,7 @@ fn easyedit_row(path: &Path, v: &Value) -> Result<Row> {
     let mut metrics = BTreeMap::new();
     for (k, x) in [
         ("seconds_per_step", num(train.and_then(|t| t.get("mean_step_seconds")))),
-        ("edit_seconds", num(edit.and_then(|e| e.get("seconds")))),
+        ("seconds_per_edit", num(edit.and_then(|e| e.get("seconds")))),
         ("steps", num(v.get("steps"))),
         ("final_loss", num(v.get("last_loss"))),
     ] {

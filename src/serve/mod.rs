@@ -3,7 +3,7 @@
 //!
 //! | route            | body                                   | answer                                   |
 //! |------------------|----------------------------------------|------------------------------------------|
-//! | `POST /edit`     | `{"requests": [EasyEdit records]}`     | per-request metrics, summary             |
+//! | `POST /edit`     | `{"requests": [EasyEdit records]}`     | the edit's result, as `edit --json`'s    |
 //! | `POST /edit`     | `{"requests": [E-VQA records]}`        | the same, edits with images              |
 //! | `POST /score`    | `{"text", "image"? \| "image_base64"?}` | `{"tokens", "logprobs", "mean_nll"}`     |
 //! | `POST /generate` | `{"prompt", "max_new_tokens"?: 16, "image"? \| "image_base64"?}` | `{"text", "tokens", ...}` |

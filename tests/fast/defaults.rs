@@ -124,6 +124,67 @@ fn serve_edits_with_the_cli_default_and_names_a_refusal_per_request() {
     let _ = child.wait();
 }
 
+/// Three records whose locality prompts each name a subject the same call edits, the
+/// third contradicting the first (same prompt, another target).
+fn conflicting(dir: &Path) -> (PathBuf, Value) {
+    let all = common::json_file(&common::fixture("many/fresh-100.json"));
+    let (a, b) = (all[0].clone(), all[1].clone());
+    let probe = |r: &mut Value, of: &Value| {
+        r["locality_prompt"] = of["prompt"].clone();
+        r["locality_ground_truth"] = of["ground_truth"].clone();
+    };
+    let (mut r0, mut r1, mut r2) = (a.clone(), b.clone(), a.clone());
+    probe(&mut r0, &b);
+    probe(&mut r1, &a);
+    probe(&mut r2, &b);
+    r2["target_new"] = b["target_new"].clone();
+    assert_ne!(a["target_new"], b["target_new"]);
+    let v = Value::Array(vec![r0, r1, r2]);
+    let path = dir.join("conflicting.json");
+    std::fs::write(&path, v.to_string()).unwrap();
+    (path, v)
+}
+
+/// #47 item 4: a locality prompt naming a subject edited in the same call is a conflict,
+/// reported and kept out of the guard's verdict (a guard that refuses any change to its
+/// probes refuses three independent edits, and has nothing to refuse here), as is a
+/// contradictory pair. #49 item 8: the CLI, `serve` and (in the Python tests) Python
+/// answer with one result type: the same keys, each adding only what it alone knows.
+#[test]
+fn conflicts_stay_out_of_the_guard_and_every_interface_has_one_result_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let (file, records) = conflicting(dir.path());
+    let a = records[0]["subject"].as_str().unwrap();
+    let b = records[1]["subject"].as_str().unwrap();
+    let expected = serde_json::json!([
+        {"kind": "locality_of_edited_subject", "request": 0, "edited_by": 1, "subject": b},
+        {"kind": "contradiction", "first": 0, "second": 2, "prompt": records[0]["prompt"].as_str().unwrap().trim()},
+        {"kind": "locality_of_edited_subject", "request": 1, "edited_by": 0, "subject": a},
+        {"kind": "locality_of_edited_subject", "request": 2, "edited_by": 1, "subject": b},
+    ]);
+    let (ok, cli, _) = cli_edit(dir.path(), &file, &REFUSING);
+    assert!(ok, "every probe names an edited subject: the guard has nothing to refuse");
+    assert_eq!((cli["refused"].as_u64(), cli["guard"].as_array().map(Vec::len)), (Some(0), Some(0)), "{cli}");
+    assert_eq!(cli["conflicts"], expected);
+    assert!(cli["seconds_per_edit"].as_f64().is_some() && cli["edit_seconds"].is_null(), "{cli}");
+
+    let (mut child, addr) = spawn_serve(&[]);
+    let (st, http) = post(addr, "/edit", &format!(r#"{{"requests": {records}, "guard": {{"min_agreement": 1.0, "max_kl": 1e-9, "refuse": true}}}}"#));
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert_eq!((st, &http["conflicts"]), (200, &expected), "{http}");
+    let keys = |v: &Value, own: &[&str]| {
+        let mut k: Vec<String> = v.as_object().unwrap().keys().filter(|k| !own.contains(&k.as_str())).cloned().collect();
+        k.sort();
+        k
+    };
+    assert_eq!(keys(&cli, &["saved", "report", "data"]), keys(&http, &["guard_settings"]));
+    assert_eq!(keys(&cli["requests"][0], &[]), keys(&http["requests"][0], &[]));
+    for k in ["method", "sequential", "n", "reliability", "requests", "edits_total", "guard", "refused", "conflicts"] {
+        assert!(http.get(k).is_some(), "{k} missing from {http}");
+    }
+}
+
 const GIB: f64 = (1u64 << 30) as f64;
 /// The H200 measurement of the Qwen2-VL-7B-shaped bf16 step at 448 × 448 split over
 /// `cuda:0 + cpu` (BENCHMARKS.md, "GPU check"): the main device's peak.
