@@ -351,6 +351,7 @@ def test_train_writes_an_editor_a_session_opens(tmp_path):
 
 def test_ctrl_c_stops_training_after_its_step_with_the_editor_saved(tmp_path):
     import _thread
+    import signal
     import threading
     import time
 
@@ -360,13 +361,20 @@ def test_ctrl_c_stops_training_after_its_step_with_the_editor_saved(tmp_path):
     cfg = json.loads((ROOT / "configs" / "world.json").read_text())
     cfg.update(max_steps=10**7, early_stop_patience=10**6)
     (tmp_path / "endless.json").write_text(json.dumps(cfg))
+    # A Python started as a background job (`./x pytest &` from a script) inherits SIGINT
+    # ignored, and interrupt_main then does nothing: the training would never end. Ctrl-C's
+    # own handler for the duration, as an interactive Python has it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(3.0, _thread.interrupt_main)  # as Ctrl-C: SIGINT's flag in the main thread
     timer.start()
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        dualedit.train(MODEL, DATA / "world" / "edits-train.json", "counterfact", tmp_path / "endless.json", out,
-                       limit=40, progress=False)
-    timer.cancel()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            dualedit.train(MODEL, DATA / "world" / "edits-train.json", "counterfact", tmp_path / "endless.json", out,
+                           limit=40, progress=False)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - t0 < 120
     assert (out / "editor.safetensors").exists() and (out / "train_state.safetensors").exists()
     dualedit.Session(MODEL, out)

@@ -22,9 +22,10 @@
 //!   edit ≤ `max_drop`, and KL ≤ `max_kl`;
 //! * **scaled**: the edit fails at full size but passes at a smaller scale `s` (the edit
 //!   `W + s·ΔW`, the largest `s` ≥ `min_scale` found by bisection) that still makes the edit
-//!   (every answer token of the edit prompt is the model's top-1);
+//!   (every answer token of the edit prompt is the model's top-1; of a batch's edits, at
+//!   least one, and the report says how many);
 //! * **refused**: no scale ≥ `min_scale` passes, or the largest passing scale no longer
-//!   makes the edit. Nothing is committed.
+//!   makes the edit (of a batch: none of its edits). Nothing is committed.
 //!
 //! Optionally (`shrink`), an accepted edit is also shrunk to the smallest scale in a halving
 //! ladder that still makes the edit: MEND's edits overshoot (a single one moves an MLP
@@ -215,19 +216,34 @@ pub fn scale_overrides(engine: &Engine, overrides: &Overrides, s: f64) -> Result
     })
 }
 
-/// Whether the current weights plus `overrides` make every answer token of every example
-/// in `edit` the top-1 prediction.
-pub fn makes_edit(engine: &Engine, overrides: &Overrides, edit: &TokenBatch) -> Result<bool> {
+/// How many examples of `edit` the current weights plus `overrides` make (every answer
+/// token the top-1 prediction), of how many.
+pub fn edits_made(engine: &Engine, overrides: &Overrides, edit: &TokenBatch) -> Result<(usize, usize)> {
     let _g = tch::no_grad_guard();
     let logits = engine.edited_logits(overrides, edit)?;
     crate::error::guard(|| {
         let (_, exact) = losses::token_accuracy(&logits, &edit.kept_targets(), &edit.kept_rows(), edit.batch_size());
-        Ok(exact.iter().all(|e| *e))
+        Ok((exact.iter().filter(|e| **e).count(), exact.len()))
     })
 }
 
+/// Whether the current weights plus `overrides` make every answer token of every example
+/// in `edit` the top-1 prediction.
+pub fn makes_edit(engine: &Engine, overrides: &Overrides, edit: &TokenBatch) -> Result<bool> {
+    let (made, of) = edits_made(engine, overrides, edit)?;
+    Ok(made == of)
+}
+
+/// Slack for the agreement comparisons: agreements are means of shares, and 1.0 − 0.95
+/// is 0.050000000000000044, so one probe in twenty changed would otherwise exceed a
+/// `max_drop` of 0.05 that it meets exactly.
+const AGREEMENT_SLACK: f64 = 1e-9;
+
 fn passes(cfg: &GuardConfig, before: &ProbeScore, s: &ProbeScore) -> bool {
-    s.agreement >= cfg.min_agreement && before.agreement - s.agreement <= cfg.max_drop && s.kl <= cfg.max_kl && s.kl.is_finite()
+    s.agreement + AGREEMENT_SLACK >= cfg.min_agreement
+        && before.agreement - s.agreement <= cfg.max_drop + AGREEMENT_SLACK
+        && s.kl <= cfg.max_kl
+        && s.kl.is_finite()
 }
 
 /// Decides whether `overrides` (a proposed edit on the engine's current weights) may be
@@ -311,18 +327,49 @@ pub fn check_edit(
         return Ok((None, refuse(format!(", even at scale {s_min}"), before, full)));
     };
     let scaled = scale_overrides(engine, overrides, lo)?;
-    let success = match edit {
-        Some(e) => Some(makes_edit(engine, &scaled, e)?),
+    // A scaled edit is kept only if it still makes an edit: a single edit must come out
+    // whole; of a batch, at least one of its edits (a batch's full edit need not make
+    // every one either, and refusing a batch for one lost edit would lose them all).
+    let made = match edit {
+        Some(e) => Some(edits_made(engine, &scaled, e)?),
         None => None,
     };
-    if success == Some(false) {
-        return Ok((None, refuse(format!(", and scaled to {lo:.3} (probes {}) it no longer makes the edit", fmt(&after)), before, full)));
+    let success = made.map(|(m, of)| m == of);
+    match made {
+        Some((0, 1)) => return Ok((None, refuse(format!(", and scaled to {lo:.3} (probes {}) it no longer makes the edit", fmt(&after)), before, full))),
+        Some((0, of)) => {
+            return Ok((None, refuse(format!(", and scaled to {lo:.3} (probes {}) it makes none of the {of} edits", fmt(&after)), before, full)))
+        }
+        _ => {}
     }
+    let makes = match made {
+        Some((m, of)) if of > 1 => format!(", making {m} of the {of} edits"),
+        _ => String::new(),
+    };
     let message = format!(
-        "edit scaled back to {lo:.3}: at full size it would break the locality probes ({} -> {}; {limits}); scaled: {}",
+        "edit scaled back to {lo:.3}: at full size it would break the locality probes ({} -> {}; {limits}); scaled: {}{makes}",
         fmt(&before),
         fmt(&full),
         fmt(&after)
     );
     Ok((Some(scaled), GuardReport { decision: Decision::Scaled, scale: lo, before, full, after, edit_success: success, message }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_drop_or_agreement_exactly_at_the_limit_passes() {
+        let cfg = GuardConfig::default();
+        let before = ProbeScore { agreement: 1.0, kl: 0.0 };
+        // One probe of twenty changed: a drop of exactly 0.05 in real numbers.
+        let one_in_twenty = ProbeScore { agreement: 19.0 / 20.0, kl: 0.2 };
+        assert!(passes(&cfg, &before, &one_in_twenty));
+        let two_in_twenty = ProbeScore { agreement: 18.0 / 20.0, kl: 0.2 };
+        assert!(!passes(&cfg, &before, &two_in_twenty), "a drop of 0.10 is beyond 0.05");
+        let at_min = GuardConfig { max_drop: 1.0, min_agreement: 0.7, ..cfg.clone() };
+        assert!(passes(&at_min, &before, &ProbeScore { agreement: 0.1 * 7.0, kl: 0.0 }));
+        assert!(!passes(&cfg, &before, &ProbeScore { agreement: 1.0, kl: f64::NAN }));
+    }
 }

@@ -55,3 +55,55 @@ fn the_real_model_converts_and_its_editor_rewrites_a_real_fact() {
     assert!(after.trim_start().starts_with(&fact.target_new), "{after:?} after editing {:?} -> {:?}", fact.prompt, fact.target_new);
     assert_eq!(s.generate(unrelated, 2).unwrap().text, kept, "an unrelated fact keeps its answer");
 }
+
+/// Issue #47 at CI's sizes: the command a user types, no method flags, on the real model
+/// with key statistics of its editor's weights (5,000 tokens of true CounterFact training
+/// facts: "{prompt} {ground_truth}."), 20 validation records in one batch and 10 one after
+/// another. What it shows is where the default stands (BENCHMARKS.md, "Many edits on the
+/// real model"), not the issue's goals: the guard keeps the model (locality ≥ 0.9), a batch
+/// is not refused whole, and some edits are made; the bounds sit below what was measured
+/// (0.30 / 0.10 / 0.95 in a batch, 0.35 / 0.15 / 1.00 with 7 of 10 committed in a row).
+#[test]
+fn many_edits_on_the_real_model_with_the_default_command() {
+    let Some(gguf) = cached_gguf() else { return };
+    let Some(shared) = crate::common::shared_data_dir() else { return };
+    let top = tempfile::tempdir().unwrap();
+    let prepared = root().join("data/real/model");
+    let model = if prepared.join("model.safetensors").is_file() {
+        prepared
+    } else {
+        let m = top.path().join("smollm2");
+        let out = dualedit(&["convert", "--gguf", gguf.to_str().unwrap(), "--out", m.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        m
+    };
+    let editor = top.path().join("editor");
+    std::fs::create_dir(&editor).unwrap();
+    for f in ["editor.json", "editor.safetensors"] {
+        std::fs::copy(root().join("data/real/editor").join(f), editor.join(f)).unwrap();
+    }
+    let read = |name: &str| -> Vec<serde_json::Value> { serde_json::from_str(&std::fs::read_to_string(shared.join("counterfact").join(name)).unwrap()).unwrap() };
+    let text: String = read("counterfact-train.json").iter().take(2000).map(|r| format!("{} {}.\n", r["prompt"].as_str().unwrap(), r["ground_truth"].as_str().unwrap())).collect();
+    let text_path = top.path().join("cf-true.txt");
+    std::fs::write(&text_path, text).unwrap();
+    let out = dualedit(&["stats", "--model", model.to_str().unwrap(), "--editor", editor.to_str().unwrap(), "--text", text_path.to_str().unwrap(), "--max-tokens", "5000"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let val = read("counterfact-val.json");
+    for (n, sequential) in [(20, false), (10, true)] {
+        let requests = top.path().join(format!("val{n}.json"));
+        std::fs::write(&requests, serde_json::Value::Array(val[..n].to_vec()).to_string()).unwrap();
+        let report = top.path().join(format!("report{n}.json"));
+        let extra: &[&str] = if sequential { &["--sequential"] } else { &[] };
+        let out = crate::common::edit_json(&model, &requests, &report, &[&["--editor", editor.to_str().unwrap()][..], extra].concat());
+        assert!(out.status.success(), "{n} sequential={sequential}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        println!("{n} sequential={sequential}: {}", serde_json::json!({"reliability": v["reliability"], "generalization": v["generalization"], "locality": v["locality"], "refused": v["refused"], "seconds_per_edit": v["seconds_per_edit"]}));
+        assert_eq!(v["method"], "mend-ls", "{v}");
+        assert!(v["conflicts"].is_array(), "{v}");
+        let (rel, loc) = (v["reliability"].as_f64().unwrap(), v["locality"].as_f64().unwrap());
+        let committed = n as u64 - v["refused"].as_u64().unwrap();
+        assert!(loc >= 0.9, "{n} sequential={sequential}: the guard keeps the neighbours' answers: {loc}");
+        assert!(rel >= 0.2 && committed >= n as u64 / 2, "{n} sequential={sequential}: reliability {rel}, {committed} committed");
+    }
+}
