@@ -28,5 +28,6 @@ mod placement;
 mod recompute;
 mod report_merge;
 mod serve;
+mod serve_images;
 mod session;
 mod vl;
