@@ -502,10 +502,8 @@ impl Session {
             None => None,
         };
         if self.guard.is_some() && probes.is_none() {
-            match excluded.iter().any(|&x| x) {
-                true => tracing::warn!("every locality prompt names a subject this call edits: the commit guard has nothing to measure and is off"),
-                false => tracing::warn!("no request has a locality prompt: the commit guard has nothing to measure and is off"),
-            }
+            let why = if excluded.contains(&true) { "every locality prompt names a subject this call edits" } else { "no request has a locality prompt" };
+            tracing::warn!("{why}: the commit guard has nothing to measure and is off");
         }
         // Whether `checked` measures (and reports) each edit.
         let guarded = probes.is_some();
