@@ -145,7 +145,7 @@ pub fn measure(
     for (g, (recs, exs)) in records.chunks(n).zip(examples.chunks(n)).enumerate() {
         session.reset()?;
         let texts: Vec<String> = if unrelated.is_empty() {
-            let excluded = conflicts::probe_excluded(&conflicts::find(recs), recs.len());
+            let excluded = conflicts::probe_excluded(&conflicts::find(recs, &[]), recs.len());
             recs.iter()
                 .zip(excluded)
                 .filter(|(_, x)| !x)

@@ -14,6 +14,8 @@
 //!
 //! A subject is found in a prompt as a whole word sequence: the characters on either side
 //! of the match are not letters or digits, so "Paris" is not found in "Parisian".
+use std::path::Path;
+
 use serde::Serialize;
 
 use crate::data::easyedit::EditRecord;
@@ -31,7 +33,10 @@ pub enum Conflict {
 /// Every conflict among `records`, in request order: for each request, the first request
 /// whose subject its locality prompt names (itself included: a locality prompt about the
 /// edited subject is no locality probe), then each later request that contradicts it.
-pub fn find(records: &[EditRecord]) -> Vec<Conflict> {
+/// `images[i]`: the picture request `i` is asked about (E-VQA), if any; the same question
+/// about two pictures is no contradiction. Missing entries are no picture.
+pub fn find(records: &[EditRecord], images: &[Option<&Path>]) -> Vec<Conflict> {
+    let image = |i: usize| images.get(i).copied().flatten();
     let subjects: Vec<Option<&str>> =
         records.iter().map(|r| r.subject.as_deref().map(str::trim).filter(|s| !s.is_empty())).collect();
     let mut out = Vec::new();
@@ -43,7 +48,7 @@ pub fn find(records: &[EditRecord]) -> Vec<Conflict> {
             }
         }
         for (j, later) in records.iter().enumerate().skip(i + 1) {
-            if later.prompt.trim() == r.prompt.trim() && later.target_new.trim() != r.target_new.trim() {
+            if later.prompt.trim() == r.prompt.trim() && image(j) == image(i) && later.target_new.trim() != r.target_new.trim() {
                 out.push(Conflict::Contradiction { first: i, second: j, prompt: r.prompt.trim().to_string() });
             }
         }
@@ -129,7 +134,7 @@ mod tests {
             rec("Gazzola is located in", "Gazzola", "Peru", "Milan is in"),
             rec("Gazzola is located in", "Gazzola", "Liberia", "Milan is in"),
         ];
-        let c = find(&rs);
+        let c = find(&rs, &[]);
         assert_eq!(
             c,
             vec![
@@ -142,5 +147,12 @@ mod tests {
         let line = describe(&c, &rs).unwrap();
         assert!(line.contains("1 locality prompt(s)") && line.contains("2 pair(s)"), "{line}");
         assert!(describe(&[], &rs).is_none());
+        // The same question about two pictures is two edits, not a contradiction.
+        let (a, b) = (Path::new("a.png"), Path::new("b.png"));
+        let images = [Some(a), Some(b), Some(b), None];
+        let c = find(&rs, &images);
+        assert_eq!(c.iter().filter(|c| matches!(c, Conflict::Contradiction { .. })).count(), 0, "{c:?}");
+        let images = [Some(a), None, Some(a), None];
+        assert_eq!(find(&rs, &images)[1], Conflict::Contradiction { first: 0, second: 2, prompt: "Gazzola is located in".into() });
     }
 }

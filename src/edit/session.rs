@@ -484,7 +484,8 @@ impl Session {
         let answers_before = examples.iter().map(|e| edit::answer(&self.engine, &e.inner)).collect::<Result<Vec<_>>>()?;
         // Each request's fact, for mend-ls's statistics (multimodal records name none).
         let facts: Vec<Option<Fact>> = records.iter().map(Fact::of).collect();
-        let conflicts = conflicts::find(records);
+        let images: Vec<Option<&Path>> = examples.iter().map(|e| e.inner.image.as_ref().map(|i| i.path.as_path())).collect();
+        let conflicts = conflicts::find(records, &images);
         if let Some(line) = conflicts::describe(&conflicts, records) {
             tracing::warn!("{line}");
         }

@@ -147,8 +147,13 @@ fn fifty_image_edits_in_one_batch_end_in_seconds() {
             cmd.arg("--no-guard");
         }
         let out = cmd.output().unwrap();
-        let elapsed = start.elapsed();
+        let wall = start.elapsed();
         let stderr = String::from_utf8_lossy(&out.stderr);
+        // The edit's own span (the report is written refused or not): what the sweep saw
+        // run past 60 s. The process's wall time also holds loading, which a busy machine
+        // (other slow tests in parallel) stretches.
+        let report = common::json_file(&dir.path().join(format!("r{guard}.json")));
+        let edit_s = report["seconds"]["edit"].as_f64().unwrap_or_else(|| panic!("no seconds.edit in {report}"));
         if out.status.success() {
             let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
             assert_eq!(v["n"], 50, "{v}");
@@ -158,7 +163,7 @@ fn fifty_image_edits_in_one_batch_end_in_seconds() {
             let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
             assert!(errors.len() == 1 && errors[0].contains("guard"), "{stderr}");
         }
-        assert!(elapsed.as_secs() < 30, "guard {guard}: 50 image edits took {elapsed:?}");
+        assert!(edit_s < 30.0, "guard {guard}: 50 image edits took {edit_s:.1} s ({wall:?} in all)");
     }
 }
 
