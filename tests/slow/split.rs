@@ -19,8 +19,10 @@ fn single_and_split_are_bit_identical_on_the_cpu_over_forty_steps() {
     let vl = common::shipped("vl");
     for extra in [&["--placement", "replica"][..], &["--placement", "balanced", "--optimizer-device", "sub"][..]] {
         let out = dir.path().join(extra[1]);
-        let o = common::dualedit(
-            &[
+        // One thread, so that these two trainings leave the cores to the other slow tests
+        // (both sides run alike either way).
+        let o = common::dualedit_cmd().env("OMP_NUM_THREADS", "1").args(
+            [
                 &[
                     "compare", "train", "--model", vl.join("model").to_str().unwrap(), "--data", vl.join("world/vqa-train.json").to_str().unwrap(),
                     "--ds", "vqa", "--image-root", vl.join("world").to_str().unwrap(), "--config", cfg_path.to_str().unwrap(),
@@ -29,7 +31,7 @@ fn single_and_split_are_bit_identical_on_the_cpu_over_forty_steps() {
                 extra,
             ]
             .concat(),
-        );
+        ).output().unwrap();
         assert!(o.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&o.stderr));
         let cmp = common::json_file(&out.join("compare.json"));
         let single = cmp["single"]["metrics"].as_object().unwrap();

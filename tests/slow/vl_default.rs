@@ -140,6 +140,9 @@ fn fifty_image_edits_in_one_batch_end_in_seconds() {
     for guard in [true, false] {
         let start = std::time::Instant::now();
         let mut cmd = common::dualedit_cmd();
+        // One thread: beside the other slow tests (two cores, each process's OpenMP threads
+        // spinning at their barriers) a two-thread run was stretched from 1 s to 67 s.
+        cmd.env("OMP_NUM_THREADS", "1");
         cmd.args(["edit", "--model", root.join("data/vl/model").to_str().unwrap(), "--editor", root.join("data/vl/editor").to_str().unwrap()]);
         cmd.args(["--ds", "vqa", "--requests", requests.to_str().unwrap(), "--image-root", world.to_str().unwrap(), "--json"]);
         cmd.args(["--report", dir.path().join(format!("r{guard}.json")).to_str().unwrap()]);
