@@ -4,7 +4,7 @@
 //! (`--method auto`'s several requests: capture, editor, least-squares solve against the
 //! statistics, re-solve rounds), the guard off. CPU, one thread.
 //!
-//! `./x bench --bench many`; results in docs/notebook.md ("Many edits by default").
+//! `./x bench --bench many`; results in docs/notebook/many-edits.md ("Many edits by default").
 use std::path::Path;
 
 use criterion::{criterion_group, criterion_main, Criterion};

@@ -49,7 +49,7 @@
 //! scripts/bench_mend_vl_compare.sh runs).
 //!
 //! `./x bench --bench mend_vl` (or `DUALEDIT_BENCH_SIDE=224 ./x bench --bench mend_vl --
-//! --criterion`); results in BENCHMARKS.md and docs/notebook.md ("#35").
+//! --criterion`); results in BENCHMARKS.md and docs/notebook/mend-step.md ("#35").
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -5,7 +5,8 @@ model on keep lines (the world's corpus without the lines stating an edited fact
 KEEP= for zsRE). Scored as `dualedit eval` scores: teacher-forced token accuracy of the
 new answer after the prompt / the rephrase, locality as agreement with the unedited
 model's argmax tokens on the locality answer; drift = NLL of lines naming no edited
-subject. docs/notebook.md, "Many edits, part 8". Needs transformers (the fixtures' folders):
+subject. docs/notebook/many-edits.md, "Many edits, part 8". Needs transformers (the fixtures'
+folders):
 
     PYTHONPATH=... .venv/bin/python scripts/ft_reference.py N KL STEPS [L2] [LAYERS]
     # zsRE: MODEL=Z DATA=zall.json KEEP=keep-all.txt DRIFT=drift.txt KEEP_SAMPLE=128 EDIT_BATCH=250 LR=5e-3

@@ -1,5 +1,5 @@
 """One-thread f32 GEMM rates of MKL (torch's default CPU matmul) and oneDNN at the shapes of
-a MEND edit of the 143 M Qwen2-VL bench model (docs/notebook.md, "The f32 edit at 143 M: a
+a MEND edit of the 143 M Qwen2-VL bench model (docs/notebook/mend-step.md, "The f32 edit at 143 M: a
 floor, measured"): the editor's products, the tower's and the text blocks' projections.
 
     taskset -c 1 .venv/bin/python scripts/gemm_shapes.py

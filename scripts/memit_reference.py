@@ -3,7 +3,7 @@ target v* of each request optimised at the subject's last token of block L = max
 (NLL of the new answer after the prompt and NPRE corpus-line prefixes, KL on "{subject} is",
 norm clamped to CLAMP x the residual's), keys averaged over the prefixes, spread over the
 `mlp.c_proj` of LAYERS against the second moment of the keep lines (weight LAM). Scored as
-scripts/ft_reference.py. docs/notebook.md, "Many edits, part 8". Needs transformers:
+scripts/ft_reference.py. docs/notebook/many-edits.md, "Many edits, part 8". Needs transformers:
 
     PYTHONPATH=... NPRE=0 STEPS=40 .venv/bin/python scripts/memit_reference.py N LAYERS LAM
 """

@@ -1,7 +1,7 @@
 """NLL of the world's corpus lines that name an edited subject but not its old answer (the
 subjects' other facts) and of the lines naming no edited subject, under the unedited model
 and models saved by `dualedit edit --requests tests/fixtures/many/fresh-100.json --save DIR`
-(docs/notebook.md, "Many edits, part 7"). Needs transformers (the fixtures' folders):
+(docs/notebook/many-edits.md, "Many edits, part 7"). Needs transformers (the fixtures' folders):
 
     .venv/bin/python scripts/subject_drift.py data/model DIR...
 """

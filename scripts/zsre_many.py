@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Request files and texts for the zsRE capacity measurement of issue #24 (BENCHMARKS.md,
-"Many edits, part 4 (issue #24): zsRE").
+"""Request files and texts for the zsRE capacity measurement of issue #24
+(docs/notebook/many-edits.md, "Many edits, part 4 (issue #24): zsRE").
 
 From the shared zsRE file (1,000 records as prepared for MEND) it writes into OUT_DIR:
 

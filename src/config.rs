@@ -104,7 +104,7 @@ pub fn editor_product_kind(weights: tch::Kind, on_cpu: bool) -> tch::Kind {
 /// How `--method mend-ls` combines an editor's edits ([`crate::mend::ls`]): the settings
 /// chosen by measurement for that editor, kept in its `editor.json` (`MendConfig::ls`) and
 /// used unless the `--ls-*` flags say otherwise. The defaults are those measured with the
-/// shipped `data/editor` (BENCHMARKS.md, "Many edits, part 2").
+/// shipped `data/editor` (docs/notebook/many-edits.md, "Many edits, part 2").
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LsConfig {
@@ -150,7 +150,7 @@ impl LsConfig {
 }
 
 /// More re-solve rounds than this only cost time: each must make more edits answer, and
-/// on the embedded default the gain stops after 3 (BENCHMARKS.md).
+/// on the embedded default the gain stops after 3 (docs/notebook/many-edits.md, part 3).
 pub const MAX_LS_ROUNDS: usize = 20;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -35,9 +35,9 @@ accumulates (set to EasyEdit's accumulate_bs). Peaks: the CUDA allocator's (Easy
 reset before its steps; dualedit's report, the whole run); on a CPU the process RSS, where
 the ratios mean little. Ratios are dualedit / EasyEdit.
 
-The JSON's "markdown" is the BENCHMARKS table (one row per measurement, both tools and the
-ratio); `dualedit report merge` also reads each EasyEdit run (easyedit-runs/*.json) beside
-dualedit's own reports (runs/*.json) as rows of one table.
+The JSON's "markdown" is the side-by-side table of docs/notebook/gpu.md (one row per
+measurement, both tools and the ratio); `dualedit report merge` also reads each EasyEdit run
+(easyedit-runs/*.json) beside dualedit's own reports (runs/*.json) as rows of one table.
 """
 import argparse
 import json
@@ -291,7 +291,7 @@ class Versus(gpu_check.Check):
 
 
 def row(what, dual, ee, kind):
-    """One BENCHMARKS row: dualedit's number against EasyEdit's, and their ratio."""
+    """One row of that table: dualedit's number against EasyEdit's, and their ratio."""
     ratio = round(dual / ee, 3) if isinstance(dual, (int, float)) and isinstance(ee, (int, float)) and ee else None
     return {"measurement": what, "kind": kind, "dualedit": dual, "easyedit": ee, "ratio": ratio}
 
@@ -366,7 +366,7 @@ def fmt(v, kind):
 
 
 def markdown(result):
-    """BENCHMARKS rows: one per measurement, dualedit against EasyEdit and the ratio."""
+    """The table's rows: one per measurement, dualedit against EasyEdit and the ratio."""
     lines = ["| measurement | dualedit | EasyEdit | ratio |", "| --- | --- | --- | --- |"]
     for r in result["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}×"

@@ -91,7 +91,7 @@ pub fn build_default(root: &Path, spec: &BuildSpec, device: Device) -> Result<Bu
 /// apart in a least-squares solve. This one edits only the output projections (keys 512
 /// wide), is meta-trained on batches of edits summed into one update (MEND's batched
 /// setting; `batch_size` in `configs/world-many.json`), and its `editor.json` carries the
-/// `mend-ls` settings chosen for it (BENCHMARKS.md, "Many edits, part 3").
+/// `mend-ls` settings chosen for it (docs/notebook/many-edits.md, "Many edits, part 3").
 pub fn train_many_editor(root: &Path, common: Common, mend: &MendConfig) -> Result<usize> {
     // One thread: the build is reproducible byte for byte only when libtorch's reductions
     // run in the same order.

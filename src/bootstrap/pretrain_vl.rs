@@ -113,8 +113,8 @@ pub struct VlPretrainReport {
 /// (`mrope_section` splits them in order: temporal, height, width); with a head width of
 /// 24 and the usual 10 000 the width stream turns by under 0.01 rad across the whole image,
 /// so no image token's place can be told from another's and questions about a place are
-/// never learned (measured with transformers and here: BENCHMARKS.md). At 10 the slowest
-/// frequency still turns by 0.12 rad per cell.
+/// never learned (measured with transformers and here: docs/notebook/vision-language.md). At 10
+/// the slowest frequency still turns by 0.12 rad per cell.
 const ROPE_THETA: f64 = 10.0;
 
 /// The `config.json` of the model (transformers 5's nested Qwen2-VL layout).

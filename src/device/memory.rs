@@ -634,8 +634,8 @@ impl Drop for MemoryTracker {
 ///   page by page on first touch. With 4 KiB pages that was about a fifth of an edit
 ///   (six new 9 MiB edited weights each time); `THP_MEM_ALLOC_ENABLE=1`, which libtorch's
 ///   CPU allocator reads once, makes it `madvise(MADV_HUGEPAGE)` blocks of 2 MiB or more.
-///   An edit of GPT-2 small went from 185 to 155 ms with both (BENCHMARKS.md). A value the
-///   user already set is left alone; the kernel decides whether huge pages are used.
+///   An edit of GPT-2 small went from 185 to 155 ms with both (docs/notebook/mend-step.md). A
+///   value the user already set is left alone; the kernel decides whether huge pages are used.
 ///
 /// Set `DUALEDIT_GLIBC_MALLOC=1` to keep glibc's default threshold.
 pub fn tune_host_allocator() {

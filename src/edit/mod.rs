@@ -414,7 +414,7 @@ pub fn make_edit_as(engine: &Engine, method: &mut Method, inner: &TokenBatch, ca
     if call.plain_mend(method, inner.batch_size(), sequential) {
         if let Method::MendLs(ls) = method {
             // `--method auto`'s one request: plain MEND with the same editor (a single
-            // edit is better made so: docs/notebook.md, "Many edits, part 3").
+            // edit is better made so: docs/notebook/many-edits.md, "Many edits, part 3").
             let (_, factors) = engine.capture(inner)?;
             return engine.edit_low_rank(&mut ls.editor, &factors, false);
         }

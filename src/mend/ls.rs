@@ -19,7 +19,7 @@
 //! normal matrix), which asks `S` to leave the layer's outputs there alone, as MEMIT's
 //! key covariance does. From the editor's key statistics each solve leaves out the lines
 //! that state a fact the edits rewrite ([`Fact`]): kept, they would ask `S` to keep the
-//! old fact at the edit's own rephrasings (docs/notebook.md, "Many edits, part 7").
+//! old fact at the edit's own rephrasings (docs/notebook/many-edits.md, "Many edits, part 7").
 //!
 //! **Re-solve rounds** ([`LsConfig::rounds`]). One solve leaves some edits short of their
 //! target: the solve balances them against each other and the unrelated keys. A round
@@ -27,10 +27,10 @@
 //! captures those again there, and adds the editor's new value shifts (at the edits' keys
 //! of the first capture) to their targets before solving again, so the push goes where an
 //! edit still fails rather than to all (scaling every target instead moves all edits and
-//! the unrelated text together; BENCHMARKS.md). A round that does not make more edits
-//! answer is dropped and ends the search, so rounds never end worse than one solve on the
-//! edits' own prompts. They need an editor whose inputs stay in its training range at
-//! edited weights: the shipped `data/editor-many` edits only the MLP output projections.
+//! the unrelated text together; docs/notebook/many-edits.md, part 3). A round that does not
+//! make more edits answer is dropped and ends the search, so rounds never end worse than one
+//! solve on the edits' own prompts. They need an editor whose inputs stay in its training range
+//! at edited weights: the shipped `data/editor-many` edits only the MLP output projections.
 //!
 //! Edits one after another re-solve over every edit so far from the weights the first
 //! one started from, `W0` ([`KeyMemory`]): a new edit is captured at `W0` (the current
@@ -40,7 +40,8 @@
 //! every call checks the remembered edits too (a later edit can break an earlier one) and
 //! may push any of them. Capturing on the edited weights instead (targets `k·S_prev + v`)
 //! was measured first: the editor's inputs leave its training distribution after a few
-//! commits and 10 sequential edits broke the model (0.00 reliability; BENCHMARKS.md).
+//! commits and 10 sequential edits broke the model (0.00 reliability;
+//! docs/notebook/many-edits.md, part 2).
 use std::collections::{BTreeSet, HashMap};
 
 use tch::{Kind, Tensor};

@@ -6,9 +6,9 @@
 //! unrelated text by adding that text's `CᵀC` to its normal matrix. Before these
 //! statistics a user had to pass a keep text on every run (`--ls-keep-text`), and the
 //! solve re-read and re-ran it each time; without one, locality fell from 0.95 to 0.55
-//! on 100 edits of the embedded default (docs/notebook.md, "Many edits, part 3"). Computed
-//! once and stored with the editor (`key-stats.safetensors` beside `editor.json`, named
-//! there as `key_stats`), `mend-ls` uses them whenever no keep text is given.
+//! on 100 edits of the embedded default (docs/notebook/many-edits.md, "Many edits, part 3").
+//! Computed once and stored with the editor (`key-stats.safetensors` beside `editor.json`,
+//! named there as `key_stats`), `mend-ls` uses them whenever no keep text is given.
 //!
 //! Weighting: a keep text adds its keys' `CᵀC` as they are (each key counts as much as
 //! one edit row, times the keep weight `μ`). Statistics over a large corpus would then
@@ -289,7 +289,7 @@ const MAX_SUMMED_TEXT_BYTES: u64 = 64 << 20;
 /// out of the solve's statistics the lines that state the fact it rewrites
 /// ([`crate::mend::ls::Fact`]): asked to keep those lines' keys as they were, the solve
 /// keeps the old fact at its rephrasings' keys too (the world's corpus states every fact
-/// in each of its relation's templates; docs/notebook.md, "Many edits, part 7").
+/// in each of its relation's templates; docs/notebook/many-edits.md, "Many edits, part 7").
 pub struct SummedText {
     /// The summed lines, trimmed, in order.
     pub lines: Vec<String>,

@@ -69,7 +69,7 @@ impl WeightLayout {
     /// computed as `(A·xᵀ)ᵀ` with `A` the weight as `[d_out, d_in]`: libtorch's CPU GEMM
     /// picks a slow kernel for `x·Aᵀ` when `x` is skinny, and the transposed product
     /// measured 35 % faster for GPT-2-small's layers at 16–48 rows and still 10 % faster
-    /// at 256, with the backward no slower (BENCHMARKS.md). Larger batches keep the
+    /// at 256, with the backward no slower (docs/notebook/mend-step.md). Larger batches keep the
     /// plain product, which wins there. In f32 the threshold is [`SKINNY_ROWS_F32`]:
     /// Qwen2-VL's 188-row text forward (512 → 1408) measured 7–40 % slower that way (#35).
     pub fn apply(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
@@ -740,12 +740,13 @@ fn with_bias(h: Tensor, b: Option<&Tensor>) -> Tensor {
 }
 
 /// Rows up to which [`WeightLayout::apply`] computes a CPU product as `(A·xᵀ)ᵀ` (bf16,
-/// f16: at or below par with `x·Aᵀ` at every shape measured up to 256 rows, BENCHMARKS.md #35).
+/// f16: at or below par with `x·Aᵀ` at every shape measured up to 256 rows,
+/// docs/notebook/mend-step.md, #35).
 const SKINNY_ROWS: i64 = 256;
 
 /// [`SKINNY_ROWS`] for f32 products: at 188 rows `(A·xᵀ)ᵀ` was 4–42 % slower than `x·Aᵀ`
 /// at six layer shapes (GPT-2-small's, Qwen2-VL-small's), at 96 rows and below on par or
-/// faster (one thread, #35, BENCHMARKS.md).
+/// faster (one thread, #35, docs/notebook/mend-step.md).
 const SKINNY_ROWS_F32: i64 = 128;
 
 /// Rows up to which [`lm_head`] streams the embedding matrix instead of calling x·Wᵀ.
@@ -756,7 +757,7 @@ const SKINNY_HEAD_ROWS: i64 = 64;
 /// With the few rows MEND scores (the kept answer positions), libtorch's CPU GEMM for
 /// x·Wᵀ reads the 50k×768 matrix at a fraction of memory bandwidth; computing (W·xᵀ)ᵀ
 /// streams W row by row and measured 6× faster for 3 rows and still faster for 34,
-/// with a backward no slower (GPT-2-small, see BENCHMARKS.md).
+/// with a backward no slower (GPT-2-small, see docs/notebook/mend-step.md).
 pub fn lm_head(x: &Tensor, w: &Tensor) -> Tensor {
     let d = w.size()[1];
     let mut shape = x.size();

@@ -187,7 +187,7 @@ fn conflicts_stay_out_of_the_guard_and_every_interface_has_one_result_shape() {
 
 const GIB: f64 = (1u64 << 30) as f64;
 /// The H200 measurement of the Qwen2-VL-7B-shaped bf16 step at 448 × 448 split over
-/// `cuda:0 + cpu` (BENCHMARKS.md, "GPU check"): the main device's peak.
+/// `cuda:0 + cpu` (docs/notebook/gpu.md, "GPU check (#38)"): the main device's peak.
 const MEASURED_MAIN_BYTES: f64 = 11_466_386_944.0;
 
 /// `plan` of the Qwen2-VL-7B config as the GPU check ran it, with `extra`.

@@ -274,8 +274,8 @@ fn default_spec(many: bool) -> MethodSpec {
 #[test]
 fn a_batch_the_guard_refuses_is_an_error_with_its_numbers() {
     let (records, _) = load_records(&requests(), DatasetKind::Requests).unwrap();
-    // Ten summed MEND edits break the probes (part 2 of the notebook), and without scaling
-    // back the guard refuses them.
+    // Ten summed MEND edits break the probes (docs/notebook/many-edits.md, part 2), and without
+    // scaling back the guard refuses them.
     let strict = GuardConfig { scale_back: false, ..GuardConfig::default() };
     let mut s = session(&MethodSpec::Mend { editor: common::root().join("data/editor") });
     s.guard = Some(strict.clone());
@@ -478,6 +478,6 @@ fn the_default_command_holds_fifty_in_one_batch_and_twenty_in_a_row() {
 /// and `data/editor-many` took a fourth re-solve round).
 /// The targets are 0.95 / 0.80 / 0.90 and 0.90 / 0.75 / 0.90: reliability in one
 /// batch is met here, sequential reliability and generalisation are not
-/// (docs/notebook.md, "Many edits by default" and part 7).
+/// (docs/notebook/many-edits.md, "Many edits by default" and part 7).
 const BATCH: (f64, f64, f64) = (0.93, 0.36, 0.9);
 const SEQUENTIAL: (f64, f64, f64) = (0.82, 0.4, 0.9);

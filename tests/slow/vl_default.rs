@@ -173,7 +173,7 @@ fn fifty_image_edits_in_one_batch_end_in_seconds() {
 /// The shipped multimodal model answers from the picture it is shown: held-out questions
 /// are right with their own image and mostly wrong with another scene's (the record's
 /// `m_loc` image), so an image edit has image-specific states to work on. (The model the
-/// first build shipped answered every picture alike: BENCHMARKS.md.)
+/// first build shipped answered every picture alike: docs/notebook/vision-language.md.)
 #[test]
 fn shipped_vl_model_reads_the_pictures() {
     let _serial = serial();

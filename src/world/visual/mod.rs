@@ -7,15 +7,15 @@
 //! of five places, are learnable by a small vision tower, and every answer is a pure
 //! function of the scene description, so tests can re-derive it.
 //!
-//! Why this layout (measured, BENCHMARKS.md "The multimodal default"): every object sits
-//! centred in its own cell of Qwen2-VL's merged-token grid (28 × 28 pixels: one image
-//! token), the five places are the cells of a cross on an odd grid (3 × 3 by default), and
-//! every question names what it is about by a shape, a colour or a place and asks for a
-//! colour or a shape. An earlier world (objects at jittered positions straddling token
-//! borders; questions asking *where* a shape is and *how many* there are) was not learned
-//! by a 366 k-parameter Qwen2-VL in 6 000 steps, in dualedit or in transformers: its
-//! answers stayed image-blind. Where and how many need an object's place or a count in the
-//! content of image tokens, which a tower without absolute positions does not put there.
+//! Why this layout (measured, docs/notebook/vision-language.md "The multimodal default"): every
+//! object sits centred in its own cell of Qwen2-VL's merged-token grid (28 × 28 pixels: one
+//! image token), the five places are the cells of a cross on an odd grid (3 × 3 by default),
+//! and every question names what it is about by a shape, a colour or a place and asks for a
+//! colour or a shape. An earlier world (objects at jittered positions straddling token borders;
+//! questions asking *where* a shape is and *how many* there are) was not learned by a 366
+//! k-parameter Qwen2-VL in 6 000 steps, in dualedit or in transformers: its answers stayed
+//! image-blind. Where and how many need an object's place or a count in the content of image
+//! tokens, which a tower without absolute positions does not put there.
 //!
 //! A scene is drawn twice: the *original* image, and the *rephrase* image EasyEdit asks
 //! for (the same objects in the same cells, rescaled about their centres, on another
@@ -130,7 +130,7 @@ impl VisualWorldConfig {
 /// middle, a horizontal or vertical band, both bands), which a 14-pixel patch's linear
 /// embedding separates from the start; shapes that differ only along their outlines
 /// (circle, diamond, triangle) were not told apart by the tiny tower in the runs tried
-/// (BENCHMARKS.md, "The multimodal default").
+/// (docs/notebook/vision-language.md, "The multimodal default").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Shape {
@@ -358,8 +358,8 @@ pub struct Scene {
 // Geometry, in fractions of a cell's side. One size for every object and one scale for
 // every rephrase render: with sizes drawn from 0.36–0.44 and scales from 0.70–0.80 the
 // tiny model had learned about 60 % of the answers after 6 000 steps, with these two
-// sizes all of them (BENCHMARKS.md). The radius keeps every shape inside its cell with
-// two pixels to spare, so no object touches another cell.
+// sizes all of them (docs/notebook/vision-language.md). The radius keeps every shape inside its
+// cell with two pixels to spare, so no object touches another cell.
 /// An object's radius: 0.43 of the cell's side (12 pixels in a 28-pixel cell).
 const SIZE: f64 = 0.43;
 /// The rephrase render's objects are drawn at this share of their size (9 pixels).
@@ -447,7 +447,7 @@ impl QuestionKind {
     /// kind's with a word of its subject vocabulary. Two phrasings that name the subject
     /// where the canonical one does: with a third that names it last ("The object on the
     /// left has which shape?") the tiny model had learned half as much after 2 500 steps
-    /// (BENCHMARKS.md).
+    /// (docs/notebook/vision-language.md).
     pub fn templates(self) -> &'static [&'static str] {
         match self {
             QuestionKind::Colour => &["What colour is the {x}?", "Which colour does the {x} have?"],
