@@ -11,7 +11,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use dualedit::model::qwen2_vl::{image, ImageProcessorConfig, Qwen2Vl};
+use dualedit::model::qwen2_vl::Qwen2Vl;
+use dualedit::model::vision::{image, ImageProcessorConfig};
 use dualedit::model::{random_params, ForwardInput, Model, ParamView};
 use tch::{Device, Kind, Tensor};
 

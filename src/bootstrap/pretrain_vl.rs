@@ -3,7 +3,7 @@
 //!
 //! Every (image, question, answer) triple becomes the example the editing path builds:
 //! the image through Qwen2-VL's preprocessing, the question through the chat template
-//! ([`Qwen2Vl::chat_image_prompt`], via [`VlPrompt::image_example`]) and `" " + answer`
+//! (the family's default chat template, via [`VlPrompt::image_example`]) and `" " + answer`
 //! labelled; the NQ text facts are plain `question answer` examples, as the records' `loc`
 //! view asks them. Unlike editing, the vision tower trains too: its features are computed
 //! with autograd ([`StepImages::compute_trainable`]). The tokenizer is a byte-level BPE
@@ -23,7 +23,7 @@ use crate::world::visual::PretrainCorpus;
 use crate::data::Example;
 use crate::mend::losses;
 use crate::mend::optim::Adam;
-use crate::model::qwen2_vl::{ImageProcessorConfig, Qwen2Vl};
+use crate::model::vision::{ChatTemplate, ImageProcessorConfig};
 use crate::model::{random_params, Model, ParamView, Tokenizer, VisionLanguage};
 use crate::bootstrap::pretrain::{optimiser_step, write_model, Shuffled, EOS};
 use crate::{Error, Result};
@@ -118,13 +118,16 @@ pub struct VlPretrainReport {
 const ROPE_THETA: f64 = 10.0;
 
 /// The `config.json` of the model (transformers 5's nested Qwen2-VL layout).
+/// The class the pretrained model is saved as.
+const ARCHITECTURE: &str = "Qwen2VLForConditionalGeneration";
+
 fn hf_config(c: &VlPretrainConfig, vocab: usize, ids: &[i64; 7]) -> serde_json::Value {
     let head_dim = c.hidden / c.heads;
     // M-RoPE: head_dim/2 frequencies split over (temporal, height, width).
     let half = head_dim / 2;
     let section = [half - 2 * (half / 3), half / 3, half / 3];
     serde_json::json!({
-        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "architectures": [ARCHITECTURE],
         "model_type": "qwen2_vl",
         "dtype": "float32",
         "image_token_id": ids[5],
@@ -181,16 +184,16 @@ fn preprocessor_config(corpus: &PretrainCorpus) -> serde_json::Value {
 }
 
 /// The text the tokenizer is trained on: every prompt as the model sees it and every answer.
-fn tokenizer_corpus(corpus: &PretrainCorpus) -> Vec<String> {
+fn tokenizer_corpus(corpus: &PretrainCorpus, template: &ChatTemplate) -> Result<Vec<String>> {
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     for (q, a) in corpus.vqa.iter().map(|t| (&t.question, &t.answer)).chain(corpus.text.iter().map(|t| (&t.question, &t.answer))) {
         if seen.insert((q.clone(), a.clone())) {
-            out.push(format!("{} {a}", Qwen2Vl::chat_image_prompt(q)));
+            out.push(format!("{} {a}", template.image_prompt(q)?));
             out.push(format!("Question: {q} Short answer: {a}"));
         }
     }
-    out
+    Ok(out)
 }
 
 /// Tokenised pretraining data: image examples, text examples, and the probe sets.
@@ -305,7 +308,8 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     if !(cfg.vision_lr_scale.is_finite() && cfg.vision_lr_scale >= 0.0) {
         return Err(Error::input(format!("--vision-lr-scale {}: must be a finite number >= 0 (0 freezes the vision tower)", cfg.vision_lr_scale)));
     }
-    let tok = crate::bootstrap::pretrain::train_tokenizer_with(&tokenizer_corpus(&corpus), cfg.vocab_size, &SPECIALS, out)?;
+    let template = crate::model::loader::default_chat_template(ARCHITECTURE).ok_or_else(|| Error::Internal(format!("{ARCHITECTURE} has no chat template")))?;
+    let tok = crate::bootstrap::pretrain::train_tokenizer_with(&tokenizer_corpus(&corpus, template)?, cfg.vocab_size, &SPECIALS, out)?;
     let mut ids = [0i64; 7];
     for (slot, name) in ids.iter_mut().zip(SPECIALS) {
         *slot = tok.special_id(name).ok_or_else(|| Error::file(tok.path(), format!("trained tokenizer lacks {name}")))?;
@@ -314,11 +318,11 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     crate::io::write_json_atomic(&out.join("preprocessor_config.json"), &preprocessor_config(&corpus))?;
     // The template the examples below are built with goes with the model, so editing it
     // (and transformers) builds the same prompts without falling back to a default.
-    crate::io::write_atomic(&out.join("chat_template.jinja"), crate::model::qwen2_vl::chat_template::QWEN2_VL_DEFAULT.as_bytes())?;
-    let model = Model::new(Qwen2Vl::from_json(&config, "Qwen2VLForConditionalGeneration")?);
+    crate::io::write_atomic(&out.join("chat_template.jinja"), template.text().as_bytes())?;
+    let model = crate::model::loader::model_from_config(&config)?;
     let vl = model.family().vision_language().ok_or_else(|| Error::Internal("a Qwen2-VL model without its image side".into()))?;
     let proc = vl.image_processor(out)?;
-    let data = build_data(&corpus, world, &tok, VlPrompt { vl, proc: &proc, template: crate::model::qwen2_vl::ChatTemplate::qwen2_vl() }, 400)?;
+    let data = build_data(&corpus, world, &tok, VlPrompt { vl, proc: &proc, template }, 400)?;
     let store = random_params(&model, device, Kind::Float, cfg.seed as i64);
     let (vision, text): (Vec<_>, Vec<_>) = store.iter().partition(|(n, _)| n.starts_with("visual."));
     let grad = |v: Vec<(&String, &Tensor)>| -> Vec<Tensor> { v.into_iter().map(|(_, t)| t.set_requires_grad(true)).collect() };

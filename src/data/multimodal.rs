@@ -28,8 +28,8 @@ use tch::{Device, Tensor};
 use super::batch::{EditExample, Example, ImageRef, TokenBatch};
 use super::easyedit::DatasetKind;
 use super::examples::{OverLong, Prepared};
-pub use crate::model::qwen2_vl::ChatTemplate;
-use crate::model::qwen2_vl::{image, Grid, ImageProcessorConfig, PreparedImage};
+pub use crate::model::vision::ChatTemplate;
+use crate::model::vision::{image, Grid, ImageProcessorConfig, PreparedImage};
 use crate::model::{ParamView, Tokenizer, VisionLanguage};
 use crate::{Error, Result};
 
@@ -147,7 +147,7 @@ pub struct MmLoad {
     pub no_rephrase: usize,
 }
 
-pub use crate::model::qwen2_vl::image::MAX_IMAGE_PIXELS;
+pub use crate::model::vision::image::MAX_IMAGE_PIXELS;
 
 /// Opens and decodes the whole image at `p` the one way every image is read
 /// ([`image::open_checked`]: regular file, size cap, PNG or JPEG by content, pixel bound

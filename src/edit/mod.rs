@@ -23,7 +23,7 @@ use eval::RecordMetrics;
 use crate::mend::ls::{Fact, KeyMemory, LsChoice, LsEditor};
 use crate::mend::{checkpoint, Editor, Engine};
 use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
-use crate::model::qwen2_vl::Grid;
+use crate::model::vision::Grid;
 use crate::model::VisionLanguage;
 use crate::{Error, Result};
 
@@ -324,7 +324,7 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
             info!(dir = %editor.display(), step = meta.step, lambda = ls.lambda, keep_weight = ls.cov_weight, rounds = ls.rounds, "editor loaded (least-squares aggregation)");
             let mut stats_text = None;
             let unrelated = match (unrelated, crate::mend::stats::editor_stats_path(editor)?) {
-                (Some(path), _) => crate::mend::ls::unrelated_grams(&engine, &crate::mend::ls::read_keep_text(path)?)?,
+                (Some(path), _) => crate::mend::ls::unrelated_grams(&engine, &crate::mend::stats::read_keep_text(path)?)?,
                 (None, Some(stats)) => {
                     let st = crate::mend::stats::KeyStats::load(&stats, &engine)?;
                     info!(file = %stats.display(), tokens = st.meta.tokens, "mend-ls solves against the editor's key statistics");

@@ -5,7 +5,7 @@ use std::path::Path;
 use serde::Serialize;
 use tch::{Kind, Tensor};
 
-use crate::model::qwen2_vl::{image, Grid};
+use crate::model::vision::{image, Grid};
 use crate::model::{ForwardInput, LoadedModel, ParamView, VisionLanguage};
 use crate::{Error, Result};
 
@@ -144,7 +144,7 @@ pub fn image_prompt<'a>(lm: &'a LoadedModel, params: &ParamView, images: &[&Path
         vl.image_features(params, &pixels, &grids)
     })?;
     let paths: Vec<&Path> = prepared.iter().map(|p| p.path.as_path()).collect();
-    crate::model::qwen2_vl::vision::check_finite_features(&feats, &grids, vl.merge_size(), &paths)?;
+    crate::model::vision::check_finite_features(&feats, &grids, vl.merge_size(), &paths)?;
     Ok(ImagePrompt { vl, ids, feats, grids })
 }
 

@@ -41,7 +41,6 @@ use crate::edit::eval::{self, RecordMetrics, Summary};
 use crate::mend::guard::{self, GuardConfig, GuardReport};
 use crate::mend::stepwise::{self, Stepwise};
 use crate::mend::{Editor, Engine};
-use crate::model::qwen2_vl::ChatTemplate;
 use crate::model::{ModelInfo, Overrides, ParamView};
 use crate::edit::score::{check_length, image_prompt, score_text, score_with_images, ImagePrompt, Score};
 use crate::{Error, Result};
@@ -345,7 +344,7 @@ impl Session {
         };
         let load = MmLoad { records: records.to_vec(), file_index: (0..records.len()).collect(), in_file: records.len(), ..MmLoad::default() };
         let context = self.max_positions();
-        let template = ChatTemplate::load(&engine.lm.dir)?;
+        let template = vl.chat_template(&engine.lm.dir)?;
         let vp = VlPrompt { vl, proc, template: &template };
         let prepared = prepare_mm(&engine.lm.tokenizer, vp, &load, max_length.min(context), context, OverLong::Strict, Path::new("requests"))
             .map_err(|e| Error::input(e.to_string()))?;

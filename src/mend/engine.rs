@@ -15,7 +15,7 @@ use crate::data::{Example, PrefixKey, TokenBatch};
 use crate::device::worker::Worker;
 use crate::device::timeline::Timeline;
 use crate::device::{DevicePlan, Mover, Placement};
-use crate::model::qwen2_vl::ImageProcessorConfig;
+use crate::model::vision::ImageProcessorConfig;
 use crate::model::{lm_head, lm_head_input_grad, Boundary, ForwardInput, LoadedModel, LowRank, Overrides, ParamStore, ParamView, WeightLayout};
 use crate::{Error, Result};
 

@@ -13,8 +13,7 @@ use tch::Tensor;
 use super::layers::Linear;
 use super::params::Prefix;
 use super::{BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
-use super::qwen2_vl::config::VisionTokens;
-use super::qwen2_vl::{Grid, ImageProcessorConfig};
+use super::vision::{ChatTemplate, Grid, ImageProcessorConfig, VisionTokens};
 use crate::Result;
 
 /// The sizes of a decoder that the memory planner needs.
@@ -192,6 +191,15 @@ pub trait VisionLanguage: std::fmt::Debug + Send + Sync {
     /// The image processor of the model in `dir` (`preprocessor_config.json`, its
     /// defaults when absent), checked against the model's vision tower.
     fn image_processor(&self, dir: &Path) -> Result<ImageProcessorConfig>;
+
+    /// The family's released chat template: the prompts of a checkpoint that ships none.
+    fn default_chat_template(&self) -> &'static ChatTemplate;
+
+    /// The chat template of the model in `dir` (its own, else the family's default; see
+    /// [`ChatTemplate::load`]): how an image prompt is worded for this checkpoint.
+    fn chat_template(&self, dir: &Path) -> Result<ChatTemplate> {
+        ChatTemplate::load(dir, self.default_chat_template())
+    }
 
     /// Bytes alive at the peak of the tower's forward (without grad) over one image of
     /// `grid` at `s` bytes per element, and the formula as text for the plan: the

@@ -11,7 +11,8 @@ use tracing::{debug, info};
 
 use super::gpt2::Gpt2;
 use super::llama::{Llama, LlamaConfig};
-use super::qwen2_vl::Qwen2Vl;
+use super::qwen2_vl::{self, Qwen2Vl, VlFamily};
+use super::vision::ChatTemplate;
 use super::{Model, ParamStore, Tokenizer};
 use crate::{Error, Result};
 
@@ -121,21 +122,34 @@ pub const FAMILIES: &[(&str, Build)] = &[
 pub fn read_config(dir: &Path) -> Result<(Model, serde_json::Value)> {
     let path = dir.join("config.json");
     let json = read_json(&path)?;
+    let model = model_from_config(&json).map_err(|e| Error::file(&path, e.to_string()))?;
+    Ok((model, json))
+}
+
+/// The model a `config.json` value describes (errors are plain messages; [`read_config`]
+/// names the file).
+pub fn model_from_config(json: &serde_json::Value) -> Result<Model> {
     // transformers 4.5x saving a VL model loaded from a flat config writes `architectures`
     // into `text_config` only (its config forwards attributes the text config has).
     fn first(v: Option<&serde_json::Value>) -> Option<&str> {
         v.and_then(|v| v.get("architectures")).and_then(|a| a.get(0)).and_then(|a| a.as_str())
     }
-    let arch = first(Some(&json))
+    let arch = first(Some(json))
         .or_else(|| first(json.get("text_config")))
-        .ok_or_else(|| Error::file(&path, "no \"architectures\" entry naming the model class"))?
+        .ok_or_else(|| Error::input("no \"architectures\" entry naming the model class"))?
         .to_string();
     let Some((_, build)) = FAMILIES.iter().find(|(name, _)| *name == arch) else {
         let known: Vec<&str> = FAMILIES.iter().map(|(n, _)| *n).collect();
-        return Err(Error::file(&path, format!("unknown architecture {arch:?} (supported: {})", known.join(", "))));
+        return Err(Error::input(format!("unknown architecture {arch:?} (supported: {})", known.join(", "))));
     };
-    let model = build(&arch, &json).map_err(|e| Error::file(&path, format!("invalid {arch} config: {e}")))?;
-    Ok((model, json))
+    build(&arch, json).map_err(|e| Error::input(format!("invalid {arch} config: {e}")))
+}
+
+/// The released chat template of a vision-language `architecture`'s family (`None` for a
+/// text family): for a program that words image prompts before it has a model, as
+/// pretraining a VL model does when it trains the tokenizer on them.
+pub fn default_chat_template(architecture: &str) -> Option<&'static ChatTemplate> {
+    VlFamily::from_architecture(architecture).map(|_| qwen2_vl::default_chat_template())
 }
 
 /// The safetensors files of a model directory: the index's shards, or `model.safetensors`.

@@ -13,6 +13,7 @@ pub mod params;
 pub mod qwen2_vl;
 pub mod recompute;
 pub mod tokenizer;
+pub mod vision;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;

@@ -17,7 +17,7 @@ use crate::data::easyedit::{load_records, DatasetKind};
 use crate::data::examples::{prepare_with, OverLong};
 use crate::data::multimodal::{load_mm, prepare_mm, ImageRoots, VlPrompt};
 use crate::data::{EditExample, Example};
-use crate::model::qwen2_vl::ImageProcessorConfig;
+use crate::model::vision::ImageProcessorConfig;
 use crate::model::{Model, Tokenizer};
 use crate::{Error, Result};
 
@@ -109,7 +109,7 @@ pub fn data_shape(model_dir: &Path, model: &Model, path: &Path, ds: DatasetKind,
                     .unwrap_or((0, 0))
             })
             .collect();
-        let template = crate::data::multimodal::ChatTemplate::load(model_dir)?;
+        let template = vl.chat_template(model_dir)?;
         let p = prepare_mm(&tok, VlPrompt { vl, proc: &proc, template: &template }, &load, unlimited, context, OverLong::Skip, path)?;
         image_pad = Some(vl.tokens().image_pad);
         records = p.examples.len();

@@ -205,7 +205,7 @@ fn load_mm_examples(
         load.file_index.truncate(l);
     }
     let context = engine.lm.model.info().max_positions as usize;
-    let template = crate::data::multimodal::ChatTemplate::load(&engine.lm.dir)?;
+    let template = vl.chat_template(&engine.lm.dir)?;
     let prepared = prepare_mm(&engine.lm.tokenizer, VlPrompt { vl, proc, template: &template }, &load, max_len, context, over_long, path)?;
     let mut first_skipped: Vec<(usize, String)> = load.skipped_empty.iter().chain(&load.skipped_image).chain(&prepared.skipped).cloned().collect();
     first_skipped.sort_by_key(|(i, _)| *i);

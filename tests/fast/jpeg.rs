@@ -3,7 +3,7 @@
 //! greyscale, CMYK, YCCK, restart markers, EXIF, odd sizes; scripts/make_jpeg_fixtures.py)
 //! gives exactly the RGB of Pillow's `Image.open(f).convert("RGB")`, and broken files give one
 //! error naming the file.
-use dualedit::model::qwen2_vl::image;
+use dualedit::model::vision::image;
 
 use crate::common::{fixture, json_file};
 

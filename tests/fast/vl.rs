@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use dualedit::model::qwen2_vl::{image, ImageProcessorConfig};
+use dualedit::model::vision::{image, ImageProcessorConfig};
 use dualedit::model::{load_model, ParamView};
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
@@ -741,8 +741,8 @@ fn checkpoints_saved_by_each_transformers_version_load_and_score_as_transformers
 fn the_multimodal_default_ships_the_template_it_was_pretrained_with() {
     let dir = common::root().join("data/vl/model");
     let shipped = std::fs::read_to_string(dir.join("chat_template.jinja")).unwrap();
-    assert_eq!(shipped, dualedit::model::qwen2_vl::chat_template::QWEN2_VL_DEFAULT);
-    let t = dualedit::model::qwen2_vl::ChatTemplate::load(&dir).unwrap();
+    assert_eq!(shipped, dualedit::model::qwen2_vl::DEFAULT_CHAT_TEMPLATE);
+    let t = dualedit::model::vision::ChatTemplate::load(&dir, dualedit::model::qwen2_vl::default_chat_template()).unwrap();
     assert!(format!("{t:?}").contains("chat_template.jinja"), "{t:?}");
 }
 
@@ -754,23 +754,23 @@ fn chat_templates_that_never_end_or_are_no_files_are_named() {
     let jinja = dir.path().join("chat_template.jinja");
     let t = std::time::Instant::now();
     std::fs::write(&jinja, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}").unwrap();
-    let err = dualedit::model::qwen2_vl::ChatTemplate::load(dir.path()).unwrap_err().to_string();
+    let err = dualedit::model::vision::ChatTemplate::load(dir.path(), dualedit::model::qwen2_vl::default_chat_template()).unwrap_err().to_string();
     assert!(err.contains("chat_template.jinja") && err.contains("instructions"), "{err}");
     std::fs::write(&jinja, "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}").unwrap();
-    let err = dualedit::model::qwen2_vl::ChatTemplate::load(dir.path()).unwrap_err().to_string();
+    let err = dualedit::model::vision::ChatTemplate::load(dir.path(), dualedit::model::qwen2_vl::default_chat_template()).unwrap_err().to_string();
     assert!(err.contains("chat_template.jinja") && (err.contains("bytes") || err.contains("instructions")), "{err}");
     assert!(t.elapsed() < std::time::Duration::from_secs(1), "took {:?}", t.elapsed());
     std::fs::remove_file(&jinja).unwrap();
     std::fs::create_dir(&jinja).unwrap();
-    let err = dualedit::model::qwen2_vl::ChatTemplate::load(dir.path()).unwrap_err().to_string();
+    let err = dualedit::model::vision::ChatTemplate::load(dir.path(), dualedit::model::qwen2_vl::default_chat_template()).unwrap_err().to_string();
     assert!(err.contains("chat_template.jinja") && err.contains("directory"), "{err}");
     std::fs::remove_dir(&jinja).unwrap();
     let fifo = std::ffi::CString::new(jinja.to_str().unwrap()).unwrap();
     assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
-    let err = dualedit::model::qwen2_vl::ChatTemplate::load(dir.path()).unwrap_err().to_string();
+    let err = dualedit::model::vision::ChatTemplate::load(dir.path(), dualedit::model::qwen2_vl::default_chat_template()).unwrap_err().to_string();
     assert!(err.contains("chat_template.jinja") && err.contains("FIFO"), "{err}");
     std::fs::remove_file(&jinja).unwrap();
     std::os::unix::fs::symlink("/dev/zero", &jinja).unwrap();
-    let err = dualedit::model::qwen2_vl::ChatTemplate::load(dir.path()).unwrap_err().to_string();
+    let err = dualedit::model::vision::ChatTemplate::load(dir.path(), dualedit::model::qwen2_vl::default_chat_template()).unwrap_err().to_string();
     assert!(err.contains("chat_template.jinja") && err.contains("device"), "{err}");
 }

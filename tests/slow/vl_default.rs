@@ -184,7 +184,7 @@ fn shipped_vl_model_reads_the_pictures() {
     let vl = lm.model.family().vision_language().expect("a vision-language model");
     let proc = vl.image_processor(&lm.dir).unwrap();
     let cfg = VisualWorld::read(&world).unwrap().config;
-    let vp = VlPrompt { vl, proc: &proc, template: dualedit::model::qwen2_vl::ChatTemplate::qwen2_vl() };
+    let vp = VlPrompt { vl, proc: &proc, template: vl.default_chat_template() };
     let records: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(world.join("vqa-holdout.json")).unwrap()).unwrap();
     let example = |r: &serde_json::Value, image: &str| {
         let img = ImageFile { path: world.join(r[image].as_str().unwrap()), height: cfg.height as i64, width: cfg.width as i64 };

@@ -61,7 +61,7 @@ pub fn answer(a: &PlanArgs) -> anyhow::Result<(String, Option<String>)> {
         (None, _) => None,
     };
     if opts.image.is_some() && model.family().vision_language().is_some() {
-        opts.image_processor = crate::model::qwen2_vl::ImageProcessorConfig::load(&a.model.join("preprocessor_config.json"))?;
+        opts.image_processor = crate::model::vision::ImageProcessorConfig::load(&a.model.join("preprocessor_config.json"))?;
     }
     let question = verdict::PlanQuestion {
         placement: d.placement,

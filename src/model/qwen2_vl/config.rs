@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use crate::model::llama::LlamaConfig;
 use crate::model::{check_sizes, MAX_LAYERS, MAX_WIDTH};
+use crate::model::vision::VisionTokens;
 use crate::{Error, Result};
 
 /// Which of the two VL families a config describes; they differ only in the vision tower.
@@ -171,13 +172,6 @@ impl VisionConfig {
     }
 }
 
-/// Special token ids a VL prompt is built from.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
-pub struct VisionTokens {
-    pub image_pad: i64,
-    pub vision_start: i64,
-    pub vision_end: i64,
-}
 
 /// Everything a VL `config.json` says that the forward uses.
 #[derive(Debug, Clone)]

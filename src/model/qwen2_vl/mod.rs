@@ -20,24 +20,34 @@
 //! Tensor names are kept in the released checkpoints' layout (`model.layers.*`,
 //! `model.embed_tokens`, `visual.*`, `lm_head`); the loader maps transformers 5's module
 //! names (`model.language_model.*`, `model.visual.*`) onto it.
-pub mod chat_template;
 pub mod config;
-pub mod image;
-mod jpeg;
 pub mod vision;
 
 
 use tch::{Kind, Tensor};
 
-pub use chat_template::ChatTemplate;
-pub use config::{Qwen2VlConfig, VisionConfig, VisionTokens, VlFamily};
-pub use image::{ImageProcessorConfig, PreparedImage};
-pub use vision::Grid;
+pub use config::{Qwen2VlConfig, VisionConfig, VlFamily};
 
 use super::family::{BlockSaved, Dims, Family, VisionLanguage};
 use super::llama::Llama;
 use super::{position_ids, AttnMask, BlockContext, BlockIo, ForwardInput, ModelInfo, ParamView, WeightLayout};
+use super::vision::{ChatTemplate, Grid, ImageProcessorConfig, VisionTokens};
 use crate::{Error, Result};
+
+/// Qwen2-VL's chat template as the released `Qwen2-VL-*-Instruct` checkpoints ship it.
+pub const DEFAULT_CHAT_TEMPLATE: &str = "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// What Qwen2-VL's template renders for the one image of a turn.
+const IMAGE_MARKERS: &str = "<|vision_start|><|image_pad|><|vision_end|>";
+
+/// Qwen2-VL's released template ([`DEFAULT_CHAT_TEMPLATE`]), compiled once: the prompts
+/// of a checkpoint that ships none.
+pub fn default_chat_template() -> &'static ChatTemplate {
+    static DEFAULT: std::sync::OnceLock<ChatTemplate> = std::sync::OnceLock::new();
+    DEFAULT.get_or_init(|| {
+        ChatTemplate::compile(DEFAULT_CHAT_TEMPLATE.to_string(), None, IMAGE_MARKERS).expect("the built-in Qwen2-VL template compiles")
+    })
+}
 
 #[derive(Debug, Clone)]
 pub struct Qwen2Vl {
@@ -77,17 +87,6 @@ impl Qwen2Vl {
     /// Parameters of the vision tower alone (`visual.*`), with shapes.
     pub fn vision_params(&self) -> Vec<(String, Vec<i64>)> {
         vision::expected_params(&self.config.vision)
-    }
-
-    /// Qwen2-VL's default chat template (transformers' `apply_chat_template` with
-    /// `add_generation_prompt`; a checkpoint's own template is [`ChatTemplate::load`]'s) for one user turn: the image placeholder, then `text`. The
-    /// one `<|image_pad|>` stands for the image's run ([`VisionLanguage::image_prompt`]), which
-    /// the caller expands once it has the image's grid.
-    pub fn chat_image_prompt(text: &str) -> String {
-        format!(
-            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n",
-            text.trim()
-        )
     }
 
     /// M-RoPE cos/sin tables `[B, 1, T, head_dim]` for position ids `[3, B, T]`.
@@ -273,6 +272,10 @@ impl VisionLanguage for Qwen2Vl {
         Ok(proc)
     }
 
+    fn default_chat_template(&self) -> &'static ChatTemplate {
+        default_chat_template()
+    }
+
     /// M-RoPE position ids `[3, T]` for one unpadded sequence: text tokens count up on all
     /// three streams; each run of `<|image_pad|>` tokens (one image, `grids` in order)
     /// gets (temporal, row, column) offsets from the position where it starts, and the
@@ -339,5 +342,17 @@ impl VisionLanguage for Qwen2Vl {
             "N·(patch·(4+s) + 2·hd·4) + N·((6E+2F)·s + 2E·4) + H·N²·s + N/{u}·(2·{u}E+D)·s, N={n} E={e} F={f} H={heads}"
         );
         (fixed + per_block, formula)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_default_template_renders_qwen2_vls_prompt() {
+        let p = super::default_chat_template().image_prompt(" What is this? ").unwrap();
+        assert_eq!(
+            p,
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 }

@@ -15,10 +15,9 @@ use super::config::{VisionConfig, VlFamily};
 use crate::model::layers::{declare_all, Layer, Linear, Norm, Param, ParamList};
 use crate::model::params::{Prefix, Scope};
 use crate::model::ParamView;
+use crate::model::vision::Grid;
 use crate::{Error, Result};
 
-/// One image's patch grid: temporal, height and width in patches (`image_grid_thw`).
-pub type Grid = [i64; 3];
 
 /// The patch embedding's weight `[E, C, tp, ps, ps]` (a Conv3d with stride = kernel).
 const PATCH_EMBED: &str = "visual.patch_embed.proj.weight";
@@ -375,32 +374,3 @@ mod tests {
     }
 }
 
-/// Refuses a vision-tower output with a NaN or infinity, naming the image it came from:
-/// `feats` is `[Σ merged patches, D]`, the images' rows in order (`grids`, merge size
-/// `merge`), `paths[i]` the file of image `i`. A non-finite feature would otherwise
-/// flow into log-probabilities and metrics as if it were a number.
-pub fn check_finite_features(feats: &Tensor, grids: &[Grid], merge: i64, paths: &[&std::path::Path]) -> Result<()> {
-    let (bad, finite_rows) = crate::error::guard(|| {
-        let _g = tch::no_grad_guard();
-        let rows = feats.isfinite().all_dim(-1, false).to_device(tch::Device::Cpu);
-        let bad = i64::try_from(rows.logical_not().sum(Kind::Int64))?;
-        Ok((bad, Vec::<bool>::try_from(rows)?))
-    })?;
-    if bad == 0 {
-        return Ok(());
-    }
-    let mut start = 0usize;
-    for (i, g) in grids.iter().enumerate() {
-        let n = (g.iter().product::<i64>() / (merge * merge)) as usize;
-        let end = (start + n).min(finite_rows.len());
-        if finite_rows[start..end].iter().any(|ok| !ok) {
-            let msg = "the vision tower gave non-finite features (NaN or infinity) for this image; check the model's weights and preprocessor_config.json";
-            return Err(match paths.get(i) {
-                Some(p) => Error::file(p, msg),
-                None => Error::input(format!("image {i}: {msg}")),
-            });
-        }
-        start = end;
-    }
-    Err(Error::input(format!("the vision tower gave {bad} rows of non-finite features")))
-}

@@ -40,7 +40,7 @@ use serde::Deserialize;
 use tch::Tensor;
 use tracing::warn;
 
-use super::vision::Grid;
+use super::Grid;
 use crate::{Error, Result};
 
 /// CLIP's normalisation, the processor's default.

@@ -10,23 +10,23 @@
 //! Where it comes from, in transformers' order: `chat_template.jinja`, then
 //! `chat_template.json` (`{"chat_template": "..."}`), then `tokenizer_config.json`'s
 //! `chat_template` (a string, or a list of named templates: `default`). A checkpoint with
-//! none gets Qwen2-VL's released template ([`QWEN2_VL_DEFAULT`]), with one warning per
-//! process.
+//! none gets its family's released template (Qwen2-VL's for the Qwen2-VL family), with
+//! one warning per process.
 //!
 //! Rendering uses minijinja set up as transformers sets up Jinja2 for chat templates
 //! (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, `tojson`) plus
 //! Python's string methods (`.strip()`, `.startswith()`, ...) through
 //! `minijinja-contrib`'s `pycompat`, which HF templates call.
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use minijinja::{context, Environment, Value};
 use serde_json::Value as Json;
 
 use crate::{Error, Result};
 
-/// Qwen2-VL's chat template as the released `Qwen2-VL-*-Instruct` checkpoints ship it.
-pub const QWEN2_VL_DEFAULT: &str = "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// How messages name a family's built-in template, which has no file.
+const BUILT_IN: &str = "<the model family's default chat template>";
 
 /// The name the template is registered under in its environment.
 const NAME: &str = "chat";
@@ -39,16 +39,18 @@ const FUEL: u64 = 1_000_000;
 /// The most bytes one rendered prompt may take.
 const MAX_RENDERED_BYTES: usize = 1 << 20;
 
-/// What the template must render for the one image of a turn, exactly once: the prompt's
-/// ids are built by expanding this `<|image_pad|>` to the image's patches.
-const IMAGE_MARKERS: &str = "<|vision_start|><|image_pad|><|vision_end|>";
-
 /// A compiled chat template and the special-token globals (`bos_token`, ...) of its
 /// checkpoint.
 pub struct ChatTemplate {
     env: Environment<'static>,
     /// The file the template came from; `None` for the built-in default.
     origin: Option<PathBuf>,
+    /// The template's source text.
+    text: String,
+    /// What the template must render for the one image of a turn, exactly once (the
+    /// family's, e.g. Qwen2-VL's `<|vision_start|><|image_pad|><|vision_end|>`): the
+    /// prompt's ids are built by expanding its pad token to the image's patches.
+    markers: &'static str,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -59,11 +61,12 @@ impl std::fmt::Debug for ChatTemplate {
 
 impl ChatTemplate {
     /// The template of the checkpoint in `dir` (see the module docs for the order), or
-    /// Qwen2-VL's default when it has none. A file that is there but unreadable (a
-    /// directory, FIFO or device included), not the JSON it should be, not a valid
-    /// template, or one whose image turn lacks the image markers
-    /// (`<|vision_start|><|image_pad|><|vision_end|>`, once) is an error naming it.
-    pub fn load(dir: &Path) -> Result<Self> {
+    /// the family's `default` when it has none (families call this through
+    /// [`crate::model::VisionLanguage::chat_template`]). A file that is there but
+    /// unreadable (a directory, FIFO or device included), not the JSON it should be, not
+    /// a valid template, or one whose image turn lacks the default's image markers (once)
+    /// is an error naming it.
+    pub fn load(dir: &Path, default: &'static ChatTemplate) -> Result<Self> {
         let tokenizer_config = read_json_if_present(&dir.join("tokenizer_config.json"))?;
         let jinja = dir.join("chat_template.jinja");
         let json = dir.join("chat_template.json");
@@ -79,11 +82,11 @@ impl ChatTemplate {
         } else {
             static WARN: std::sync::Once = std::sync::Once::new();
             WARN.call_once(|| {
-                tracing::warn!(dir = %dir.display(), "the checkpoint has no chat template (chat_template.jinja / .json, tokenizer_config.json): the E-VQA prompts use Qwen2-VL's default");
+                tracing::warn!(dir = %dir.display(), "the checkpoint has no chat template (chat_template.jinja / .json, tokenizer_config.json): the E-VQA prompts use the model family's default");
             });
-            return Ok(Self::qwen2_vl().clone_default());
+            return Ok(default.clone_default());
         };
-        let mut t = Self::compile(text, Some(origin))?;
+        let mut t = Self::compile(text, Some(origin), default.markers)?;
         if let Some(cfg) = &tokenizer_config {
             t.add_special_tokens(cfg);
         }
@@ -91,33 +94,29 @@ impl ChatTemplate {
         Ok(t)
     }
 
-    /// The template's image turn must show the image: [`IMAGE_MARKERS`] exactly once.
+    /// The template's image turn must show the image: its markers exactly once.
     fn check_image_markers(&self) -> Result<()> {
         let probe = self.image_prompt("What is in the image?")?;
-        let n = probe.matches(IMAGE_MARKERS).count();
+        let markers = self.markers;
+        let n = probe.matches(markers).count();
         if n != 1 {
             let at = self.origin.clone().unwrap_or_default();
             return Err(Error::file(
                 at,
-                format!("the chat template renders {IMAGE_MARKERS} {n} times for a turn with one image, expected once (without it the image is not in the prompt): {probe:?}"),
+                format!("the chat template renders {markers} {n} times for a turn with one image, expected once (without it the image is not in the prompt): {probe:?}"),
             ));
         }
         Ok(())
     }
 
-    /// Qwen2-VL's released template ([`QWEN2_VL_DEFAULT`]), compiled once.
-    pub fn qwen2_vl() -> &'static ChatTemplate {
-        static DEFAULT: OnceLock<ChatTemplate> = OnceLock::new();
-        DEFAULT.get_or_init(|| Self::compile(QWEN2_VL_DEFAULT.to_string(), None).expect("the built-in Qwen2-VL template compiles"))
-    }
-
     fn clone_default(&self) -> Self {
-        Self { env: self.env.clone(), origin: None }
+        Self { env: self.env.clone(), origin: None, text: self.text.clone(), markers: self.markers }
     }
 
-    /// Compiles `text` (from `origin`, for messages) in an environment set up as
-    /// transformers' (see the module docs).
-    pub fn compile(text: String, origin: Option<PathBuf>) -> Result<Self> {
+    /// Compiles `text` (from `origin`, for messages; `None` for a family's built-in
+    /// default) in an environment set up as transformers' (see the module docs); an image
+    /// turn must render `markers` once.
+    pub fn compile(text: String, origin: Option<PathBuf>, markers: &'static str) -> Result<Self> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -126,9 +125,9 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
-        let at = origin.clone().unwrap_or_else(|| PathBuf::from("<Qwen2-VL default chat template>"));
-        env.add_template_owned(NAME, text).map_err(|e| Error::file(&at, format!("invalid chat template: {e:#}")))?;
-        Ok(Self { env, origin })
+        let at = origin.clone().unwrap_or_else(|| PathBuf::from(BUILT_IN));
+        env.add_template_owned(NAME, text.clone()).map_err(|e| Error::file(&at, format!("invalid chat template: {e:#}")))?;
+        Ok(Self { env, origin, text, markers })
     }
 
     /// `bos_token`, `eos_token`, `pad_token`, `unk_token` from `tokenizer_config.json`
@@ -146,9 +145,14 @@ impl ChatTemplate {
         }
     }
 
-    /// The file the template came from (`None`: Qwen2-VL's default).
+    /// The file the template came from (`None`: the family's default).
     pub fn origin(&self) -> Option<&Path> {
         self.origin.as_deref()
+    }
+
+    /// The template's source text (what a checkpoint writes as `chat_template.jinja`).
+    pub fn text(&self) -> &str {
+        &self.text
     }
 
     /// `apply_chat_template([user: image, text], add_generation_prompt=True)`: the prompt
@@ -158,7 +162,7 @@ impl ChatTemplate {
             "role": "user",
             "content": [{"type": "image"}, {"type": "text", "text": text.trim()}],
         }]);
-        let at = || self.origin.clone().unwrap_or_else(|| PathBuf::from("<Qwen2-VL default chat template>"));
+        let at = || self.origin.clone().unwrap_or_else(|| PathBuf::from(BUILT_IN));
         let tmpl = self.env.get_template(NAME).map_err(|e| Error::file(at(), e.to_string()))?;
         let mut out = Capped(Vec::new());
         tmpl.render_captured_to(context! { messages => Value::from_serialize(&messages), add_generation_prompt => true }, &mut out)
@@ -211,12 +215,7 @@ fn read_json_if_present(path: &Path) -> Result<Option<Json>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_default_renders_qwen2_vls_prompt() {
-        let p = ChatTemplate::qwen2_vl().image_prompt(" What is this? ").unwrap();
-        assert_eq!(p, super::super::Qwen2Vl::chat_image_prompt("What is this?"));
-    }
+    use crate::model::qwen2_vl::default_chat_template;
 
     #[test]
     fn a_checkpoints_template_wins_and_bad_ones_are_named() {
@@ -227,24 +226,24 @@ mod tests {
         )
         .unwrap();
         // A template that drops the image markers is named.
-        let err = ChatTemplate::load(dir.path()).unwrap_err().to_string();
+        let err = ChatTemplate::load(dir.path(), default_chat_template()).unwrap_err().to_string();
         assert!(err.contains("tokenizer_config.json") && err.contains("0 times"), "{err}");
         std::fs::write(
             dir.path().join("tokenizer_config.json"),
             r#"{"bos_token": {"content": "<s>"}, "chat_template": "TOKCFG<|vision_start|><|image_pad|><|vision_end|>"}"#,
         )
         .unwrap();
-        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "TOKCFG<|vision_start|><|image_pad|><|vision_end|>");
+        assert_eq!(ChatTemplate::load(dir.path(), default_chat_template()).unwrap().image_prompt("q").unwrap(), "TOKCFG<|vision_start|><|image_pad|><|vision_end|>");
         std::fs::write(dir.path().join("chat_template.json"), r#"{"chat_template": "JSON {{ bos_token }}<|vision_start|><|image_pad|><|vision_end|>"}"#).unwrap();
-        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "JSON <s><|vision_start|><|image_pad|><|vision_end|>");
+        assert_eq!(ChatTemplate::load(dir.path(), default_chat_template()).unwrap().image_prompt("q").unwrap(), "JSON <s><|vision_start|><|image_pad|><|vision_end|>");
         let jinja = "{% for m in messages %}[{{ m.role | upper }}]{% for c in m.content %}{% if c.type == 'text' %}{{ c.text.strip() }}{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}{% endfor %}{% if add_generation_prompt %}=>{% endif %}";
         std::fs::write(dir.path().join("chat_template.jinja"), jinja).unwrap();
-        assert_eq!(ChatTemplate::load(dir.path()).unwrap().image_prompt("q").unwrap(), "[USER]<|vision_start|><|image_pad|><|vision_end|>q=>");
+        assert_eq!(ChatTemplate::load(dir.path(), default_chat_template()).unwrap().image_prompt("q").unwrap(), "[USER]<|vision_start|><|image_pad|><|vision_end|>q=>");
         std::fs::write(dir.path().join("chat_template.jinja"), "{% if x %}").unwrap();
-        let err = ChatTemplate::load(dir.path()).unwrap_err().to_string();
+        let err = ChatTemplate::load(dir.path(), default_chat_template()).unwrap_err().to_string();
         assert!(err.contains("chat_template.jinja") && err.contains("invalid chat template"), "{err}");
         std::fs::write(dir.path().join("chat_template.jinja"), "{{ raise_exception('no images here') }}").unwrap();
-        let err = ChatTemplate::load(dir.path()).unwrap_err().to_string();
+        let err = ChatTemplate::load(dir.path(), default_chat_template()).unwrap_err().to_string();
         assert!(err.contains("no images here"), "{err}");
     }
 
