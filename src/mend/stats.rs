@@ -24,9 +24,50 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::data::Example;
-use crate::mend::ls::MAX_KEEP_LINE_CHARS;
 use crate::mend::{checkpoint, Engine};
 use crate::{Error, Result};
+
+/// Lines of `--ls-keep-text` used at most: the keys' Gram matrix converges long before
+/// (each line adds its tokens' keys to one `[d_in, d_in]` sum), and a 200k-line file took
+/// minutes to encode and run. Lines beyond are left out with a warning.
+pub const MAX_KEEP_LINES: usize = 20_000;
+
+/// Characters of one `--ls-keep-text` line read at most: a line is cut to the model's
+/// context in tokens anyway, so a longer one is cut before it is tokenised (a 50 MB line
+/// would otherwise be tokenised in full).
+pub const MAX_KEEP_LINE_CHARS: usize = 64 * 1024;
+
+/// The non-empty lines of a `--ls-keep-text` file (trimmed), at most [`MAX_KEEP_LINES`]
+/// of them, each cut to [`MAX_KEEP_LINE_CHARS`]; the rest is left out with a warning. A
+/// file that is not a regular file (a FIFO would block), cannot be read, is not UTF-8 or
+/// has no non-empty line is an error naming it.
+pub fn read_keep_text(path: &std::path::Path) -> Result<Vec<String>> {
+    let text = crate::io::read_text(path).map_err(|e| Error::file(path, format!("--ls-keep-text must name a regular file of text lines: {e}")))?;
+    let mut lines = Vec::new();
+    let (mut total, mut cut) = (0usize, 0usize);
+    for l in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        total += 1;
+        if lines.len() == MAX_KEEP_LINES {
+            continue;
+        }
+        let mut l = l.to_string();
+        if l.len() > MAX_KEEP_LINE_CHARS {
+            l.truncate(floor_char_boundary(&l, MAX_KEEP_LINE_CHARS));
+            cut += 1;
+        }
+        lines.push(l);
+    }
+    if lines.is_empty() {
+        return Err(Error::file(path, "the unrelated-keys text (--ls-keep-text) has no non-empty line"));
+    }
+    if total > lines.len() {
+        tracing::warn!(file = %path.display(), lines = total, used = lines.len(), "--ls-keep-text has more lines than are used: the first {} are", lines.len());
+    }
+    if cut > 0 {
+        tracing::warn!(file = %path.display(), lines = cut, "--ls-keep-text lines longer than {MAX_KEEP_LINE_CHARS} bytes were cut (the model reads at most its context of each)");
+    }
+    Ok(lines)
+}
 
 /// The file name [`KeyStats::write_for_editor`] writes into an editor's folder.
 pub const KEY_STATS_FILE: &str = "key-stats.safetensors";

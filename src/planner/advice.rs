@@ -10,8 +10,9 @@ use crate::model::loader::read_config;
 use crate::model::Model;
 use crate::{Error, Result};
 
-#[allow(unused_imports)]
-use super::{items::*, sizes::*, types::*, *};
+use super::placement::choose;
+use super::types::{MemoryPlan, Phase, PlanOptions};
+
 
 /// The out-of-memory diagnosis's question to the planner (`device::oom::FitAdvisor`): of
 /// the placements of the run's devices ([`choose`], in [`plan_all`]'s order), the first

@@ -2,10 +2,11 @@
 //! the edited forwards, losses and the optimiser step; per-device totals.
 use std::collections::BTreeMap;
 
+use super::sizes::{recompute_block_max, Mode, Sizes};
+use super::types::{num, DeviceTotal, Group, Phase, PlanItem, PlanOptions, Role};
 
 
-#[allow(unused_imports)]
-use super::{sizes::*, types::*, *};
+
 
 /// Plan items as the phases add them, each on the device its role maps to.
 pub(super) struct Items {

@@ -17,19 +17,11 @@
 //! factor `a` of a factored edit, whose `x·aᵀ` saves the same input), a norm
 //! saves its input only when that input requires grad, and so on. Nothing below the first
 //! edited weight requires grad, so the frozen layers below it keep no activations at all.
-use std::path::Path;
-
-
-use crate::config::MendConfig;
-use crate::device::Placement;
-use crate::model::loader::read_config;
-use crate::model::qwen2_vl::ImageProcessorConfig;
-use crate::model::Model;
-use crate::{Error, Result};
-
 mod advice;
 pub mod data;
 mod items;
+mod judge;
+mod plan;
 mod placement;
 mod render;
 mod sizes;
@@ -39,73 +31,14 @@ pub mod verdict;
 pub use advice::*;
 pub use placement::*;
 pub use types::*;
-#[allow(unused_imports)]
-use {items::*, sizes::*};
-
-/// Plans for the model directory `dir`, reading only its `config.json`.
-pub fn plan_dir(dir: &Path, cfg: &MendConfig, opts: &PlanOptions) -> Result<MemoryPlan> {
-    if !dir.is_dir() {
-        return Err(Error::file(dir, "model directory not found"));
-    }
-    let (model, _) = read_config(dir)?;
-    if opts.image.is_some() && model.family().vision_language().is_some() {
-        let proc = ImageProcessorConfig::load(&dir.join("preprocessor_config.json"))?;
-        return plan_model(&model, cfg, &PlanOptions { image_processor: proc, ..opts.clone() });
-    }
-    plan_model(&model, cfg, opts)
-}
-
-/// Builds the plan for an architecture (no weights needed). A layer split without a
-/// boundary gets the balancing one ([`balanced_boundary`]).
-pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<MemoryPlan> {
-    if o.placement == Placement::Balanced && (o.boundary.is_none() || o.chain_at.len() != o.chain.len()) {
-        let (chain_at, k) = balanced_chain(model, cfg, o)?;
-        return plan_model(model, cfg, &PlanOptions { boundary: Some(k), chain_at, ..o.clone() });
-    }
-    let z = sizes(model, cfg, o)?;
-    let mut it = Items::new(o);
-    for phase in [Phase::Train, Phase::Edit] {
-        resident(&z, &mut it, phase);
-        images(&z, &mut it, phase);
-        capture(&z, &mut it, phase);
-        edit(&z, &mut it, phase);
-        edited_forwards(&z, &mut it, phase);
-        losses_and_step(&z, &mut it, phase);
-    }
-    let totals = totals(&it);
-    let shape = PlanShape {
-        architecture: z.info.architecture.clone(),
-        n_params: z.info.n_params,
-        dtype: dtype_name(o.dtype).into(),
-        dtype_bytes: z.s,
-        main: o.main.clone(),
-        sub: o.sub.clone(),
-        split: o.split,
-        placement: o.placement,
-        boundary: z.boundary,
-        chain: z.chain.iter().map(|c| (c.device.clone(), c.from)).collect(),
-        optimizer_device: o.optimizer_device(),
-        batch_size: z.b,
-        tokens_per_example: z.tokens,
-        kept_per_example: z.kept,
-        vocab_size: z.v,
-        hidden_size: z.dm.d,
-        n_layers: z.dm.n_layers,
-        edited: z.names,
-        first_edited_layer: z.first_layer,
-        editors: z.editors,
-        editor_parameters: z.e_params,
-        image: z.image.map(|(shape, _)| shape),
-        views: z.views.shapes,
-        edited_forward_tokens: z.views.fwd_n,
-    };
-    Ok(MemoryPlan { shape, items: it.items, totals })
-}
 
 #[cfg(test)]
 mod tests {
+    use super::sizes::{saved_activations, Saved};
     use super::*;
+    use crate::config::MendConfig;
     use crate::model::gpt2::{Gpt2, Gpt2Config};
+    use crate::model::Model;
     use tch::Kind;
 
     fn gpt2(n_layer: i64, d: i64, v: i64) -> Model {

@@ -11,11 +11,37 @@ use crate::config::MendConfig;
 use crate::device::memory::format_bytes;
 use crate::device::{DevicePlan, DeviceRequest, MaxMemory, OptimizerDevice, Placement, PlacementRequest};
 use crate::model::loader::read_config;
+use crate::model::vision::ImageProcessorConfig;
 use crate::model::Model;
 use crate::{Error, Result};
 
-#[allow(unused_imports)]
-use super::{items::*, render::*, sizes::*, types::*, *};
+use super::render::views_text;
+use super::sizes::{sizes, split_weights};
+use super::types::{MemoryPlan, Phase, PlanOptions, ViewShape};
+
+
+/// Plans for the model directory `dir`, reading only its `config.json`.
+pub fn plan_dir(dir: &Path, cfg: &MendConfig, opts: &PlanOptions) -> Result<MemoryPlan> {
+    if !dir.is_dir() {
+        return Err(Error::file(dir, "model directory not found"));
+    }
+    let (model, _) = read_config(dir)?;
+    if opts.image.is_some() && model.family().vision_language().is_some() {
+        let proc = ImageProcessorConfig::load(&dir.join("preprocessor_config.json"))?;
+        return plan_model(&model, cfg, &PlanOptions { image_processor: proc, ..opts.clone() });
+    }
+    plan_model(&model, cfg, opts)
+}
+
+/// Builds the plan for an architecture (no weights needed). A layer split without a
+/// boundary gets the balancing one ([`balanced_boundary`]).
+pub fn plan_model(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Result<MemoryPlan> {
+    if o.placement == Placement::Balanced && (o.boundary.is_none() || o.chain_at.len() != o.chain.len()) {
+        let (chain_at, k) = balanced_chain(model, cfg, o)?;
+        return plan_model(model, cfg, &PlanOptions { boundary: Some(k), chain_at, ..o.clone() });
+    }
+    super::plan::plan_fixed(model, cfg, o)
+}
 
 /// The layer split's boundary `k` (blocks `[k, L)` on the sub-device) that balances the two
 /// devices: it minimises the larger of the main and sub peaks in `o.balance_for`, each
@@ -149,7 +175,7 @@ pub fn choose(model: &Model, cfg: &MendConfig, o: &PlanOptions, phase: Phase) ->
     let caps = o.judged_caps();
     let mut lines = Vec::new();
     for p in plans {
-        match super::verdict::over(&p, &caps, &o.headroom, phase) {
+        match super::judge::over(&p, &caps, &o.headroom, phase) {
             None => return Ok(p),
             Some(why) => lines.push(format!("  {}: {why}", p.placement_label())),
         }

@@ -4,8 +4,8 @@ use std::fmt::Write as _;
 
 use crate::device::memory::format_bytes;
 
-#[allow(unused_imports)]
-use super::{items::*, sizes::*, types::*, *};
+use super::types::{num, Group, MemoryPlan, Phase, Role, ViewShape};
+
 
 impl MemoryPlan {
     /// Peak bytes of `device` in `phase` (0 if the device has no role).

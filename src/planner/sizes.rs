@@ -7,14 +7,14 @@ use std::fmt::Write as _;
 use crate::config::{EditorMode, MendConfig};
 use crate::device::Placement;
 use crate::model::family::{split_block_name, Dims, Family};
-use crate::model::qwen2_vl::ImageProcessorConfig;
+use crate::model::vision::ImageProcessorConfig;
 use crate::model::VisionLanguage;
 use crate::model::ModelInfo;
 use crate::model::Model;
 use crate::{Error, Result};
 
-#[allow(unused_imports)]
-use super::{items::*, types::*, *};
+use super::types::{dtype_bytes, EditorShape, ImageShape, Phase, PlanOptions, ViewShape};
+
 
 /// Activations saved for backward by a forward with the `edited` weights requiring grad,
 /// from the first edited layer up.

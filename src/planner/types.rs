@@ -5,12 +5,11 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use tch::Kind;
 
+use crate::device::memory::format_bytes;
 use crate::device::{MaxMemory, OptimizerDevice, Placement};
-use crate::model::qwen2_vl::ImageProcessorConfig;
+use crate::model::vision::ImageProcessorConfig;
 use crate::{Error, Result};
 
-#[allow(unused_imports)]
-use super::{items::*, sizes::*, *};
 
 /// What is planned for: devices, weight dtype, sequence shape.
 #[derive(Debug, Clone)]
@@ -59,9 +58,9 @@ pub struct PlanOptions {
     /// With an image: tokens of the text-only locality question (E-VQA's NQ `loc` view)
     /// per example. `None`: `tokens` (the text part of the image views).
     pub loc_tokens: Option<i64>,
-    /// What of each cap a placement may use ([`super::verdict::Headroom`]: 10 % and 0.5 GiB
+    /// What of each cap a placement may use ([`Headroom`]: 10 % and 0.5 GiB
     /// per CUDA device unless `plan --margin/--reserve` say otherwise).
-    pub headroom: super::verdict::Headroom,
+    pub headroom: Headroom,
     /// The host's memory: the capacity of a CPU device `caps` names none for (host
     /// memory is a capacity too), [`PlanOptions::capacity`]. `None`: unknown. By default
     /// this machine's ([`crate::device::memory::host_total_bytes`]).
@@ -97,7 +96,7 @@ impl PlanOptions {
             image: None,
             image_processor: ImageProcessorConfig::default(),
             loc_tokens: None,
-            headroom: super::verdict::Headroom::default(),
+            headroom: Headroom::default(),
             host_bytes: crate::device::memory::host_total_bytes(),
         })
     }
@@ -394,7 +393,6 @@ pub(super) fn dtype_bytes(k: Kind) -> i64 {
     k.elt_size_in_bytes() as i64
 }
 
-pub(super) use crate::model::loader::dtype_name;
 
 pub(super) fn num(n: i64) -> String {
     // 124439808 -> 124,439,808
@@ -410,5 +408,74 @@ pub(super) fn num(n: i64) -> String {
         format!("-{out}")
     } else {
         out
+    }
+}
+
+/// The default share of a cap kept free (`--margin`): the planner's own error.
+pub const DEFAULT_MARGIN: f64 = 0.10;
+/// The default bytes kept free on each CUDA device (`--reserve`): its context.
+pub const DEFAULT_RESERVE: u64 = 512 << 20;
+
+/// What of a cap a plan may use.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Headroom {
+    /// Share of the cap kept free, in `[0, 1)`.
+    pub margin: f64,
+    /// Bytes kept free on each CUDA device.
+    pub reserve_bytes: u64,
+    /// Devices whose cap is the caching allocator's (a run's `--max-memory`), not the
+    /// card's: the CUDA context is outside it, so they keep no reserve.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allocator_capped: Vec<String>,
+}
+
+impl Default for Headroom {
+    fn default() -> Self {
+        Self { margin: DEFAULT_MARGIN, reserve_bytes: DEFAULT_RESERVE, allocator_capped: Vec::new() }
+    }
+}
+
+impl Headroom {
+    /// A margin from `--margin` (`10%`, `0.1`) and a reserve from `--reserve` (`512MiB`).
+    pub fn parse(margin: Option<&str>, reserve: Option<&str>) -> Result<Self> {
+        let mut h = Self::default();
+        if let Some(m) = margin {
+            let t = m.trim();
+            let v = match t.strip_suffix('%') {
+                Some(p) => p.trim().parse::<f64>().map(|p| p / 100.0),
+                None => t.parse::<f64>(),
+            }
+            .map_err(|_| Error::input(format!("--margin {m:?}: expected a share such as 10% or 0.1")))?;
+            if !(0.0..1.0).contains(&v) {
+                return Err(Error::input(format!("--margin {m:?}: the share kept free must be at least 0 and less than 100%")));
+            }
+            h.margin = v;
+        }
+        if let Some(r) = reserve {
+            h.reserve_bytes = match r.trim() {
+                "0" => 0,
+                t => crate::device::placement::parse_size(t).map_err(|e| Error::input(format!("--reserve {r:?}: {e}")))?,
+            };
+        }
+        Ok(h)
+    }
+
+    /// The bytes a plan may use on `device` capped at `cap`.
+    pub fn usable(&self, device: &str, cap: u64) -> u64 {
+        let after_margin = (cap as f64 * (1.0 - self.margin)) as u64;
+        if device.starts_with("cuda") && !self.allocator_capped.iter().any(|d| d == device) {
+            after_margin.saturating_sub(self.reserve_bytes)
+        } else {
+            after_margin
+        }
+    }
+
+    /// `cap × 0.90 − 512.0 MiB`, for messages.
+    pub fn text(&self) -> String {
+        let mut t = format!("cap x {:.2} - {} per CUDA device", 1.0 - self.margin, format_bytes(self.reserve_bytes));
+        if !self.allocator_capped.is_empty() {
+            t.push_str(&format!(" (no reserve on {}: the cap is the allocator's, the context is outside it)", self.allocator_capped.join(", ")));
+        }
+        t
     }
 }

@@ -19,7 +19,8 @@ use std::path::Path;
 use serde::Serialize;
 use tch::Kind;
 
-use super::{choose, plan_all, plan_model, MemoryPlan, Phase, PlacementRow, PlacementTable, PlanOptions, PlanShape};
+use super::placement::{choose, plan_all, plan_model, PlacementRow, PlacementTable};
+use super::types::{MemoryPlan, Phase, PlanOptions, PlanShape};
 use crate::device::{Placement, PlacementRequest};
 use crate::config::MendConfig;
 use crate::device::memory::format_bytes;
@@ -27,109 +28,9 @@ use crate::device::MaxMemory;
 use crate::model::Model;
 use crate::{Error, Result};
 
-/// The default share of a cap kept free (`--margin`): the planner's own error.
-pub const DEFAULT_MARGIN: f64 = 0.10;
-/// The default bytes kept free on each CUDA device (`--reserve`): its context.
-pub const DEFAULT_RESERVE: u64 = 512 << 20;
+pub use super::types::{Headroom, DEFAULT_MARGIN, DEFAULT_RESERVE};
 
-/// What of a cap a plan may use.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Headroom {
-    /// Share of the cap kept free, in `[0, 1)`.
-    pub margin: f64,
-    /// Bytes kept free on each CUDA device.
-    pub reserve_bytes: u64,
-    /// Devices whose cap is the caching allocator's (a run's `--max-memory`), not the
-    /// card's: the CUDA context is outside it, so they keep no reserve.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub allocator_capped: Vec<String>,
-}
-
-impl Default for Headroom {
-    fn default() -> Self {
-        Self { margin: DEFAULT_MARGIN, reserve_bytes: DEFAULT_RESERVE, allocator_capped: Vec::new() }
-    }
-}
-
-impl Headroom {
-    /// A margin from `--margin` (`10%`, `0.1`) and a reserve from `--reserve` (`512MiB`).
-    pub fn parse(margin: Option<&str>, reserve: Option<&str>) -> Result<Self> {
-        let mut h = Self::default();
-        if let Some(m) = margin {
-            let t = m.trim();
-            let v = match t.strip_suffix('%') {
-                Some(p) => p.trim().parse::<f64>().map(|p| p / 100.0),
-                None => t.parse::<f64>(),
-            }
-            .map_err(|_| Error::input(format!("--margin {m:?}: expected a share such as 10% or 0.1")))?;
-            if !(0.0..1.0).contains(&v) {
-                return Err(Error::input(format!("--margin {m:?}: the share kept free must be at least 0 and less than 100%")));
-            }
-            h.margin = v;
-        }
-        if let Some(r) = reserve {
-            h.reserve_bytes = match r.trim() {
-                "0" => 0,
-                t => crate::device::placement::parse_size(t).map_err(|e| Error::input(format!("--reserve {r:?}: {e}")))?,
-            };
-        }
-        Ok(h)
-    }
-
-    /// The bytes a plan may use on `device` capped at `cap`.
-    pub fn usable(&self, device: &str, cap: u64) -> u64 {
-        let after_margin = (cap as f64 * (1.0 - self.margin)) as u64;
-        if device.starts_with("cuda") && !self.allocator_capped.iter().any(|d| d == device) {
-            after_margin.saturating_sub(self.reserve_bytes)
-        } else {
-            after_margin
-        }
-    }
-
-    /// `cap × 0.90 − 512.0 MiB`, for messages.
-    pub fn text(&self) -> String {
-        let mut t = format!("cap x {:.2} - {} per CUDA device", 1.0 - self.margin, format_bytes(self.reserve_bytes));
-        if !self.allocator_capped.is_empty() {
-            t.push_str(&format!(" (no reserve on {}: the cap is the allocator's, the context is outside it)", self.allocator_capped.join(", ")));
-        }
-        t
-    }
-}
-
-/// One device of a placement against its cap.
-#[derive(Debug, Clone, Serialize)]
-pub struct DeviceVerdict {
-    pub device: String,
-    pub peak_bytes: u64,
-    /// `--max-memory`'s cap, if one was given for this device.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cap_bytes: Option<u64>,
-    /// What the plan may use of it ([`Headroom::usable`]).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usable_bytes: Option<u64>,
-    /// True without a cap.
-    pub fits: bool,
-}
-
-/// One placement against the caps.
-#[derive(Debug, Clone, Serialize)]
-pub struct PlacementVerdict {
-    pub placement: crate::device::Placement,
-    pub optimizer_device: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub boundary: Option<i64>,
-    /// `balanced (blocks from 10 on the sub-device)`, as `--placement auto` reports it.
-    pub label: String,
-    pub fits: bool,
-    pub devices: Vec<DeviceVerdict>,
-}
-
-/// Every device's peak in `phase` against its cap less the headroom.
-pub fn judge(plan: &MemoryPlan, caps: &MaxMemory, headroom: &Headroom, phase: Phase) -> PlacementVerdict {
-    let peaks = plan.totals.iter().filter(|t| t.phase == phase).map(|t| (t.device.clone(), t.peak_bytes));
-    let sh = &plan.shape;
-    judge_peaks(sh.placement, &sh.optimizer_device, sh.boundary, plan.placement_label(), peaks, caps, headroom)
-}
+pub use super::judge::{judge, over, DeviceVerdict, PlacementVerdict};
 
 /// [`judge`] of a placements-table row (its training peaks).
 pub fn judge_row(row: &PlacementRow, main: &str, caps: &MaxMemory, headroom: &Headroom) -> PlacementVerdict {
@@ -139,47 +40,7 @@ pub fn judge_row(row: &PlacementRow, main: &str, caps: &MaxMemory, headroom: &He
         label.push_str(&format!(", optimizer on {}", row.optimizer_device));
     }
     let peaks = row.train.iter().map(|(d, b)| (d.clone(), *b));
-    judge_peaks(row.placement, &row.optimizer_device, row.boundary, label, peaks, caps, headroom)
-}
-
-fn judge_peaks(
-    placement: crate::device::Placement,
-    optimizer: &str,
-    boundary: Option<i64>,
-    label: String,
-    peaks: impl Iterator<Item = (String, u64)>,
-    caps: &MaxMemory,
-    headroom: &Headroom,
-) -> PlacementVerdict {
-    let devices: Vec<DeviceVerdict> = peaks
-        .filter(|(_, b)| *b > 0)
-        .map(|(device, peak)| {
-            let cap = caps.get(&device);
-            let usable = cap.map(|c| headroom.usable(&device, c));
-            DeviceVerdict { fits: usable.is_none_or(|u| peak <= u), device, peak_bytes: peak, cap_bytes: cap, usable_bytes: usable }
-        })
-        .collect();
-    PlacementVerdict { placement, optimizer_device: optimizer.to_string(), boundary, label, fits: devices.iter().all(|d| d.fits), devices }
-}
-
-/// `None` when every device of `plan` fits; else which do not (for errors).
-pub fn over(plan: &MemoryPlan, caps: &MaxMemory, headroom: &Headroom, phase: Phase) -> Option<String> {
-    let v = judge(plan, caps, headroom, phase);
-    let over: Vec<String> = v
-        .devices
-        .iter()
-        .filter(|d| !d.fits)
-        .map(|d| {
-            format!(
-                "{} needs {} > {} usable of cap {}",
-                d.device,
-                format_bytes(d.peak_bytes),
-                format_bytes(d.usable_bytes.unwrap_or(0)),
-                format_bytes(d.cap_bytes.unwrap_or(0))
-            )
-        })
-        .collect();
-    (!over.is_empty()).then(|| over.join(", "))
+    super::judge::judge_peaks(row.placement, &row.optimizer_device, row.boundary, label, peaks, caps, headroom)
 }
 
 pub use crate::model::DtypeSource;

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 use tracing::info;
 
-use super::{Failure, ServeOptions, DEFAULT_MAX_NEW_TOKENS};
+use super::failure::Failure;
+use super::options::{ServeOptions, DEFAULT_MAX_NEW_TOKENS};
 use crate::data::easyedit::{parse_records, DatasetKind, EditRecord};
 use crate::data::multimodal::{ImageRoots, MmRecord, IMAGE_KEYS};
 use crate::edit::session::{image_kind, read_image_requests, TempImage};

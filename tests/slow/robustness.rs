@@ -374,7 +374,7 @@ fn a_group_larger_than_the_records_is_cut_to_them_and_reported() {
 #[test]
 fn huge_inputs_are_refused_or_capped_before_the_expensive_part() {
     use dualedit::data::examples::{prepare_with, OverLong};
-    use dualedit::mend::ls::{read_keep_text, MAX_KEEP_LINES};
+    use dualedit::mend::stats::{read_keep_text, MAX_KEEP_LINES};
     let dir = tempfile::tempdir().unwrap();
     let many = dir.path().join("keep.txt");
     std::fs::write(&many, (0..MAX_KEEP_LINES + 5000).map(|i| format!("line {i}\n\n")).collect::<String>()).unwrap();
