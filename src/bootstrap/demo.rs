@@ -285,7 +285,7 @@ pub fn run_demo(set: &DemoSet, plan: DevicePlan, shown: usize, out: &mut impl st
     };
     for (r, e) in records.iter().zip(&examples).take(shown) {
         let before = answer(&frozen, &e.inner.ids[..e.inner.answer_start])?;
-        let overrides = make_edit(&engine, &mut method, &engine.collate(&[&e.inner])?)?;
+        let overrides = make_edit(&engine, method.as_mut(), &engine.collate(&[&e.inner])?)?;
         let edited = ParamView::new(&engine.lm.params, Some(&overrides));
         let after = answer(&edited, &e.inner.ids[..e.inner.answer_start])?;
         w(out, String::new())?;
@@ -305,7 +305,7 @@ pub fn run_demo(set: &DemoSet, plan: DevicePlan, shown: usize, out: &mut impl st
         }
     }
     tracker.mark("edit")?;
-    let metrics = evaluate(&engine, &mut method, &examples, &[], |_, _| {})?;
+    let metrics = evaluate(&engine, method.as_mut(), &examples, &[], |_, _| {})?;
     tracker.mark("eval")?;
     let s = Summary::of(&metrics);
     w(out, String::new())?;

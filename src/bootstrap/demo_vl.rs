@@ -130,7 +130,7 @@ pub fn run_demo_vl(root: &Path, plan: DevicePlan, json: bool, out: &mut impl std
     let clean = |s: String| s.trim().to_string();
     let before = clean(answer(&engine, &e.inner)?);
     let unrelated_before = clean(answer(&engine, loc_image)?);
-    let overrides = make_edit(&engine, &mut method, &engine.collate(&[&e.inner])?)?;
+    let overrides = make_edit(&engine, method.as_mut(), &engine.collate(&[&e.inner])?)?;
     let originals: Vec<(String, tch::Tensor)> =
         overrides.names().map(|n| Ok((n.clone(), engine.weight(n)?.shallow_clone()))).collect::<Result<_>>()?;
     engine.commit(&overrides)?;
@@ -151,7 +151,7 @@ pub fn run_demo_vl(root: &Path, plan: DevicePlan, json: bool, out: &mut impl std
     // Back to the loaded weights: every held-out edit starts from the unedited model.
     let restore: crate::model::Overrides = originals.into_iter().collect();
     engine.commit(&restore)?;
-    let metrics = evaluate(&engine, &mut method, &examples, &[], |_, _| {})?;
+    let metrics = evaluate(&engine, method.as_mut(), &examples, &[], |_, _| {})?;
     let s = Summary::of(&metrics);
     let summary = VlDemoSummary {
         model: info.architecture.clone(),

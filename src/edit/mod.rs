@@ -4,9 +4,11 @@
 //!
 //! [`crate::edit::session::Session`] (and through it `dualedit edit` and `serve`), the demo and
 //! `eval` all edit through these functions; [`crate::edit::eval`] keeps the metrics.
+pub mod call;
 pub mod capacity;
 pub mod conflicts;
 pub mod eval;
+pub mod method;
 pub mod score;
 pub mod session;
 
@@ -21,94 +23,12 @@ use crate::data::{EditExample, Example, TokenBatch};
 use crate::device::DevicePlan;
 use eval::RecordMetrics;
 use crate::mend::ls::{Fact, KeyMemory, LsChoice, LsEditor};
-use crate::mend::{checkpoint, Editor, Engine};
+use crate::mend::{checkpoint, Engine};
 use crate::model::{load_model_split, ForwardInput, KvCache, LoadedModel, Overrides, ParamView};
 use crate::model::vision::Grid;
 use crate::model::VisionLanguage;
 use crate::{Error, Result};
-
-/// How an edit is made. One per session, so the editor is kept inline rather than boxed.
-#[allow(clippy::large_enum_variant)]
-pub enum Method {
-    /// No edit: the unedited model's scores.
-    Unedited,
-    /// One plain gradient step on the edit NLL: `W' = W − lr·∇W` (the fine-tuning baseline).
-    FineTune { lr: f64 },
-    /// MEND with a trained editor.
-    Mend(Editor),
-    /// MEND's per-edit updates combined by least squares over their keys (MALMEN's
-    /// aggregation, [`crate::mend::ls`]).
-    MendLs(Box<LsEditor>),
-}
-
-impl Method {
-    /// The method a call of `requests` requests (`sequential`: one after another) runs as
-    /// `call` asks: [`Method::name`], except `mend` where a `mend-ls` session makes plain
-    /// MEND edits (`--method auto`'s single request, or asked for).
-    pub fn name_for(&self, call: CallMethod, requests: usize, sequential: bool) -> &'static str {
-        if call.plain_mend(self, requests as i64, sequential) {
-            "mend"
-        } else {
-            self.name()
-        }
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Method::Unedited => "unedited",
-            Method::FineTune { .. } => "ft",
-            Method::Mend(_) => "mend",
-            Method::MendLs(_) => "mend-ls",
-        }
-    }
-
-    /// Records that the last edit [`make_edit`] proposed was committed at `scale` (0:
-    /// refused); only `mend-ls` remembers edits.
-    pub fn committed(&mut self, scale: f64) {
-        if let Method::MendLs(ls) = self {
-            ls.memory.commit(scale);
-        }
-    }
-
-    /// The remembered edits (only `mend-ls` has any), for [`Method::restore`].
-    pub fn snapshot(&self) -> Option<KeyMemory> {
-        match self {
-            Method::MendLs(ls) => Some(ls.memory.snapshot()),
-            _ => None,
-        }
-    }
-
-    /// Puts back the remembered edits of a [`Method::snapshot`] (a failed edit call).
-    pub fn restore(&mut self, snapshot: Option<KeyMemory>) {
-        if let (Method::MendLs(ls), Some(m)) = (self, snapshot) {
-            ls.memory = m;
-        }
-    }
-
-    /// Forgets remembered edits (the weights were reset to the loaded ones).
-    pub fn reset(&mut self) {
-        if let Method::MendLs(ls) = self {
-            ls.memory.clear();
-        }
-    }
-
-    /// The `mend-ls` settings in use (the editor's, unless flags changed them).
-    pub fn ls_config(&self) -> Option<crate::mend::ls::LsConfig> {
-        match self {
-            Method::MendLs(ls) => Some(ls.config),
-            _ => None,
-        }
-    }
-
-    /// The MEND editor, for both MEND methods.
-    pub fn editor_mut(&mut self) -> Option<&mut Editor> {
-        match self {
-            Method::Mend(e) => Some(e),
-            Method::MendLs(ls) => Some(&mut ls.editor),
-            _ => None,
-        }
-    }
-}
+pub use method::{CallMethod, EditCall, EditMethod, FineTune, Mend, Unedited};
 
 /// The method every interface edits with when none is named (the CLI's `--method`,
 /// `serve --method`, the Python package's `method=`): [`MethodSpec::Auto`], one request
@@ -283,7 +203,7 @@ pub fn open_engine(model: &Path, opts: &LoadOptions, edit_names: &[String]) -> R
 
 /// Opens the engine and the method: with an editor, on the weights it was trained to edit
 /// (a model without them is another model than the editor's, and the error says so).
-pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engine, Method)> {
+pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engine, Box<dyn EditMethod>)> {
     spec.validate()?;
     let (resolved, single_mend) = spec.resolved()?;
     match (spec, &resolved) {
@@ -309,13 +229,13 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
         ),
         (_, e) => e,
     })?;
-    let method = match spec {
-        MethodSpec::Unedited => Method::Unedited,
-        MethodSpec::FineTune { lr } => Method::FineTune { lr: *lr },
+    let method: Box<dyn EditMethod> = match spec {
+        MethodSpec::Unedited => Box::new(Unedited),
+        MethodSpec::FineTune { lr } => Box::new(FineTune { lr: *lr }),
         MethodSpec::Mend { editor } => {
             let (ed, meta) = checkpoint::load_editor(editor, &engine)?;
             info!(dir = %editor.display(), step = meta.step, "editor loaded");
-            Method::Mend(ed)
+            Box::new(Mend(ed))
         }
         MethodSpec::MendLs { editor, ls, unrelated } => {
             let (ed, meta) = checkpoint::load_editor(editor, &engine)?;
@@ -340,106 +260,17 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
                     Vec::new()
                 }
             };
-            Method::MendLs(Box::new(LsEditor { editor: ed, config: ls, memory: KeyMemory::default(), unrelated, stats_text, single_mend }))
+            Box::new(LsEditor { editor: ed, config: ls, memory: KeyMemory::default(), unrelated, stats_text, single_mend })
         }
         MethodSpec::Auto { .. } => return Err(Error::Internal("--method auto was not resolved".into())),
     };
     Ok((engine, method))
 }
 
-/// The method one edit call asks for, among those its session's method can make (the
-/// library's `Session.edit(method=...)`): as opened (`Auto`), plain MEND with the
-/// session's editor, or `mend-ls`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum CallMethod {
-    #[default]
-    Auto,
-    Mend,
-    MendLs,
-}
-
-impl CallMethod {
-    /// `"auto"`, `"mend"` or `"mend-ls"`; anything else is an error naming the choices.
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "mend" => Ok(Self::Mend),
-            "mend-ls" | "mend_ls" => Ok(Self::MendLs),
-            other => Err(Error::input(format!("an edit's method must be \"auto\", \"mend\" or \"mend-ls\", got {other:?}"))),
-        }
-    }
-
-    /// Whether `method` can make edits this way: `mend-ls` needs a session opened for it
-    /// (`auto` with an editor for many edits, or `mend-ls`), `mend` an editor.
-    pub fn check(&self, method: &Method) -> Result<()> {
-        match (self, method) {
-            (CallMethod::MendLs, m) if !matches!(m, Method::MendLs(_)) => Err(Error::input(format!(
-                "method \"mend-ls\" needs a session opened with method \"mend-ls\", or \"auto\" with an editor that names an editor for many edits or has key statistics (this one: {:?})",
-                m.name()
-            ))),
-            (CallMethod::Mend, Method::Unedited | Method::FineTune { .. }) => {
-                Err(Error::input(format!("method \"mend\" needs a session opened with an editor (this one: {:?})", method.name())))
-            }
-            _ => Ok(()),
-        }
-    }
-
-    /// Whether a call of `requests` requests (`sequential`: one after another) on
-    /// `method` is plain MEND with the `mend-ls` session's editor: asked for, or `auto`'s
-    /// single request while no `mend-ls` edit is remembered.
-    fn plain_mend(&self, method: &Method, requests: i64, sequential: bool) -> bool {
-        match (self, method) {
-            (CallMethod::Mend, Method::MendLs(_)) => true,
-            (CallMethod::Auto, Method::MendLs(ls)) => ls.single_mend && requests == 1 && !sequential && ls.memory.edits() == 0,
-            _ => false,
-        }
-    }
-}
-
 /// Computes the edited weights for the edit examples in `inner` (one batch; the update is
-/// the sum over its examples).
-pub fn make_edit(engine: &Engine, method: &mut Method, inner: &TokenBatch) -> Result<Overrides> {
-    make_edit_as(engine, method, inner, CallMethod::Auto, false, &[])
-}
-
-/// [`make_edit`] as `call` asks, for an edit of a batch or (`sequential`) for one edit of
-/// a run of them, where `mend-ls` always solves, even for a single request, so that the
-/// run is the batch of its edits.
-///
-/// `facts`: the facts the requests rewrite (those that name them), which `mend-ls` leaves
-/// out of its key statistics ([`crate::mend::ls::Fact`]).
-pub fn make_edit_as(engine: &Engine, method: &mut Method, inner: &TokenBatch, call: CallMethod, sequential: bool, facts: &[Fact]) -> Result<Overrides> {
-    let _g = tch::no_grad_guard();
-    call.check(method)?;
-    if call.plain_mend(method, inner.batch_size(), sequential) {
-        if let Method::MendLs(ls) = method {
-            // `--method auto`'s one request: plain MEND with the same editor (a single
-            // edit is better made so: docs/notebook/many-edits.md, "Many edits, part 3").
-            let (_, factors) = engine.capture(inner)?;
-            return engine.edit_low_rank(&mut ls.editor, &factors, false);
-        }
-    }
-    match method {
-        Method::Unedited => Ok(Overrides::new()),
-        Method::FineTune { lr } => {
-            let (_, factors) = engine.capture(inner)?;
-            engine
-                .edit_params
-                .iter()
-                .zip(&factors)
-                .map(|(p, f)| {
-                    let w = engine.weight(&p.name)?;
-                    let g = p.layout.outer(&f.x, &f.delta);
-                    Ok((p.name.clone(), (w.to_kind(Kind::Float) - g * *lr).to_kind(w.kind())))
-                })
-                .collect()
-        }
-        Method::Mend(editor) => {
-            let (_, factors) = engine.capture(inner)?;
-            engine.edit_low_rank(editor, &factors, false)
-        }
-        Method::MendLs(ls) => crate::mend::ls::edit(engine, ls, inner, facts),
-    }
+/// the sum over its examples) as the method was opened, rewriting no named fact.
+pub fn make_edit(engine: &Engine, method: &mut dyn EditMethod, inner: &TokenBatch) -> Result<Overrides> {
+    method::propose(engine, method, inner, &EditCall::batch())
 }
 
 /// An edit and what it did: the edited weights (not committed) and each example's metrics
@@ -450,8 +281,8 @@ pub struct Measured {
 }
 
 /// Measures `examples` before, makes one batch edit of all of them (rewriting `facts`,
-/// see [`make_edit_as`]), measures after.
-pub fn measured_edit(engine: &Engine, method: &mut Method, examples: &[&EditExample], facts: &[Fact]) -> Result<Measured> {
+/// see [`EditCall::facts`]), measures after.
+pub fn measured_edit(engine: &Engine, method: &mut dyn EditMethod, examples: &[&EditExample], facts: &[Fact]) -> Result<Measured> {
     if examples.is_empty() {
         return Err(Error::input("no edit requests"));
     }
@@ -460,7 +291,8 @@ pub fn measured_edit(engine: &Engine, method: &mut Method, examples: &[&EditExam
     let before = eval::measure_before(engine, examples, images.as_ref())?;
     let start = Instant::now();
     let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
-    let overrides = make_edit_as(engine, method, &engine.collate_with(&inner, images.as_ref())?, CallMethod::Auto, false, facts)?;
+    let call = EditCall { facts, ..EditCall::batch() };
+    let overrides = method::propose(engine, method, &engine.collate_with(&inner, images.as_ref())?, &call)?;
     let per_example = start.elapsed().as_secs_f64() / examples.len() as f64;
     let metrics = eval::measure_after(engine, &overrides, examples, &before, per_example, images.as_ref())?;
     Ok(Measured { overrides, metrics })
@@ -471,7 +303,7 @@ pub fn measured_edit(engine: &Engine, method: &mut Method, examples: &[&EditExam
 /// `None`; empty: none), for `mend-ls`.
 pub fn evaluate(
     engine: &Engine,
-    method: &mut Method,
+    method: &mut dyn EditMethod,
     examples: &[EditExample],
     facts: &[Option<Fact>],
     mut on_record: impl FnMut(usize, &RecordMetrics),

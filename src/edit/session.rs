@@ -31,15 +31,16 @@ use tch::Tensor;
 use crate::data::easyedit::{DatasetKind, EditRecord};
 use crate::data::examples::{prepare, OverLong};
 use crate::data::multimodal::{parse_mm, prepare_mm, ImageRoots, MmLoad, MmRecord, VlPrompt};
-use crate::data::{EditExample, Example, TokenBatch};
+use crate::data::{EditExample, Example};
 use crate::mend::ls::Fact;
 use crate::device::memory::{self, MemorySample};
 use crate::device::DevicePlan;
 use crate::edit::conflicts::{self, Conflict};
-use crate::edit::{self, Finish, Method, MethodSpec, RequestResult};
+use crate::edit::call::{CallGuard, Commits};
+use crate::edit::{self, CallMethod, EditCall, EditMethod, Finish, Mend, MethodSpec, RequestResult};
 use crate::edit::eval::{self, RecordMetrics, Summary};
 use crate::mend::guard::{self, GuardConfig, GuardReport};
-use crate::mend::stepwise::{self, Stepwise};
+use crate::mend::stepwise::Stepwise;
 use crate::mend::{Editor, Engine};
 use crate::model::{ModelInfo, Overrides, ParamView};
 use crate::edit::score::{check_length, image_prompt, score_text, score_with_images, ImagePrompt, Score};
@@ -144,7 +145,7 @@ pub fn device_memory(plan: &DevicePlan) -> Result<Vec<DeviceMemory>> {
 /// session (the HTTP service serialises requests into its model thread).
 pub struct Session {
     engine: Engine,
-    method: Option<Method>,
+    method: Option<Box<dyn EditMethod>>,
     editor_dir: Option<PathBuf>,
     /// The loaded tensors of every parameter an edit has changed, taken before the first
     /// change. Commits replace tensors in the stores rather than writing into them, so
@@ -161,8 +162,8 @@ pub struct Session {
     /// Test builds (`fault-injection`): fail an edit call after this many of its commits,
     /// to show that a failed call leaves the weights as they were.
     fault_after_commits: Option<usize>,
-    /// The method the next edit calls ask for ([`edit::CallMethod`]; `Auto`: as opened).
-    pub call_method: edit::CallMethod,
+    /// The method the next edit calls ask for ([`CallMethod`]; `Auto`: as opened).
+    pub call_method: CallMethod,
 }
 
 impl std::fmt::Debug for Session {
@@ -191,7 +192,7 @@ impl Session {
     /// baseline, or no edit at all, which measures the unedited model).
     pub fn open_method(model: &Path, spec: &MethodSpec, opts: &SessionOptions) -> Result<Self> {
         let (engine, method) = edit::open(model, opts, spec)?;
-        let mut s = Self::with_method(engine, Some(method));
+        let mut s = Self::with_method(engine, method);
         // `--method auto` may have opened the editor for many edits its editor names.
         s.editor_dir = spec.resolved()?.0.editor_dir().map(Path::to_path_buf);
         Ok(s)
@@ -200,10 +201,16 @@ impl Session {
     /// A session over an engine and editor the caller built (an editor trained in the
     /// same process, for example).
     pub fn from_parts(engine: Engine, editor: Option<Editor>) -> Self {
-        Self::with_method(engine, editor.map(Method::Mend))
+        Self::new(engine, editor.map(|e| Box::new(Mend(e)) as Box<dyn EditMethod>))
     }
 
-    fn with_method(engine: Engine, method: Option<Method>) -> Self {
+    /// A session that edits with `method`, any [`EditMethod`] (one defined outside the
+    /// crate included): the session runs its calls, guard, commits and rollback.
+    pub fn with_method(engine: Engine, method: Box<dyn EditMethod>) -> Self {
+        Self::new(engine, Some(method))
+    }
+
+    fn new(engine: Engine, method: Option<Box<dyn EditMethod>>) -> Self {
         let eos = eos_ids(&engine.lm.config_json);
         Self {
             engine,
@@ -215,7 +222,7 @@ impl Session {
             guard: None,
             stepwise: None,
             fault_after_commits: None,
-            call_method: edit::CallMethod::Auto,
+            call_method: CallMethod::Auto,
         }
     }
 
@@ -245,12 +252,12 @@ impl Session {
 
     /// The edit method's name (`mend`, `ft`, ...; `none` without an editor).
     pub fn method_name(&self) -> &'static str {
-        self.method.as_ref().map_or("none", Method::name)
+        self.method.as_ref().map_or("none", |m| m.name())
     }
 
     /// The `mend-ls` settings in use, when the method is `mend-ls`.
     pub fn ls_config(&self) -> Option<crate::mend::ls::LsConfig> {
-        self.method.as_ref().and_then(Method::ls_config)
+        self.method.as_ref().and_then(|m| m.ls_config())
     }
 
     pub fn has_editor(&self) -> bool {
@@ -376,11 +383,11 @@ impl Session {
         let mut before_call: HashMap<String, Tensor> = HashMap::new();
         let had_original: std::collections::HashSet<String> = self.originals.keys().cloned().collect();
         let total = self.edits_total;
-        let remembered = self.method.as_ref().and_then(Method::snapshot);
+        let remembered = self.method.as_ref().map(|m| m.snapshot());
         let result = self.apply_examples(records, examples, sequential, &mut before_call);
         let Err(e) = result else { return result };
-        if let Some(m) = self.method.as_mut() {
-            m.restore(remembered);
+        if let (Some(m), Some(r)) = (self.method.as_mut(), remembered) {
+            m.restore(r);
         }
         if before_call.is_empty() {
             return Err(e);
@@ -409,10 +416,7 @@ impl Session {
             // Results, facts and examples are paired one for one.
             return Err(Error::Internal(format!("{} records for {} edit examples", records.len(), examples.len())));
         }
-        if self.stepwise.is_some() && matches!(method, Method::MendLs(_)) {
-            // Each step would remember the same edit again: mend-ls composes by re-solving.
-            return Err(Error::input("stepwise edits are for --method mend; mend-ls re-solves over all edits instead"));
-        }
+        method.check(&EditCall { call: self.call_method, sequential: false, facts: &[], stepwise: self.stepwise.as_ref() })?;
         if let Some(cfg) = &self.guard {
             cfg.validate()?;
         }
@@ -460,25 +464,25 @@ impl Session {
         sequential: bool,
         before_call: &mut HashMap<String, Tensor>,
     ) -> Result<EditOutcome> {
-        let fault = self.fault_after_commits;
-        let mut commits = 0usize;
-        let mut commit = |engine: &mut Engine, originals: &mut HashMap<String, Tensor>, ov: &Overrides| -> Result<()> {
-            for name in ov.names() {
-                if !before_call.contains_key(name) {
-                    before_call.insert(name.clone(), engine.weight(name)?.shallow_clone());
-                }
-            }
-            commit(engine, originals, ov)?;
-            commits += 1;
-            if fault == Some(commits) {
-                return Err(Error::Torch(format!("injected fault after commit {commits}")));
-            }
-            Ok(())
-        };
         self.check_edit_call(records, examples)?;
-        let Some(method) = self.method.as_mut() else {
-            return Err(Error::Internal("check_edit_call let a session without an editor edit".into()));
-        };
+        // The method is out of the session while the call runs (the engine's weights
+        // change under it) and back whatever the call's end.
+        let mut method = self.method.take().ok_or_else(|| Error::Internal("check_edit_call let a session without an editor edit".into()))?;
+        let result = self.apply_with(method.as_mut(), records, examples, sequential, before_call);
+        self.method = Some(method);
+        result
+    }
+
+    /// The edit call itself: conflicts, the guard's probes, the proposals (one batch, or
+    /// one after another), their commits, the measurement after and the outcome.
+    fn apply_with(
+        &mut self,
+        method: &mut dyn EditMethod,
+        records: &[EditRecord],
+        examples: &[EditExample],
+        sequential: bool,
+        before_call: &mut HashMap<String, Tensor>,
+    ) -> Result<EditOutcome> {
         let refs: Vec<&EditExample> = examples.iter().collect();
         let answers_before = examples.iter().map(|e| edit::answer(&self.engine, &e.inner)).collect::<Result<Vec<_>>>()?;
         // Each request's fact, for mend-ls's statistics (multimodal records name none).
@@ -497,27 +501,7 @@ impl Session {
             .zip(&excluded)
             .flat_map(|(e, &x)| e.loc.iter().filter(move |_| !x).chain(&e.loc_image))
             .collect();
-        let probes = match &self.guard {
-            Some(_) => guard::Probes::new(&self.engine, &loc)?,
-            None => None,
-        };
-        if self.guard.is_some() && probes.is_none() {
-            let why = if excluded.contains(&true) { "every locality prompt names a subject this call edits" } else { "no request has a locality prompt" };
-            tracing::warn!("{why}: the commit guard has nothing to measure and is off");
-        }
-        // Whether `checked` measures (and reports) each edit.
-        let guarded = probes.is_some();
-        let mut reports = Vec::new();
-        let checked = |engine: &Engine, ov: Overrides, inner: &TokenBatch, reports: &mut Vec<GuardReport>| -> Result<Option<Overrides>> {
-            let (Some(cfg), Some(p)) = (&self.guard, &probes) else { return Ok(Some(ov)) };
-            let (kept, rep) = guard::check_edit(engine, &ov, p, Some(inner), cfg)?;
-            match rep.decision {
-                guard::Decision::Accepted => tracing::info!("{}", rep.message),
-                _ => tracing::warn!("edit {}: {}", reports.len(), rep.message),
-            }
-            reports.push(rep);
-            Ok(kept)
-        };
+        let mut guard = CallGuard::new(&self.engine, self.guard.as_ref(), &loc, excluded.contains(&true))?;
         // Image features borrow the engine, which each commit changes: computed before
         // and after the commits (the tower is frozen, so they are the same features).
         let before = {
@@ -525,82 +509,44 @@ impl Session {
             eval::measure_before(&self.engine, &refs, images.as_ref())?
         };
         let start = Instant::now();
-        let call = self.call_method;
-        call.check(method)?;
-        let method_name = method.name_for(call, examples.len(), sequential);
-        let mut refused = 0usize;
-        // Per request, the guard's reason when it refused its edit.
-        let mut refusals: Vec<Option<String>> = vec![None; examples.len()];
-        let metrics = if sequential {
-            let mut committed_any = false;
-            for ((e, fact), refusal) in examples.iter().zip(&facts).zip(refusals.iter_mut()) {
-                let inner = self.engine.collate(&[&e.inner])?;
-                let fact: Vec<Fact> = fact.iter().cloned().collect();
-                let steps = self.stepwise.as_ref().map_or(1, |s| s.steps);
-                let mut request_committed = false;
-                for _ in 0..steps {
-                    let overrides = match (&self.stepwise, &mut *method) {
-                        (Some(sw), Method::Mend(editor)) => stepwise::step(&self.engine, editor, &inner, sw)?,
-                        (_, m) => edit::make_edit_as(&self.engine, m, &inner, call, true, &fact)?,
-                    };
-                    match checked(&self.engine, overrides, &inner, &mut reports)? {
-                        Some(ov) => {
-                            commit(&mut self.engine, &mut self.originals, &ov)?;
-                            method.committed(if guarded { reports.last().map_or(1.0, |r| r.scale) } else { 1.0 });
-                            request_committed = true;
-                        }
-                        None => method.committed(0.0),
-                    }
-                    if self.stepwise.is_none() || guard::makes_edit(&self.engine, &Overrides::new(), &inner)? {
-                        break;
-                    }
-                }
-                refused += usize::from(!request_committed);
-                if !request_committed {
-                    *refusal = Some(reports.last().map_or_else(|| "refused by the commit guard".to_string(), |r| r.message.clone()));
-                }
-                committed_any |= request_committed;
-            }
-            if refused > 0 {
-                tracing::warn!(
-                    "the commit guard refused {refused} of {} edits one after another{} (the report's `guard` has each decision)",
-                    examples.len(),
-                    if committed_any { "" } else { ": nothing was committed" }
-                );
-            }
-            let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
-            let images = self.engine.images(&eval::all_views(&refs))?;
-            eval::measure_after(&self.engine, &Overrides::new(), &refs, &before, per_request, images.as_ref())?
+        let method_name = method.name_for(self.call_method, examples.len(), sequential);
+        let mut commits = Commits::new(before_call, &mut self.originals, self.fault_after_commits);
+        // What is left to commit after the measurement (a batch's kept proposal; a
+        // sequential run's edits are committed already), and per request the guard's
+        // reason when it refused its edit.
+        let (overrides, refusals) = if sequential {
+            let refusals = edit_one_by_one(&mut self.engine, method, examples, &facts, self.call_method, self.stepwise.as_ref(), &mut guard, &mut commits)?;
+            (Overrides::new(), refusals)
         } else {
             let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
             let batch = self.engine.collate(&inner)?;
             let facts: Vec<Fact> = facts.into_iter().flatten().collect();
-            let overrides = edit::make_edit_as(&self.engine, method, &batch, call, false, &facts)?;
-            let kept = checked(&self.engine, overrides, &batch, &mut reports)?;
-            if kept.is_none() && guarded {
-                refused = examples.len();
-                let why = reports.last().map_or_else(|| "refused by the commit guard".to_string(), |r| format!("the batch of {} edits: {}", examples.len(), r.message));
-                refusals.iter_mut().for_each(|r| *r = Some(why.clone()));
-                tracing::warn!("the commit guard refused the batch of {} edits: nothing was committed ({})", examples.len(), reports.last().map_or("", |r| r.message.as_str()));
-            }
-            method.committed(match (&kept, guarded) {
-                (None, _) => 0.0,
-                (Some(_), true) => reports.last().map_or(1.0, |r| r.scale),
-                (Some(_), false) => 1.0,
-            });
-            let overrides = kept.unwrap_or_default();
-            let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
-            let m = {
-                let images = self.engine.images(&eval::all_views(&refs))?;
-                eval::measure_after(&self.engine, &overrides, &refs, &before, per_request, images.as_ref())?
+            let call = EditCall { call: self.call_method, sequential: false, facts: &facts, stepwise: None };
+            let proposal = edit::method::propose(&self.engine, method, &batch, &call)?;
+            let kept = guard.check(&self.engine, proposal, &batch)?;
+            method.committed(guard.committed_scale(kept.is_some()));
+            let refusals = match (&kept, guard.on()) {
+                (None, true) => {
+                    tracing::warn!("the commit guard refused the batch of {} edits: nothing was committed ({})", examples.len(), guard.last_reason());
+                    vec![Some(format!("the batch of {} edits: {}", examples.len(), guard.last_reason())); examples.len()]
+                }
+                _ => vec![None; examples.len()],
             };
-            commit(&mut self.engine, &mut self.originals, &overrides)?;
-            m
+            (kept.unwrap_or_default(), refusals)
         };
+        let per_request = start.elapsed().as_secs_f64() / examples.len() as f64;
+        let metrics = {
+            let images = self.engine.images(&eval::all_views(&refs))?;
+            eval::measure_after(&self.engine, &overrides, &refs, &before, per_request, images.as_ref())?
+        };
+        if !sequential {
+            commits.commit(&mut self.engine, &overrides)?;
+        }
+        let refused = refusals.iter().filter(|r| r.is_some()).count();
         self.edits_total += examples.len() - refused;
         let out = self.request_results(records, examples, answers_before, metrics, refusals)?;
         let summary = Summary::of(&out.iter().map(|r| r.metrics.clone()).collect::<Vec<_>>());
-        Ok(EditOutcome { method: method_name, sequential, summary, requests: out, edits_total: self.edits_total, guard: reports, refused, conflicts })
+        Ok(EditOutcome { method: method_name, sequential, summary, requests: out, edits_total: self.edits_total, guard: guard.reports, refused, conflicts })
     }
 
     /// Next-token log-probabilities of `text` under the current (edited) weights.
@@ -691,15 +637,49 @@ impl Session {
     }
 }
 
-/// Commits `overrides` into the engine's weights, first keeping the loaded tensor of every
-/// parameter it changes for the first time (what [`Session::reset`] puts back).
-fn commit(engine: &mut Engine, originals: &mut HashMap<String, Tensor>, overrides: &Overrides) -> Result<()> {
-    for name in overrides.names() {
-        if !originals.contains_key(name) {
-            originals.insert(name.clone(), engine.weight(name)?.shallow_clone());
+/// Edits `examples` one after another, each proposed at the weights the ones before it
+/// left and committed (or refused) before the next; with `stepwise`, each in steps until
+/// it answers. Returns, per request, the guard's reason when it refused every step.
+#[allow(clippy::too_many_arguments)]
+fn edit_one_by_one(
+    engine: &mut Engine,
+    method: &mut dyn EditMethod,
+    examples: &[EditExample],
+    facts: &[Option<Fact>],
+    call: CallMethod,
+    stepwise: Option<&Stepwise>,
+    guard: &mut CallGuard,
+    commits: &mut Commits,
+) -> Result<Vec<Option<String>>> {
+    let mut refusals = Vec::with_capacity(examples.len());
+    for (e, fact) in examples.iter().zip(facts) {
+        let inner = engine.collate(&[&e.inner])?;
+        let fact: Vec<Fact> = fact.iter().cloned().collect();
+        let call = EditCall { call, sequential: true, facts: &fact, stepwise };
+        let mut request_committed = false;
+        for _ in 0..stepwise.map_or(1, |s| s.steps) {
+            let proposal = edit::method::propose(engine, method, &inner, &call)?;
+            let kept = guard.check(engine, proposal, &inner)?;
+            method.committed(guard.committed_scale(kept.is_some()));
+            if let Some(ov) = kept {
+                commits.commit(engine, &ov)?;
+                request_committed = true;
+            }
+            if stepwise.is_none() || guard::makes_edit(engine, &Overrides::new(), &inner)? {
+                break;
+            }
         }
+        refusals.push((!request_committed).then(|| guard.last_reason()));
     }
-    engine.commit(overrides)
+    let refused = refusals.iter().filter(|r| r.is_some()).count();
+    if refused > 0 {
+        tracing::warn!(
+            "the commit guard refused {refused} of {} edits one after another{} (the report's `guard` has each decision)",
+            examples.len(),
+            if refused < examples.len() { "" } else { ": nothing was committed" }
+        );
+    }
+    Ok(refusals)
 }
 
 /// End-of-sequence ids from `config.json` (`eos_token_id`: a number or a list).

@@ -410,7 +410,7 @@ pub fn run_eval_counted(o: &EvalOptions, mut on_record: impl FnMut(usize, usize,
     // `load_examples` keeps the records its examples were made from, one for one.
     let facts: Vec<_> = records.iter().map(crate::mend::ls::Fact::of).collect();
     let t1 = Instant::now();
-    let records = crate::edit::evaluate(&engine, &mut method, &examples, &facts, |i, m| on_record(i, examples.len(), m))?;
+    let records = crate::edit::evaluate(&engine, method.as_mut(), &examples, &facts, |i, m| on_record(i, examples.len(), m))?;
     tracker.mark("eval")?;
     let out = EvalOutput { method: method.name().into(), ls: method.ls_config(), capacity: None, summary: Summary::of(&records), records, data };
     let seconds = BTreeMap::from([("load".to_string(), load_s), ("eval".to_string(), t1.elapsed().as_secs_f64())]);

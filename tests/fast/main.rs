@@ -17,6 +17,7 @@ mod defaults;
 mod dual;
 mod easyedit_hparams;
 mod edit;
+mod edit_method;
 mod gguf;
 mod gpu_check;
 mod guard;

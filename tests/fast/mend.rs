@@ -538,7 +538,7 @@ fn validation_locality_accuracy_is_the_eval_metric() {
     let cfg = MendConfig { rank: 16, edit_lr: 30.0, ..MendConfig::default() };
     let mut editor = seeded_editor(&engine, &cfg, 1);
     let val = dualedit::train::validate(&engine, &mut editor, &ex).unwrap();
-    let recs = dualedit::edit::evaluate(&engine, &mut dualedit::edit::Method::Mend(editor), &ex, &[], |_, _| {}).unwrap();
+    let recs = dualedit::edit::evaluate(&engine, &mut dualedit::edit::Mend(editor), &ex, &[], |_, _| {}).unwrap();
     let loc: Vec<f64> = recs.iter().map(|r| r.locality.unwrap()).collect();
     let mean = loc.iter().sum::<f64>() / loc.len() as f64;
     assert!((val.loc_acc - mean).abs() < 1e-9, "validation {} vs eval {mean} ({loc:?})", val.loc_acc);

@@ -26,7 +26,7 @@ use dualedit::data::{EditExample, Example};
 use dualedit::device::memory::{reset_peak, sample};
 use dualedit::device::DevicePlan;
 use dualedit::planner::verdict::Headroom;
-use dualedit::edit::{make_edit, Method};
+use dualedit::edit::{make_edit, Mend};
 use dualedit::mend::checkpoint::{save_state, TrainCounters};
 use dualedit::mend::optim::Adam;
 use dualedit::mend::{losses, Editor, Engine};
@@ -190,7 +190,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
     let batches = EditBatches::new(&refs, pad, Device::Cpu);
 
     // Editing with a trained editor (evaluation mode): edit, then score the edited model.
-    let mut method = Method::Mend(editor);
+    let mut method = Mend(editor);
     let mut edit_peak = 0u64;
     for _ in 0..1 {
         let (_, p) = peak_during(base, || {
@@ -204,7 +204,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
         edit_peak = edit_peak.max(p);
     }
     out.insert("edit_peak".into(), edit_peak as f64);
-    let Method::Mend(mut editor) = method else { unreachable!() };
+    let Mend(mut editor) = method;
 
     // Meta-training micro-steps (accumulate 1): forward, backward, clip + Adam.
     let (net, lrs) = editor.trainables();
