@@ -1,8 +1,6 @@
 //! The `dualedit` command line: parse, set up logging, run the command (`dualedit::cli`).
 use std::process::ExitCode;
 
-use clap::Parser;
-
 use dualedit::cli::Cli;
 
 /// Colour codes only for a terminal (a log file or a pipe would get `ESC[2m…` as text), and
@@ -20,7 +18,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(stderr_colour())
         .init();
-    let cli = Cli::parse();
+    let cli = Cli::parse_or_exit();
     dualedit::device::settle_threads();
     // tch panics on libtorch errors outside the guarded model code (a CUDA allocation while
     // loading, say): one line of error, never a backtrace.

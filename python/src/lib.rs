@@ -89,13 +89,8 @@ fn json<T: serde::Serialize>(v: &T) -> PyResult<String> {
 /// checkpoint in `model` says its weights are, else f32 (the CLI's and `plan`'s rule,
 /// `dualedit::model::model_dtype`).
 fn parse_dtype(model: &Path, s: Option<&str>) -> PyResult<Kind> {
-    let Some(s) = s else { return Ok(dualedit::model::model_dtype(model, None).py()?.0) };
-    match s.trim().trim_start_matches("torch.") {
-        "f32" | "float32" | "float" => Ok(Kind::Float),
-        "bf16" | "bfloat16" => Ok(Kind::BFloat16),
-        "f16" | "float16" | "half" => Ok(Kind::Half),
-        other => Err(input_err(format!("dtype must be f32, bf16 or f16 (or the torch dtype), got {other:?}"))),
-    }
+    let flag = s.map(|s| s.parse::<dualedit::model::Dtype>().map_err(|e| input_err(format!("dtype: {e}")))).transpose()?;
+    Ok(dualedit::model::model_dtype(model, flag).py()?.0)
 }
 
 fn parse_enum<T: serde::de::DeserializeOwned>(what: &str, value: &str, allowed: &str) -> PyResult<T> {
@@ -310,7 +305,7 @@ fn image_examples(
 /// EasyEdit's `pre` figures: each request measured on the current weights, unedited.
 fn measure_unedited(s: &Inner, examples: &[dualedit::data::EditExample]) -> dualedit::Result<String> {
     let refs: Vec<&dualedit::data::EditExample> = examples.iter().collect();
-    let m = dualedit::edit::measured_edit(s.engine(), &mut dualedit::edit::Method::Unedited, &refs, &[])?;
+    let m = dualedit::edit::measured_edit(s.engine(), &mut dualedit::edit::Unedited, &refs, &[])?;
     serde_json::to_string(&m.metrics).map_err(|e| Error::input(e.to_string()))
 }
 

@@ -20,6 +20,34 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// The command line parsed. A usage error (an unknown flag, a value outside a flag's
+    /// choices) is one line on stderr, clap's message with the choices it lists, and exit
+    /// status 2: every error of the program is one line. Help and version print as clap
+    /// prints them.
+    pub fn parse_or_exit() -> Self {
+        use clap::error::ErrorKind;
+        match Self::try_parse() {
+            Ok(cli) => cli,
+            Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand) => e.exit(),
+            Err(e) => {
+                eprintln!("{}", one_line(&e.to_string()));
+                std::process::exit(2)
+            }
+        }
+    }
+}
+
+/// clap's message without its usage block and hint, on one line.
+fn one_line(message: &str) -> String {
+    let kept: Vec<&str> = message
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .collect();
+    format!("{} (see --help)", kept.join(" "))
+}
+
 #[derive(Subcommand)]
 pub enum Command {
     /// Print each next token's log-probability and the mean NLL of a text.

@@ -28,14 +28,56 @@ pub struct LoadedModel {
     pub config_json: serde_json::Value,
 }
 
-/// `f32` / `bf16` / `f16` (and the long spellings) to a tch kind.
-pub fn parse_dtype(s: &str) -> Result<Kind> {
-    match s {
-        "f32" | "float32" | "fp32" => Ok(Kind::Float),
-        "bf16" | "bfloat16" => Ok(Kind::BFloat16),
-        "f16" | "float16" | "fp16" => Ok(Kind::Half),
-        other => Err(Error::input(format!("unknown dtype {other:?} (expected f32, bf16 or f16)"))),
+/// A weight dtype a run may ask for: the one option type the CLI's `--dtype`, Python's
+/// `dtype=` and reports share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    #[serde(alias = "float32", alias = "fp32")]
+    F32,
+    #[serde(alias = "bfloat16")]
+    Bf16,
+    #[serde(alias = "float16", alias = "fp16")]
+    F16,
+}
+
+impl Dtype {
+    /// Every dtype, in the order messages list them.
+    pub const ALL: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
+
+    pub fn kind(self) -> Kind {
+        match self {
+            Dtype::F32 => Kind::Float,
+            Dtype::Bf16 => Kind::BFloat16,
+            Dtype::F16 => Kind::Half,
+        }
     }
+
+    /// `f32`, `bf16` or `f16`: how reports and plans write it.
+    pub fn name(self) -> &'static str {
+        dtype_name(self.kind())
+    }
+}
+
+impl std::str::FromStr for Dtype {
+    type Err = Error;
+
+    /// `f32` / `bf16` / `f16`, the long spellings (`float32`, `bfloat16`, `float16`, `fp32`,
+    /// `fp16`) and torch's (`torch.bfloat16`, `float`, `half`), as `config.json` and Python
+    /// callers write them.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().trim_start_matches("torch.") {
+            "f32" | "float32" | "fp32" | "float" => Ok(Dtype::F32),
+            "bf16" | "bfloat16" => Ok(Dtype::Bf16),
+            "f16" | "float16" | "fp16" | "half" => Ok(Dtype::F16),
+            other => Err(Error::input(format!("unknown dtype {other:?} (expected f32, bf16 or f16)"))),
+        }
+    }
+}
+
+/// `f32` / `bf16` / `f16` (and the long spellings, [`Dtype`]'s) to a tch kind.
+pub fn parse_dtype(s: &str) -> Result<Kind> {
+    s.parse::<Dtype>().map(Dtype::kind)
 }
 
 /// The CLI's name of a weight dtype (`f32`, `bf16`, `f16`), as reports and plans write it.
@@ -75,9 +117,9 @@ impl DtypeSource {
 /// `dtype`, or `torch_dtype` from older transformers; Qwen2-VL-7B says `bfloat16`), else f32.
 /// One rule, so `plan` and the run it plans agree (running a bf16 checkpoint in f32 would
 /// double its weights' memory).
-pub fn model_dtype(model_dir: &Path, flag: Option<&str>) -> Result<(Kind, DtypeSource)> {
+pub fn model_dtype(model_dir: &Path, flag: Option<Dtype>) -> Result<(Kind, DtypeSource)> {
     if let Some(f) = flag {
-        return Ok((parse_dtype(f)?, DtypeSource::Flag));
+        return Ok((f.kind(), DtypeSource::Flag));
     }
     let path = model_dir.join("config.json");
     let v = read_json(&path)?;

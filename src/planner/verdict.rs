@@ -46,7 +46,7 @@ pub fn judge_row(row: &PlacementRow, main: &str, caps: &MaxMemory, headroom: &He
 pub use crate::model::DtypeSource;
 
 /// The weight dtype to plan: [`crate::model::model_dtype`], the rule the runs use.
-pub fn planned_dtype(model_dir: &Path, flag: Option<&str>) -> Result<(Kind, DtypeSource)> {
+pub fn planned_dtype(model_dir: &Path, flag: Option<crate::model::Dtype>) -> Result<(Kind, DtypeSource)> {
     crate::model::model_dtype(model_dir, flag)
 }
 

@@ -3,6 +3,7 @@
 //! name and an image size.
 use std::path::PathBuf;
 
+use clap::builder::{PossibleValue, TypedValueParser};
 use clap::{Args, ValueEnum};
 
 use super::DeviceArgs;
@@ -10,7 +11,7 @@ use crate::config::MendConfig;
 use crate::data::examples::OverLong;
 use crate::data::DatasetKind;
 use crate::edit::MethodSpec;
-use crate::model::model_dtype;
+use crate::model::{model_dtype, Dtype};
 use crate::planner::{Phase, PlaceFor};
 use crate::run::Common;
 
@@ -24,8 +25,8 @@ pub struct CommonArgs {
     pub devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights (editor maths is always f32). Default: what
     /// the checkpoint's config.json says its weights are (`dtype`), else f32, as `plan`.
-    #[arg(long)]
-    pub dtype: Option<String>,
+    #[arg(long, value_enum)]
+    pub dtype: Option<Dtype>,
     #[arg(long, default_value_t = 0)]
     pub seed: i64,
     /// Where to write the run report (JSON).
@@ -50,7 +51,7 @@ pub struct CommonArgs {
 impl CommonArgs {
     /// `config`, `tokens` and `phase`: what the placement is planned for.
     pub fn resolve(&self, config: &MendConfig, tokens: usize, phase: Phase) -> anyhow::Result<Common> {
-        let dtype = run_dtype(&self.model, self.dtype.as_deref())?;
+        let dtype = run_dtype(&self.model, self.dtype)?;
         let place = PlaceFor { model: &self.model, config, dtype, tokens: tokens as i64, phase };
         Ok(Common {
             model: self.model.clone(),
@@ -70,7 +71,7 @@ impl CommonArgs {
 
 /// The weights' dtype of a run ([`model_dtype`], the rule `plan` uses), logged with where
 /// it came from so a bf16 checkpoint run in bf16 (or forced to f32) is never a surprise.
-pub fn run_dtype(model: &std::path::Path, flag: Option<&str>) -> anyhow::Result<tch::Kind> {
+pub fn run_dtype(model: &std::path::Path, flag: Option<Dtype>) -> anyhow::Result<tch::Kind> {
     let (kind, source) = model_dtype(model, flag)?;
     tracing::info!("weights in {} ({})", crate::model::loader::dtype_name(kind), source.describe());
     Ok(kind)
@@ -246,12 +247,38 @@ impl GuardArgs {
     }
 }
 
-/// A `--ds` that names a dataset (not edit requests).
-pub fn dataset(ds: &str) -> anyhow::Result<DatasetKind> {
-    match ds.parse::<DatasetKind>()? {
-        DatasetKind::Requests => anyhow::bail!("--ds must be zsre, counterfact, vqa or caption"),
-        k => Ok(k),
+/// `--dtype`: the library's [`Dtype`], its choices (and the long spellings as aliases)
+/// listed by `--help`.
+impl ValueEnum for Dtype {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Dtype::ALL
     }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(match self {
+            Dtype::F32 => PossibleValue::new("f32").aliases(["float32", "fp32"]),
+            Dtype::Bf16 => PossibleValue::new("bf16").alias("bfloat16"),
+            Dtype::F16 => PossibleValue::new("f16").aliases(["float16", "fp16"]),
+        })
+    }
+}
+
+/// `--ds` of `edit`: every [`DatasetKind`], listed by `--help`.
+impl ValueEnum for DatasetKind {
+    fn value_variants<'a>() -> &'a [Self] {
+        &DatasetKind::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(self.as_str()))
+    }
+}
+
+/// `--ds` of the commands that read a dataset (not edit requests): zsre, counterfact, vqa
+/// or caption, listed by `--help`.
+pub fn dataset() -> impl TypedValueParser<Value = DatasetKind> {
+    let names: Vec<&'static str> = DatasetKind::ALL.iter().filter(|k| **k != DatasetKind::Requests).map(|k| k.as_str()).collect();
+    clap::builder::PossibleValuesParser::new(names).try_map(|s| s.parse::<DatasetKind>())
 }
 
 /// `448x448` (or `448×448`) to `(width, height)`.

@@ -14,9 +14,9 @@ pub struct EditArgs {
     /// portability), or with --ds the records of that dataset (vqa|caption: E-VQA / E-IC, with --image-root).
     #[arg(long)]
     pub requests: PathBuf,
-    /// The format of --requests: requests (default), zsre, counterfact, vqa or caption.
-    #[arg(long, default_value = "requests")]
-    pub ds: String,
+    /// The format of --requests (vqa, caption: E-VQA / E-IC, with --image-root).
+    #[arg(long, value_enum, default_value_t = crate::data::easyedit::DatasetKind::Requests)]
+    pub ds: crate::data::easyedit::DatasetKind,
     /// Apply the requests one after another instead of as one batch.
     #[arg(long)]
     pub sequential: bool,

@@ -13,9 +13,9 @@ pub struct EvalArgs {
     /// EasyEdit-format dataset.
     #[arg(long)]
     pub data: PathBuf,
-    /// zsre, counterfact, vqa or caption (E-VQA / E-IC, with --image-root).
-    #[arg(long)]
-    pub ds: String,
+    /// The format of --data (vqa, caption: E-VQA / E-IC, with --image-root).
+    #[arg(long, value_parser = super::dataset())]
+    pub ds: crate::data::easyedit::DatasetKind,
     /// Evaluate only the first N records.
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub limit: Option<usize>,

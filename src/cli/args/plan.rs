@@ -18,8 +18,8 @@ pub struct PlanArgs {
     pub devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights (editor maths is always f32). Default: the
     /// model's config.json `torch_dtype` (what its weights are), else f32.
-    #[arg(long)]
-    pub dtype: Option<String>,
+    #[arg(long, value_enum)]
+    pub dtype: Option<crate::model::Dtype>,
     /// With --max-memory: the share of each cap kept free for the planner's own error and
     /// the allocator's fragmentation (a placement fits when its peak is at most cap x (1 -
     /// margin) - reserve). Default 10%.
@@ -60,8 +60,8 @@ pub struct PlanArgs {
     pub image_size: Option<(i64, i64)>,
     /// The data planned for: zsre or counterfact (text: edit_inner, edit_outer, loc) or
     /// vqa or caption (the five multimodal views; needs --image-size).
-    #[arg(long)]
-    pub ds: Option<String>,
+    #[arg(long, value_parser = super::dataset())]
+    pub ds: Option<crate::data::easyedit::DatasetKind>,
     /// --ds vqa|caption: tokens of the text-only locality question (E-VQA's NQ `loc`
     /// view; default --max-length).
     #[arg(long)]

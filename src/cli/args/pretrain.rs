@@ -9,9 +9,9 @@ pub struct PretrainArgs {
     /// EasyEdit files whose facts make the corpus (repeat the flag for several).
     #[arg(long, required_unless_present = "vl")]
     pub data: Vec<PathBuf>,
-    /// zsre, counterfact, vqa or caption (E-VQA / E-IC, with --image-root).
-    #[arg(long, required_unless_present = "vl")]
-    pub ds: Option<String>,
+    /// The format of --data (vqa, caption: E-VQA / E-IC, with --image-root).
+    #[arg(long, required_unless_present = "vl", value_parser = super::dataset())]
+    pub ds: Option<crate::data::easyedit::DatasetKind>,
     /// Pretrain a tiny Qwen2-VL-shaped model (vision tower included) on a visual world's
     /// pretrain.json (`dualedit world --vl`) instead of a GPT-2 on text; its shape is the
     /// multimodal default's, and of the sizes below only --steps, --batch and --lr apply.

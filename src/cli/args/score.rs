@@ -18,8 +18,8 @@ pub struct ScoreArgs {
     #[command(flatten)]
     pub devices: DeviceArgs,
     /// f32, bf16 or f16. Default: the checkpoint's config.json `dtype`, else f32.
-    #[arg(long)]
-    pub dtype: Option<String>,
+    #[arg(long, value_enum)]
+    pub dtype: Option<crate::model::Dtype>,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

@@ -21,8 +21,8 @@ pub struct ServeArgs {
     pub devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights. Default: the checkpoint's config.json
     /// `dtype`, else f32 (as `plan`).
-    #[arg(long)]
-    pub dtype: Option<String>,
+    #[arg(long, value_enum)]
+    pub dtype: Option<crate::model::Dtype>,
     /// Address to listen on; anything but loopback needs --token (or --insecure-no-token).
     #[arg(long, default_value = crate::serve::DEFAULT_LISTEN)]
     pub listen: String,

@@ -11,9 +11,9 @@ pub struct TrainArgs {
     /// EasyEdit-format training file.
     #[arg(long)]
     pub data: PathBuf,
-    /// zsre, counterfact, vqa or caption (E-VQA / E-IC, with --image-root).
-    #[arg(long)]
-    pub ds: String,
+    /// The format of --data (vqa, caption: E-VQA / E-IC, with --image-root).
+    #[arg(long, value_parser = super::dataset())]
+    pub ds: crate::data::easyedit::DatasetKind,
     /// MEND hyper-parameters: JSON (see configs/), or an EasyEdit MEND hparams YAML as it is
     /// (`dualedit config --from-easyedit` shows what it becomes).
     #[arg(long)]

@@ -10,7 +10,7 @@ pub fn run(a: EditArgs) -> anyhow::Result<()> {
         common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
         method: a.method.resolve(a.sequential || crate::edit::request_count(&a.requests) != Some(1))?,
         requests: a.requests,
-        ds: a.ds.parse()?,
+        ds: a.ds,
         sequential: a.sequential,
         save: a.save,
         max_length: a.method.max_length,

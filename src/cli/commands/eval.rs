@@ -1,6 +1,6 @@
 //! `dualedit eval`: edit each record of a dataset from the unedited model (or, with
 //! `--edits-per-batch` / `--sequential`, groups of records) and report EasyEdit's metrics.
-use crate::cli::args::{dataset, EvalArgs};
+use crate::cli::args::EvalArgs;
 use crate::edit::capacity::Grouping;
 use crate::planner::Phase;
 use crate::run::{self, EvalOptions};
@@ -15,7 +15,7 @@ pub fn options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
         common: a.common.resolve(&a.method.planning_config()?, a.method.max_length, Phase::Edit)?,
         method: a.method.resolve(many)?,
         data: a.data.clone(),
-        ds: dataset(&a.ds)?,
+        ds: a.ds,
         limit: a.limit,
         max_length: a.method.max_length,
         capacity,

@@ -2,7 +2,7 @@
 //! device's peak per phase); without it, the table of every placement of the devices given
 //! (on one device: its plan). Devices need not exist here; `--max-memory` is planned
 //! against, not applied.
-use crate::cli::args::{dataset, PlanArgs};
+use crate::cli::args::PlanArgs;
 use crate::config::MendConfig;
 use crate::planner::{verdict, PlanOptions};
 
@@ -25,7 +25,7 @@ pub fn answer(a: &PlanArgs) -> anyhow::Result<(String, Option<String>)> {
     if !a.model.is_dir() {
         return Err(crate::Error::file(&a.model, "model directory not found").into());
     }
-    let (dtype, dtype_source) = verdict::planned_dtype(&a.model, a.dtype.as_deref())?;
+    let (dtype, dtype_source) = verdict::planned_dtype(&a.model, a.dtype)?;
     let mut opts = PlanOptions::new(&d.device, d.sub_device.as_deref(), dtype, tokens, a.kept_tokens)?;
     opts.headroom = verdict::Headroom::parse(a.margin.as_deref(), a.reserve.as_deref())?;
     opts.caps = d.max_memory.clone().unwrap_or_default();
@@ -37,8 +37,8 @@ pub fn answer(a: &PlanArgs) -> anyhow::Result<(String, Option<String>)> {
     }
     opts.image = a.image_size;
     opts.loc_tokens = a.loc_length;
-    if let Some(ds) = &a.ds {
-        match (dataset(ds)?.is_multimodal(), a.image_size) {
+    if let Some(ds) = a.ds {
+        match (ds.is_multimodal(), a.image_size) {
             (true, None) if a.data.is_none() => anyhow::bail!("--ds {ds} plans images: give --image-size WIDTHxHEIGHT (e.g. 640x480 for a COCO photo), or --data"),
             (false, Some(_)) => anyhow::bail!("--ds {ds} is text-only: --image-size plans the multimodal views (--ds vqa or caption)"),
             _ => {}
@@ -48,9 +48,9 @@ pub fn answer(a: &PlanArgs) -> anyhow::Result<(String, Option<String>)> {
         anyhow::bail!("--loc-length is the text-only locality view of --ds vqa|caption: give --image-size");
     }
     let (model, _) = crate::model::loader::read_config(&a.model)?;
-    let data = match (&a.data, &a.ds) {
+    let data = match (&a.data, a.ds) {
         (Some(file), Some(ds)) => {
-            let d = crate::planner::data::data_shape(&a.model, &model, file, dataset(ds)?, a.image_root.as_deref(), a.percentile)?;
+            let d = crate::planner::data::data_shape(&a.model, &model, file, ds, a.image_root.as_deref(), a.percentile)?;
             opts.tokens = a.max_length.map_or(d.text_tokens.at_percentile, |t| t as i64);
             opts.kept = a.kept_tokens.or(Some(d.labelled.at_percentile));
             opts.image = a.image_size.or(d.image_at_percentile);

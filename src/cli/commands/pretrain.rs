@@ -2,13 +2,13 @@
 //! Qwen2-VL on a visual world.
 use crate::bootstrap::pretrain::{corpus_from_records, pretrain, PretrainConfig};
 use crate::bootstrap::pretrain_vl::{pretrain_vl, VlPretrainConfig};
-use crate::cli::args::{dataset, PretrainArgs};
+use crate::cli::args::PretrainArgs;
 
 pub fn run(a: PretrainArgs) -> anyhow::Result<()> {
     if a.vl {
         return run_vl(a);
     }
-    let ds = dataset(a.ds.as_deref().unwrap_or_default())?;
+    let ds = a.ds.ok_or_else(|| anyhow::anyhow!("pretrain needs --ds (zsre, counterfact, vqa or caption) or --vl"))?;
     let d = PretrainConfig::from_scratch();
     let cfg = PretrainConfig {
         vocab_size: a.vocab,

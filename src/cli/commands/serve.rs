@@ -20,7 +20,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     };
     // The address and token are checked (an open listener refused) before anything is read.
     let server = Server::bind(&a.listen, opts)?;
-    let dtype = crate::cli::args::run_dtype(&a.model, a.dtype.as_deref())?;
+    let dtype = crate::cli::args::run_dtype(&a.model, a.dtype)?;
     let config = match &a.editor {
         Some(dir) => crate::mend::checkpoint::trained_config(dir)?,
         None => MendConfig::default(),

@@ -1,12 +1,12 @@
 //! `dualedit train`: meta-train a MEND editor.
-use crate::cli::args::{dataset, TrainArgs};
+use crate::cli::args::TrainArgs;
 use crate::config::MendConfig;
 use crate::planner::Phase;
 use crate::run::{self, TrainOptions};
 
 /// The run `train` (and `compare train`) makes of its flags.
 pub fn options(a: TrainArgs) -> anyhow::Result<TrainOptions> {
-    let ds = dataset(&a.ds)?;
+    let ds = a.ds;
     run::check_report_path(a.common.report.as_deref(), &[&a.config])?;
     let mut config = MendConfig::from_file(&a.config)?;
     if let Some(n) = a.max_steps {
