@@ -23,3 +23,4 @@ pub mod world;
 
 pub use error::{Error, Result};
 pub mod mend;
+pub mod placed;

@@ -247,7 +247,8 @@ impl DemoSet {
 
 pub fn run_demo(set: &DemoSet, plan: DevicePlan, shown: usize, out: &mut impl std::io::Write) -> Result<DemoSummary> {
     use crate::device::memory::{format_bytes, MemoryTracker};
-    use crate::edit::{greedy, make_edit, LoadOptions};
+    use crate::edit::{make_edit, LoadOptions};
+    use crate::placed::generate::greedy;
     use crate::edit::evaluate;
     use crate::model::ParamView;
     use crate::run::load_examples;

@@ -106,7 +106,8 @@ pub struct VlDemoSummary {
 /// and on an unrelated image, then the held-out metrics (each edit from the unedited
 /// model). Text goes to `out` unless `json`, which writes one JSON object instead.
 pub fn run_demo_vl(root: &Path, plan: DevicePlan, json: bool, out: &mut impl std::io::Write) -> Result<VlDemoSummary> {
-    use crate::edit::{answer, evaluate, make_edit, LoadOptions};
+    use crate::edit::{evaluate, make_edit, LoadOptions};
+    use crate::placed::generate::answer;
     use crate::run::load_examples;
     let start = std::time::Instant::now();
     tch::set_num_threads(1);

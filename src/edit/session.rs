@@ -37,7 +37,8 @@ use crate::device::memory::{self, MemorySample};
 use crate::device::DevicePlan;
 use crate::edit::conflicts::{self, Conflict};
 use crate::edit::call::{CallGuard, Commits};
-use crate::edit::{self, CallMethod, EditCall, EditMethod, Finish, Mend, MethodSpec, RequestResult};
+use crate::edit::{self, CallMethod, EditCall, EditMethod, Mend, MethodSpec, RequestResult};
+use crate::placed::generate::{self, Finish};
 use crate::edit::eval::{self, RecordMetrics, Summary};
 use crate::mend::guard::{self, GuardConfig, GuardReport};
 use crate::mend::stepwise::Stepwise;
@@ -446,7 +447,7 @@ impl Session {
                     prompt: r.prompt.clone(),
                     target_new: r.target_new.clone(),
                     answer_before: before,
-                    answer_after: edit::answer(&self.engine, &e.inner)?,
+                    answer_after: generate::answer(&self.engine, &e.inner)?,
                     refused: why.is_some(),
                     refused_reason: why,
                     metrics: m,
@@ -484,7 +485,7 @@ impl Session {
         before_call: &mut HashMap<String, Tensor>,
     ) -> Result<EditOutcome> {
         let refs: Vec<&EditExample> = examples.iter().collect();
-        let answers_before = examples.iter().map(|e| edit::answer(&self.engine, &e.inner)).collect::<Result<Vec<_>>>()?;
+        let answers_before = examples.iter().map(|e| generate::answer(&self.engine, &e.inner)).collect::<Result<Vec<_>>>()?;
         // Each request's fact, for mend-ls's statistics (multimodal records name none).
         let facts: Vec<Option<Fact>> = records.iter().map(Fact::of).collect();
         let images: Vec<Option<&Path>> = examples.iter().map(|e| e.inner.image.as_ref().map(|i| i.path.as_path())).collect();
@@ -580,7 +581,7 @@ impl Session {
             return Err(Error::input("prompt is empty (it encodes to no tokens)"));
         }
         check_length(lm, ids.len())?;
-        let (tokens, finish_reason) = edit::greedy(lm, &ParamView::frozen(&lm.params), &ids, max_new_tokens, &self.eos)?;
+        let (tokens, finish_reason) = generate::greedy(lm, &ParamView::frozen(&lm.params), &ids, max_new_tokens, &self.eos)?;
         Ok(Generation { text: lm.tokenizer.decode(&tokens)?, prompt_tokens: ids.len(), tokens, finish_reason })
     }
 
@@ -599,7 +600,7 @@ impl Session {
         let params = ParamView::frozen(&lm.params);
         let ImagePrompt { vl, mut ids, feats, grids } = image_prompt(lm, &params, &[image], text.len())?;
         ids.extend_from_slice(&text);
-        let (tokens, finish_reason) = edit::greedy_with_images(lm, &params, (vl, &feats, &grids), &ids, max_new_tokens, &self.eos)?;
+        let (tokens, finish_reason) = generate::greedy_with_images(lm, &params, (vl, &feats, &grids), &ids, max_new_tokens, &self.eos)?;
         Ok(Generation { text: lm.tokenizer.decode(&tokens)?, prompt_tokens: text.len(), tokens, finish_reason })
     }
 
@@ -626,9 +627,9 @@ impl Session {
     /// Writes the current (edited) model to `dir` as a Hugging Face folder that
     /// `Session::open`, `dualedit score` and transformers load: every non-weight file of the
     /// source folder copied, the weights in the source's layout (names, shards, dtypes),
-    /// all or nothing ([`edit::save_model`]). `dir` must be new or empty.
+    /// all or nothing ([`crate::placed::save::save_model`]). `dir` must be new or empty.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        edit::save_model(&self.engine.lm, dir)
+        crate::placed::save::save_model(&self.engine.lm, dir)
     }
 
     /// Memory figures of each device the session uses.

@@ -10,7 +10,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use super::{EditedParam, Editor, Engine};
+use super::{Editor, Engine};
+use crate::placed::EditedParam;
 use crate::config::{MendConfig, SelectBy};
 use crate::io::{read_safetensors, write_json_atomic, write_safetensors};
 use crate::{Error, Result};

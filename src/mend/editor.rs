@@ -11,25 +11,12 @@ use std::collections::BTreeMap;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{EditorMode, MendConfig};
-use crate::model::{LowRank, WeightLayout};
+use crate::model::LowRank;
+use crate::placed::EditedParam;
 use crate::{Error, Result};
 
 /// Added to the running standard deviation before dividing.
 const NORM_EPS: f64 = 1e-7;
-
-/// One edited weight, as the editor sees it.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
-pub struct EditedParam {
-    pub name: String,
-    pub shape: Vec<i64>,
-    pub layout: WeightLayout,
-}
-
-impl EditedParam {
-    pub fn in_out(&self) -> (i64, i64) {
-        self.layout.in_out(&self.shape)
-    }
-}
 
 /// Running mean and variance of feature vectors (Welford, merged per batch with Chan's
 /// formula, which equals adding the rows one by one as the reference code does).

@@ -10,5 +10,5 @@ pub mod losses;
 pub mod optim;
 pub mod engine;
 
-pub use editor::{EditedParam, Editor, Factors};
-pub use engine::{EditShape, Engine, LogitsLoss, Pending};
+pub use editor::{Editor, Factors};
+pub use engine::{EditShape, Engine};

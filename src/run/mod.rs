@@ -497,7 +497,7 @@ pub fn run_edit(o: &EditOptions) -> Result<(EditOutput, PathBuf)> {
     check_report_path(o.common.report.as_deref(), &[&o.requests])?;
     check_data_flags(o.ds, &o.common)?;
     if let Some(dir) = &o.save {
-        edit::check_save_dir(dir)?;
+        crate::placed::save::check_save_dir(dir)?;
     }
     let t0 = Instant::now();
     let mut tracker = MemoryTracker::sampled(&o.common.plan.roles());

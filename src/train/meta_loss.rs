@@ -7,7 +7,8 @@ use tch::Tensor;
 use crate::config::{Aggregate, MendConfig};
 use crate::data::multimodal::StepImages;
 use crate::data::{EditExample, Example, TokenBatch};
-use crate::mend::{losses, Editor, Engine, LogitsLoss, Pending};
+use crate::mend::{losses, Editor, Engine};
+use crate::placed::{LogitsLoss, Pending};
 use crate::model::Overrides;
 use crate::{Error, Result};
 

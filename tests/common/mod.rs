@@ -154,7 +154,7 @@ pub fn trained_editor_session() -> (Session, tempfile::TempDir) {
 
 /// Two editors with the same initial weights: the same seed, which `Editor::new` draws
 /// under `rng::torch_seeded`'s lock, so tests running in parallel threads cannot change it.
-pub fn twin_editors(cfg: &MendConfig, params: &[dualedit::mend::EditedParam]) -> (Editor, Editor) {
+pub fn twin_editors(cfg: &MendConfig, params: &[dualedit::placed::EditedParam]) -> (Editor, Editor) {
     let new = || Editor::new(cfg, params.to_vec(), Device::Cpu, 0).unwrap();
     (new(), new())
 }

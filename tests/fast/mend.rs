@@ -578,7 +578,7 @@ fn pattern(n: i64, phase: f64, f: fn(&Tensor) -> Tensor) -> Tensor {
 }
 
 /// `rows` patterned gradient factors per edited weight (small δ, as a real capture's).
-fn patterned_factors(params: &[dualedit::mend::editor::EditedParam], rows: i64) -> Vec<dualedit::mend::Factors> {
+fn patterned_factors(params: &[dualedit::placed::EditedParam], rows: i64) -> Vec<dualedit::mend::Factors> {
     params
         .iter()
         .enumerate()
@@ -635,7 +635,7 @@ fn editor_bf16_products_match_the_f32_ones_to_bf16_rounding() {
 /// One training pass of a patterned editor (every tensor moved off its init: U = 0 would
 /// hide the products) over `rows` patterned factor rows per weight, set up by `setup`:
 /// the edit terms and the editor's gradients of a patterned loss of them.
-fn terms_and_grads(params: &[dualedit::mend::editor::EditedParam], cfg: &MendConfig, rows: i64, setup: impl Fn(&mut Editor)) -> (Vec<Tensor>, Tensor) {
+fn terms_and_grads(params: &[dualedit::placed::EditedParam], cfg: &MendConfig, rows: i64, setup: impl Fn(&mut Editor)) -> (Vec<Tensor>, Tensor) {
     let mut ed = Editor::new(cfg, params.to_vec(), Device::Cpu, 0).unwrap();
     setup(&mut ed);
     let (net, _) = ed.trainables();

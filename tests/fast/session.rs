@@ -10,7 +10,7 @@ use std::path::Path;
 use common::{fixture, records, trained_editor, trained_editor_session};
 use dualedit::data::Example;
 use dualedit::model::{load_model, ForwardInput, KvCache, LoadedModel, ParamView};
-use dualedit::edit::Finish;
+use dualedit::placed::generate::Finish;
 use dualedit::edit::session::{Session, SessionOptions};
 use dualedit::Error;
 use tch::{Device, Kind, Tensor};

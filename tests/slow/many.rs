@@ -243,7 +243,7 @@ fn later_calls_keep_the_earlier_edits_and_a_reset_forgets_them() {
     // After the last call the first twenty still answer their targets.
     let mut still = 0;
     for (r, e) in records[..20].iter().zip(&examples[..20]) {
-        let got = dualedit::edit::answer(s.engine(), &e.inner).unwrap();
+        let got = dualedit::placed::generate::answer(s.engine(), &e.inner).unwrap();
         still += usize::from(got.trim() == r.target_new.trim());
     }
     let made = first.requests.iter().filter(|r| r.metrics.edit_success).count();

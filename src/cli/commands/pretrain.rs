@@ -22,7 +22,7 @@ pub fn run(a: PretrainArgs) -> anyhow::Result<()> {
         ..d
     };
     cfg.check()?;
-    crate::edit::check_new_model_dir(&a.out)?;
+    crate::placed::save::check_new_model_dir(&a.out)?;
     let mut records = Vec::new();
     for f in &a.data {
         records.extend(crate::data::load_records(f, ds)?.0);
@@ -49,7 +49,7 @@ fn run_vl(a: PretrainArgs) -> anyhow::Result<()> {
         target_accuracy: None,
         ..d
     };
-    crate::edit::check_new_model_dir(&a.out)?;
+    crate::placed::save::check_new_model_dir(&a.out)?;
     let device = a.devices.single("pretrain")?;
     tch::set_num_threads(1);
     let rep = pretrain_vl(world, &cfg, &a.out, device, true)?;
