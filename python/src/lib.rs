@@ -21,7 +21,7 @@ use dualedit::data::easyedit::{parse_records, DatasetKind};
 use dualedit::data::examples::OverLong;
 use dualedit::data::multimodal::ImageRoots;
 use dualedit::device::{DevicePlan, MaxMemory, OptimizerDevice, PlacementRequest};
-use dualedit::edit::{LoadOptions, MethodSpec};
+use dualedit::edit::{LoadOptions, MethodName, MethodOptions, MethodSpec};
 use dualedit::mend::guard::GuardConfig;
 use dualedit::planner::Phase;
 use dualedit::run::{self, CapacityOptions, Common, EvalOptions, TrainOptions};
@@ -148,83 +148,27 @@ impl Placing<'_> {
     }
 }
 
-/// The MEND config a placement is planned with: the trained editor's (its editor.json),
-/// MEND's defaults without one (as the CLI plans it).
-fn planning_config(editor: Option<&Path>) -> PyResult<MendConfig> {
-    let Some(dir) = editor else { return Ok(MendConfig::default()) };
-    let path = dir.join(dualedit::mend::checkpoint::EDITOR_JSON);
-    let text = std::fs::read_to_string(&path).map_err(|e| py_err(Error::io(&path, e)))?;
-    let meta: dualedit::mend::checkpoint::EditorMeta =
-        serde_json::from_str(&text).map_err(|e| py_err(Error::file(&path, format!("invalid editor description: {e}"))))?;
-    let mut cfg = meta.config;
-    cfg.edit_params = meta.params.into_iter().map(|p| p.name).collect();
-    Ok(cfg)
-}
-
-/// The method with an editor when none is named: the CLI's `--method` default.
-const DEFAULT_METHOD: &str = dualedit::edit::DEFAULT_METHOD;
-
-/// The edit method as the CLI's `--method` and its `--ls-*` / `--ft-lr` flags name it.
-struct MethodChoice<'a> {
-    method: Option<&'a str>,
-    editor: Option<&'a Path>,
+/// The method the keyword arguments name: the library's [`MethodOptions`], checked there
+/// once, its errors naming the keyword.
+#[allow(clippy::too_many_arguments)]
+fn method_options(
+    method: Option<&str>,
+    editor: Option<&Path>,
     ft_lr: f64,
     ls_lambda: Option<f64>,
     ls_keep_weight: Option<f64>,
     ls_rounds: Option<usize>,
-    ls_keep_text: Option<&'a Path>,
-    /// `auto` is for several edits: a session edits any number, `evaluate` groups of
-    /// more than one.
-    many: bool,
-    /// The method with an editor when none is named: `auto` everywhere, as the CLI's
-    /// `--method` default (a `Session` opens it for many edits and makes a single request
-    /// in one call with plain `mend` of the same editor, as `serve` does).
-    default: &'static str,
-}
-
-impl MethodChoice<'_> {
-    fn spec(&self) -> PyResult<MethodSpec> {
-        let method = self.method.unwrap_or(if self.editor.is_some() { self.default } else { "unedited" });
-        let needs_editor = |m: &str| self.editor.map(Path::to_path_buf).ok_or_else(|| input_err(format!("method {m:?} needs an editor directory")));
-        let ls_given = self.ls_lambda.is_some() || self.ls_keep_weight.is_some() || self.ls_rounds.is_some() || self.ls_keep_text.is_some();
-        if ls_given && !matches!(method, "mend-ls" | "mend_ls" | "auto") {
-            return Err(input_err("ls_lambda, ls_keep_weight, ls_rounds and ls_keep_text are only used with method=\"mend-ls\" (or \"auto\")"));
-        }
-        if self.editor.is_some() && !matches!(method, "auto" | "mend" | "mend-ls" | "mend_ls") {
-            return Err(input_err(format!("an editor is only used with method \"auto\", \"mend\" or \"mend-ls\", not {method:?}")));
-        }
-        if let Some(w) = self.ls_keep_weight.filter(|w| !(w.is_finite() && *w >= 0.0)) {
-            return Err(input_err(format!("ls_keep_weight must be a number >= 0, got {w}")));
-        }
-        if let Some(l) = self.ls_lambda.filter(|l| !(l.is_finite() && *l > 0.0)) {
-            return Err(input_err(format!("ls_lambda must be a positive number, got {l}")));
-        }
-        if let Some(r) = self.ls_rounds.filter(|r| *r > dualedit::config::MAX_LS_ROUNDS) {
-            return Err(input_err(format!("ls_rounds must be at most {}, got {r}", dualedit::config::MAX_LS_ROUNDS)));
-        }
-        Ok(match method {
-            "auto" => MethodSpec::Auto {
-                editor: needs_editor(method)?,
-                ls: dualedit::mend::ls::LsChoice { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight, rounds: self.ls_rounds },
-                unrelated: self.ls_keep_text.map(Path::to_path_buf),
-                many: self.many,
-            },
-            "mend" => MethodSpec::Mend { editor: needs_editor(method)? },
-            "mend-ls" | "mend_ls" => MethodSpec::MendLs {
-                editor: needs_editor(method)?,
-                ls: dualedit::mend::ls::LsChoice { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight, rounds: self.ls_rounds },
-                unrelated: self.ls_keep_text.map(Path::to_path_buf),
-            },
-            "ft" => {
-                if !(self.ft_lr.is_finite() && self.ft_lr > 0.0) {
-                    return Err(input_err(format!("ft_lr must be a positive number, got {}", self.ft_lr)));
-                }
-                MethodSpec::FineTune { lr: self.ft_lr }
-            }
-            "unedited" | "none" => MethodSpec::Unedited,
-            other => return Err(input_err(format!("method must be \"auto\", \"mend\", \"mend-ls\", \"ft\" or \"unedited\", got {other:?}"))),
-        })
-    }
+    ls_keep_text: Option<&Path>,
+) -> PyResult<MethodOptions> {
+    Ok(MethodOptions {
+        method: method.map(str::parse::<MethodName>).transpose().py()?,
+        editor: editor.map(Path::to_path_buf),
+        ft_lr,
+        ls_lambda,
+        ls_keep_weight,
+        ls_rounds,
+        ls_keep_text: ls_keep_text.map(Path::to_path_buf),
+    })
 }
 
 /// The commit guard of `edit` (the CLI's `--guard-*` flags; `None`: `--no-guard`).
@@ -343,11 +287,12 @@ impl PySession {
         if max_length == 0 {
             return Err(input_err("max_length must be at least 1"));
         }
-        let choice = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many: true, default: DEFAULT_METHOD };
-        let spec = choice.spec()?;
+        let options = method_options(method, editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text.as_deref())?;
+        // A session edits any number of requests: `auto` opens the editor for many edits.
+        let spec = options.resolve(true).py()?;
         let kind = parse_dtype(&model, dtype)?;
         let placing = Placing { device, sub_device, placement, optimizer_device, max_memory };
-        let plan = placing.plan(&model, &planning_config(spec.editor_dir())?, kind, max_length, Phase::Edit)?;
+        let plan = placing.plan(&model, &options.planning_config().py()?, kind, max_length, Phase::Edit)?;
         let opts = LoadOptions { plan, dtype: kind };
         let inner = py
             .allow_threads(|| dualedit::error::guard(|| match &spec {
@@ -685,11 +630,12 @@ fn evaluate(
         return Err(input_err("max_length must be at least 1"));
     }
     let many = edits_per_batch.or(sequential).is_some_and(|n| n > 1);
-    let spec = MethodChoice { method, editor: editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text: ls_keep_text.as_deref(), many, default: DEFAULT_METHOD }.spec()?;
+    let options = method_options(method, editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text.as_deref())?;
+    let spec = options.resolve(many).py()?;
     let kind = parse_dtype(&model, dtype)?;
     let plan = Placing { device, sub_device, placement, optimizer_device, max_memory }.plan(
         &model,
-        &planning_config(spec.editor_dir())?,
+        &options.planning_config().py()?,
         kind,
         max_length,
         Phase::Edit,

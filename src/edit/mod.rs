@@ -9,6 +9,7 @@ pub mod capacity;
 pub mod conflicts;
 pub mod eval;
 pub mod method;
+pub mod options;
 pub mod score;
 pub mod session;
 
@@ -27,6 +28,7 @@ use crate::mend::{checkpoint, Engine};
 use crate::model::{load_model_split, Overrides};
 use crate::{Error, Result};
 pub use method::{CallMethod, EditCall, EditMethod, FineTune, Mend, Unedited};
+pub use options::{MethodName, MethodOptions, DEFAULT_FT_LR};
 
 /// The method every interface edits with when none is named (the CLI's `--method`,
 /// `serve --method`, the Python package's `method=`): [`MethodSpec::Auto`], one request
@@ -66,12 +68,12 @@ pub enum MethodSpec {
 }
 
 impl MethodSpec {
-    /// The ranges its settings must lie in (`--ls-*`, `--ft-lr`): one error naming the flag.
+    /// The ranges its settings must lie in (`ls_*`, `ft_lr`): one error naming the field.
     pub fn check(&self) -> Result<()> {
         match self {
             MethodSpec::MendLs { ls, .. } | MethodSpec::Auto { ls, .. } => ls.check(),
             MethodSpec::FineTune { lr } if !(lr.is_finite() && *lr > 0.0) => {
-                Err(Error::input(format!("--ft-lr must be a positive number, got {lr}")))
+                Err(Error::input(format!("ft_lr must be a positive number, got {lr}")))
             }
             _ => Ok(()),
         }

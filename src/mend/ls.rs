@@ -69,16 +69,17 @@ impl LsChoice {
         Self { lambda: Some(c.lambda), cov_weight: Some(c.cov_weight), rounds: Some(c.rounds) }
     }
 
-    /// The ranges the `--ls-*` flags must lie in: one error naming the flag.
+    /// The ranges the settings must lie in: one error naming the field
+    /// ([`crate::edit::options::MethodOptions`]'s `ls_*`).
     pub fn check(&self) -> Result<()> {
         if let Some(w) = self.cov_weight.filter(|w| !(w.is_finite() && *w >= 0.0)) {
-            return Err(Error::input(format!("--ls-keep-weight must be a number >= 0, got {w}")));
+            return Err(Error::input(format!("ls_keep_weight must be a number >= 0, got {w}")));
         }
         if let Some(l) = self.lambda.filter(|l| !(l.is_finite() && *l > 0.0)) {
-            return Err(Error::input(format!("--ls-lambda must be a positive number, got {l}")));
+            return Err(Error::input(format!("ls_lambda must be a positive number, got {l}")));
         }
         if let Some(r) = self.rounds.filter(|r| *r > crate::config::MAX_LS_ROUNDS) {
-            return Err(Error::input(format!("--ls-rounds must be at most {}, got {r}", crate::config::MAX_LS_ROUNDS)));
+            return Err(Error::input(format!("ls_rounds must be at most {}, got {r}", crate::config::MAX_LS_ROUNDS)));
         }
         Ok(())
     }

@@ -387,7 +387,7 @@ fn huge_inputs_are_refused_or_capped_before_the_expensive_part() {
     let spec = dualedit::edit::MethodSpec::MendLs { editor: dir.path().to_path_buf(), ls: Default::default(), unrelated: Some(fifo.clone()) };
     assert!(spec.validate().unwrap_err().to_string().contains("regular file"));
     let err = dualedit::edit::MethodSpec::FineTune { lr: f64::NAN }.validate().unwrap_err().to_string();
-    assert!(err.contains("--ft-lr"), "{err}");
+    assert!(err.contains("ft_lr"), "{err}");
 
     let tok = dualedit::model::Tokenizer::from_file(&fixture("gpt2").join("tokenizer.json")).unwrap();
     let mut records = common::records();

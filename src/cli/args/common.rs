@@ -10,7 +10,7 @@ use super::DeviceArgs;
 use crate::config::MendConfig;
 use crate::data::examples::OverLong;
 use crate::data::DatasetKind;
-use crate::edit::MethodSpec;
+use crate::edit::{MethodName, MethodOptions, MethodSpec, DEFAULT_FT_LR};
 use crate::model::{model_dtype, Dtype};
 use crate::planner::{Phase, PlaceFor};
 use crate::run::Common;
@@ -77,9 +77,6 @@ pub fn run_dtype(model: &std::path::Path, flag: Option<Dtype>) -> anyhow::Result
     Ok(kind)
 }
 
-/// `--ft-lr`'s default.
-pub const DEFAULT_FT_LR: f64 = 1e-3;
-
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum MethodArg {
     /// One request: mend; several, or one after another: mend-ls with the editor for many
@@ -125,54 +122,40 @@ pub struct MethodArgs {
 }
 
 impl MethodArgs {
-    /// The MEND config the placement is planned with: the trained editor's (from its
-    /// editor.json), MEND's defaults for the baselines.
-    pub fn planning_config(&self) -> anyhow::Result<MendConfig> {
-        match self.editor.as_ref().filter(|_| matches!(self.method, MethodArg::Auto | MethodArg::Mend | MethodArg::MendLs)) {
-            Some(dir) => Ok(crate::mend::checkpoint::trained_config(dir)?),
-            None => Ok(MendConfig::default()),
+    /// The library's option type these flags fill.
+    pub fn options(&self) -> MethodOptions {
+        MethodOptions {
+            method: Some(self.method.into()),
+            editor: self.editor.clone(),
+            ft_lr: self.ft_lr,
+            ls_lambda: self.ls_lambda,
+            ls_keep_weight: self.ls_keep_weight,
+            ls_rounds: self.ls_rounds,
+            ls_keep_text: self.ls_keep_text.clone(),
         }
     }
 
-    /// The method the flags ask for; flags given to a method that does not use them, and
-    /// values out of range ([`MethodSpec::check`]), are errors.
-    ///
-    /// `many`: the run edits several requests or one after another, which `--method
-    /// auto` (the default) makes with `mend-ls` ([`MethodSpec::Auto`]).
+    /// The MEND config the placement is planned with ([`MethodOptions::planning_config`]).
+    pub fn planning_config(&self) -> anyhow::Result<MendConfig> {
+        Ok(self.options().planning_config()?)
+    }
+
+    /// The method the flags ask for, checked once by [`MethodOptions::resolve`]. `many`:
+    /// the run edits several requests or one after another.
     pub fn resolve(&self, many: bool) -> anyhow::Result<MethodSpec> {
-        if self.editor.is_some() && !matches!(self.method, MethodArg::Auto | MethodArg::Mend | MethodArg::MendLs) {
-            anyhow::bail!("--editor is only used with --method auto, mend or mend-ls");
+        Ok(self.options().resolve(many)?)
+    }
+}
+
+impl From<MethodArg> for MethodName {
+    fn from(m: MethodArg) -> Self {
+        match m {
+            MethodArg::Auto => MethodName::Auto,
+            MethodArg::Mend => MethodName::Mend,
+            MethodArg::MendLs => MethodName::MendLs,
+            MethodArg::Ft => MethodName::Ft,
+            MethodArg::Unedited => MethodName::Unedited,
         }
-        let ls_method = matches!(self.method, MethodArg::MendLs | MethodArg::Auto);
-        if self.ls_keep_text.is_some() && !ls_method {
-            anyhow::bail!("--ls-keep-text is only used with --method mend-ls (or auto)");
-        }
-        let ls_given = self.ls_lambda.is_some() || self.ls_keep_weight.is_some() || self.ls_rounds.is_some();
-        if ls_given && !ls_method {
-            anyhow::bail!("--ls-lambda, --ls-keep-weight and --ls-rounds are only used with --method mend-ls (or auto)");
-        }
-        let ls = crate::mend::ls::LsChoice { lambda: self.ls_lambda, cov_weight: self.ls_keep_weight, rounds: self.ls_rounds };
-        ls.check()?;
-        // --ft-lr has a default, so it is checked whichever method runs.
-        MethodSpec::FineTune { lr: self.ft_lr }.check()?;
-        Ok(match self.method {
-            MethodArg::Auto => MethodSpec::Auto {
-                editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("editing needs --editor DIR (a trained editor; the embedded default's is data/editor)"))?,
-                ls,
-                unrelated: self.ls_keep_text.clone(),
-                many,
-            },
-            MethodArg::Mend => MethodSpec::Mend {
-                editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend needs --editor DIR"))?,
-            },
-            MethodArg::MendLs => MethodSpec::MendLs {
-                editor: self.editor.clone().ok_or_else(|| anyhow::anyhow!("--method mend-ls needs --editor DIR"))?,
-                ls,
-                unrelated: self.ls_keep_text.clone(),
-            },
-            MethodArg::Ft => MethodSpec::FineTune { lr: self.ft_lr },
-            MethodArg::Unedited => MethodSpec::Unedited,
-        })
     }
 }
 

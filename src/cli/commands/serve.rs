@@ -1,5 +1,6 @@
 //! `dualedit serve`: a session's operations as JSON over HTTP until SIGINT / SIGTERM.
-use crate::cli::args::{MethodArg, MethodArgs, ServeArgs, DEFAULT_FT_LR};
+use crate::cli::args::{MethodArg, ServeArgs};
+use crate::edit::MethodOptions;
 use crate::config::MendConfig;
 use crate::edit::LoadOptions;
 use crate::planner::{Phase, PlaceFor};
@@ -30,21 +31,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     // `--method auto` (the default, as `edit`'s and the Python package's): requests of
     // several edits (or after earlier ones) go to mend-ls with the editor for many edits,
     // when the editor names one; one request to mend. A server edits any number: `many`.
+    let method = MethodOptions { method: Some(a.method.into()), editor: a.editor.clone(), ..MethodOptions::default() };
     let session = match (&a.editor, a.method) {
         (None, MethodArg::Auto) => crate::edit::session::Session::open(&a.model, None, &session_opts)?,
-        (editor, method) => {
-            let args = MethodArgs {
-                editor: editor.clone(),
-                method,
-                ls_lambda: None,
-                ls_keep_text: None,
-                ls_keep_weight: None,
-                ls_rounds: None,
-                ft_lr: DEFAULT_FT_LR,
-                max_length: config.max_length,
-            };
-            crate::edit::session::Session::open_method(&a.model, &args.resolve(true)?, &session_opts)?
-        }
+        _ => crate::edit::session::Session::open_method(&a.model, &method.resolve(true)?, &session_opts)?,
     };
     // First SIGINT/SIGTERM: finish the request in flight, then exit. A second one: now.
     let stop = signals::stop_on_signals()?;
