@@ -20,7 +20,7 @@ use dualedit::config::MendConfig;
 use dualedit::data::easyedit::{parse_records, DatasetKind};
 use dualedit::data::examples::OverLong;
 use dualedit::data::multimodal::ImageRoots;
-use dualedit::device::{DevicePlan, MaxMemory, OptimizerDevice, PlacementRequest};
+use dualedit::device::{DevicePlan, DeviceRequest, MaxMemory, OptimizerDevice, PlacementRequest};
 use dualedit::edit::{LoadOptions, MethodName, MethodOptions, MethodSpec};
 use dualedit::mend::guard::GuardConfig;
 use dualedit::planner::Phase;
@@ -109,38 +109,19 @@ struct Placing<'a> {
 }
 
 impl Placing<'_> {
-    /// The device plan with the placement resolved by the planner for `phase` (as the
-    /// CLI resolves it), the memory caps applied first.
+    /// The device plan with the placement resolved by the planner for `phase`, the memory
+    /// caps applied first: the library's [`DeviceRequest`] through `planner::place`, as
+    /// the CLI's device flags go.
     fn plan(&self, model: &Path, config: &MendConfig, dtype: Kind, tokens: usize, phase: Phase) -> PyResult<DevicePlan> {
-        let base = DevicePlan::parse(self.device, self.sub_device).py()?;
-        let caps: Option<MaxMemory> = match self.max_memory {
-            Some(s) => Some(s.parse().py()?),
-            None => None,
+        let request = DeviceRequest {
+            main: self.device.to_string(),
+            sub: self.sub_device.map(str::to_string),
+            placement: self.placement.map(|p| parse_enum::<PlacementRequest>("placement", p, "auto, replica or balanced")).transpose()?,
+            optimizer: self.optimizer_device.map(|o| parse_enum::<OptimizerDevice>("optimizer_device", o, "main, sub or cpu")).transpose()?,
+            caps: self.max_memory.map(str::parse::<MaxMemory>).transpose().py()?,
         };
-        if let Some(caps) = &caps {
-            dualedit::device::memory::apply_caps(caps).py()?;
-        }
-        let request: PlacementRequest = match self.placement {
-            Some(p) => parse_enum("placement", p, "auto, replica or balanced")?,
-            None => PlacementRequest::default(),
-        };
-        let optimizer: Option<OptimizerDevice> = match self.optimizer_device {
-            Some(o) => Some(parse_enum("optimizer_device", o, "main, sub or cpu")?),
-            None => None,
-        };
-        let query = dualedit::planner::PlacementQuery {
-            main: self.device,
-            sub: self.sub_device,
-            request,
-            optimizer,
-            caps: caps.as_ref(),
-            model,
-            config,
-            dtype,
-            tokens: tokens as i64,
-            phase,
-        };
-        let (plan, chosen) = dualedit::planner::resolve_placement(base, &query).py()?;
+        let target = dualedit::planner::PlaceFor { model, config, dtype, tokens: tokens as i64, phase };
+        let (plan, chosen) = dualedit::planner::place(&request, &target).py()?;
         if let Some(label) = chosen {
             tracing::info!("placement: {label} (chosen by the planner)");
         }
