@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use dualedit::data::easyedit::DatasetKind;
 use dualedit::data::{Example, TokenBatch};
-use dualedit::edit::{make_edit, open, LoadOptions, Method, MethodSpec};
+use dualedit::edit::{editor_params, make_edit, open_engine, LoadOptions, Mend};
 use dualedit::mend::{losses, Engine};
 use dualedit::model::Overrides;
 use tch::{Kind, Tensor};
@@ -85,18 +85,19 @@ fn main() -> dualedit::Result<()> {
     let n: usize = args.get(2).map(|s| s.parse().unwrap()).unwrap_or(5);
     let model = PathBuf::from(args.get(3).map(String::as_str).unwrap_or("data/model"));
     let editor = PathBuf::from(args.get(4).map(String::as_str).unwrap_or("data/editor"));
-    let (mut engine, mut method) = open(&model, &LoadOptions::default(), &MethodSpec::Mend { editor })?;
+    let mut engine = open_engine(&model, &LoadOptions::default(), &editor_params(&editor)?)?;
+    let mut method = Mend(dualedit::mend::checkpoint::load_editor(&editor, &engine)?.0);
     let (_, examples, _) = dualedit::run::load_examples(&engine, &requests, DatasetKind::Requests, Some(n), 32, Default::default(), None)?;
     let _g = tch::no_grad_guard();
     let pad = engine.lm.tokenizer.pad_id();
 
     // Editor statistics (frozen at eval): mean and std per editor group.
-    let Method::Mend(ed) = &method else { unreachable!() };
+    let ed = &method.0;
     let (stats, counts) = ed.named_stats();
     let stats: BTreeMap<String, Tensor> = stats.into_iter().collect();
     println!("edit_lrs {:?}", Vec::<f64>::try_from(ed.edit_lrs.to_kind(Kind::Double)).unwrap());
     println!("stat counts {counts:?}");
-    let group = |p: &dualedit::mend::EditedParam| {
+    let group = |p: &dualedit::placed::EditedParam| {
         let (i, o) = p.in_out();
         format!("{i}x{o}")
     };
@@ -140,7 +141,7 @@ fn main() -> dualedit::Result<()> {
     for (k, e) in examples.iter().enumerate() {
         if refresh {
             let fresh = x_stats(&engine, &corpus);
-            let Method::Mend(ed) = &mut method else { unreachable!() };
+            let ed = &mut method.0;
             set_x_stats(ed, &fresh);
         }
         let inner = TokenBatch::collate(&[&e.inner], pad, engine.plan.main);
@@ -182,7 +183,7 @@ fn main() -> dualedit::Result<()> {
         // alignment of this edit with the previous one.
         let zero: Vec<dualedit::mend::Factors> =
             factors.iter().map(|f| dualedit::mend::Factors { x: f.x.shallow_clone(), delta: f.delta.zeros_like() }).collect();
-        let Method::Mend(ed) = &mut method else { unreachable!() };
+        let ed = &mut method.0;
         let ov0 = engine.edit_low_rank(ed, &zero, false)?;
         let full0: BTreeMap<String, Tensor> = engine.lm.params.materialise(&ov0, |n| engine.lm.model.layout(n))?.into_iter().collect();
         for (name, t) in &full {
