@@ -142,7 +142,7 @@ impl MethodOptions {
     /// The MEND config a placement is planned with: the trained editor's (its
     /// editor.json), MEND's defaults for the baselines.
     pub fn planning_config(&self) -> Result<MendConfig> {
-        match self.editor.as_deref().filter(|_| self.name().uses_editor()) {
+        match self.editor_dir() {
             Some(dir) => crate::mend::checkpoint::trained_config(dir),
             None => Ok(MendConfig::default()),
         }

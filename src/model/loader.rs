@@ -52,11 +52,6 @@ impl Dtype {
             Dtype::F16 => Kind::Half,
         }
     }
-
-    /// `f32`, `bf16` or `f16`: how reports and plans write it.
-    pub fn name(self) -> &'static str {
-        dtype_name(self.kind())
-    }
 }
 
 impl std::str::FromStr for Dtype {

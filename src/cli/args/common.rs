@@ -77,16 +77,22 @@ pub fn run_dtype(model: &std::path::Path, flag: Option<Dtype>) -> anyhow::Result
     Ok(kind)
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum MethodArg {
-    /// One request: mend; several, or one after another: mend-ls with the editor for many
-    /// edits the editor's editor.json names (or the editor itself, with its key statistics).
-    Auto,
-    Mend,
-    /// MEND's per-edit updates combined by least squares over their keys (MALMEN-style).
-    MendLs,
-    Ft,
-    Unedited,
+/// `--method`: the library's [`MethodName`], its choices listed by `--help`.
+impl ValueEnum for MethodName {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[MethodName::Auto, MethodName::Mend, MethodName::MendLs, MethodName::Ft, MethodName::Unedited]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        let value = PossibleValue::new(self.as_str());
+        Some(match self {
+            MethodName::Auto => value.help(
+                "One request: mend; several, or one after another: mend-ls with the editor for many edits the editor's editor.json names (or the editor itself, with its key statistics)",
+            ),
+            MethodName::MendLs => value.help("MEND's per-edit updates combined by least squares over their keys (MALMEN-style)"),
+            _ => value,
+        })
+    }
 }
 
 #[derive(Args)]
@@ -95,7 +101,7 @@ pub struct MethodArgs {
     #[arg(long)]
     pub editor: Option<PathBuf>,
     #[arg(long, value_enum, default_value = crate::edit::DEFAULT_METHOD)]
-    pub method: MethodArg,
+    pub method: MethodName,
     /// --method mend-ls: ridge weight of the least-squares solve, relative to the mean
     /// squared norm of the edits' keys (default: the editor's `ls` settings in its
     /// editor.json, else 0.01).
@@ -125,7 +131,7 @@ impl MethodArgs {
     /// The library's option type these flags fill.
     pub fn options(&self) -> MethodOptions {
         MethodOptions {
-            method: Some(self.method.into()),
+            method: Some(self.method),
             editor: self.editor.clone(),
             ft_lr: self.ft_lr,
             ls_lambda: self.ls_lambda,
@@ -144,18 +150,6 @@ impl MethodArgs {
     /// the run edits several requests or one after another.
     pub fn resolve(&self, many: bool) -> anyhow::Result<MethodSpec> {
         Ok(self.options().resolve(many)?)
-    }
-}
-
-impl From<MethodArg> for MethodName {
-    fn from(m: MethodArg) -> Self {
-        match m {
-            MethodArg::Auto => MethodName::Auto,
-            MethodArg::Mend => MethodName::Mend,
-            MethodArg::MendLs => MethodName::MendLs,
-            MethodArg::Ft => MethodName::Ft,
-            MethodArg::Unedited => MethodName::Unedited,
-        }
     }
 }
 

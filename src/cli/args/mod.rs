@@ -19,7 +19,7 @@ mod train;
 mod world;
 
 pub use build_default::BuildDefaultArgs;
-pub use common::{dataset, parse_image_size, run_dtype, CommonArgs, GuardArgs, GuardFlags, MethodArg, MethodArgs};
+pub use common::{dataset, parse_image_size, run_dtype, CommonArgs, GuardArgs, GuardFlags, MethodArgs};
 pub use compare::CompareCmd;
 pub use config::ConfigArgs;
 pub use convert::ConvertArgs;

@@ -16,7 +16,7 @@ pub struct ServeArgs {
     /// one edit on a fresh session with mend, several (or edits after earlier ones) with
     /// mend-ls and the editor for many edits the editor names; `mend`, `mend-ls`, `ft`.
     #[arg(long, value_enum, default_value = crate::edit::DEFAULT_METHOD)]
-    pub method: super::MethodArg,
+    pub method: crate::edit::MethodName,
     #[command(flatten)]
     pub devices: DeviceArgs,
     /// f32, bf16 or f16 for the model weights. Default: the checkpoint's config.json

@@ -1,6 +1,6 @@
 //! `dualedit serve`: a session's operations as JSON over HTTP until SIGINT / SIGTERM.
-use crate::cli::args::{MethodArg, ServeArgs};
-use crate::edit::MethodOptions;
+use crate::cli::args::ServeArgs;
+use crate::edit::{MethodName, MethodOptions};
 use crate::config::MendConfig;
 use crate::edit::LoadOptions;
 use crate::planner::{Phase, PlaceFor};
@@ -31,9 +31,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     // `--method auto` (the default, as `edit`'s and the Python package's): requests of
     // several edits (or after earlier ones) go to mend-ls with the editor for many edits,
     // when the editor names one; one request to mend. A server edits any number: `many`.
-    let method = MethodOptions { method: Some(a.method.into()), editor: a.editor.clone(), ..MethodOptions::default() };
+    let method = MethodOptions { method: Some(a.method), editor: a.editor.clone(), ..MethodOptions::default() };
     let session = match (&a.editor, a.method) {
-        (None, MethodArg::Auto) => crate::edit::session::Session::open(&a.model, None, &session_opts)?,
+        (None, MethodName::Auto) => crate::edit::session::Session::open(&a.model, None, &session_opts)?,
         _ => crate::edit::session::Session::open_method(&a.model, &method.resolve(true)?, &session_opts)?,
     };
     // First SIGINT/SIGTERM: finish the request in flight, then exit. A second one: now.
