@@ -2,8 +2,17 @@
 `pip install .`-ed the package (see ./x), on the embedded defaults in data/.
 
 The CLI binary is target/release/dualedit (or $DUALEDIT_BIN); tests that compare with it
-run it on the same records and compare the numbers exactly (both are deterministic on
-the CPU), except the wall-clock times."""
+run it on the same records and compare the numbers exactly, except the wall-clock times
+and the floats of an edit (`same_edit`).
+
+Why an edit's floats get a tolerance: within one process the same edit gives the same
+bits every time (the reset tests here, serve's tests), but two processes need not. On two
+cores, in about one `dualedit edit` run in 30 the capture's head gradient comes out with
+other last bits from the same hidden states (traced by dumping each stage of 180 runs of
+the CLI on data/model: 5 differed there and every later stage followed), which moves
+`nll_post` by ~1e-6. `MKL_NUM_THREADS=1` made 80 of 80 runs equal (so MKL's threaded
+products), but costs 40-60 % per edit on the real model; MKL's reproducibility modes
+(`MKL_CBWR=AUTO`, `AUTO,STRICT`, the branch pinned) did not remove it."""
 
 from __future__ import annotations
 
@@ -58,6 +67,25 @@ def cli(*args: str, tmp: Path) -> dict:
 def eval_records(out: dict) -> list:
     """The per-record metrics of an `eval --json` run (in its report file)."""
     return json.loads(Path(out["report"]).read_text())["metrics"]["records"]
+
+
+def same_edit(got, want, rel=1e-5):
+    """`got == want` for an edit's results from two processes: keys, strings, counts and
+    decisions exactly, floats within `rel` (see the module's docstring). Returns the first
+    path that differs, or None."""
+    def walk(a, b, path):
+        if isinstance(a, dict) and isinstance(b, dict):
+            if a.keys() != b.keys():
+                return f"{path}: keys {sorted(a)} != {sorted(b)}"
+            return next((d for k in a if (d := walk(a[k], b[k], f"{path}.{k}"))), None)
+        if isinstance(a, list) and isinstance(b, list):
+            if len(a) != len(b):
+                return f"{path}: {len(a)} items != {len(b)}"
+            return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := walk(x, y, f"{path}[{i}]"))), None)
+        if isinstance(a, float) and isinstance(b, float):
+            return None if a == pytest.approx(b, rel=rel, abs=1e-12) else f"{path}: {a!r} != {b!r}"
+        return None if (type(a), a) == (type(b), b) else f"{path}: {a!r} != {b!r}"
+    return walk(without_times(got), without_times(want), "")
 
 
 def without_times(v):
@@ -117,7 +145,7 @@ def test_session_edit_is_the_cli_edit_report(tmp_path, sequential):
     assert got["refused"] < 3 and got["edits_total"] == committed(got)
     assert got.pop("seconds")["edit"] > 0
     assert "conflicts" in got and "seconds_per_edit" in got
-    assert without_times(got) == without_times(want)
+    assert (diff := same_edit(got, want)) is None, diff
 
 
 def test_easyedit_form_metrics_equal_the_cli(tmp_path):
@@ -302,7 +330,7 @@ def test_evaluate_reports_progress_and_matches_the_cli(tmp_path):
     assert [d for d, _, _ in seen] == [1, 2, 3] and all(t == 3 for _, t, _ in seen)
     want = cli("eval", "--model", str(MODEL), "--editor", str(EDITOR), "--data", str(data), "--ds", "counterfact",
                "--limit", "3", tmp=tmp_path)
-    assert without_times(got["records"]) == without_times(eval_records(want))
+    assert (diff := same_edit(got["records"], eval_records(want))) is None, diff
     for k in ("n", "reliability", "generalization", "locality", "method", "data"):
         assert got[k] == want[k], k
     assert [r for _, _, r in seen] == [r["reliability"] for r in got["records"]]
