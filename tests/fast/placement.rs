@@ -13,7 +13,7 @@ use dualedit::edit::MethodSpec;
 use dualedit::mend::{Editor, Engine};
 use dualedit::model::load_model;
 use dualedit::run::{Common, EvalOptions, TrainOptions};
-use dualedit::train::{meta_loss, EditBatches};
+use dualedit::train::{meta_loss, EditBatches, StepLosses};
 use tch::{Device, Kind};
 
 /// The last block's MLP of a 3-block fixture: the layer split can put block 0 on main.
@@ -37,6 +37,20 @@ fn config(model: &str, recompute: bool) -> MendConfig {
         recompute,
         edit_params: last_mlp(model),
         ..MendConfig::default()
+    }
+}
+
+/// Evaluation of `opts`'s data (CounterFact, 64 tokens) with the editor trained at
+/// `editor`, its report at `report`.
+fn eval_options(opts: &TrainOptions, report: std::path::PathBuf, editor: std::path::PathBuf) -> EvalOptions {
+    EvalOptions {
+        common: Common { report: Some(report), ..opts.common.clone() },
+        method: MethodSpec::Mend { editor },
+        data: opts.data.clone(),
+        ds: DatasetKind::Counterfact,
+        limit: None,
+        max_length: 64,
+        capacity: None,
     }
 }
 
@@ -130,15 +144,7 @@ fn layer_split_trains_and_evaluates_as_one_device() {
         assert_eq!(sum["overlap_s"].as_f64().unwrap(), 0.0);
         if model == "gpt2" {
             // Evaluation with the editor trained above, split at block 0 (embedding alone on main).
-            let eval = EvalOptions {
-                common: Common { report: Some(dir.path().join("eval.json")), ..opts.common.clone() },
-                method: MethodSpec::Mend { editor: dir.path().join("gpt2-train/single") },
-                data: opts.data.clone(),
-                ds: DatasetKind::Counterfact,
-                limit: None,
-                max_length: 64,
-                capacity: None,
-            };
+            let eval = eval_options(&opts, dir.path().join("eval.json"), dir.path().join("gpt2-train/single"));
             let c = compare_eval(&eval, balanced(0), dir.path()).unwrap();
             assert_agree(&c, "gpt2 eval, layer split at block 0");
         }
@@ -177,17 +183,23 @@ fn offloaded_optimizer_matches_the_default_placement() {
     assert_eq!(offloaded["metrics"]["optimizer_bytes_moved"].as_u64().unwrap(), steps * params * 8, "{offloaded}");
 }
 
+/// The fixture `family` placed by `plan` for an editor of `config(family, false)`, with its
+/// model and each parameter's element count (what the mover's byte counts are checked
+/// against).
+fn placed(family: &str, plan: DevicePlan) -> (Engine, dualedit::model::Model, std::collections::HashMap<String, i64>, MendConfig) {
+    let lm = load_model(&fixture(family), Device::Cpu, Kind::Float).unwrap();
+    let model = lm.model.clone();
+    let sizes = model.expected_params().into_iter().map(|(n, s)| (n, s.iter().product::<i64>())).collect();
+    let cfg = config(family, false);
+    let engine = Engine::new(lm, plan, &cfg.edit_params).unwrap();
+    (engine, model, sizes, cfg)
+}
+
 /// What crosses the mover under the layer split: the sub-side weights once at setup, then
 /// per micro-step only activations, factors and targets: never a frozen weight.
 #[test]
 fn layer_split_moves_weights_once_then_only_activations() {
-    let dir = fixture("gpt2");
-    let lm = load_model(&dir, Device::Cpu, Kind::Float).unwrap();
-    let model = lm.model.clone();
-    let sizes: std::collections::HashMap<String, i64> =
-        model.expected_params().into_iter().map(|(n, s)| (n, s.iter().product::<i64>())).collect();
-    let cfg = config("gpt2", false);
-    let engine = Engine::new(lm, balanced(1), &cfg.edit_params).unwrap();
+    let (engine, model, sizes, cfg) = placed("gpt2", balanced(1));
     assert!(engine.layer_split());
     let setup = engine.mover.stats();
     // Blocks 1 and 2, ln_f, and the tied embedding's copy for the head.
@@ -282,14 +294,28 @@ fn layer_split_refuses_bad_boundaries() {
     assert_eq!(balanced(1).placement, Placement::Balanced);
 }
 
-/// The prefix once per batch in every placement (#35): with an editor of block 2 only,
-/// every forward of a batch (capture, unedited locality, edited views, recomputed passes)
-/// starts at block 2 from activations computed once, and the meta-loss, its parts and the
-/// editor's gradients equal those of forwards from the embedding (`share_prefix` off; a
-/// layer split then starts at its own boundary, block 1).
-#[test]
-fn shared_prefix_gives_the_same_step_in_every_placement() {
-    let example = EditExample {
+/// Two ways of computing one meta-training step agree: its loss parts within 1e-5, the
+/// editor's gradients within 1e-4 of their largest; and the edit moved the locality logits
+/// (else the comparison would mean nothing).
+fn assert_same_step(what: &str, (a_is, b_is): (&str, &str), (p0, g0): (&StepLosses, &tch::Tensor), (p1, g1): (&StepLosses, &tch::Tensor)) {
+    for (k, a, b) in [
+        ("loss", p0.loss, p1.loss),
+        ("edit_nll", p0.edit_nll, p1.edit_nll),
+        ("loc_kl", p0.loc_kl, p1.loc_kl),
+        ("edit_acc", p0.edit_acc, p1.edit_acc),
+        ("loc_acc", p0.loc_acc, p1.loc_acc),
+    ] {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()) + 1e-7, "{what}: {k}: {a_is} {a}, {b_is} {b}");
+    }
+    assert!(p0.loc_kl > 0.0, "{what}: the edit must move the locality logits for the test to mean something");
+    let scale = g0.abs().max().double_value(&[]);
+    let diff = (g0 - g1).abs().max().double_value(&[]);
+    assert!(scale > 0.0 && diff <= 1e-4 * scale, "{what}: editor gradients differ by {diff} (largest {scale})");
+}
+
+/// An edit of 2 answer tokens after 4, a rephrase and a locality prompt (no images).
+fn six_token_example() -> EditExample {
+    EditExample {
         inner: ex(&[5, 6, 7, 8, 9, 10], 2),
         outer: ex(&[11, 12, 7, 8, 9, 10, 3], 3),
         rephrased: true,
@@ -297,7 +323,17 @@ fn shared_prefix_gives_the_same_step_in_every_placement() {
         portability: Vec::new(),
         outer_image: None,
         loc_image: None,
-    };
+    }
+}
+
+/// The prefix once per batch in every placement (#35): with an editor of block 2 only,
+/// every forward of a batch (capture, unedited locality, edited views, recomputed passes)
+/// starts at block 2 from activations computed once, and the meta-loss, its parts and the
+/// editor's gradients equal those of forwards from the embedding (`share_prefix` off; a
+/// layer split then starts at its own boundary, block 1).
+#[test]
+fn shared_prefix_gives_the_same_step_in_every_placement() {
+    let example = six_token_example();
     for model in ["gpt2", "llama"] {
         let dir = fixture(model);
         for recompute in [false, true] {
@@ -323,19 +359,7 @@ fn shared_prefix_gives_the_same_step_in_every_placement() {
                 let (p0, g0, at0) = run(plan, false);
                 let (p1, g1, at1) = run(plan, true);
                 assert_eq!((at0, at1), (unshared_at, Some(2)), "{what}");
-                for (k, a, b) in [
-                    ("loss", p0.loss, p1.loss),
-                    ("edit_nll", p0.edit_nll, p1.edit_nll),
-                    ("loc_kl", p0.loc_kl, p1.loc_kl),
-                    ("edit_acc", p0.edit_acc, p1.edit_acc),
-                    ("loc_acc", p0.loc_acc, p1.loc_acc),
-                ] {
-                    assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()) + 1e-7, "{what}: {k}: from the embedding {a}, from the prefix {b}");
-                }
-                assert!(p0.loc_kl > 0.0, "{what}: the edit must move the locality logits for the test to mean something");
-                let scale = g0.abs().max().double_value(&[]);
-                let diff = (&g0 - &g1).abs().max().double_value(&[]);
-                assert!(scale > 0.0 && diff <= 1e-4 * scale, "{what}: editor gradients differ by {diff} (largest {scale})");
+                assert_same_step(&what, ("from the embedding", "from the prefix"), (&p0, &g0), (&p1, &g1));
             }
         }
     }
@@ -350,15 +374,7 @@ fn shared_prefix_gives_the_same_step_in_every_placement() {
 #[test]
 fn last_block_at_the_kept_rows_gives_the_same_capture_and_step() {
     let examples = [
-        EditExample {
-            inner: ex(&[5, 6, 7, 8, 9, 10], 2),
-            outer: ex(&[11, 12, 7, 8, 9, 10, 3], 3),
-            rephrased: true,
-            loc: Some(ex(&[20, 21, 22, 23], 2)),
-            portability: Vec::new(),
-            outer_image: None,
-            loc_image: None,
-        },
+        six_token_example(),
         EditExample {
             inner: ex(&[30, 31, 32, 33, 34, 35, 36, 37, 38], 3),
             outer: ex(&[40, 41, 42, 43], 1),
@@ -420,19 +436,7 @@ fn last_block_at_the_kept_rows_gives_the_same_capture_and_step() {
                 let t = b_tokens(&refs);
                 let last = pos_rows(&at1[edited.len() - 1], t);
                 assert_eq!(last, vec![0, 1], "{what}: the last block's factor rows come from both examples");
-                for (k, a, b) in [
-                    ("loss", p0.loss, p1.loss),
-                    ("edit_nll", p0.edit_nll, p1.edit_nll),
-                    ("loc_kl", p0.loc_kl, p1.loc_kl),
-                    ("edit_acc", p0.edit_acc, p1.edit_acc),
-                    ("loc_acc", p0.loc_acc, p1.loc_acc),
-                ] {
-                    assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()) + 1e-7, "{what}: {k}: whole last block {a}, kept rows {b}");
-                }
-                assert!(p0.loc_kl > 0.0, "{what}: the edit must move the locality logits for the test to mean something");
-                let scale = g0.abs().max().double_value(&[]);
-                let diff = (&g0 - &g1).abs().max().double_value(&[]);
-                assert!(scale > 0.0 && diff <= 1e-4 * scale, "{what}: editor gradients differ by {diff} (largest {scale})");
+                assert_same_step(&what, ("whole last block", "kept rows"), (&p0, &g0), (&p1, &g1));
             }
         }
     }
@@ -499,15 +503,7 @@ fn chains_of_three_and_four_devices_train_and_evaluate_as_one_device() {
             assert_eq!((*bytes, *count), (cs[0].3, cs[0].4), "{what}: every crossing carries the same prefixes");
         }
         if model == "gpt2" && n == 4 {
-            let eval = EvalOptions {
-                common: Common { report: Some(dir.path().join("eval-chain.json")), ..opts.common.clone() },
-                method: MethodSpec::Mend { editor: dir.path().join("gpt2-chain4/single") },
-                data: opts.data.clone(),
-                ds: DatasetKind::Counterfact,
-                limit: None,
-                max_length: 64,
-                capacity: None,
-            };
+            let eval = eval_options(&opts, dir.path().join("eval-chain.json"), dir.path().join("gpt2-chain4/single"));
             let c = compare_eval(&eval, plan, dir.path()).unwrap();
             assert_agree(&c, "gpt2 eval over 4 devices");
         }
@@ -518,13 +514,7 @@ fn chains_of_three_and_four_devices_train_and_evaluate_as_one_device() {
 /// the blocks' weights once at setup, then only hidden states (and mask / rotary tables).
 #[test]
 fn chain_places_each_range_on_its_device_and_counts_each_crossing() {
-    let dir = fixture("llama");
-    let lm = load_model(&dir, Device::Cpu, Kind::Float).unwrap();
-    let model = lm.model.clone();
-    let sizes: std::collections::HashMap<String, i64> =
-        model.expected_params().into_iter().map(|(n, s)| (n, s.iter().product::<i64>())).collect();
-    let cfg = config("llama", false);
-    let engine = Engine::new(lm, chain(4, vec![0, 1], 2), &cfg.edit_params).unwrap();
+    let (engine, _, sizes, cfg) = placed("llama", chain(4, vec![0, 1], 2));
     let setup = engine.mover.stats();
     let block = |i: usize| sizes.iter().filter(|(n, _)| n.starts_with(&format!("model.layers.{i}."))).map(|(_, s)| *s as u64 * 4).sum::<u64>();
     assert_eq!(setup.crossings.len(), 3, "{setup:?}");
