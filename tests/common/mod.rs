@@ -13,7 +13,7 @@ use dualedit::mend::optim::Adam;
 use dualedit::mend::{checkpoint, Editor, Engine};
 use dualedit::model::load_model;
 use dualedit::edit::session::Session;
-use dualedit::train::{meta_loss, EditBatches};
+use dualedit::train::{meta_loss, EditBatches, StepLosses};
 use tch::{Device, Kind};
 
 /// One intra-op thread: the fixtures are tiny, and several tests (and the server's model
@@ -116,6 +116,11 @@ pub const TRAIN_RECORDS: &str = r#"[
   {"prompt": "Paris is a city in", "target_new": "Spain", "ground_truth": "France", "rephrase_prompt": "The city of Paris lies in",
    "locality_prompt": "Rome is a city in", "locality_ground_truth": "Italy"}
 ]"#;
+
+/// A meta-training step's loss parts by name (what two ways of computing one step compare).
+pub fn loss_parts(p: &StepLosses) -> [(&'static str, f64); 5] {
+    [("loss", p.loss), ("edit_nll", p.edit_nll), ("loc_kl", p.loc_kl), ("edit_acc", p.edit_acc), ("loc_acc", p.loc_acc)]
+}
 
 pub fn records() -> Vec<EditRecord> {
     parse_records(RECORDS, Path::new("inline.json"), DatasetKind::Requests).unwrap().0

@@ -298,13 +298,7 @@ fn layer_split_refuses_bad_boundaries() {
 /// editor's gradients within 1e-4 of their largest; and the edit moved the locality logits
 /// (else the comparison would mean nothing).
 fn assert_same_step(what: &str, (a_is, b_is): (&str, &str), (p0, g0): (&StepLosses, &tch::Tensor), (p1, g1): (&StepLosses, &tch::Tensor)) {
-    for (k, a, b) in [
-        ("loss", p0.loss, p1.loss),
-        ("edit_nll", p0.edit_nll, p1.edit_nll),
-        ("loc_kl", p0.loc_kl, p1.loc_kl),
-        ("edit_acc", p0.edit_acc, p1.edit_acc),
-        ("loc_acc", p0.loc_acc, p1.loc_acc),
-    ] {
+    for ((k, a), (_, b)) in common::loss_parts(p0).into_iter().zip(common::loss_parts(p1)) {
         assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()) + 1e-7, "{what}: {k}: {a_is} {a}, {b_is} {b}");
     }
     assert!(p0.loc_kl > 0.0, "{what}: the edit must move the locality logits for the test to mean something");

@@ -98,13 +98,7 @@ fn assert_same(what: &str, plain: &Trace, recomputed: &Trace) {
     assert_eq!(plain.len(), recomputed.len());
     let mut worst = (0.0f64, 0.0f64);
     for (step, ((lp, gp), (lr, gr))) in plain.iter().zip(recomputed).enumerate() {
-        for (name, a, b) in [
-            ("loss", lp.loss, lr.loss),
-            ("edit_nll", lp.edit_nll, lr.edit_nll),
-            ("loc_kl", lp.loc_kl, lr.loc_kl),
-            ("edit_acc", lp.edit_acc, lr.edit_acc),
-            ("loc_acc", lp.loc_acc, lr.loc_acc),
-        ] {
+        for ((name, a), (_, b)) in common::loss_parts(lp).into_iter().zip(common::loss_parts(lr)) {
             assert!(close(a, b), "{what} step {step}: {name} {a} without recompute, {b} with");
             worst.0 = worst.0.max((a - b).abs() / a.abs().max(1e-12));
         }
