@@ -220,8 +220,9 @@ impl Engine {
     /// The edit for the given factors with each edited f32 weight's change kept as a
     /// [`LowRank`] override: the layers apply it as `x·W + (x·aᵀ)·b`, `W'` is never built
     /// unless committed, and only the factors cross to the sub-device (and, in training,
-    /// only their gradients come back). Weights of other dtypes get `W'` itself, rounded
-    /// once, so that what is scored is what [`crate::placed::Placed::commit`] and `--save` would keep.
+    /// only their gradients come back). So does every weight in `training`. Otherwise
+    /// weights of other dtypes get `W'` itself, rounded once, so that what is scored is
+    /// what [`crate::placed::Placed::commit`] and `--save` would keep.
     /// Differentiable w.r.t. the editor under grad mode, as [`Engine::edit`].
     pub fn edit_low_rank(&self, editor: &mut Editor, factors: &[Factors], training: bool) -> Result<Overrides> {
         self.edit_low_rank_shaped(editor, factors, training, &EditShape::default())
@@ -254,7 +255,11 @@ impl Engine {
                     let s = (wn * rho / (dw + 1e-12)).clamp_max(1.0);
                     edit.a = edit.a * s;
                 }
-                if w.kind() == Kind::Float {
+                // Meta-training keeps every dtype's edit factored: a bf16 `W'` and its
+                // gradient would cost two weight-sized tensors per edited weight (on the
+                // 7B shape 0.8 + 1.5 GiB of the step's peak) for an edit that is only
+                // rounded into the weights when an edit is made.
+                if w.kind() == Kind::Float || training {
                     out.insert_low_rank(p.name.clone(), edit);
                 } else {
                     out.insert(p.name.clone(), edit.added_to(w, p.layout));

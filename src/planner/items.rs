@@ -539,6 +539,19 @@ pub(super) fn edited_forwards(z: &Sizes, it: &mut Items, phase: Phase) {
             format!("tokens({})·Σ_layers≥L{first_layer} bytes/token = {fwd_n}·{act_per_token}", edited_views.join("+")),
             fwd_n * act_per_token,
         );
+        if s != 4 {
+            // The factored edit's `x·aᵀ` runs in f32 (`LowRank::apply`): what it keeps of
+            // each edited weight's input is an f32 copy, not the input counted above.
+            let din: i64 = z.din_dout - z.dout_sum;
+            it.add(
+                phase,
+                fwd_role,
+                &[EditedForward],
+                "the factored edit's f32 inputs, beyond the inputs counted above",
+                format!("tokens·Σ_P d_in·(4 − s) = {fwd_n}·{}·{}", num(din), 4 - s),
+                fwd_n * din * (4 - s),
+            );
+        }
     } else {
         it.add(
             phase,

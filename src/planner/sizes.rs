@@ -239,8 +239,9 @@ pub(super) struct Mode {
     pub(super) train: bool,
     /// The edited forwards recomputed block by block in their backward.
     pub(super) recompute: bool,
-    /// Without recomputation the change of f32 weights stays as its factors
-    /// (`Engine::edit_low_rank`): no W' is built, kept, or differentiated.
+    /// Without recomputation the change of f32 weights, and of every weight in training,
+    /// stays as its factors (`Engine::edit_low_rank`): no W' is built, kept, or
+    /// differentiated.
     pub(super) factored: bool,
 }
 
@@ -248,7 +249,7 @@ impl Sizes<'_> {
     pub(super) fn mode(&self, phase: Phase) -> Mode {
         let train = phase == Phase::Train;
         let recompute = train && self.cfg.recompute;
-        Mode { train, recompute, factored: !recompute && self.s == 4 }
+        Mode { train, recompute, factored: !recompute && (self.s == 4 || train) }
     }
 }
 
