@@ -38,6 +38,18 @@ pub struct Span {
     pub depth: usize,
 }
 
+/// Whether spans wait for the CUDA devices (`DUALEDIT_SYNC_SPANS=1`), read once.
+fn sync_spans() -> bool {
+    static SYNC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SYNC.get_or_init(|| std::env::var("DUALEDIT_SYNC_SPANS").is_ok_and(|v| v == "1"))
+}
+
+fn synchronize_cuda() {
+    for i in 0..tch::Cuda::device_count() {
+        tch::Cuda::synchronize(i);
+    }
+}
+
 thread_local! {
     /// Open spans of this thread (for [`Span::depth`]).
     static DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
@@ -99,15 +111,25 @@ impl Timeline {
         (self.step.load(Ordering::Relaxed), self.micro.load(Ordering::Relaxed))
     }
 
-    /// Runs `f` and records it as `phase` on `device`.
+    /// Runs `f` and records it as `phase` on `device`. CUDA runs asynchronously, so a
+    /// span there times the launches, not the work, unless `DUALEDIT_SYNC_SPANS=1`, which
+    /// waits for every CUDA device at each recorded span's start and end (slower: for
+    /// profiling).
     pub fn span<T>(&self, device: &'static str, phase: &'static str, f: impl FnOnce() -> T) -> T {
         let depth = DEPTH.with(|d| {
             let v = d.get();
             d.set(v + 1);
             v
         });
+        let sync = self.on.load(Ordering::Relaxed) && sync_spans();
+        if sync {
+            synchronize_cuda();
+        }
         let start = Instant::now();
         let out = f();
+        if sync {
+            synchronize_cuda();
+        }
         let end = Instant::now();
         DEPTH.with(|d| d.set(depth));
         self.push(self.position(), device, phase, (start, end), "train", depth);
