@@ -13,6 +13,7 @@ fn stderr_colour() -> bool {
 
 fn main() -> ExitCode {
     dualedit::device::memory::tune_host_allocator();
+    dualedit::device::prefer_flash_attention();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,dualedit::run=info".into()))
         .with_writer(std::io::stderr)

@@ -767,6 +767,7 @@ fn init_logging() {
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // As the CLI starts: the host allocator tuned for libtorch's large tensors.
     dualedit::device::memory::tune_host_allocator();
+    dualedit::device::prefer_flash_attention();
     init_logging();
     m.add_class::<PySession>()?;
     m.add_function(wrap_pyfunction!(train, m)?)?;

@@ -29,6 +29,20 @@ pub fn settle_threads() {
     tch::set_num_threads(tch::get_num_threads());
 }
 
+/// Keeps libtorch's scaled-dot-product attention on its flash and memory-efficient kernels
+/// on Hopper and newer GPUs. A CUDA 13 libtorch (2.11) with cuDNN above 9.15 prefers cuDNN's
+/// attention there for bf16 and f16, and cuDNN builds an execution plan for every new
+/// sequence length: on an H200, 100-160 ms per new shape, which made a bf16 edit of a 135 M
+/// model 8x its f32 edit and a first bf16 training step 13 s (docs/notebook/gpu.md). Edits
+/// and training see a new length at almost every request. `TORCH_CUDNN_SDPA_DEPRIORITIZED=1`,
+/// which libtorch reads once at its first attention, puts cuDNN last; a value the user set
+/// (`0`: cuDNN first) is kept. Called at start-up, before other threads run.
+pub fn prefer_flash_attention() {
+    if std::env::var_os("TORCH_CUDNN_SDPA_DEPRIORITIZED").is_none() {
+        std::env::set_var("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1");
+    }
+}
+
 /// A device as the command line names it: `cpu` (= `cpu:0`), `cpu:N`, `cuda` (= `cuda:0`)
 /// or `cuda:N`. The one parser of device names; [`parse_device`] adds the check that the
 /// device exists here, which the planner (planning for another machine) leaves out.
