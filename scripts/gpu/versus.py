@@ -20,8 +20,10 @@ rest; the whole run stays inside --budget):
                     and the real model's five CounterFact facts (data/real/facts.json)
   vl7b              Qwen2-VL-7B-shaped: EasyEdit's MultimodalTrainer (qwen2vl-7b.yaml) and
                     dualedit (configs/qwen2vl-7b.json, the same weights and hyperparameters) on
-                    DEVICE alone, on DEVICE + SUB balanced, and balanced with the optimiser on SUB:
-                    time per meta-training record and peak memory; EasyEdit's one edit
+                    DEVICE alone, alone with the optimiser in host memory (phases timed on the GPU),
+                    and on DEVICE + SUB balanced under a cap on DEVICE (--split-cap) with the
+                    optimiser on SUB: time per meta-training record and peak memory; EasyEdit's
+                    one edit
   real              SmolLM2-135M-shaped, f32 and bf16: EasyEdit's EditTrainer (llama-7b.yaml on
                     blocks 27-29) against dualedit (configs/smollm2-135m.json): a step and an edit
   vl2b              Qwen2-VL-2B-shaped: the single-device step, both tools
@@ -78,6 +80,8 @@ class Versus(gpu_check.Check):
         self.ee_root, self.ee_site = dest / "EasyEdit", dest / "site"
         info = self.ee_root / "EASYEDIT-INFO"
         rec["info"] = dict(l.split("=", 1) for l in info.read_text().splitlines() if "=" in l)
+        if self.args.tools == "dualedit":
+            return  # unpacked for the real model's config and tokenizer only
         t = time.monotonic()
         self.run([self.args.python, "-c", "import easyeditor"], env=self.ee_env(), timeout=180)
         rec["import_seconds"] = round(time.monotonic() - t, 1)
@@ -91,6 +95,8 @@ class Versus(gpu_check.Check):
         if not (like / "config.json").is_file():
             like = ROOT / "data/real/model"
         kinds = [("qwen2vl-7b", "bf16"), ("qwen2vl-2b", "bf16"), ("smollm2-135m", "f32"), ("smollm2-135m", "bf16")]
+        if self.args.only == ["real"]:
+            kinds = [k for k in kinds if k[0].startswith("smollm2")]
         rec["models"] = {}
         for kind, dtype in kinds:
             # EasyEdit's MEND picks its LLaMA forward by "llama" in the folder's path.
@@ -179,8 +185,11 @@ class Versus(gpu_check.Check):
         shutil.rmtree(out, ignore_errors=True)
         report = self.work / "runs" / f"{name}.json"
         m = self.models[model]
+        # A label ending "-synced" waits for the GPU at each phase's start and end, so the
+        # report's timeline gives each phase its device time (and the step some waiting).
+        env = {"DUALEDIT_SYNC_SPANS": "1"} if name.endswith("-synced") else None
         rc, _, se = self.dualedit("train", "--model", m["dir"], *self.data_args(model), "--config", cfg, "--out", out,
-                                  "--dtype", m["dtype"], "--seed", "1", *devices, "--report", report, expect_fail=True)
+                                  "--dtype", m["dtype"], "--seed", "1", *devices, "--report", report, expect_fail=True, env=env)
         if rc != 0:
             return {"error": gpu_check.last_error(se)}
         rep = json.loads(report.read_text())
@@ -191,20 +200,23 @@ class Versus(gpu_check.Check):
                 "placement": rep["devices"].get("placement"), "optimizer_device": rep["devices"].get("optimizer_device"),
                 "record_seconds": round(sum(timed) / (len(timed) * accumulate), 4) if timed else None,
                 "step_seconds": [round(h["seconds"], 4) for h in hist], "accumulate": accumulate, "peak_bytes": mem,
-                "loss": [h["loss"] for h in hist], "editor_dir": str(out), "seconds": rep["seconds"]}
+                "loss": [h["loss"] for h in hist], "editor_dir": str(out), "seconds": rep["seconds"],
+                "phase_seconds": ((rep.get("metrics") or {}).get("timeline") or {}).get("summary", {}).get("phase_s")}
 
     def dualedit_edit(self, model, editor, name):
         """Time per edit once warm: `edit --sequential` reports the mean over its requests,
         the first of which pays one-off costs, so it runs with 1 and with 5 requests and
         takes the difference (5 m5 - m1) / 4. Where noise outweighs the first request's
         one-off cost the difference is not positive and says nothing: the mean of 5 (an upper
-        bound) is taken instead, and `edit_seconds_is` says which. The peak is the 5-request run's."""
+        bound) is taken instead, and `edit_seconds_is` says which. The peak is the 5-request run's.
+        A third run edits the first request 5 times: against the mean of 5 different ones it
+        tells a cost per new shape (sequence length) from a cost per edit."""
         m = self.models[model]
         records = json.loads((self.vl_edits if m["family"] == "vl" else self.facts).read_text())
         runs = {}
-        for n in (1, 5):
+        for n in (1, 5, "5-same"):
             reqs = self.work / f"{name}-requests-{n}.json"
-            reqs.write_text(json.dumps([records[i % len(records)] for i in range(n)]))
+            reqs.write_text(json.dumps([records[i % len(records)] for i in range(n)] if n != "5-same" else [records[0]] * 5))
             report = self.work / "runs" / f"{name}-{n}.json"
             data = ["--requests", reqs, "--ds", "vqa", "--image-root", self.vl_world] if m["family"] == "vl" else ["--requests", reqs, "--ds", "counterfact"]
             rc, _, se = self.dualedit("edit", "--model", m["dir"], "--editor", editor, *data, "--method", "mend", "--no-guard", "--sequential",
@@ -216,6 +228,7 @@ class Versus(gpu_check.Check):
         warm = (5 * m5 - m1) / 4
         secs, how = (warm, "(5 x mean of 5 - mean of 1) / 4") if warm > 0 else (m5, "mean of 5 (the difference was not positive)")
         return {"edit_seconds": round(secs, 6), "edit_seconds_is": how, "mean_of_1": m1, "mean_of_5": m5,
+                "mean_of_5_same": runs["5-same"]["metrics"]["seconds_per_edit"],
                 "peak_bytes": {role: v["peak_allocated_bytes"] for role, v in runs[5]["memory"].items()}}
 
 
@@ -244,9 +257,15 @@ class Versus(gpu_check.Check):
             raise RuntimeError("dualedit failed: " + ", ".join(k + ": " + rec["dualedit"][k]["error"] for k in bad))
 
     def vl7b(self, rec):
-        split = ["--device", self.args.device, "--sub-device", self.args.sub, "--placement", "balanced"]
-        self.pair(rec, "qwen2vl-7b-bf16", "qwen2vl-7b", [("single", ["--device", self.args.device]), ("balanced", split),
-                                                         ("balanced-opt-sub", [*split, "--optimizer-device", "sub"])])
+        # One GPU; one GPU with the Adam moments in host memory (its phases timed on the
+        # GPU, see dualedit_train); the CPU as sub-device under a cap on the GPU that
+        # leaves it 0.3x EasyEdit's peak (the balance then puts the blocks where the cap
+        # says), the optimiser on the CPU too.
+        one = ["--device", self.args.device]
+        split = [*one, "--sub-device", self.args.sub, "--placement", "balanced", "--optimizer-device", "sub",
+                 "--max-memory", f"{self.args.device}={self.args.split_cap}"]
+        self.pair(rec, "qwen2vl-7b-bf16", "qwen2vl-7b", [("single", one), ("single-opt-cpu-synced", [*one, "--optimizer-device", "cpu"]),
+                                                         ("capped-split", split)])
 
     def vl2b(self, rec):
         self.pair(rec, "qwen2vl-2b-bf16", "qwen2vl-2b", [("single", ["--device", self.args.device])])
@@ -281,10 +300,9 @@ class Versus(gpu_check.Check):
         self.step("easyedit", self.easyedit, 200)
         self.step("models", self.write_models, 240)
         self.step("data", self.write_data, 60)
-        self.step("vl7b", self.vl7b, 300)
-        self.step("real", self.real, 200)
-        self.step("vl7b_edit", self.vl7b_edit, 90)
-        self.step("vl2b", self.vl2b, 150)
+        for name, f, timeout in [("vl7b", self.vl7b, 300), ("real", self.real, 200), ("vl7b_edit", self.vl7b_edit, 90), ("vl2b", self.vl2b, 150)]:
+            if not self.args.only or name in self.args.only:
+                self.step(name, f, timeout)
         finish(self.result)
         self.save()
         return 0
@@ -310,7 +328,7 @@ def rows(steps):
                 continue
             out.append(row(f"{model} step, dualedit {label}: time per record", d["record_seconds"], ee_train.get("mean_step_seconds"), "seconds"))
             out.append(row(f"{model} step, dualedit {label}: main-device peak", d["peak_bytes"].get("main"), ee_train.get("peak_bytes"), "bytes"))
-            if label != "single" and "sub" in d["peak_bytes"]:
+            if " + " in d.get("devices", "") and "sub" in d["peak_bytes"]:
                 out.append(row(f"{model} step, dualedit {label}: sub-device peak", d["peak_bytes"]["sub"], ee_train.get("peak_bytes"), "bytes"))
 
     def edit_rows(model, e, ee):
@@ -390,6 +408,8 @@ def main():
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--python", default=os.environ.get("PYTHON", sys.executable))
     ap.add_argument("--budget", type=float, default=480.0)
+    ap.add_argument("--only", type=lambda v: v.split(","), default=None, help="measurement steps to run (vl7b,real,vl7b_edit,vl2b; default all)")
+    ap.add_argument("--split-cap", default="10GiB", help="the GPU's --max-memory in the capped split (vl7b)")
     ap.add_argument("--timeout-scale", type=float, default=1.0)
     ap.add_argument("--combine", nargs=2, type=Path, metavar=("DUALEDIT_SIDE", "EASYEDIT_SIDE"),
                     help="no run: merge two JSONs of this script (a run and a --tools easyedit rerun) into --out")
