@@ -14,18 +14,16 @@ use crate::{Error, Result};
 /// The fine-tuning baseline's step size when none is given.
 pub const DEFAULT_FT_LR: f64 = 1e-3;
 
-/// An edit method by name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+/// An edit method by name: [`MethodName::as_str`] is its one spelling, which the library,
+/// the CLI (`--method`), serve's JSON and Python all read and write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MethodName {
     /// One request: `mend`; several, or one after another: `mend-ls` with the editor for
     /// many edits ([`MethodSpec::Auto`]).
     Auto,
     Mend,
-    #[serde(alias = "mend_ls")]
     MendLs,
     Ft,
-    #[serde(alias = "none")]
     Unedited,
 }
 
@@ -33,18 +31,30 @@ impl std::str::FromStr for MethodName {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        match s.trim() {
-            "auto" => Ok(Self::Auto),
-            "mend" => Ok(Self::Mend),
-            "mend-ls" | "mend_ls" => Ok(Self::MendLs),
-            "ft" => Ok(Self::Ft),
-            "unedited" | "none" => Ok(Self::Unedited),
-            other => Err(Error::input(format!("method must be \"auto\", \"mend\", \"mend-ls\", \"ft\" or \"unedited\", got {other:?}"))),
-        }
+        let s = s.trim();
+        Self::ALL.into_iter().find(|m| m.as_str() == s || m.aliases().contains(&s)).ok_or_else(|| {
+            let names: Vec<String> = Self::ALL.iter().map(|m| format!("{:?}", m.as_str())).collect();
+            Error::input(format!("method must be one of {}, got {s:?}", names.join(", ")))
+        })
+    }
+}
+
+impl Serialize for MethodName {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for MethodName {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        String::deserialize(deserializer)?.parse().map_err(serde::de::Error::custom)
     }
 }
 
 impl MethodName {
+    /// Every method, in the order `--help` lists them.
+    pub const ALL: [Self; 5] = [Self::Auto, Self::Mend, Self::MendLs, Self::Ft, Self::Unedited];
+
     /// The name as the interfaces spell it.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -53,6 +63,15 @@ impl MethodName {
             Self::MendLs => "mend-ls",
             Self::Ft => "ft",
             Self::Unedited => "unedited",
+        }
+    }
+
+    /// Other spellings read as this method.
+    pub fn aliases(self) -> &'static [&'static str] {
+        match self {
+            Self::MendLs => &["mend_ls"],
+            Self::Unedited => &["none"],
+            _ => &[],
         }
     }
 
@@ -171,5 +190,20 @@ mod tests {
         assert!(name(MethodOptions { method: Some(MethodName::Unedited), editor: Some("e".into()), ..Default::default() }).contains("editor"));
         assert_eq!(MethodOptions::default().name(), MethodName::Unedited);
         assert_eq!("none".parse::<MethodName>().unwrap(), MethodName::Unedited);
+    }
+
+    #[test]
+    fn every_method_name_is_spelled_once_and_read_back_the_same_everywhere() {
+        for m in MethodName::ALL {
+            let json = serde_json::to_value(m).unwrap();
+            assert_eq!(json, m.as_str());
+            assert_eq!(serde_json::from_value::<MethodName>(json).unwrap(), m);
+            assert_eq!(m.as_str().parse::<MethodName>().unwrap(), m);
+            for alias in m.aliases() {
+                assert_eq!(serde_json::from_value::<MethodName>(serde_json::json!(alias)).unwrap(), m);
+            }
+        }
+        let err = serde_json::from_value::<MethodOptions>(serde_json::json!({"method": "rome"})).unwrap_err().to_string();
+        assert!(err.contains("\"rome\"") && err.contains("\"mend-ls\""), "{err}");
     }
 }

@@ -80,11 +80,11 @@ pub fn run_dtype(model: &std::path::Path, flag: Option<Dtype>) -> anyhow::Result
 /// `--method`: the library's [`MethodName`], its choices listed by `--help`.
 impl ValueEnum for MethodName {
     fn value_variants<'a>() -> &'a [Self] {
-        &[MethodName::Auto, MethodName::Mend, MethodName::MendLs, MethodName::Ft, MethodName::Unedited]
+        &MethodName::ALL
     }
 
     fn to_possible_value(&self) -> Option<PossibleValue> {
-        let value = PossibleValue::new(self.as_str());
+        let value = PossibleValue::new(self.as_str()).aliases(self.aliases().iter().copied());
         Some(match self {
             MethodName::Auto => value.help(
                 "One request: mend; several, or one after another: mend-ls with the editor for many edits the editor's editor.json names (or the editor itself, with its key statistics)",
