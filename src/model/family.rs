@@ -41,9 +41,6 @@ pub struct BlockSaved {
     pub per_token: i64,
     /// Whether the block's output requires grad (so the next block's ops save their inputs).
     pub output_requires_grad: bool,
-    /// Edited matrices (`mlp.c_fc`, ...) whose input requires grad: their matmul saves the
-    /// edited weight `W'` too, which then lives as long as the graph.
-    pub weights_kept: Vec<String>,
 }
 
 /// A model family: its tensors, its forward in pieces, and its memory shape.
@@ -208,17 +205,16 @@ pub trait VisionLanguage: std::fmt::Debug + Send + Sync {
 }
 
 /// What a block's matmuls save, for [`Family::block_saved`]: a matmul saves its input when
-/// its weight is edited (it requires grad) and the weight `W'` when its input requires
-/// grad, and its output requires grad when either does.
+/// its weight is edited (it requires grad, or its factored edit's `a` does), and its output
+/// requires grad when either its input or its weight does. (Meta-training keeps the edit
+/// factored, so no edited weight `W'` is kept by the graph.)
 pub struct MatmulSaves<'a> {
     edited: &'a [String],
-    /// Edited matrices whose `W'` the graph keeps.
-    pub kept: Vec<String>,
 }
 
 impl<'a> MatmulSaves<'a> {
     pub fn new(edited: &'a [String]) -> Self {
-        Self { edited, kept: Vec::new() }
+        Self { edited }
     }
 
     pub fn is_edited(&self, m: &str) -> bool {
@@ -227,12 +223,8 @@ impl<'a> MatmulSaves<'a> {
 
     /// Matmul `m` with an input that does (`input_rg`) or does not require grad: whether
     /// its output requires grad.
-    pub fn matmul(&mut self, input_rg: bool, m: &str) -> bool {
-        let edited = self.is_edited(m);
-        if edited && input_rg {
-            self.kept.push(m.to_string());
-        }
-        input_rg || edited
+    pub fn matmul(&self, input_rg: bool, m: &str) -> bool {
+        input_rg || self.is_edited(m)
     }
 }
 

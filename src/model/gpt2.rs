@@ -236,7 +236,7 @@ impl Family for Gpt2 {
         let Dims { d, f, heads: h, .. } = self.dims();
         let l = self.block_layers();
         let (c_attn, attn_proj, c_fc, mlp_proj) = (l.c_attn.name, l.attn_proj.name, l.c_fc.name, l.mlp_proj.name);
-        let mut mm = MatmulSaves::new(edited);
+        let mm = MatmulSaves::new(edited);
         let mut bytes = 0i64;
         if res_rg {
             bytes += d * s + 8; // ln_1: input, mean, rstd (f32)
@@ -267,7 +267,7 @@ impl Family for Gpt2 {
             bytes += f * s; // gelu output
         }
         let o_rg = mm.matmul(fc_rg, mlp_proj);
-        BlockSaved { per_token: bytes, output_requires_grad: x1_rg || o_rg, weights_kept: mm.kept }
+        BlockSaved { per_token: bytes, output_requires_grad: x1_rg || o_rg }
     }
 
     fn final_norm_saved(&self, s: i64) -> i64 {

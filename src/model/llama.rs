@@ -326,7 +326,7 @@ impl Family for Llama {
         let Dims { d, f, heads: h, q, kv, gqa, .. } = self.dims();
         let l = self.block_layers();
         let [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj] = l.linears().map(|m| m.name);
-        let mut mm = MatmulSaves::new(edited);
+        let mm = MatmulSaves::new(edited);
         let mut bytes = 0i64;
         if res_rg {
             bytes += d * 4 + 4; // RMSNorm in f32: input (as f32), rsqrt
@@ -368,7 +368,7 @@ impl Family for Llama {
             bytes += f * s;
         }
         let m_rg = mm.matmul(g_rg || u_rg, down_proj);
-        BlockSaved { per_token: bytes, output_requires_grad: x1_rg || m_rg, weights_kept: mm.kept }
+        BlockSaved { per_token: bytes, output_requires_grad: x1_rg || m_rg }
     }
 
     fn final_norm_saved(&self, _s: i64) -> i64 {

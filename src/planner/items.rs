@@ -374,10 +374,10 @@ fn products_bytes(z: &Sizes) -> i64 {
     crate::config::editor_product_kind(z.o.dtype, z.o.main.starts_with("cpu")).elt_size_in_bytes() as i64
 }
 
-/// The edit as the editor hands it on: factors, or `W'` (kept by the graph or whole).
+/// The edit as the editor hands it on: factors, or `W'` whole.
 fn edit_form(z: &Sizes, it: &mut Items, phase: Phase) {
-    let (s, n, w_elems, din_dout, w_kept_elems, w_unkept_elems, o) = (z.s, z.n, z.w_elems, z.din_dout, z.w_kept_elems, z.w_unkept_elems, z.o);
-    let Mode { train, recompute, factored } = z.mode(phase);
+    let (s, n, w_elems, din_dout) = (z.s, z.n, z.w_elems, z.din_dout);
+    let Mode { factored, .. } = z.mode(phase);
     use Group::*;
     if factored {
         it.add(
@@ -388,28 +388,9 @@ fn edit_form(z: &Sizes, it: &mut Items, phase: Phase) {
             format!("B·T·Σ_P (d_in+d_out)·4 = {n}·{}·4", num(din_dout)),
             n * din_dout * 4,
         );
-    } else if train && !o.split && !recompute {
-        // On one device the graph keeps the W' of every edited weight whose input
-        // needs grad (all but the lowest) until backward.
-        it.add(
-            phase,
-            Role::Main,
-            &[EditedForward],
-            "edited weights W' kept by the graph",
-            format!("Σ_saved d_in·d_out·s = {}·{s}", num(w_kept_elems)),
-            w_kept_elems * s,
-        );
-        it.add(
-            phase,
-            Role::Main,
-            &[EditedForward],
-            "edited weights W' of the lowest edited weights",
-            format!("Σ_first d_in·d_out·s = {}·{s}", num(w_unkept_elems)),
-            w_unkept_elems * s,
-        );
     } else {
-        // Otherwise (recomputation, or a non-f32 model) W' stays alive whole as the
-        // editor's output; what the forwards read of it is counted below.
+        // Otherwise (recomputation, or an edit of a non-f32 model) W' stays alive whole
+        // as the editor's output; what the forwards read of it is counted below.
         it.add(
             phase,
             Role::Main,

@@ -18,12 +18,10 @@ use super::types::{dtype_bytes, EditorShape, ImageShape, Phase, PlanOptions, Vie
 
 /// Activations saved for backward by a forward with the `edited` weights requiring grad,
 /// from the first edited layer up.
-/// What a forward with grad keeps: bytes per token, the same per layer `(layer, bytes)`,
-/// and the `(layer, matrix)` of edited weights whose `W'` the graph keeps.
+/// What a forward with grad keeps: bytes per token, and the same per layer `(layer, bytes)`.
 pub(super) struct Saved {
     pub(super) per_token: i64,
     pub(super) per_layer: Vec<(i64, i64)>,
-    pub(super) w_kept: Vec<(i64, String)>,
 }
 
 pub(super) fn saved_activations(fam: &dyn Family, s: i64, edited: &[(i64, String)]) -> Saved {
@@ -32,20 +30,18 @@ pub(super) fn saved_activations(fam: &dyn Family, s: i64, edited: &[(i64, String
     let mut res_rg = false;
     let mut per_token = 0;
     let mut per_layer = Vec::new();
-    let mut kept = Vec::new();
     for layer in first..n_layers {
         let mats: Vec<String> = edited.iter().filter(|(l, _)| *l == layer).map(|(_, m)| m.clone()).collect();
         let block = fam.block_saved(s, res_rg, &mats);
         per_token += block.per_token;
         per_layer.push((layer, block.per_token));
-        kept.extend(block.weights_kept.into_iter().map(|m| (layer, m)));
         res_rg = block.output_requires_grad;
     }
     if res_rg {
         // Final norm saves its input.
         per_token += fam.final_norm_saved(s);
     }
-    Saved { per_token, per_layer, w_kept: kept }
+    Saved { per_token, per_layer }
 }
 
 /// With recomputation ([`MendConfig::recompute`]): the bytes per token one block keeps for
@@ -137,8 +133,6 @@ pub(super) struct Sizes<'a> {
     pub(super) act_per_token: i64,
     pub(super) per_layer: Vec<(i64, i64)>,
     pub(super) first_layer: i64,
-    pub(super) w_kept_elems: i64,
-    pub(super) w_unkept_elems: i64,
     pub(super) layers_txt: String,
     /// Layer split: the first block on the sub-device; `None` for the replica placement.
     pub(super) boundary: Option<i64>,
@@ -331,14 +325,8 @@ pub(super) fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOption
         .unwrap_or(0);
 
     let located: Vec<(i64, String)> = edited.iter().map(|p| (p.layer, p.matrix.clone())).collect();
-    let Saved { per_token: act_per_token, per_layer, w_kept } = saved_activations(family, s, &located);
+    let Saved { per_token: act_per_token, per_layer } = saved_activations(family, s, &located);
     let first_layer = per_layer.first().map(|(l, _)| *l).unwrap_or(0);
-    let w_kept_elems: i64 = edited
-        .iter()
-        .filter(|p| w_kept.iter().any(|(l, m)| *l == p.layer && *m == p.matrix))
-        .map(Edited::numel)
-        .sum();
-    let w_unkept_elems = w_elems - w_kept_elems;
     let layers_txt = {
         let mut t = String::new();
         for (i, (l, bpt)) in per_layer.iter().enumerate() {
@@ -382,8 +370,8 @@ pub(super) fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOption
 
     Ok(Sizes {
         cfg, o, family, info, dm, names, edited, editors, tokens, kept, s, b, n, nk, v, p_count, w_elems, w_max, din_dout,
-        dout_sum, e_params, stats_elems, e_max, located, act_per_token, per_layer, first_layer, w_kept_elems,
-        w_unkept_elems, layers_txt, image, boundary, w_main_elems, w_sub_elems, w_tied_elems, chain, views,
+        dout_sum, e_params, stats_elems, e_max, located, act_per_token, per_layer, first_layer,
+        layers_txt, image, boundary, w_main_elems, w_sub_elems, w_tied_elems, chain, views,
     })
 }
 
