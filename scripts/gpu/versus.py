@@ -59,6 +59,8 @@ import check as gpu_check  # noqa: E402  (the step machinery and the picture wri
 ROOT = gpu_check.ROOT
 FORMAT = "dualedit-gpu-versus/1"
 GOALS = {"single_peak": 0.6, "split_main_peak": 0.3, "time": 0.7}
+# The measurement steps, in the order they run, and the model kind each needs.
+MODEL_OF = {"vl7b": "qwen2vl-7b", "real": "smollm2-135m", "vl7b_edit": "qwen2vl-7b", "vl2b": "qwen2vl-2b"}
 
 
 class Versus(gpu_check.Check):
@@ -95,8 +97,9 @@ class Versus(gpu_check.Check):
         if not (like / "config.json").is_file():
             like = ROOT / "data/real/model"
         kinds = [("qwen2vl-7b", "bf16"), ("qwen2vl-2b", "bf16"), ("smollm2-135m", "f32"), ("smollm2-135m", "bf16")]
-        if self.args.only == ["real"]:
-            kinds = [k for k in kinds if k[0].startswith("smollm2")]
+        # Only the models the measurement steps run need writing.
+        wanted = {MODEL_OF[s] for s in self.args.only or MODEL_OF}
+        kinds = [k for k in kinds if k[0] in wanted]
         rec["models"] = {}
         for kind, dtype in kinds:
             # EasyEdit's MEND picks its LLaMA forward by "llama" in the folder's path.
@@ -308,6 +311,15 @@ class Versus(gpu_check.Check):
         return 0
 
 
+def steps_list(v):
+    """`--only`'s value: known step names, comma-separated."""
+    names = v.split(",")
+    unknown = [n for n in names if n not in MODEL_OF]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown step {', '.join(unknown)} (steps: {', '.join(MODEL_OF)})")
+    return names
+
+
 def row(what, dual, ee, kind):
     """One row of that table: dualedit's number against EasyEdit's, and their ratio."""
     ratio = round(dual / ee, 3) if isinstance(dual, (int, float)) and isinstance(ee, (int, float)) and ee else None
@@ -408,7 +420,7 @@ def main():
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--python", default=os.environ.get("PYTHON", sys.executable))
     ap.add_argument("--budget", type=float, default=480.0)
-    ap.add_argument("--only", type=lambda v: v.split(","), default=None, help="measurement steps to run (vl7b,real,vl7b_edit,vl2b; default all)")
+    ap.add_argument("--only", type=steps_list, default=None, help=f"measurement steps to run ({','.join(MODEL_OF)}; default all)")
     ap.add_argument("--split-cap", default="10GiB", help="the GPU's --max-memory in the capped split (vl7b)")
     ap.add_argument("--timeout-scale", type=float, default=1.0)
     ap.add_argument("--combine", nargs=2, type=Path, metavar=("DUALEDIT_SIDE", "EASYEDIT_SIDE"),

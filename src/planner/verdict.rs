@@ -2,7 +2,7 @@
 //! placement to take, and the smallest card it fits on.
 //!
 //! A plan is a peak in bytes; a card of that size is not enough. On an H200 the planner was
-//! 4 % to 9 % over the allocator's peak for every model run alone and 17 % over for the 7B
+//! 4 % to 9 % over the allocator's peak for every model run alone and 6 % over for the 7B
 //! split's main device (docs/notebook/gpu.md), the caching allocator fragments,
 //! and every CUDA device spends some memory on its context before any tensor. So a
 //! placement *fits* a device capped at `cap` when its peak is at most
