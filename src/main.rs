@@ -30,7 +30,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // The library names options by their fields; here they are this CLI's flags.
+            eprintln!("error: {}", dualedit::cli::flags_named(&format!("{e:#}")));
             ExitCode::FAILURE
         }
     }

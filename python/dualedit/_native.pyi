@@ -1,38 +1,14 @@
 """Type stubs of the extension module (python/src/lib.rs). Records and reports cross as
 JSON text; the public API (dualedit.Session, Editor, train, ...) parses them."""
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 __versions__: Dict[str, str]
 
 class Session:
-    def __init__(
-        self,
-        model: str,
-        editor: Optional[str] = None,
-        *,
-        device: str = "cpu",
-        sub_device: Optional[str] = None,
-        dtype: Optional[str] = None,
-        placement: Optional[str] = None,
-        optimizer_device: Optional[str] = None,
-        max_memory: Optional[str] = None,
-        method: Optional[str] = None,
-        ft_lr: float = 1e-3,
-        ls_lambda: Optional[float] = None,
-        ls_keep_weight: Optional[float] = None,
-        ls_rounds: Optional[int] = None,
-        ls_keep_text: Optional[str] = None,
-        max_length: int = 512,
-        guard: bool = True,
-        guard_min_agreement: float = 0.9,
-        guard_max_drop: float = 0.05,
-        guard_max_kl: float = 1.0,
-        guard_refuse: bool = False,
-        guard_shrink: bool = False,
-    ) -> None: ...
+    def __init__(self, options: str) -> None: ...
     def edit(self, requests: str, sequential: bool = False, guard: Optional[bool] = None, stepwise: bool = False, method: Optional[str] = None) -> str: ...
     def edit_images(
         self, records: str, image_root: str, rephrase_image_root: Optional[str] = None, sequential: bool = False, guard: Optional[bool] = None
@@ -57,6 +33,6 @@ class Session:
     @property
     def devices(self) -> List[Tuple[str, str]]: ...
 
-def train(model: str, data: str, ds: str, config: str, out: str, **options: object) -> str: ...
-def evaluate(model: str, data: str, ds: str, editor: Optional[str] = None, **options: object) -> str: ...
+def train(options: str) -> str: ...
+def evaluate(options: str, progress: Optional[Callable[[int, int, str], None]] = None) -> str: ...
 def plan(model: str, config: str, **options: object) -> str: ...

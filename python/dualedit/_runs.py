@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 from . import _native
 from ._errors import InputError
-from ._session import PathLike, _dtype, _max_memory, _path
+from ._session import PathLike, _dtype, _max_memory, _options
 
 Progress = Union[bool, Callable[[int, int, Dict[str, Any]], None], None]
 
@@ -58,20 +58,6 @@ class _Bar:
             self.tqdm.close()
 
 
-def _common(kw: Dict[str, Any]) -> Dict[str, Any]:
-    """Python values -> the extension's: paths as str, dtype and max_memory as text."""
-    out = {}
-    for k, v in kw.items():
-        if k == "dtype":
-            v = _dtype(v)
-        elif k == "max_memory":
-            v = _max_memory(v)
-        elif isinstance(v, os.PathLike):
-            v = os.fspath(v)
-        out[k] = v
-    return out
-
-
 def train(
     model: PathLike,
     data: PathLike,
@@ -93,8 +79,7 @@ def train(
     Returns the training report (steps, losses, validations, the editor's folder) with
     ``report``: the path of the full run report.
     """
-    o = _common(options)
-    return json.loads(_native.train(os.fspath(model), os.fspath(data), ds, os.fspath(config), os.fspath(out), progress=progress, **o))
+    return json.loads(_native.train(_options(model=model, data=data, ds=ds, config=config, out=out, progress=progress, **options)))
 
 
 def evaluate(
@@ -120,10 +105,9 @@ def evaluate(
     Returns ``eval --json``'s object: the summary's means, ``method``, ``records``,
     ``data`` and ``report``.
     """
-    o = _common(options)
     bar = _Bar(progress, options.get("limit") or 0, "eval") if progress else None
     try:
-        return json.loads(_native.evaluate(os.fspath(model), os.fspath(data), ds, _path(editor), progress=bar, **o))
+        return json.loads(_native.evaluate(_options(model=model, data=data, ds=ds, editor=editor, **options), progress=bar))
     finally:
         if bar is not None:
             bar.close()
@@ -139,7 +123,15 @@ def plan(model: PathLike, config: PathLike, **options: Any) -> Dict[str, Any]:
     Returns ``plan --json``'s object: one placement's plan, or with a sub-device and no
     placement the table of every placement.
     """
-    o = _common(options)
+    o = {}
+    for k, v in options.items():
+        if k == "dtype":
+            v = _dtype(v)
+        elif k == "max_memory":
+            v = _max_memory(v)
+        elif isinstance(v, os.PathLike):
+            v = os.fspath(v)
+        o[k] = v
     if "image_size" in o and o["image_size"] is not None:
         o["image_size"] = tuple(int(x) for x in o["image_size"])
     return json.loads(_native.plan(os.fspath(model), os.fspath(config), **o))
@@ -160,9 +152,8 @@ def compare(command: str, *args: Any, **options: Any) -> Dict[str, Any]:
         if missing:
             raise InputError(f"compare('train', ...) needs {', '.join(missing)}")
         model, data, ds, config, out = given[:5]
-        o = _common(options)
-        o.pop("progress", None)
-        return json.loads(_native.train(os.fspath(model), os.fspath(data), ds, os.fspath(config), os.fspath(out), compare=True, **o))
+        options.pop("progress", None)
+        return json.loads(_native.train(_options(model=model, data=data, ds=ds, config=config, out=out, compare=True, **options)))
     if command == "eval":
         names = ("model", "data", "ds", "editor")
         given = list(args) + [options.pop(k, None) for k in names[len(args):]]
@@ -170,7 +161,6 @@ def compare(command: str, *args: Any, **options: Any) -> Dict[str, Any]:
         if missing:
             raise InputError(f"compare('eval', ...) needs {', '.join(missing)}")
         model, data, ds, editor = given[:4]
-        o = _common(options)
-        o.pop("progress", None)
-        return json.loads(_native.evaluate(os.fspath(model), os.fspath(data), ds, _path(editor), compare=True, **o))
+        options.pop("progress", None)
+        return json.loads(_native.evaluate(_options(model=model, data=data, ds=ds, editor=editor, compare=True, **options)))
     raise InputError(f"compare runs 'train' or 'eval', not {command!r}")

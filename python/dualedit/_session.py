@@ -53,6 +53,23 @@ def _dtype(d: Any) -> Optional[str]:
     return str(d)
 
 
+def _options(**kw: Any) -> str:
+    """Keyword arguments as the extension reads them: JSON, the ones given as ``None``
+    left out (the library's defaults apply), paths as text, ``dtype`` and ``max_memory``
+    as the CLI writes them. The library checks them, naming a keyword it does not know."""
+    out = {}
+    for k, v in kw.items():
+        if k == "dtype":
+            v = _dtype(v)
+        elif k == "max_memory":
+            v = _max_memory(v)
+        elif isinstance(v, os.PathLike):
+            v = os.fspath(v)
+        if v is not None:
+            out[k] = v
+    return json.dumps(out)
+
+
 def _max_memory(m: Any) -> Optional[str]:
     """``{"cuda:0": "24GiB", "cpu": 64 << 30}`` or the CLI's ``cuda:0=24GiB,...``."""
     if m is None:
@@ -164,19 +181,19 @@ class Session:
         guard: bool = True,
         **options: Any,
     ) -> None:
-        if "ls_keep_text" in options:
-            options["ls_keep_text"] = _path(options["ls_keep_text"])
         self._s = _native.Session(
-            os.fspath(model),
-            _path(editor),
-            device=device,
-            sub_device=sub_device,
-            dtype=_dtype(dtype),
-            placement=placement,
-            max_memory=_max_memory(max_memory),
-            method=method,
-            guard=guard,
-            **options,
+            _options(
+                model=model,
+                editor=editor,
+                device=device,
+                sub_device=sub_device,
+                dtype=dtype,
+                placement=placement,
+                max_memory=max_memory,
+                method=method,
+                guard=guard,
+                **options,
+            )
         )
 
     # -- editing ---------------------------------------------------------------------

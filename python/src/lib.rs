@@ -15,16 +15,20 @@ use pyo3::types::PyDict;
 use pyo3_tch::PyTensor;
 use tch::{Device, Kind, Tensor};
 
-use dualedit::edit::capacity::Grouping;
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
 use dualedit::config::MendConfig;
 use dualedit::data::easyedit::{parse_records, DatasetKind};
-use dualedit::data::examples::OverLong;
 use dualedit::data::multimodal::ImageRoots;
-use dualedit::device::{DevicePlan, DeviceRequest, MaxMemory, OptimizerDevice, PlacementRequest};
-use dualedit::edit::{LoadOptions, MethodName, MethodOptions, MethodSpec};
+use dualedit::device::DeviceRequest;
+use dualedit::edit::{LoadOptions, MethodOptions, MethodSpec};
 use dualedit::mend::guard::GuardConfig;
+use dualedit::model::Dtype;
 use dualedit::planner::Phase;
-use dualedit::run::{self, CapacityOptions, Common, EvalOptions, TrainOptions};
+use dualedit::run::options::{GroupOptions, GuardOptions, RunOptions};
+use dualedit::run::{self, EvalOptions, TrainOptions};
 use dualedit::edit::session::{read_image_requests, Session as Inner};
 use dualedit::Error;
 
@@ -88,73 +92,118 @@ fn json<T: serde::Serialize>(v: &T) -> PyResult<String> {
 /// and torch's names (`torch.float32`), so `dtype=torch.bfloat16` works. `None`: what the
 /// checkpoint in `model` says its weights are, else f32 (the CLI's and `plan`'s rule,
 /// `dualedit::model::model_dtype`).
-fn parse_dtype(model: &Path, s: Option<&str>) -> PyResult<Kind> {
-    let flag = s.map(|s| s.parse::<dualedit::model::Dtype>().map_err(|e| input_err(format!("dtype: {e}")))).transpose()?;
-    Ok(dualedit::model::model_dtype(model, flag).py()?.0)
+/// Keyword arguments as JSON (the Python wrappers drop the ones given as `None`) read into
+/// `T`, the library's option types flattened; a keyword none of them has is one error
+/// naming it.
+fn kwargs<T: serde::de::DeserializeOwned + Unknown>(what: &str, options: &str) -> PyResult<T> {
+    let t: T = serde_json::from_str(options).map_err(|e| input_err(format!("{what}: {e}")))?;
+    // `RunOptions` has a flattened part of its own, so serde leaves its keys here too.
+    let run = RunOptions::fields();
+    if let Some(k) = t.unknown().keys().find(|k| !run.contains(k)) {
+        return Err(input_err(format!("{what}: unexpected keyword argument {k:?}")));
+    }
+    Ok(t)
 }
 
-fn parse_enum<T: serde::de::DeserializeOwned>(what: &str, value: &str, allowed: &str) -> PyResult<T> {
-    serde_json::from_value(serde_json::Value::from(value.replace('-', "_")))
-        .map_err(|_| input_err(format!("{what} must be {allowed}, got {value:?}")))
+/// The keywords of a `kwargs` type that none of its parts took.
+trait Unknown {
+    fn unknown(&self) -> &BTreeMap<String, serde_json::Value>;
 }
 
-/// Where a session or a run is placed: the CLI's `--device`, `--sub-device`,
-/// `--placement`, `--optimizer-device` and `--max-memory`.
-struct Placing<'a> {
-    device: &'a str,
-    sub_device: Option<&'a str>,
-    placement: Option<&'a str>,
-    optimizer_device: Option<&'a str>,
-    max_memory: Option<&'a str>,
+fn default_max_length() -> usize {
+    512
 }
 
-impl Placing<'_> {
-    /// The device plan with the placement resolved by the planner for `phase`, the memory
-    /// caps applied first: the library's [`DeviceRequest`] through `planner::place`, as
-    /// the CLI's device flags go.
-    fn plan(&self, model: &Path, config: &MendConfig, dtype: Kind, tokens: usize, phase: Phase) -> PyResult<DevicePlan> {
-        let request = DeviceRequest {
-            main: self.device.to_string(),
-            sub: self.sub_device.map(str::to_string),
-            placement: self.placement.map(|p| parse_enum::<PlacementRequest>("placement", p, "auto, replica or balanced")).transpose()?,
-            optimizer: self.optimizer_device.map(|o| parse_enum::<OptimizerDevice>("optimizer_device", o, "main, sub or cpu")).transpose()?,
-            caps: self.max_memory.map(str::parse::<MaxMemory>).transpose().py()?,
-        };
-        let target = dualedit::planner::PlaceFor { model, config, dtype, tokens: tokens as i64, phase };
-        let (plan, chosen) = dualedit::planner::place(&request, &target).py()?;
-        if let Some(label) = chosen {
-            tracing::info!("placement: {label} (chosen by the planner)");
-        }
-        Ok(plan)
+/// `dualedit.Session(...)`'s keywords: the CLI's `edit` flags as the library's types.
+#[derive(Deserialize)]
+struct SessionKwargs {
+    model: PathBuf,
+    #[serde(flatten)]
+    devices: DeviceRequest,
+    #[serde(default)]
+    dtype: Option<Dtype>,
+    #[serde(flatten)]
+    method: MethodOptions,
+    #[serde(default = "default_max_length")]
+    max_length: usize,
+    #[serde(flatten)]
+    guard: GuardOptions,
+    #[serde(flatten)]
+    unknown: BTreeMap<String, serde_json::Value>,
+}
+
+/// `dualedit.train(...)`'s keywords: `dualedit train`'s flags.
+#[derive(Deserialize)]
+struct TrainKwargs {
+    #[serde(flatten)]
+    run: RunOptions,
+    data: PathBuf,
+    ds: DatasetKind,
+    config: PathBuf,
+    out: PathBuf,
+    #[serde(default)]
+    max_steps: Option<usize>,
+    #[serde(default)]
+    limit: Option<usize>,
+    #[serde(default)]
+    resume: bool,
+    #[serde(default)]
+    recompute: bool,
+    #[serde(default)]
+    progress: bool,
+    #[serde(default)]
+    compare: bool,
+    #[serde(flatten)]
+    unknown: BTreeMap<String, serde_json::Value>,
+}
+
+/// `dualedit.evaluate(...)`'s keywords: `dualedit eval`'s flags.
+#[derive(Deserialize)]
+struct EvalKwargs {
+    #[serde(flatten)]
+    run: RunOptions,
+    data: PathBuf,
+    ds: DatasetKind,
+    #[serde(flatten)]
+    method: MethodOptions,
+    #[serde(default)]
+    limit: Option<usize>,
+    #[serde(default = "default_max_length")]
+    max_length: usize,
+    #[serde(flatten)]
+    groups: GroupOptions,
+    #[serde(flatten)]
+    guard: GuardOptions,
+    #[serde(default)]
+    compare: bool,
+    #[serde(flatten)]
+    unknown: BTreeMap<String, serde_json::Value>,
+}
+
+impl Unknown for SessionKwargs {
+    fn unknown(&self) -> &BTreeMap<String, serde_json::Value> {
+        &self.unknown
     }
 }
 
-/// The method the keyword arguments name: the library's [`MethodOptions`], checked there
-/// once, its errors naming the keyword.
-#[allow(clippy::too_many_arguments)]
-fn method_options(
-    method: Option<&str>,
-    editor: Option<&Path>,
-    ft_lr: f64,
-    ls_lambda: Option<f64>,
-    ls_keep_weight: Option<f64>,
-    ls_rounds: Option<usize>,
-    ls_keep_text: Option<&Path>,
-) -> PyResult<MethodOptions> {
-    Ok(MethodOptions {
-        method: method.map(str::parse::<MethodName>).transpose().py()?,
-        editor: editor.map(Path::to_path_buf),
-        ft_lr,
-        ls_lambda,
-        ls_keep_weight,
-        ls_rounds,
-        ls_keep_text: ls_keep_text.map(Path::to_path_buf),
-    })
+impl Unknown for TrainKwargs {
+    fn unknown(&self) -> &BTreeMap<String, serde_json::Value> {
+        &self.unknown
+    }
 }
 
-/// The commit guard of `edit` (the CLI's `--guard-*` flags; `None`: `--no-guard`).
-fn guard_config(on: bool, min_agreement: f64, max_drop: f64, max_kl: f64, refuse: bool, shrink: bool) -> Option<GuardConfig> {
-    on.then(|| GuardConfig { min_agreement, max_drop, max_kl, scale_back: !refuse, shrink, ..Default::default() })
+impl Unknown for EvalKwargs {
+    fn unknown(&self) -> &BTreeMap<String, serde_json::Value> {
+        &self.unknown
+    }
+}
+
+/// A dataset to read (not edit requests).
+fn dataset(ds: DatasetKind) -> PyResult<DatasetKind> {
+    match ds {
+        DatasetKind::Requests => Err(input_err("ds must be zsre, counterfact, vqa or caption")),
+        k => Ok(k),
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -236,57 +285,38 @@ fn measure_unedited(s: &Inner, examples: &[dualedit::data::EditExample]) -> dual
 
 #[pymethods]
 impl PySession {
+    /// `options`: the keyword arguments of `dualedit.Session` as JSON ([`SessionKwargs`]).
     #[new]
-    #[pyo3(signature = (model, editor=None, *, device="cpu", sub_device=None, dtype=None, placement=None, optimizer_device=None,
-        max_memory=None, method=None, ft_lr=1e-3, ls_lambda=None, ls_keep_weight=None, ls_rounds=None, ls_keep_text=None,
-        max_length=512, guard=true, guard_min_agreement=0.9, guard_max_drop=0.05, guard_max_kl=1.0, guard_refuse=false, guard_shrink=false))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        model: PathBuf,
-        editor: Option<PathBuf>,
-        device: &str,
-        sub_device: Option<&str>,
-        dtype: Option<&str>,
-        placement: Option<&str>,
-        optimizer_device: Option<&str>,
-        max_memory: Option<&str>,
-        method: Option<&str>,
-        ft_lr: f64,
-        ls_lambda: Option<f64>,
-        ls_keep_weight: Option<f64>,
-        ls_rounds: Option<usize>,
-        ls_keep_text: Option<PathBuf>,
-        max_length: usize,
-        guard: bool,
-        guard_min_agreement: f64,
-        guard_max_drop: f64,
-        guard_max_kl: f64,
-        guard_refuse: bool,
-        guard_shrink: bool,
-    ) -> PyResult<Self> {
-        if max_length == 0 {
+    fn new(py: Python<'_>, options: &str) -> PyResult<Self> {
+        let k: SessionKwargs = kwargs("Session", options)?;
+        if k.max_length == 0 {
             return Err(input_err("max_length must be at least 1"));
         }
-        let options = method_options(method, editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text.as_deref())?;
+        let guard = k.guard.config().py()?;
         // A session edits any number of requests: `auto` opens the editor for many edits.
-        let spec = options.resolve(true).py()?;
-        let kind = parse_dtype(&model, dtype)?;
-        let placing = Placing { device, sub_device, placement, optimizer_device, max_memory };
-        let plan = placing.plan(&model, &options.planning_config().py()?, kind, max_length, Phase::Edit)?;
-        let opts = LoadOptions { plan, dtype: kind };
+        let spec = k.method.resolve(true).py()?;
+        let dtype = dualedit::model::model_dtype(&k.model, k.dtype).py()?.0;
+        let place = dualedit::planner::PlaceFor {
+            model: &k.model,
+            config: &k.method.planning_config().py()?,
+            dtype,
+            tokens: k.max_length as i64,
+            phase: Phase::Edit,
+        };
+        let (plan, chosen) = dualedit::planner::place(&k.devices, &place).py()?;
+        if let Some(label) = chosen {
+            tracing::info!("placement: {label} (chosen by the planner)");
+        }
+        let opts = LoadOptions { plan, dtype };
+        let unedited = k.method.method.is_none() && k.method.editor.is_none();
         let inner = py
             .allow_threads(|| dualedit::error::guard(|| match &spec {
                 // Without an editor the session scores and generates; edit() refuses.
-                MethodSpec::Unedited if method.is_none() => Inner::open(&model, None, &opts),
-                s => Inner::open_method(&model, s, &opts),
+                MethodSpec::Unedited if unedited => Inner::open(&k.model, None, &opts),
+                s => Inner::open_method(&k.model, s, &opts),
             }))
             .py()?;
-        Ok(Self {
-            inner,
-            max_length,
-            guard: guard_config(guard, guard_min_agreement, guard_max_drop, guard_max_kl, guard_refuse, guard_shrink),
-        })
+        Ok(Self { inner, max_length: k.max_length, guard })
     }
 
     /// Applies EasyEdit request records (a JSON array, the `--requests` file's format) as
@@ -450,94 +480,40 @@ impl PySession {
     }
 }
 
-
-fn dataset(ds: &str) -> PyResult<DatasetKind> {
-    match ds.parse::<DatasetKind>().py()? {
-        DatasetKind::Requests => Err(input_err("ds must be zsre, counterfact, vqa or caption")),
-        k => Ok(k),
-    }
-}
-
-fn over_long(truncate: bool, strict: bool) -> PyResult<OverLong> {
-    match (truncate, strict) {
-        (true, true) => Err(input_err("truncate and strict exclude each other")),
-        (true, _) => Ok(OverLong::Truncate),
-        (_, true) => Ok(OverLong::Strict),
-        _ => Ok(OverLong::Skip),
-    }
-}
-
 /// `dualedit train`: meta-trains an editor into `out`; returns the report as JSON.
+/// `options`: the keyword arguments of `dualedit.train` as JSON ([`TrainKwargs`]).
 #[pyfunction]
-#[pyo3(signature = (model, data, ds, config, out, *, device="cpu", sub_device=None, dtype=None, placement=None, optimizer_device=None,
-    max_memory=None, seed=0, report=None, max_steps=None, limit=None, resume=false, recompute=false, truncate=false, strict=false,
-    image_root=None, rephrase_image_root=None, progress=true, compare=false))]
-#[allow(clippy::too_many_arguments)]
-fn train(
-    py: Python<'_>,
-    model: PathBuf,
-    data: PathBuf,
-    ds: &str,
-    config: PathBuf,
-    out: PathBuf,
-    device: &str,
-    sub_device: Option<&str>,
-    dtype: Option<&str>,
-    placement: Option<&str>,
-    optimizer_device: Option<&str>,
-    max_memory: Option<&str>,
-    seed: i64,
-    report: Option<PathBuf>,
-    max_steps: Option<usize>,
-    limit: Option<usize>,
-    resume: bool,
-    recompute: bool,
-    truncate: bool,
-    strict: bool,
-    image_root: Option<PathBuf>,
-    rephrase_image_root: Option<PathBuf>,
-    progress: bool,
-    compare: bool,
-) -> PyResult<String> {
-    let ds = dataset(ds)?;
-    if limit == Some(0) {
+fn train(py: Python<'_>, options: &str) -> PyResult<String> {
+    let k: TrainKwargs = kwargs("train", options)?;
+    let ds = dataset(k.ds)?;
+    if k.limit == Some(0) {
         return Err(input_err("limit must be at least 1"));
     }
-    run::check_report_path(report.as_deref(), &[&config]).py()?;
-    let mut cfg = MendConfig::from_file(&config).py()?;
-    if let Some(n) = max_steps {
+    run::check_report_path(k.run.report.as_deref(), &[&k.config]).py()?;
+    let mut cfg = MendConfig::from_file(&k.config).py()?;
+    if let Some(n) = k.max_steps {
         cfg.max_steps = n;
     }
-    if recompute {
+    if k.recompute {
         cfg.recompute = true;
     }
-    let kind = parse_dtype(&model, dtype)?;
-    let plan = Placing { device, sub_device, placement, optimizer_device, max_memory }.plan(&model, &cfg, kind, cfg.max_length, Phase::Train)?;
+    if k.compare && k.run.devices.sub_device.is_none() {
+        return Err(input_err("compare needs sub_device (the dual side's sub-device)"));
+    }
     let opts = TrainOptions {
-        common: Common {
-            model,
-            plan,
-            dtype: kind,
-            seed,
-            report,
-            over_long: over_long(truncate, strict)?,
-            image_roots: image_root.map(|r| ImageRoots::new(r, rephrase_image_root)),
-        },
-        data,
+        common: k.run.resolve(&cfg, cfg.max_length, Phase::Train).py()?,
+        data: k.data,
         ds,
         config: cfg,
-        out,
-        limit,
-        resume,
+        out: k.out,
+        limit: k.limit,
+        resume: k.resume,
         // The library's own step bar (stderr); training has no per-step callback.
-        progress,
+        progress: k.progress,
     };
     let mut none = |_: Python<'_>, _: ()| Ok(());
-    if compare {
+    if k.compare {
         // `dualedit compare train`: the dual side placed as asked, the single side main alone.
-        if sub_device.is_none() {
-            return Err(input_err("compare needs sub_device (the dual side's sub-device)"));
-        }
         let dual = opts.common.plan;
         let cmp = supervised(py, &mut none, &stop_training, |_, _| dualedit::run::compare::compare_train(&opts, dual));
         // A stop that came after the last step must not end the next training.
@@ -557,109 +533,35 @@ fn train(
 
 /// `dualedit eval`: edits each record from the unedited model (or in groups with
 /// `edits_per_batch` / `sequential`) and measures it; returns the CLI's `--json` object.
+/// `options`: the keyword arguments of `dualedit.evaluate` as JSON ([`EvalKwargs`]).
 #[pyfunction]
-#[pyo3(signature = (model, data, ds, editor=None, *, method=None, device="cpu", sub_device=None, dtype=None, placement=None,
-    optimizer_device=None, max_memory=None, seed=0, report=None, limit=None, max_length=512, edits_per_batch=None, sequential=None,
-    drift_text=None, guard=true, guard_min_agreement=0.9, guard_max_drop=0.05, guard_max_kl=1.0, guard_refuse=false, guard_shrink=false,
-    stepwise=false, ft_lr=1e-3, ls_lambda=None, ls_keep_weight=None, ls_rounds=None, ls_keep_text=None, truncate=false, strict=false,
-    image_root=None, rephrase_image_root=None, progress=None, compare=false))]
-#[allow(clippy::too_many_arguments)]
-fn evaluate(
-    py: Python<'_>,
-    model: PathBuf,
-    data: PathBuf,
-    ds: &str,
-    editor: Option<PathBuf>,
-    method: Option<&str>,
-    device: &str,
-    sub_device: Option<&str>,
-    dtype: Option<&str>,
-    placement: Option<&str>,
-    optimizer_device: Option<&str>,
-    max_memory: Option<&str>,
-    seed: i64,
-    report: Option<PathBuf>,
-    limit: Option<usize>,
-    max_length: usize,
-    edits_per_batch: Option<usize>,
-    sequential: Option<usize>,
-    drift_text: Option<PathBuf>,
-    guard: bool,
-    guard_min_agreement: f64,
-    guard_max_drop: f64,
-    guard_max_kl: f64,
-    guard_refuse: bool,
-    guard_shrink: bool,
-    stepwise: bool,
-    ft_lr: f64,
-    ls_lambda: Option<f64>,
-    ls_keep_weight: Option<f64>,
-    ls_rounds: Option<usize>,
-    ls_keep_text: Option<PathBuf>,
-    truncate: bool,
-    strict: bool,
-    image_root: Option<PathBuf>,
-    rephrase_image_root: Option<PathBuf>,
-    progress: Option<Bound<'_, PyAny>>,
-    compare: bool,
-) -> PyResult<String> {
-    let ds = dataset(ds)?;
-    if limit == Some(0) || edits_per_batch == Some(0) || sequential == Some(0) {
-        return Err(input_err("limit, edits_per_batch and sequential must be at least 1"));
+#[pyo3(signature = (options, progress=None))]
+fn evaluate(py: Python<'_>, options: &str, progress: Option<Bound<'_, PyAny>>) -> PyResult<String> {
+    let k: EvalKwargs = kwargs("evaluate", options)?;
+    let ds = dataset(k.ds)?;
+    if k.limit == Some(0) {
+        return Err(input_err("limit must be at least 1"));
     }
-    if max_length == 0 {
+    if k.max_length == 0 {
         return Err(input_err("max_length must be at least 1"));
     }
-    let many = edits_per_batch.or(sequential).is_some_and(|n| n > 1);
-    let options = method_options(method, editor.as_deref(), ft_lr, ls_lambda, ls_keep_weight, ls_rounds, ls_keep_text.as_deref())?;
-    let spec = options.resolve(many).py()?;
-    let kind = parse_dtype(&model, dtype)?;
-    let plan = Placing { device, sub_device, placement, optimizer_device, max_memory }.plan(
-        &model,
-        &options.planning_config().py()?,
-        kind,
-        max_length,
-        Phase::Edit,
-    )?;
-    let grouping = match (edits_per_batch, sequential) {
-        (Some(_), Some(_)) => return Err(input_err("edits_per_batch and sequential exclude each other")),
-        (Some(n), None) => Some(Grouping::Batch(n)),
-        (None, Some(n)) => Some(Grouping::Sequential(n)),
-        (None, None) => None,
-    };
-    if grouping.is_none() && (drift_text.is_some() || stepwise) {
-        return Err(input_err("drift_text and stepwise are only used with edits_per_batch or sequential"));
-    }
-    if stepwise && sequential.is_none() {
-        return Err(input_err("stepwise needs sequential"));
+    let capacity = k.groups.capacity(&k.guard).py()?;
+    let many = capacity.as_ref().is_some_and(|c| c.grouping.size() > 1);
+    let spec = k.method.resolve(many).py()?;
+    if k.compare && k.run.devices.sub_device.is_none() {
+        return Err(input_err("compare needs sub_device (the dual side's sub-device)"));
     }
     let opts = EvalOptions {
-        common: Common {
-            model,
-            plan,
-            dtype: kind,
-            seed,
-            report,
-            over_long: over_long(truncate, strict)?,
-            image_roots: image_root.map(|r| ImageRoots::new(r, rephrase_image_root)),
-        },
+        common: k.run.resolve(&k.method.planning_config().py()?, k.max_length, Phase::Edit).py()?,
         method: spec,
-        data,
+        data: k.data,
         ds,
-        limit,
-        max_length,
-        capacity: grouping.map(|grouping| CapacityOptions {
-            grouping,
-            guard: guard_config(guard, guard_min_agreement, guard_max_drop, guard_max_kl, guard_refuse, guard_shrink),
-            stepwise: stepwise.then(dualedit::mend::stepwise::Stepwise::default),
-            drift_text,
-        }),
+        limit: k.limit,
+        max_length: k.max_length,
+        capacity,
     };
-    if compare {
+    if k.compare {
         // `dualedit compare eval`: both sides' reports beside `report` (default runs/compare-<time>/).
-        if sub_device.is_none() {
-            return Err(input_err("compare needs sub_device (the dual side's sub-device)"));
-        }
         let out = opts
             .common
             .report
@@ -673,7 +575,7 @@ fn evaluate(
         v["report"] = serde_json::Value::from(out.join("compare.json").display().to_string());
         return Ok(v.to_string());
     }
-    // The total is the data set's record count (after --limit), known once it is read.
+    // The total is the data set's record count (after `limit`), known once it is read.
     let progress = progress.as_ref();
     let mut on = |_: Python<'_>, (i, total, m): (usize, usize, String)| call_progress(progress, i + 1, total, &m);
     let (out, path) = supervised(py, &mut on, &|| (), |cancel, tx| {

@@ -322,6 +322,24 @@ def test_bad_requests_are_value_errors(session):
     assert session.edits_total == 0
 
 
+def test_keywords_are_the_librarys_option_fields(tmp_path):
+    """Issue #50: the keywords are read into the library's option types, so an unknown
+    one and a bad value are each one error naming the keyword, as the CLI's flags."""
+    with pytest.raises(dualedit.InputError, match="guard_max_kl"):
+        dualedit.Session(MODEL, EDITOR, guard_max_kl=-1.0)
+    with pytest.raises(dualedit.InputError, match="gaurd"):
+        dualedit.Session(MODEL, EDITOR, gaurd=False)
+    data = DATA / "world" / "edits-holdout.json"
+    with pytest.raises(dualedit.InputError, match="`stepwise`"):
+        dualedit.evaluate(MODEL, data, "counterfact", EDITOR, stepwise=True, progress=False)
+    with pytest.raises(dualedit.InputError, match="edits_per_btach"):
+        dualedit.evaluate(MODEL, data, "counterfact", EDITOR, edits_per_btach=2, progress=False)
+    with pytest.raises(dualedit.InputError, match="`truncate` and `strict`"):
+        dualedit.train(MODEL, data, "counterfact", ROOT / "configs" / "tiny.json", tmp_path / "ed", truncate=True, strict=True)
+    # torch's dtype spelling reads as the CLI's.
+    assert dualedit.Session(MODEL, dtype=torch.float32).max_positions > 0
+
+
 def test_evaluate_reports_progress_and_matches_the_cli(tmp_path):
     data = DATA / "world" / "edits-holdout.json"
     seen = []

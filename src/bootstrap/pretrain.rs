@@ -67,14 +67,14 @@ impl PretrainConfig {
     pub fn check(&self) -> Result<()> {
         if !(self.lr.is_finite() && self.lr > 0.0) || self.batch_size == 0 || self.steps == 0 {
             return Err(Error::input(format!(
-                "--lr must be a positive number and --batch, --steps at least 1 (got {}, {}, {})",
+                "`lr` must be a positive number and `batch`, `steps` at least 1 (got {}, {}, {})",
                 self.lr, self.batch_size, self.steps
             )));
         }
         if self.vocab_size < 257 {
             // The byte-level BPE trainer always keeps its 256 byte symbols plus end-of-text, and
             // would silently return a larger vocabulary than asked for.
-            return Err(Error::input(format!("--vocab must be at least 257 (256 byte-level symbols and end-of-text), got {}", self.vocab_size)));
+            return Err(Error::input(format!("`vocab` must be at least 257 (256 byte-level symbols and end-of-text), got {}", self.vocab_size)));
         }
         Ok(())
     }

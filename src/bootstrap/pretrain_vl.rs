@@ -306,7 +306,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
         return Err(Error::input("pretraining needs steps >= 1, batch >= 1 and a positive learning rate"));
     }
     if !(cfg.vision_lr_scale.is_finite() && cfg.vision_lr_scale >= 0.0) {
-        return Err(Error::input(format!("--vision-lr-scale {}: must be a finite number >= 0 (0 freezes the vision tower)", cfg.vision_lr_scale)));
+        return Err(Error::input(format!("`vision_lr_scale` {}: must be a finite number >= 0 (0 freezes the vision tower)", cfg.vision_lr_scale)));
     }
     let template = crate::model::loader::default_chat_template(ARCHITECTURE).ok_or_else(|| Error::Internal(format!("{ARCHITECTURE} has no chat template")))?;
     let tok = crate::bootstrap::pretrain::train_tokenizer_with(&tokenizer_corpus(&corpus, template)?, cfg.vocab_size, &SPECIALS, out)?;

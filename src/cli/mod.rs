@@ -38,6 +38,50 @@ impl Cli {
     }
 }
 
+/// `message` with each option the library names by its field (`` `sub_device` ``, the
+/// Python keyword and JSON key) written as the flag of this command line that sets it
+/// (`--sub-device`). The library's errors name fields so that every interface reads
+/// them; the flag a field becomes is clap's, so the two cannot drift apart. A name in
+/// backticks that no flag has (a JSON key of a record, say) is left as it is.
+pub fn flags_named(message: &str) -> String {
+    use std::sync::OnceLock;
+    static FLAGS: OnceLock<std::collections::BTreeMap<String, String>> = OnceLock::new();
+    let flags = FLAGS.get_or_init(|| {
+        fn walk(cmd: &clap::Command, out: &mut std::collections::BTreeMap<String, String>) {
+            for arg in cmd.get_arguments() {
+                if let Some(long) = arg.get_long() {
+                    out.entry(arg.get_id().to_string()).or_insert_with(|| format!("--{long}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, out);
+            }
+        }
+        let mut out = std::collections::BTreeMap::new();
+        walk(&<Cli as clap::CommandFactory>::command(), &mut out);
+        out
+    });
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(open) = rest.find('`') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 1..];
+        let Some(close) = after.find('`') else {
+            out.push('`');
+            rest = after;
+            break;
+        };
+        let name = &after[..close];
+        match flags.get(name) {
+            Some(flag) => out.push_str(flag),
+            None => out.push_str(&rest[open..open + close + 2]),
+        }
+        rest = &after[close + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// clap's message without its usage block and hint, on one line.
 fn one_line(message: &str) -> String {
     let kept: Vec<&str> = message

@@ -134,7 +134,7 @@ pub fn parse_records(
     kind: DatasetKind,
 ) -> Result<(Vec<EditRecord>, LoadReport)> {
     if kind.is_multimodal() {
-        return Err(Error::file(path, format!("{kind} records carry images: read them with data::multimodal::load_mm (and --image-root)")));
+        return Err(Error::file(path, format!("{kind} records carry images: read them with data::multimodal::load_mm (and `image_root`)")));
     }
     let root: Value = serde_json::from_str(text)
         .map_err(|e| Error::file(path, format!("malformed JSON: {e}")))?;

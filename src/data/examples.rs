@@ -209,7 +209,7 @@ pub fn prepare_with(
     }
     if out.examples.is_empty() && !out.skipped.is_empty() {
         let (i, why) = &out.skipped[0];
-        let hint = if policy == OverLong::Skip { "; --truncate cuts prompts from the left instead" } else { "" };
+        let hint = if policy == OverLong::Skip { "; `truncate` cuts prompts from the left instead" } else { "" };
         return Err(Error::file(
             path,
             format!("no record fits in {max_len} tokens: all {} were skipped (first: record {i}: {why}){hint}", out.skipped.len()),

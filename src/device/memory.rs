@@ -221,7 +221,7 @@ pub fn set_memory_cap(device: Device, bytes: u64) -> Result<()> {
     let _ = crate::error::guard(|| Ok(tch::Tensor::f_zeros([1], (tch::Kind::Float, device))?))?;
     let total = total_bytes(device)?;
     if bytes > total {
-        return Err(device_error(device, format!("--max-memory cap {} is more than the device has ({})", format_bytes(bytes), format_bytes(total))));
+        return Err(device_error(device, format!("`max_memory` cap {} is more than the device has ({})", format_bytes(bytes), format_bytes(total))));
     }
     let fraction = bytes as f64 / total as f64;
     // SAFETY: `err`/`len` describe a live, writable buffer owned by `shim_call`.

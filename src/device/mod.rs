@@ -179,7 +179,7 @@ impl Chain {
 
     fn of(names: &[DeviceName]) -> Result<Self> {
         if names.len() > MAX_CHAIN {
-            return Err(Error::input(format!("--sub-device: a chain takes at most {} sub-devices", MAX_CHAIN + 1)));
+            return Err(Error::input(format!("`sub_device`: a chain takes at most {} sub-devices", MAX_CHAIN + 1)));
         }
         let mut c = Self::EMPTY;
         c.names[..names.len()].copy_from_slice(names);
@@ -221,7 +221,7 @@ const CHAIN_ROLES: [&str; MAX_CHAIN] = ["chain1", "chain2", "chain3", "chain4", 
 /// and with more than one, not the main device. Existence is checked by `check`
 /// ([`parse_device_name`], or [`str::parse`] for a planner that plans another machine).
 pub fn parse_sub_list(main: DeviceName, list: &str, check: impl Fn(&str) -> Result<DeviceName>) -> Result<Vec<DeviceName>> {
-    let bad = |msg: String| Error::input(format!("--sub-device {list:?}: {msg}"));
+    let bad = |msg: String| Error::input(format!("`sub_device` {list:?}: {msg}"));
     if list.trim() != list {
         return Err(bad("spaces around the value; expected cpu, cpu:N (a logical CPU device), cuda or cuda:N, or a list of them".into()));
     }
@@ -241,7 +241,7 @@ pub fn parse_sub_list(main: DeviceName, list: &str, check: impl Fn(&str) -> Resu
         return Err(bad(format!("{} devices; a chain takes at most {} sub-devices (one node's cards)", out.len(), MAX_CHAIN + 1)));
     }
     if out.len() > 1 && out.contains(&main) {
-        return Err(bad(format!("lists the main device {main} (--device): a chain's sub-devices are the devices after it")));
+        return Err(bad(format!("lists the main device {main} (`device`): a chain's sub-devices are the devices after it")));
     }
     Ok(out)
 }
@@ -323,7 +323,7 @@ impl DevicePlan {
     pub fn balanced_chain(self, chain_at: Vec<usize>, boundary: usize) -> Result<Self> {
         if !self.split {
             return Err(Error::input(
-                "--placement balanced divides the model between two devices: give --sub-device (a device other than --device)",
+                "`placement` balanced divides the model between two devices: give `sub_device` (a device other than `device`)",
             ));
         }
         if chain_at.len() != self.chain.len() {

@@ -89,6 +89,14 @@ pub enum OptimizerDevice {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct MaxMemory(pub BTreeMap<String, u64>);
 
+/// From the text `--max-memory` takes (`"cuda:0=24GiB,cpu=64GiB"`), as Python's and
+/// JSON's `max_memory`.
+impl<'de> Deserialize<'de> for MaxMemory {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        String::deserialize(deserializer)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 impl MaxMemory {
     /// The cap of a device (normalised name, `cuda:0`), if one was given.
     pub fn get(&self, device: &str) -> Option<u64> {
@@ -111,7 +119,7 @@ impl std::str::FromStr for MaxMemory {
     /// `DEVICE=SIZE[,DEVICE=SIZE...]`, sizes as `24GiB`, `24GB`, `512MiB`, `1.5GiB` or plain
     /// bytes; each device at most once.
     fn from_str(s: &str) -> Result<Self> {
-        let bad = |msg: String| Error::input(format!("--max-memory {s:?}: {msg}"));
+        let bad = |msg: String| Error::input(format!("`max_memory` {s:?}: {msg}"));
         let mut out = BTreeMap::new();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (dev, size) = part.split_once('=').ok_or_else(|| bad(format!("{part:?} is not DEVICE=SIZE (e.g. cuda:0=24GiB)")))?;
@@ -175,7 +183,7 @@ mod tests {
         assert_eq!(m.get("cpu"), Some(64_000_000_000));
         for bad in ["", "cuda:0", "gpu0=1GiB", "cuda:0=lots", "cuda:0=1GiB,cuda:0=2GiB"] {
             let e = bad.parse::<MaxMemory>().unwrap_err().to_string();
-            assert!(e.contains("--max-memory"), "{bad:?}: {e}");
+            assert!(e.contains("`max_memory`"), "{bad:?}: {e}");
         }
     }
 

@@ -123,13 +123,13 @@ pub fn measure(
 ) -> Result<(Vec<RecordMetrics>, CapacityReport)> {
     let requested = grouping.size();
     if requested == 0 {
-        return Err(Error::input("the group size (--edits-per-batch / --sequential) must be at least 1"));
+        return Err(Error::input("the group size (`edits_per_batch` / `sequential`) must be at least 1"));
     }
     if records.len() != examples.len() {
         return Err(Error::input("records and examples differ in number"));
     }
     if examples.is_empty() {
-        return Err(Error::input("no records to edit (--edits-per-batch / --sequential)"));
+        return Err(Error::input("no records to edit (`edits_per_batch` / `sequential`)"));
     }
     // A group larger than the data edits all of it once: say so, and report what ran.
     let n = requested.min(examples.len());

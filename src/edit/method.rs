@@ -222,7 +222,7 @@ impl EditMethod for LsEditor {
     fn check(&self, call: &EditCall) -> Result<()> {
         if call.stepwise.is_some() {
             // Each step would remember the same edit again: mend-ls composes by re-solving.
-            return Err(Error::input("stepwise edits are for --method mend; mend-ls re-solves over all edits instead"));
+            return Err(Error::input("stepwise edits are for `method` mend; mend-ls re-solves over all edits instead"));
         }
         Ok(())
     }

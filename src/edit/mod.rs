@@ -93,7 +93,7 @@ impl MethodSpec {
                 if let Some(path) = unrelated {
                     match std::fs::metadata(path) {
                         Ok(m) if m.is_file() => {}
-                        Ok(_) => return Err(Error::file(path, "--ls-keep-text must name a regular file of text lines (not a directory, FIFO or device)")),
+                        Ok(_) => return Err(Error::file(path, "`ls_keep_text` must name a regular file of text lines (not a directory, FIFO or device)")),
                         Err(e) => return Err(Error::io(path, e)),
                     }
                 }
@@ -173,7 +173,7 @@ fn editor_exists(dir: &Path) -> Result<()> {
     if dir.is_dir() {
         Ok(())
     } else {
-        Err(Error::file(dir, "editor directory not found (--editor)"))
+        Err(Error::file(dir, "editor directory not found (`editor`)"))
     }
 }
 
@@ -262,7 +262,7 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
             };
             Box::new(LsEditor { editor: ed, config: ls, memory: KeyMemory::default(), unrelated, stats_text, single_mend })
         }
-        MethodSpec::Auto { .. } => return Err(Error::Internal("--method auto was not resolved".into())),
+        MethodSpec::Auto { .. } => return Err(Error::Internal("method auto was not resolved".into())),
     };
     Ok((engine, method))
 }

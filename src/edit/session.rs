@@ -110,8 +110,8 @@ impl EditOutcome {
         };
         let why = self.guard.iter().rev().find(|r| r.decision == guard::Decision::Refused).map_or_else(String::new, |r| format!(": {}", r.message));
         Some(Error::input(format!(
-            "the commit guard refused {what}, so nothing was committed{why}. Loosen it (--guard-min-agreement, \
-             --guard-max-drop, --guard-max-kl), edit fewer requests at once, or turn it off (--no-guard)"
+            "the commit guard refused {what}, so nothing was committed{why}. Loosen it (`guard_min_agreement`, \
+             `guard_max_drop`, `guard_max_kl`), edit fewer requests at once, or turn the guard off"
         )))
     }
 }
@@ -675,7 +675,7 @@ fn edit_one_by_one(
     let refused = refusals.iter().filter(|r| r.is_some()).count();
     if refused > 0 {
         tracing::warn!(
-            "the commit guard refused {refused} of {} edits one after another{} (the report's `guard` has each decision)",
+            "the commit guard refused {refused} of {} edits one after another{} (the report's guard entries have each decision)",
             examples.len(),
             if refused < examples.len() { "" } else { ": nothing was committed" }
         );

@@ -250,8 +250,8 @@ pub fn load_state(dir: &Path, editor: &mut Editor) -> Result<(BTreeMap<String, T
                 return Err(Error::file(
                     &path,
                     format!(
-                        "--resume continues the saved run, which had another config: {}; only {} may change. \
-                         Use the saved values, or train into another --out",
+                        "`resume` continues the saved run, which had another config: {}; only {} may change. \
+                         Use the saved values, or train into another `out`",
                         changed.join(", "),
                         RESUME_MAY_CHANGE.join(", ")
                     ),
@@ -261,7 +261,7 @@ pub fn load_state(dir: &Path, editor: &mut Editor) -> Result<(BTreeMap<String, T
         None => tracing::warn!(path = %path.display(), "the saved training state does not record its config: resuming without checking it"),
     }
     editor.load_tensors(&tensors, &meta.stats_counts).map_err(|e| {
-        Error::file(&path, format!("{e}: the saved training state was made for another model or editor config (rank, n_hidden, mode, shared, edit_params), so --resume cannot continue it"))
+        Error::file(&path, format!("{e}: the saved training state was made for another model or editor config (rank, n_hidden, mode, shared, edit_params), so `resume` cannot continue it"))
     })?;
     let tensors = tensors.into_iter().map(|(k, v)| (k, v.to_device(Device::Cpu))).collect();
     Ok((tensors, meta.counters))

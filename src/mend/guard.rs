@@ -66,27 +66,32 @@ impl Default for GuardConfig {
 }
 
 impl GuardConfig {
-    /// Refuses thresholds that make no sense, naming the setting by its command-line flag
-    /// and its JSON key (`serve`'s per-request `guard`): an agreement or a drop outside
-    /// [0, 1], a negative KL, a scale outside (0, 1], or NaN / infinity anywhere (NaN
-    /// compares false, so it would quietly refuse every edit). Checked before any edit is
-    /// made, wherever a guard is configured (`edit`, `eval`, `serve`, the library).
+    /// Refuses thresholds that make no sense, naming the setting by its field (`guard
+    /// `max_kl``; [`Self::validate_named`] names them otherwise): an agreement or a drop
+    /// outside [0, 1], a negative KL, a scale outside (0, 1], or NaN / infinity anywhere
+    /// (NaN compares false, so it would quietly refuse every edit). Checked before any
+    /// edit is made, wherever a guard is configured (`edit`, `eval`, `serve`, the library).
     pub fn validate(&self) -> Result<()> {
-        let bad = |key: &str, flag: &str, range: &str, v: f64| {
-            Error::input(format!("guard {key} (--guard-{flag}) must be a number in {range}, got {v}"))
-        };
+        self.validate_named(|key| format!("guard `{key}`"))
+    }
+
+    /// [`Self::validate`] with each setting named by `name(field)`: the option types name
+    /// them `` `guard_max_kl` `` (the Python keyword, the CLI's `--guard-max-kl`), `serve`'s
+    /// per-request `guard` object `` `max_kl` ``.
+    pub fn validate_named(&self, name: impl Fn(&str) -> String) -> Result<()> {
+        let bad = |key: &str, range: &str, v: f64| Error::input(format!("{} must be a number in {range}, got {v}", name(key)));
         let unit = |v: f64| v.is_finite() && (0.0..=1.0).contains(&v);
         if !unit(self.min_agreement) {
-            return Err(bad("min_agreement", "min-agreement", "[0, 1]", self.min_agreement));
+            return Err(bad("min_agreement", "[0, 1]", self.min_agreement));
         }
         if !unit(self.max_drop) {
-            return Err(bad("max_drop", "max-drop", "[0, 1]", self.max_drop));
+            return Err(bad("max_drop", "[0, 1]", self.max_drop));
         }
         if !(self.max_kl.is_finite() && self.max_kl >= 0.0) {
-            return Err(bad("max_kl", "max-kl", "[0, ∞) (nats, finite)", self.max_kl));
+            return Err(bad("max_kl", "[0, ∞) (nats, finite)", self.max_kl));
         }
         if !(self.min_scale.is_finite() && 0.0 < self.min_scale && self.min_scale <= 1.0) {
-            return Err(Error::input(format!("guard min_scale must be a number in (0, 1], got {}", self.min_scale)));
+            return Err(bad("min_scale", "(0, 1]", self.min_scale));
         }
         Ok(())
     }
@@ -106,7 +111,7 @@ pub struct GuardOverrides {
 }
 
 impl GuardOverrides {
-    /// `base` with these changes, validated ([`GuardConfig::validate`]).
+    /// `base` with these changes, validated, each setting named by its key here.
     pub fn apply(&self, base: &GuardConfig) -> Result<GuardConfig> {
         let c = GuardConfig {
             min_agreement: self.min_agreement.unwrap_or(base.min_agreement),
@@ -116,7 +121,7 @@ impl GuardOverrides {
             shrink: self.shrink.unwrap_or(base.shrink),
             min_scale: base.min_scale,
         };
-        c.validate()?;
+        c.validate_named(|key| format!("`{key}`"))?;
         Ok(c)
     }
 }

@@ -411,7 +411,7 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
     // The requests the rounds check: the remembered ones, then these.
     let new_requests = match ls.config.rounds {
         0 => Vec::new(),
-        _ => inner.examples().ok_or_else(|| Error::input("mend-ls re-solve rounds check each request's answer and need text requests: use --ls-rounds 0 with images"))?,
+        _ => inner.examples().ok_or_else(|| Error::input("mend-ls re-solve rounds check each request's answer and need text requests: use `ls_rounds` 0 with images"))?,
     };
     // Captured at the weights the remembered edits started from, `W0 = W − S_prev`: each
     // edit's keys and shifts are those it would have in one batch with all the others.

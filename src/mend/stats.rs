@@ -42,7 +42,7 @@ pub const MAX_KEEP_LINE_CHARS: usize = 64 * 1024;
 /// file that is not a regular file (a FIFO would block), cannot be read, is not UTF-8 or
 /// has no non-empty line is an error naming it.
 pub fn read_keep_text(path: &std::path::Path) -> Result<Vec<String>> {
-    let text = crate::io::read_text(path).map_err(|e| Error::file(path, format!("--ls-keep-text must name a regular file of text lines: {e}")))?;
+    let text = crate::io::read_text(path).map_err(|e| Error::file(path, format!("`ls_keep_text` must name a regular file of text lines: {e}")))?;
     let mut lines = Vec::new();
     let (mut total, mut cut) = (0usize, 0usize);
     for l in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
@@ -58,7 +58,7 @@ pub fn read_keep_text(path: &std::path::Path) -> Result<Vec<String>> {
         lines.push(l);
     }
     if lines.is_empty() {
-        return Err(Error::file(path, "the unrelated-keys text (--ls-keep-text) has no non-empty line"));
+        return Err(Error::file(path, "the unrelated-keys text (`ls_keep_text`) has no non-empty line"));
     }
     if total > lines.len() {
         tracing::warn!(file = %path.display(), lines = total, used = lines.len(), "--ls-keep-text has more lines than are used: the first {} are", lines.len());
@@ -122,9 +122,9 @@ impl KeyStats {
         const MAX_LINE_BYTES: u64 = 1 << 20;
         let _g = tch::no_grad_guard();
         let (file, meta) = crate::io::open_regular(text)
-            .map_err(|e| Error::file(text, format!("--text must name a regular file of text lines: {e}")))?;
+            .map_err(|e| Error::file(text, format!("`text` must name a regular file of text lines: {e}")))?;
         if max_tokens == 0 {
-            return Err(Error::input("--max-tokens must be at least 1"));
+            return Err(Error::input("`max_tokens` must be at least 1"));
         }
         // Per mille of the work: the text read or `--max-tokens` summed, whichever ends it
         // first, so the estimate holds for a long file cut by the token budget too.
@@ -164,7 +164,7 @@ impl KeyStats {
                 break;
             }
             if raw.len() as u64 > MAX_LINE_BYTES && raw.last() != Some(&b'\n') {
-                return Err(Error::file(text, format!("line {number} is longer than {MAX_LINE_BYTES} bytes; --text takes one text a line")));
+                return Err(Error::file(text, format!("line {number} is longer than {MAX_LINE_BYTES} bytes; `text` takes one text a line")));
             }
             let line = std::str::from_utf8(&raw).map_err(|e| Error::file(text, format!("line {number} cannot be read as UTF-8 text: {e}")))?;
             read += n as u64;

@@ -30,15 +30,19 @@ pub struct LoadedModel {
 
 /// A weight dtype a run may ask for: the one option type the CLI's `--dtype`, Python's
 /// `dtype=` and reports share.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
-    #[serde(alias = "float32", alias = "fp32")]
     F32,
-    #[serde(alias = "bfloat16")]
     Bf16,
-    #[serde(alias = "float16", alias = "fp16")]
     F16,
+}
+
+/// Every spelling [`Dtype::from_str`] reads (`"bfloat16"`, `"torch.float16"`, ...).
+impl<'de> serde::Deserialize<'de> for Dtype {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        <String as serde::Deserialize>::deserialize(deserializer)?.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 impl Dtype {
@@ -120,7 +124,7 @@ pub fn model_dtype(model_dir: &Path, flag: Option<Dtype>) -> Result<(Kind, Dtype
     let v = read_json(&path)?;
     match v.get("dtype").or_else(|| v.get("torch_dtype")).and_then(|d| d.as_str()) {
         Some(d) => {
-            let k = parse_dtype(d).map_err(|_| Error::file(&path, format!("dtype {d:?} is not one dualedit runs (float32, bfloat16, float16); give --dtype")))?;
+            let k = parse_dtype(d).map_err(|_| Error::file(&path, format!("dtype {d:?} is not one dualedit runs (float32, bfloat16, float16); give `dtype`")))?;
             Ok((k, DtypeSource::Config))
         }
         None => Ok((Kind::Float, DtypeSource::Default)),
@@ -294,7 +298,7 @@ pub fn load_model(dir: &Path, device: Device, kind: Kind) -> Result<LoadedModel>
 /// loading (the engine then only records the split). The rest goes to `device`.
 pub fn load_model_split(dir: &Path, device: Device, kind: Kind, sub_side: Option<(Device, usize)>, chain: &[(Device, usize)]) -> Result<LoadedModel> {
     if dir.is_file() {
-        return Err(Error::file(dir, "is a file; --model takes the model's directory"));
+        return Err(Error::file(dir, "is a file; `model` is the model's directory"));
     }
     if !dir.is_dir() {
         return Err(Error::file(dir, "model directory not found"));

@@ -180,14 +180,14 @@ impl Placed {
     /// The layer split's boundary, checked: a split plan, within the model, at most the
     /// first edited block (the blocks that need gradients run on the sub-device).
     fn check_boundary(lm: &LoadedModel, plan: &DevicePlan, edited: &[EditedParam]) -> Result<usize> {
-        let at = plan.boundary.ok_or_else(|| Error::input("--placement balanced needs the boundary block (the planner chooses it)"))?;
+        let at = plan.boundary.ok_or_else(|| Error::input("`placement` balanced needs the boundary block (the planner chooses it)"))?;
         if !plan.split {
-            return Err(Error::input("--placement balanced divides the model between two devices: give --sub-device"));
+            return Err(Error::input("`placement` balanced divides the model between two devices: give `sub_device`"));
         }
         let chain_at = plan.chain.at();
         if chain_at.len() != plan.chain.len() || chain_at.iter().chain([&at]).collect::<Vec<_>>().windows(2).any(|w| w[0] >= w[1]) {
             return Err(Error::input(format!(
-                "the chain's boundaries {:?} (then {at}) must increase, one per device of --sub-device {}",
+                "the chain's boundaries {:?} (then {at}) must increase, one per device of `sub_device` {}",
                 chain_at,
                 plan.sub_list()
             )));

@@ -117,7 +117,7 @@ impl FitAdvice {
 impl crate::device::oom::FitAdvisor for FitAdvice {
     fn would_fit(&self) -> std::result::Result<String, String> {
         if self.opts.caps.is_empty() {
-            return Err(format!("no capacity is known for {} (give --max-memory to plan against one)", self.opts.main));
+            return Err(format!("no capacity is known for {} (give `max_memory` to plan against one)", self.opts.main));
         }
         // The run's own devices first, then (one device) with each possible sub-device.
         let mut tries = vec![(self.opts.clone(), false)];

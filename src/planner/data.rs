@@ -80,11 +80,11 @@ fn lens(e: &Example, image_pad: Option<i64>) -> (i64, i64) {
 /// image processor and the images under `image_root`) and measures them at `percentile`.
 pub fn data_shape(model_dir: &Path, model: &Model, path: &Path, ds: DatasetKind, image_root: Option<&Path>, percentile: f64) -> Result<DataShape> {
     if !(percentile > 0.0 && percentile <= 100.0) {
-        return Err(Error::input(format!("--percentile {percentile}: give a value in (0, 100] (100: the longest record)")));
+        return Err(Error::input(format!("`percentile` {percentile}: give a value in (0, 100] (100: the longest record)")));
     }
     let tok_path = model_dir.join("tokenizer.json");
     if !tok_path.is_file() {
-        return Err(Error::file(&tok_path, "plan --data counts tokens with the model's tokenizer: tokenizer.json not found in --model"));
+        return Err(Error::file(&tok_path, "plan `data` counts tokens with the model's tokenizer: tokenizer.json not found in `model`"));
     }
     let tok = Tokenizer::from_file(&tok_path)?;
     // No length limit: the plan is to see how long the records are.
@@ -93,8 +93,8 @@ pub fn data_shape(model_dir: &Path, model: &Model, path: &Path, ds: DatasetKind,
     let mut images: Vec<(i64, i64)> = Vec::new();
     let mut image_pad = None;
     if ds.is_multimodal() {
-        let vl = model.family().vision_language().ok_or_else(|| Error::input(format!("--ds {} needs a vision-language model; {} is text-only", ds.as_str(), model_dir.display())))?;
-        let root = image_root.ok_or_else(|| Error::input(format!("plan --data with --ds {}: give --image-root DIR (where the records' images are)", ds.as_str())))?;
+        let vl = model.family().vision_language().ok_or_else(|| Error::input(format!("`ds` {} needs a vision-language model; {} is text-only", ds.as_str(), model_dir.display())))?;
+        let root = image_root.ok_or_else(|| Error::input(format!("plan `data` with `ds` {}: give `image_root` (the folder of the records' images)", ds.as_str())))?;
         let proc = ImageProcessorConfig::load(&model_dir.join("preprocessor_config.json"))?;
         let load = load_mm(path, ds, &ImageRoots::new(root.to_path_buf(), None), false)?;
         images = load

@@ -88,7 +88,7 @@ pub fn balanced_chain(model: &Model, cfg: &MendConfig, o: &PlanOptions) -> Resul
     let m = o.chain.len();
     if first < m as i64 {
         return Err(Error::input(format!(
-            "--sub-device {}: a chain of {} sub-devices needs {m} blocks below the first edited block, and it is block {first} \
+            "`sub_device` {}: a chain of {} sub-devices needs {m} blocks below the first edited block, and it is block {first} \
              (the edited blocks run on the last device): list fewer devices",
             o.sub_list(),
             m + 1
@@ -181,7 +181,7 @@ pub fn choose(model: &Model, cfg: &MendConfig, o: &PlanOptions, phase: Phase) ->
         }
     }
     Err(Error::OutOfMemory(format!(
-        "no placement fits --max-memory {} (usable: {}):\n{}",
+        "no placement fits `max_memory` {} (usable: {}):\n{}",
         caps.0.iter().map(|(d, b)| format!("{d}={}", format_bytes(*b))).collect::<Vec<_>>().join(","),
         o.headroom.text(),
         lines.join("\n")
@@ -347,7 +347,7 @@ pub fn resolve_placement(base: DevicePlan, q: &PlacementQuery) -> Result<(Device
     if q.request == PlacementRequest::Replica {
         if !base.chain.is_empty() {
             return Err(Error::input(format!(
-                "--sub-device {}: --placement replica runs on two devices (main and one sub-device); a chain runs --placement balanced or auto",
+                "`sub_device` {}: `placement` replica runs on two devices (main and one sub-device); a chain runs `placement` balanced or auto",
                 base.sub_list()
             )));
         }
@@ -371,7 +371,7 @@ pub fn resolve_placement(base: DevicePlan, q: &PlacementQuery) -> Result<(Device
             });
             if q.optimizer.is_some_and(|d| d != base.optimizer) {
                 return Err(Error::input(format!(
-                    "--placement auto: no placement with --optimizer-device {:?} fits; the planner's choice puts the optimiser on {opt}",
+                    "`placement` auto: no placement with `optimizer_device` {:?} fits; the planner's choice puts the optimiser on {opt}",
                     q.optimizer
                 )));
             }
@@ -403,16 +403,16 @@ pub struct PlaceFor<'a> {
 /// `--max-memory` applied to the allocators, `--placement` resolved against the caps
 /// ([`resolve_placement`]). The label says which placement the planner chose, when it chose.
 pub fn place(req: &DeviceRequest, f: &PlaceFor) -> Result<(DevicePlan, Option<String>)> {
-    let base = DevicePlan::parse(&req.main, req.sub.as_deref())?;
+    let base = DevicePlan::parse(&req.device, req.sub_device.as_deref())?;
     req.apply_caps()?;
     // A chain runs the layer split: without --placement it is balanced.
     let default = if base.chain.is_empty() { PlacementRequest::default() } else { PlacementRequest::Balanced };
     let query = PlacementQuery {
-        main: &req.main,
-        sub: req.sub.as_deref(),
+        main: &req.device,
+        sub: req.sub_device.as_deref(),
         request: req.placement.unwrap_or(default),
-        optimizer: req.optimizer,
-        caps: req.caps.as_ref(),
+        optimizer: req.optimizer_device,
+        caps: req.max_memory.as_ref(),
         model: f.model,
         config: f.config,
         dtype: f.dtype,

@@ -255,7 +255,7 @@ pub(super) fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOption
     let image = match (o.image, family.vision_language()) {
         (None, _) => None,
         (Some(_), None) => {
-            return Err(Error::input(format!("{} is a text-only model: --image-size needs a vision-language model", info.architecture)))
+            return Err(Error::input(format!("{} is a text-only model: `image_size` needs a vision-language model", info.architecture)))
         }
         (Some((w, h)), Some(vl)) => Some(image_cost(vl, &o.image_processor, w, h, dtype_bytes(o.dtype))?),
     };

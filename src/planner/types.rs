@@ -143,11 +143,11 @@ impl PlanOptions {
     /// forced on one).
     pub fn with_placement(&self, placement: Placement, optimizer: OptimizerDevice) -> Result<Self> {
         if placement == Placement::Balanced && !self.split {
-            return Err(Error::input("--placement balanced divides the model between two devices: give --sub-device (a device other than --device)"));
+            return Err(Error::input("`placement` balanced divides the model between two devices: give `sub_device` (a device other than `device`)"));
         }
         if placement == Placement::Replica && !self.chain.is_empty() {
             return Err(Error::input(format!(
-                "--sub-device {}: --placement replica runs on two devices (main and one sub-device); a chain runs --placement balanced or auto",
+                "`sub_device` {}: `placement` replica runs on two devices (main and one sub-device); a chain runs `placement` balanced or auto",
                 self.sub_list()
             )));
         }
@@ -445,16 +445,16 @@ impl Headroom {
                 Some(p) => p.trim().parse::<f64>().map(|p| p / 100.0),
                 None => t.parse::<f64>(),
             }
-            .map_err(|_| Error::input(format!("--margin {m:?}: expected a share such as 10% or 0.1")))?;
+            .map_err(|_| Error::input(format!("`margin` {m:?}: expected a share such as 10% or 0.1")))?;
             if !(0.0..1.0).contains(&v) {
-                return Err(Error::input(format!("--margin {m:?}: the share kept free must be at least 0 and less than 100%")));
+                return Err(Error::input(format!("`margin` {m:?}: the share kept free must be at least 0 and less than 100%")));
             }
             h.margin = v;
         }
         if let Some(r) = reserve {
             h.reserve_bytes = match r.trim() {
                 "0" => 0,
-                t => crate::device::placement::parse_size(t).map_err(|e| Error::input(format!("--reserve {r:?}: {e}")))?,
+                t => crate::device::placement::parse_size(t).map_err(|e| Error::input(format!("`reserve` {r:?}: {e}")))?,
             };
         }
         Ok(h)

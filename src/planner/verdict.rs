@@ -112,12 +112,12 @@ pub fn nothing_fits_line(verdicts: &[PlacementVerdict], caps: &MaxMemory, headro
     let caps_s = caps.0.iter().map(|(d, b)| format!("{d}={}", format_bytes(*b))).collect::<Vec<_>>().join(",");
     match best {
         Some(v) => format!(
-            "no placement fits --max-memory {caps_s} (usable {}); closest: {} ({})",
+            "no placement fits `max_memory` {caps_s} (usable {}); closest: {} ({})",
             headroom.text(),
             v.label,
             v.devices.iter().filter(|d| !d.fits).map(|d| format!("{} needs {} of {}", d.device, format_bytes(d.peak_bytes), format_bytes(d.usable_bytes.unwrap_or(0)))).collect::<Vec<_>>().join(", ")
         ),
-        None => format!("no placement fits --max-memory {caps_s}"),
+        None => format!("no placement fits `max_memory` {caps_s}"),
     }
 }
 
@@ -163,7 +163,7 @@ pub struct FitAnswer {
 /// (the layer split balances each device's share of its capacity).
 pub fn fit(model: &Model, cfg: &MendConfig, o: &PlanOptions, sizes: &[u64], headroom: &Headroom, phase: Phase, host: Option<&str>) -> Result<FitAnswer> {
     if sizes.is_empty() {
-        return Err(Error::input("--fit: give card sizes, e.g. 16GiB,24GiB,40GiB,80GiB"));
+        return Err(Error::input("`fit`: give card sizes, e.g. 16GiB,24GiB,40GiB,80GiB"));
     }
     let mut sizes = sizes.to_vec();
     sizes.sort_unstable();
@@ -362,18 +362,18 @@ pub const MIN_FIT_CARD_BYTES: u64 = 256 << 20;
 /// `16GiB,`) or a size below [`MIN_FIT_CARD_BYTES`] is refused, naming it.
 pub fn parse_sizes(s: &str) -> Result<Vec<u64>> {
     if s.trim().is_empty() {
-        return Err(Error::input(format!("--fit {s:?}: give card sizes, e.g. 16GiB,24GiB,40GiB,80GiB")));
+        return Err(Error::input(format!("`fit` {s:?}: give card sizes, e.g. 16GiB,24GiB,40GiB,80GiB")));
     }
     s.split(',')
         .map(str::trim)
         .enumerate()
         .map(|(i, p)| {
             if p.is_empty() {
-                return Err(Error::input(format!("--fit {s:?}: size {} is empty (a stray comma?); give card sizes, e.g. 16GiB,24GiB", i + 1)));
+                return Err(Error::input(format!("`fit` {s:?}: size {} is empty (a stray comma?); give card sizes, e.g. 16GiB,24GiB", i + 1)));
             }
-            let bytes = crate::device::placement::parse_size(p).map_err(|e| Error::input(format!("--fit {s:?}: {e}")))?;
+            let bytes = crate::device::placement::parse_size(p).map_err(|e| Error::input(format!("`fit` {s:?}: {e}")))?;
             if bytes < MIN_FIT_CARD_BYTES {
-                return Err(Error::input(format!("--fit {s:?}: {p:?} is {bytes} bytes, smaller than any card (at least 256MiB); a unit slip (GiB)?")));
+                return Err(Error::input(format!("`fit` {s:?}: {p:?} is {bytes} bytes, smaller than any card (at least 256MiB); a unit slip (GiB)?")));
             }
             Ok(bytes)
         })
@@ -400,14 +400,14 @@ mod tests {
         assert_eq!(Headroom::parse(Some("0.2"), Some("0")).unwrap(), Headroom { margin: 0.2, reserve_bytes: 0, allocator_capped: vec![] });
         for (m, r) in [(Some("100%"), None), (Some("-1"), None), (Some("lots"), None), (None, Some("big"))] {
             let e = Headroom::parse(m, r).unwrap_err().to_string();
-            assert!(e.contains("--margin") || e.contains("--reserve"), "{e}");
+            assert!(e.contains("`margin`") || e.contains("`reserve`"), "{e}");
         }
         assert_eq!(parse_sizes("24GiB, 16GiB").unwrap(), vec![24 << 30, 16 << 30]);
-        assert!(parse_sizes("").unwrap_err().to_string().contains("--fit"));
-        assert!(parse_sizes("24GiB,huge").unwrap_err().to_string().contains("--fit"));
+        assert!(parse_sizes("").unwrap_err().to_string().contains("`fit`"));
+        assert!(parse_sizes("24GiB,huge").unwrap_err().to_string().contains("`fit`"));
         for (bad, needle) in [("1KiB", "smaller than any card"), ("16GiB,,24GiB", "size 2 is empty"), ("16GiB,", "size 2 is empty"), (",", "size 1 is empty"), (" ", "give card sizes")] {
             let e = parse_sizes(bad).unwrap_err().to_string();
-            assert!(e.contains("--fit") && e.contains(needle), "{bad:?}: {e}");
+            assert!(e.contains("`fit`") && e.contains(needle), "{bad:?}: {e}");
         }
         assert_eq!(parse_sizes("256MiB").unwrap(), vec![256 << 20]);
     }

@@ -110,8 +110,8 @@ fn check_dual(plan: &DevicePlan) -> Result<()> {
         crate::device::DeviceName::Cuda(i) => format!("cuda:{}", i + 1),
     };
     Err(Error::input(format!(
-        "compare: the dual side's --sub-device is the same device as --device ({d}), so nothing would be split or moved; \
-         give a second device (--sub-device {next}; on one CPU the logical device cpu:1 runs the real split path)"
+        "compare: the dual side's `sub_device` is the same device as `device` ({d}), so nothing would be split or moved; \
+         give a second device (`sub_device` {next}; on one CPU the logical device cpu:1 runs the real split path)"
     )))
 }
 

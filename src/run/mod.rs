@@ -2,6 +2,7 @@
 //! library so `compare`, tests and embedding programs run exactly what the CLI runs.
 pub mod chart;
 pub mod compare;
+pub mod options;
 pub mod report;
 pub mod report_merge;
 
@@ -104,10 +105,10 @@ pub fn check_report_path(report: Option<&Path>, inputs: &[&Path]) -> Result<()> 
         _ => a == b,
     };
     if let Some(input) = inputs.iter().find(|i| same(report, i)) {
-        return Err(Error::file(report, format!("--report would overwrite an input of this run ({}); choose another path", input.display())));
+        return Err(Error::file(report, format!("`report` would overwrite an input of this run ({}); choose another path", input.display())));
     }
     if let Some(dir) = report.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create the folder for --report: {e}")))?;
+        std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create the folder for `report`: {e}")))?;
     }
     Ok(())
 }
@@ -118,10 +119,10 @@ pub fn check_report_path(report: Option<&Path>, inputs: &[&Path]) -> Result<()> 
 pub fn check_data_flags(ds: DatasetKind, common: &Common) -> Result<()> {
     if ds.is_multimodal() {
         if common.over_long == OverLong::Truncate {
-            return Err(Error::input(format!("--truncate cannot cut the image prompts of --ds {ds}: over-long records are skipped (or, with --strict, an error)")));
+            return Err(Error::input(format!("`truncate` cannot cut the image prompts of `ds` {ds}: over-long records are skipped (or, with `strict`, an error)")));
         }
     } else if common.image_roots.is_some() {
-        return Err(Error::input(format!("--image-root / --rephrase-image-root are for --ds vqa|caption; {ds} data has no images")));
+        return Err(Error::input(format!("`image_root` / `rephrase_image_root` are for `ds` vqa|caption; {ds} data has no images")));
     }
     Ok(())
 }
@@ -195,9 +196,9 @@ fn load_mm_examples(
     over_long: OverLong,
     image_roots: Option<&ImageRoots>,
 ) -> Result<(Vec<EditRecord>, Vec<EditExample>, DataCounts)> {
-    let roots = image_roots.ok_or_else(|| Error::file(path, format!("--ds {ds} names images relative to a root: pass --image-root (and --rephrase-image-root if the rephrase images are elsewhere)")))?;
+    let roots = image_roots.ok_or_else(|| Error::file(path, format!("`ds` {ds} names images relative to a root: pass `image_root` (and `rephrase_image_root` if the rephrase images are elsewhere)")))?;
     let (Some(vl), Some(proc)) = (engine.lm.model.family().vision_language(), engine.image_proc.as_ref()) else {
-        return Err(Error::file(path, format!("--ds {ds} needs a vision-language model (Qwen2-VL), not {}", engine.lm.model.info().architecture)));
+        return Err(Error::file(path, format!("`ds` {ds} needs a vision-language model (Qwen2-VL), not {}", engine.lm.model.info().architecture)));
     };
     let mut load = load_mm(path, ds, roots, over_long == OverLong::Strict)?;
     if let Some(l) = limit {
@@ -253,9 +254,9 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
         return Err(Error::file(
             &o.out,
             if o.resume {
-                "holds an editor but no training state to resume it from; choose another --out to train a new one"
+                "holds an editor but no training state to resume it from; choose another `out` to train a new one"
             } else {
-                "already holds an editor; pass --resume to continue its training, or choose another --out"
+                "already holds an editor; pass `resume` to continue its training, or choose another `out`"
             },
         ));
     }
@@ -423,10 +424,10 @@ pub fn run_eval_counted(o: &EvalOptions, mut on_record: impl FnMut(usize, usize,
 fn run_capacity(o: &EvalOptions, c: &CapacityOptions, mut on_record: impl FnMut(usize, usize, &RecordMetrics)) -> Result<(EvalOutput, PathBuf)> {
     let unrelated: Vec<String> = match &c.drift_text {
         Some(p) => {
-            let text = crate::io::read_text(p).map_err(|e| Error::file(p, format!("--drift-text: {e}")))?;
+            let text = crate::io::read_text(p).map_err(|e| Error::file(p, format!("`drift_text`: {e}")))?;
             let lines: Vec<String> = text.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
             if lines.is_empty() {
-                return Err(Error::file(p, "--drift-text has no non-empty line"));
+                return Err(Error::file(p, "`drift_text` has no non-empty line"));
             }
             lines
         }

@@ -96,7 +96,7 @@ pub fn check_replaceable(path: &Path) -> Result<()> {
     let refuse = |file: &Path, what: &str| {
         Error::file(
             file,
-            format!("--report {}: {what}; a report, its timeline and its chart replace only files dualedit wrote as such (choose another path)", path.display()),
+            format!("`report` {}: {what}; a report, its timeline and its chart replace only files dualedit wrote as such (choose another path)", path.display()),
         )
     };
     // What `file` is, if something is there: `None` when nothing is.

@@ -146,7 +146,7 @@ impl Server {
     pub fn bind(listen: &str, opts: ServeOptions) -> Result<Self> {
         let addr: SocketAddr = listen
             .parse()
-            .map_err(|e| Error::input(format!("--listen {listen:?} is not an address like 127.0.0.1:8470: {e}")))?;
+            .map_err(|e| Error::input(format!("`listen` {listen:?} is not an address like 127.0.0.1:8470: {e}")))?;
         if opts.queue == 0 || opts.workers == 0 || opts.max_body_bytes == 0 {
             return Err(Error::input("the queue bound, worker count and maximum body size must be at least 1"));
         }
@@ -155,7 +155,7 @@ impl Server {
         }
         if let Some(t) = &opts.token {
             if t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()) {
-                return Err(Error::input(format!("the token (--token or {TOKEN_ENV}) must be non-empty printable ASCII without spaces")));
+                return Err(Error::input(format!("the token (`token` or {TOKEN_ENV}) must be non-empty printable ASCII without spaces")));
             }
         }
         if !addr.ip().is_loopback() {
@@ -172,12 +172,12 @@ impl Server {
         }
         if let Some(root) = &opts.save_root {
             if !root.is_dir() {
-                return Err(Error::file(root, "--save-root must be an existing directory"));
+                return Err(Error::file(root, "`save_root` must be an existing directory"));
             }
         }
         if let Some(root) = &opts.image_root {
             if !root.is_dir() {
-                return Err(Error::file(root, "--image-root must be an existing directory"));
+                return Err(Error::file(root, "`image_root` must be an existing directory"));
             }
         }
         let http = tiny_http::Server::http(addr).map_err(|e| Error::input(format!("cannot listen on {addr}: {e}")))?;

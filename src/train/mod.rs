@@ -375,7 +375,7 @@ fn optimiser(
     let groups = vec![(cfg.lr, net), (cfg.lr_lr, lrs)];
     if engine.plan.optimizer == OptimizerDevice::Sub && !engine.plan.split {
         // It used to fall back to the main device silently, which is not what was asked.
-        return Err(Error::input("--optimizer-device sub needs a --sub-device other than --device (this run has one device): drop the flag or give a sub-device"));
+        return Err(Error::input("`optimizer_device` sub needs a `sub_device` other than `device` (this run has one device): drop it or give a sub-device"));
     }
     let offload = engine.plan.optimizer != OptimizerDevice::Main;
     let mut adam = crate::error::guard(|| Ok(if offload { Adam::offloaded(groups, engine.plan.optimizer_device()) } else { Adam::new(groups) }))

@@ -450,3 +450,29 @@ fn stats_refuses_a_fifo_a_device_and_a_line_without_end() {
     }
     assert_eq!(snapshot(&[&editor]), before);
 }
+
+/// Issue #50: an option is one field of a library type. The CLI's flags and JSON fill the
+/// same type; the library's errors name the field, which the CLI prints as its flag.
+#[test]
+fn options_are_library_fields_and_the_cli_prints_them_as_flags() {
+    use clap::Parser;
+    use dualedit::cli::{flags_named, Cli, Command};
+    use dualedit::run::options::{GroupOptions, GuardOptions};
+    assert_eq!(flags_named("`sub_device` cpu:1: bad; `guard_max_kl` must"), "--sub-device cpu:1: bad; --guard-max-kl must");
+    // Backticked names no flag has (a record's keys) and a lone backtick stay as they are.
+    assert_eq!(flags_named("record 3: `prompt` and `nope` are `"), "record 3: `prompt` and `nope` are `");
+    let from_json: GuardOptions = serde_json::from_str(r#"{"guard_max_kl": 0.5, "guard_refuse": true}"#).unwrap();
+    let parsed = Cli::try_parse_from(["dualedit", "edit", "--model", "m", "--requests", "r", "--guard-max-kl", "0.5", "--guard-refuse"]).unwrap();
+    let Command::Edit(a) = parsed.command else { panic!("not edit") };
+    assert_eq!(a.guard, from_json);
+    let Command::Edit(off) = Cli::try_parse_from(["dualedit", "edit", "--model", "m", "--requests", "r", "--no-guard"]).unwrap().command else { panic!() };
+    assert!(!off.guard.guard && off.guard.config().unwrap().is_none());
+    let e = GuardOptions { guard_max_kl: Some(-1.0), ..Default::default() }.config().unwrap_err().to_string();
+    assert!(e.contains("`guard_max_kl`") && e.contains("[0, ∞)"), "{e}");
+    let e = GroupOptions { stepwise: true, ..Default::default() }.capacity(&GuardOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("`stepwise`"), "{e}");
+    // The binary prints the same error with the flags.
+    let o = dualedit(&["eval", "--model", "m", "--data", "d", "--ds", "zsre", "--guard-max-kl", "0.5"]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("--stepwise") && err.contains("--edits-per-batch") && !err.contains('`'), "{err}");
+}

@@ -103,16 +103,16 @@ fn nonsense_thresholds_are_refused_naming_the_flag() {
     assert!(GuardConfig::default().validate().is_ok());
     let d = GuardConfig::default;
     for (c, flag, range) in [
-        (GuardConfig { min_agreement: f64::NAN, ..d() }, "--guard-min-agreement", "[0, 1]"),
-        (GuardConfig { min_agreement: f64::INFINITY, ..d() }, "--guard-min-agreement", "[0, 1]"),
-        (GuardConfig { min_agreement: 1.5, ..d() }, "--guard-min-agreement", "[0, 1]"),
-        (GuardConfig { min_agreement: -1.0, ..d() }, "--guard-min-agreement", "[0, 1]"),
-        (GuardConfig { max_drop: f64::NAN, ..d() }, "--guard-max-drop", "[0, 1]"),
-        (GuardConfig { max_drop: 2.0, ..d() }, "--guard-max-drop", "[0, 1]"),
-        (GuardConfig { max_drop: -0.1, ..d() }, "--guard-max-drop", "[0, 1]"),
-        (GuardConfig { max_kl: f64::NAN, ..d() }, "--guard-max-kl", "[0, ∞)"),
-        (GuardConfig { max_kl: -1.0, ..d() }, "--guard-max-kl", "[0, ∞)"),
-        (GuardConfig { max_kl: f64::INFINITY, ..d() }, "--guard-max-kl", "[0, ∞)"),
+        (GuardConfig { min_agreement: f64::NAN, ..d() }, "guard `min_agreement`", "[0, 1]"),
+        (GuardConfig { min_agreement: f64::INFINITY, ..d() }, "guard `min_agreement`", "[0, 1]"),
+        (GuardConfig { min_agreement: 1.5, ..d() }, "guard `min_agreement`", "[0, 1]"),
+        (GuardConfig { min_agreement: -1.0, ..d() }, "guard `min_agreement`", "[0, 1]"),
+        (GuardConfig { max_drop: f64::NAN, ..d() }, "guard `max_drop`", "[0, 1]"),
+        (GuardConfig { max_drop: 2.0, ..d() }, "guard `max_drop`", "[0, 1]"),
+        (GuardConfig { max_drop: -0.1, ..d() }, "guard `max_drop`", "[0, 1]"),
+        (GuardConfig { max_kl: f64::NAN, ..d() }, "guard `max_kl`", "[0, ∞)"),
+        (GuardConfig { max_kl: -1.0, ..d() }, "guard `max_kl`", "[0, ∞)"),
+        (GuardConfig { max_kl: f64::INFINITY, ..d() }, "guard `max_kl`", "[0, ∞)"),
     ] {
         let err = c.validate().expect_err(flag).to_string();
         assert!(err.contains(flag) && err.contains(range), "{err}");

@@ -87,7 +87,7 @@ fn reader_resolves_roots_and_skips_empty_targets_and_missing_images() {
     let err = parse_mm(r#"[{"src": "q", "alt": "a"}]"#, Path::new("x.json"), DatasetKind::Caption, &r, false).unwrap_err().to_string();
     assert!(err.contains("x.json") && err.contains("\"image\""), "{err}");
     let err = dualedit::data::load_records(&data, DatasetKind::Vqa).unwrap_err().to_string();
-    assert!(err.contains("--image-root") || err.contains("multimodal"), "{err}");
+    assert!(err.contains("`image_root`") || err.contains("multimodal"), "{err}");
 }
 
 /// Only `src`, `alt` and `image` are required (EasyEdit's optional views): a record without

@@ -290,7 +290,7 @@ fn layer_split_refuses_bad_boundaries() {
     let err = Engine::new(lm, balanced(3), &last_mlp("gpt2")).err().unwrap().to_string();
     assert!(err.contains("at most the first edited block"), "{err}");
     let err = DevicePlan::single(Device::Cpu).balanced(1).unwrap_err().to_string();
-    assert!(err.contains("--sub-device"), "{err}");
+    assert!(err.contains("`sub_device`"), "{err}");
     assert_eq!(balanced(1).placement, Placement::Balanced);
 }
 
@@ -540,7 +540,7 @@ fn chain_flags_are_checked() {
         ("cpu", "cpu:1,gpu:2", "cpu:N"),
     ] {
         let e = DevicePlan::parse(main, Some(list)).unwrap_err().to_string();
-        assert!(e.contains(needle) && e.contains("--sub-device"), "{list}: {e}");
+        assert!(e.contains(needle) && e.contains("`sub_device`"), "{list}: {e}");
     }
     // One sub-device equal to main stays a single-device run.
     assert!(!DevicePlan::parse("cpu", Some("cpu")).unwrap().split);
@@ -549,7 +549,7 @@ fn chain_flags_are_checked() {
     assert!(p.balanced(2).is_err(), "a chain needs its boundaries");
     let e = p.balanced_chain(vec![1, 1], 2).unwrap_err().to_string();
     assert!(e.contains("must increase"), "{e}");
-    let req = dualedit::device::DeviceRequest { main: "cpu".into(), sub: Some("cpu:1,cpu:2".into()), ..Default::default() };
+    let req = dualedit::device::DeviceRequest { sub_device: Some("cpu:1,cpu:2".into()), ..Default::default() };
     let e = req.plan().unwrap_err().to_string();
-    assert!(e.contains("--sub-device cpu:1,cpu:2"), "{e}");
+    assert!(e.contains("`sub_device` cpu:1,cpu:2"), "{e}");
 }

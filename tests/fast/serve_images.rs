@@ -466,5 +466,5 @@ fn serve_guards_edits_and_reports_its_decisions() {
     server.stop();
     let bad = dualedit::mend::guard::GuardConfig { max_drop: f64::NAN, ..Default::default() };
     let err = Server::bind("127.0.0.1:0", ServeOptions { guard: Some(bad), ..ServeOptions::default() }).err().expect("refused").to_string();
-    assert!(err.contains("--guard-max-drop") && err.contains("[0, 1]"), "{err}");
+    assert!(err.contains("`max_drop`") && err.contains("[0, 1]"), "{err}");
 }

@@ -505,7 +505,7 @@ fn out_of_memory_names_the_placement_that_fits() {
     // Nothing fits 4 GiB cards: the diagnosis says so, placement by placement.
     o.caps = "cuda:0=4GiB,cuda:1=4GiB".parse::<MaxMemory>().unwrap();
     let msg = simulate(FitAdvice::new(model.clone(), cfg.clone(), o.clone(), vec![], replica), true);
-    assert!(msg.contains("placement advice (planner): no placement fits --max-memory"), "{msg}");
+    assert!(msg.contains("placement advice (planner): no placement fits `max_memory`"), "{msg}");
     assert!(msg.contains("balanced (blocks from") && msg.contains("cuda:0 needs"), "{msg}");
     // The run's own placement fitting (the estimate was low) is said as such.
     o.caps = "cuda:0=40GiB,cuda:1=40GiB".parse::<MaxMemory>().unwrap();
@@ -704,9 +704,9 @@ fn chain_boundaries_minimise_the_largest_peak() {
     // Fewer blocks below the first edited one than devices between: one clear error.
     let o = PlanOptions::new("cuda:0", Some("cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7"), Kind::Float, 64, None).unwrap();
     let e = plan_model(&m, &cfg, &o.with_placement(Placement::Balanced, OptimizerDevice::Main).unwrap()).unwrap_err().to_string();
-    assert!(e.contains("--sub-device") && e.contains("fewer devices"), "{e}");
+    assert!(e.contains("`sub_device`") && e.contains("fewer devices"), "{e}");
     let e = o.with_placement(Placement::Replica, OptimizerDevice::Main).unwrap_err().to_string();
-    assert!(e.contains("--sub-device") && e.contains("replica"), "{e}");
+    assert!(e.contains("`sub_device`") && e.contains("replica"), "{e}");
 }
 
 /// #38: LLaMA-2-7B (bf16, MEND's 7B config) over four cards: every device's training peak

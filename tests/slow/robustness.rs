@@ -213,7 +213,7 @@ fn user_files_are_never_overwritten() {
     let editor = rep.editor_dir.join("editor.safetensors");
     let before = std::fs::read(&editor).unwrap();
     let err = run_train(&options(dir.path(), "ed", config(2), false)).unwrap_err().to_string();
-    assert!(err.contains("already holds an editor") && err.contains("--resume"), "{err}");
+    assert!(err.contains("already holds an editor") && err.contains("`resume`"), "{err}");
     std::fs::remove_file(rep.editor_dir.join("train_state.safetensors")).unwrap();
     let err = run_train(&options(dir.path(), "ed", config(2), true)).unwrap_err().to_string();
     assert!(err.contains("no training state"), "{err}");
@@ -340,7 +340,7 @@ fn resume_with_another_config_is_refused_naming_the_keys() {
     let other = MendConfig { lr: 5e-3, val_every: 3, ..config(4) };
     let err = run_train(&options(dir.path(), "cfg", other, true)).err().expect("refused").to_string();
     assert!(err.contains("lr (saved 0.001, now 0.005)") && err.contains("val_every (saved 2, now 3)"), "{err}");
-    assert!(err.contains("train_state") && err.contains("--out"), "{err}");
+    assert!(err.contains("train_state") && err.contains("`out`"), "{err}");
     assert!(!err.contains("max_steps (saved"), "max_steps may change: {err}");
     let (rest, _) = run_train(&options(dir.path(), "cfg", config(3), true)).unwrap();
     assert_eq!(rest.history.first().map(|h| h.step), Some(3));
@@ -444,5 +444,5 @@ fn optimizer_on_a_missing_sub_device_is_refused() {
     let mut o = options(dir.path(), "opt", config(2), false);
     o.common.plan = o.common.plan.with_optimizer(dualedit::device::OptimizerDevice::Sub);
     let err = run_train(&o).err().expect("refused").to_string();
-    assert!(err.contains("--optimizer-device sub") && err.contains("--sub-device"), "{err}");
+    assert!(err.contains("`optimizer_device` sub") && err.contains("`sub_device`"), "{err}");
 }

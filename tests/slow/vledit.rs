@@ -424,8 +424,8 @@ fn flags_that_would_be_ignored_are_refused() {
         (&edit, &["--no-guard", "--guard-refuse"], "--guard-refuse"),
         (&edit, &["--guard-min-agreement", "NaN"], "--guard-min-agreement"),
         (&edit, &["--guard-max-drop", "2"], "--guard-max-drop"),
-        (&edit, &["--guard-max-kl=-1"], "(--guard-max-kl) must be"),
-        (&eval, &["--guard-max-kl", "0.5"], "guard flags of eval need"),
+        (&edit, &["--guard-max-kl=-1"], "--guard-max-kl must be"),
+        (&eval, &["--guard-max-kl", "0.5"], "only used with --edits-per-batch or --sequential"),
         (&eval, &["--image-root", "."], "--image-root"),
     ];
     for (cmd, extra, needle) in cases {

@@ -1,73 +1,16 @@
-//! Flags several commands share: the model and run settings (`CommonArgs`), the edit
-//! method (`MethodArgs`), the commit guard (`GuardArgs`), and the parsers of a dataset
-//! name and an image size.
+//! Flags several commands share that are not a library option type: the edit method as
+//! the CLI defaults it (`MethodArgs`, filling `edit::MethodOptions`), the choices of
+//! `--method`, `--dtype` and `--ds`, and the parser of an image size. (The run, device,
+//! guard and group options are the library's `run::options` types, flattened.)
 use std::path::PathBuf;
 
 use clap::builder::{PossibleValue, TypedValueParser};
 use clap::{Args, ValueEnum};
 
-use super::DeviceArgs;
 use crate::config::MendConfig;
-use crate::data::examples::OverLong;
 use crate::data::DatasetKind;
 use crate::edit::{MethodName, MethodOptions, MethodSpec, DEFAULT_FT_LR};
 use crate::model::{model_dtype, Dtype};
-use crate::planner::{Phase, PlaceFor};
-use crate::run::Common;
-
-/// Model and placement flags shared by train, edit and eval.
-#[derive(Args, Clone)]
-pub struct CommonArgs {
-    /// Hugging Face model directory.
-    #[arg(long)]
-    pub model: PathBuf,
-    #[command(flatten)]
-    pub devices: DeviceArgs,
-    /// f32, bf16 or f16 for the model weights (editor maths is always f32). Default: what
-    /// the checkpoint's config.json says its weights are (`dtype`), else f32, as `plan`.
-    #[arg(long, value_enum)]
-    pub dtype: Option<Dtype>,
-    #[arg(long, default_value_t = 0)]
-    pub seed: i64,
-    /// Where to write the run report (JSON).
-    #[arg(long)]
-    pub report: Option<PathBuf>,
-    /// Cut the prompts of records longer than the maximum length from the left until they
-    /// fit, instead of skipping those records.
-    #[arg(long, conflicts_with = "strict")]
-    pub truncate: bool,
-    /// Stop at the first record longer than the maximum length (or, with --ds vqa|caption,
-    /// whose image is missing or unreadable), instead of skipping it.
-    #[arg(long)]
-    pub strict: bool,
-    /// --ds vqa|caption: the folder `image` and `m_loc` are relative to (COCO).
-    #[arg(long)]
-    pub image_root: Option<PathBuf>,
-    /// --ds vqa|caption: the folder `image_rephrase` is relative to (default: --image-root).
-    #[arg(long, requires = "image_root")]
-    pub rephrase_image_root: Option<PathBuf>,
-}
-
-impl CommonArgs {
-    /// `config`, `tokens` and `phase`: what the placement is planned for.
-    pub fn resolve(&self, config: &MendConfig, tokens: usize, phase: Phase) -> anyhow::Result<Common> {
-        let dtype = run_dtype(&self.model, self.dtype)?;
-        let place = PlaceFor { model: &self.model, config, dtype, tokens: tokens as i64, phase };
-        Ok(Common {
-            model: self.model.clone(),
-            plan: self.devices.placed(&place)?,
-            dtype,
-            seed: self.seed,
-            report: self.report.clone(),
-            over_long: match (self.truncate, self.strict) {
-                (true, _) => OverLong::Truncate,
-                (_, true) => OverLong::Strict,
-                _ => OverLong::Skip,
-            },
-            image_roots: self.image_root.clone().map(|r| crate::data::multimodal::ImageRoots::new(r, self.rephrase_image_root.clone())),
-        })
-    }
-}
 
 /// The weights' dtype of a run ([`model_dtype`], the rule `plan` uses), logged with where
 /// it came from so a bf16 checkpoint run in bf16 (or forced to f32) is never a surprise.
@@ -150,77 +93,6 @@ impl MethodArgs {
     /// the run edits several requests or one after another.
     pub fn resolve(&self, many: bool) -> anyhow::Result<MethodSpec> {
         Ok(self.options().resolve(many)?)
-    }
-}
-
-/// The commit guard and stepwise flags of `edit` and of `eval --edits-per-batch / --sequential`.
-#[derive(Args)]
-pub struct GuardArgs {
-    #[command(flatten)]
-    pub flags: GuardFlags,
-    /// With --sequential: make each request in up to 8 committed steps of a centred,
-    /// clipped, capped edit at 1/4 scale (experimental; see src/mend/stepwise.rs).
-    #[arg(long, requires = "sequential")]
-    pub stepwise: bool,
-}
-
-/// The commit guard's flags, shared by `edit`, `eval` and `serve` (same defaults).
-#[derive(Args)]
-pub struct GuardFlags {
-    /// Commit every edit as the editor makes it: no guard on the locality prompts.
-    #[arg(long, conflicts_with_all = ["guard_min_agreement", "guard_max_drop", "guard_max_kl", "guard_refuse", "guard_shrink"])]
-    pub no_guard: bool,
-    /// Guard: the least top-1 agreement of the locality prompts with the unedited model
-    /// (0 to 1; default 0.9).
-    #[arg(long)]
-    pub guard_min_agreement: Option<f64>,
-    /// Guard: the most one edit may lower that agreement (0 to 1; default 0.05).
-    #[arg(long)]
-    pub guard_max_drop: Option<f64>,
-    /// Guard: the largest KL(unedited || edited) per locality position, in nats (>= 0;
-    /// default 1).
-    #[arg(long)]
-    pub guard_max_kl: Option<f64>,
-    /// Guard: refuse an edit that fails instead of scaling it back.
-    #[arg(long, conflicts_with = "no_guard")]
-    pub guard_refuse: bool,
-    /// Guard: shrink each edit to the smallest scale (1, 1/2, 1/4, ...) that still makes it.
-    #[arg(long, conflicts_with = "no_guard")]
-    pub guard_shrink: bool,
-}
-
-impl GuardFlags {
-    /// Whether any guard setting was given (eval uses them only with a capacity mode).
-    pub fn given(&self) -> bool {
-        self.no_guard || self.guard_refuse || self.guard_shrink || self.guard_min_agreement.is_some() || self.guard_max_drop.is_some() || self.guard_max_kl.is_some()
-    }
-
-    /// The guard (`None` with --no-guard), its thresholds checked before anything loads.
-    pub fn config(&self) -> anyhow::Result<Option<crate::mend::guard::GuardConfig>> {
-        if self.no_guard {
-            return Ok(None);
-        }
-        let d = crate::mend::guard::GuardConfig::default();
-        let c = crate::mend::guard::GuardConfig {
-            min_agreement: self.guard_min_agreement.unwrap_or(d.min_agreement),
-            max_drop: self.guard_max_drop.unwrap_or(d.max_drop),
-            max_kl: self.guard_max_kl.unwrap_or(d.max_kl),
-            scale_back: !self.guard_refuse,
-            shrink: self.guard_shrink,
-            ..d
-        };
-        c.validate()?;
-        Ok(Some(c))
-    }
-}
-
-impl GuardArgs {
-    pub fn config(&self) -> anyhow::Result<Option<crate::mend::guard::GuardConfig>> {
-        self.flags.config()
-    }
-
-    pub fn stepwise(&self) -> Option<crate::mend::stepwise::Stepwise> {
-        self.stepwise.then(crate::mend::stepwise::Stepwise::default)
     }
 }
 

@@ -2,12 +2,12 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::DeviceArgs;
+use crate::device::DeviceRequest;
 
 #[derive(Args)]
 pub struct DemoArgs {
     #[command(flatten)]
-    pub devices: DeviceArgs,
+    pub devices: DeviceRequest,
     /// Directory of the default (model/, editor/, world/); default: the shipped one.
     #[arg(long)]
     pub root: Option<PathBuf>,

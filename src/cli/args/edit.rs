@@ -2,12 +2,13 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::{CommonArgs, GuardArgs, MethodArgs};
+use super::MethodArgs;
+use crate::run::options::{GuardOptions, RunOptions};
 
 #[derive(Args)]
 pub struct EditArgs {
     #[command(flatten)]
-    pub common: CommonArgs,
+    pub common: RunOptions,
     #[command(flatten)]
     pub method: MethodArgs,
     /// EasyEdit-style request records (prompt, target_new, optional rephrase_prompt, locality_*,
@@ -27,5 +28,9 @@ pub struct EditArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub guard: GuardArgs,
+    pub guard: GuardOptions,
+    /// With --sequential: make each request in up to 8 committed steps of a centred,
+    /// clipped, capped edit at 1/4 scale (experimental; see src/mend/stepwise.rs).
+    #[arg(long, requires = "sequential")]
+    pub stepwise: bool,
 }

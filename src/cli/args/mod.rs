@@ -1,5 +1,5 @@
 //! The flags of each command (clap derive), one file per command; the flags several
-//! commands share (`DeviceArgs`, `CommonArgs`, `MethodArgs`, `GuardArgs`) once.
+//! commands share (`MethodArgs`; the library's `run::options` types) once.
 mod build_default;
 mod common;
 mod compare;
@@ -19,12 +19,12 @@ mod train;
 mod world;
 
 pub use build_default::BuildDefaultArgs;
-pub use common::{dataset, parse_image_size, run_dtype, CommonArgs, GuardArgs, GuardFlags, MethodArgs};
+pub use common::{dataset, parse_image_size, run_dtype, MethodArgs};
 pub use compare::CompareCmd;
 pub use config::ConfigArgs;
 pub use convert::ConvertArgs;
 pub use demo::DemoArgs;
-pub use device::DeviceArgs;
+pub use device::placed;
 pub use edit::EditArgs;
 pub use eval::EvalArgs;
 pub use plan::PlanArgs;

@@ -2,7 +2,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::{parse_image_size, DeviceArgs};
+use super::parse_image_size;
+use crate::device::DeviceRequest;
 
 #[derive(Args)]
 pub struct PlanArgs {
@@ -15,7 +16,7 @@ pub struct PlanArgs {
     pub config: PathBuf,
     /// The devices planned for (they need not exist on this machine).
     #[command(flatten)]
-    pub devices: DeviceArgs,
+    pub devices: DeviceRequest,
     /// f32, bf16 or f16 for the model weights (editor maths is always f32). Default: the
     /// model's config.json `torch_dtype` (what its weights are), else f32.
     #[arg(long, value_enum)]

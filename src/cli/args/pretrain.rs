@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::DeviceArgs;
+use crate::device::DeviceRequest;
 
 #[derive(Args)]
 pub struct PretrainArgs {
@@ -49,7 +49,7 @@ pub struct PretrainArgs {
     pub lr: Option<f64>,
     /// Where to train: cpu or cuda:N (the result is the same HF directory either way).
     #[command(flatten)]
-    pub devices: DeviceArgs,
+    pub devices: DeviceRequest,
     /// Also put each record's new target in the corpus, alone on its line (never after its
     /// prompt), so the model can write the words edits ask for, as a pretrained LM can.
     #[arg(long)]

@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::DeviceArgs;
+use crate::device::DeviceRequest;
 
 #[derive(Args)]
 pub struct ScoreArgs {
@@ -16,7 +16,7 @@ pub struct ScoreArgs {
     #[arg(long)]
     pub image: Option<PathBuf>,
     #[command(flatten)]
-    pub devices: DeviceArgs,
+    pub devices: DeviceRequest,
     /// f32, bf16 or f16. Default: the checkpoint's config.json `dtype`, else f32.
     #[arg(long, value_enum)]
     pub dtype: Option<crate::model::Dtype>,

@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::DeviceArgs;
+use crate::device::DeviceRequest;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -18,7 +18,7 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value = crate::edit::DEFAULT_METHOD)]
     pub method: crate::edit::MethodName,
     #[command(flatten)]
-    pub devices: DeviceArgs,
+    pub devices: DeviceRequest,
     /// f32, bf16 or f16 for the model weights. Default: the checkpoint's config.json
     /// `dtype`, else f32 (as `plan`).
     #[arg(long, value_enum)]
@@ -58,5 +58,5 @@ pub struct ServeArgs {
     pub insecure_no_token: bool,
     /// /edit's commit guard, as `edit`'s (a request may change it for itself).
     #[command(flatten)]
-    pub guard: super::GuardFlags,
+    pub guard: crate::run::options::GuardOptions,
 }

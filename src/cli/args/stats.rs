@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::DeviceArgs;
+use crate::device::DeviceRequest;
 
 #[derive(Args)]
 pub struct StatsArgs {
@@ -21,7 +21,7 @@ pub struct StatsArgs {
     #[arg(long, default_value_t = 1_000_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_tokens: usize,
     #[command(flatten)]
-    pub devices: DeviceArgs,
+    pub devices: DeviceRequest,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     pub json: bool,

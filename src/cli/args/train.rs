@@ -2,12 +2,12 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::CommonArgs;
+use crate::run::options::RunOptions;
 
 #[derive(Args)]
 pub struct TrainArgs {
     #[command(flatten)]
-    pub common: CommonArgs,
+    pub common: RunOptions,
     /// EasyEdit-format training file.
     #[arg(long)]
     pub data: PathBuf,

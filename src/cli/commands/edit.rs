@@ -15,7 +15,7 @@ pub fn run(a: EditArgs) -> anyhow::Result<()> {
         save: a.save,
         max_length: a.method.max_length,
         guard,
-        stepwise: a.guard.stepwise(),
+        stepwise: a.stepwise.then(crate::mend::stepwise::Stepwise::default),
     };
     let (out, path) = run::run_edit(&opts)?;
     if a.json {

@@ -1,14 +1,13 @@
 //! `dualedit eval`: edit each record of a dataset from the unedited model (or, with
 //! `--edits-per-batch` / `--sequential`, groups of records) and report EasyEdit's metrics.
 use crate::cli::args::EvalArgs;
-use crate::edit::capacity::Grouping;
 use crate::planner::Phase;
 use crate::run::{self, EvalOptions};
 
 /// The run `eval` (and `compare eval`) makes of its flags.
 pub fn options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
     // Flags first: a bad threshold is named before any file is read.
-    let capacity = capacity_options(a)?;
+    let capacity = a.groups.capacity(&a.guard)?;
     // Groups of several edits are what `--method auto` makes with mend-ls.
     let many = capacity.as_ref().is_some_and(|c| c.grouping.size() > 1);
     Ok(EvalOptions {
@@ -20,20 +19,6 @@ pub fn options(a: &EvalArgs) -> anyhow::Result<EvalOptions> {
         max_length: a.method.max_length,
         capacity,
     })
-}
-
-fn capacity_options(a: &EvalArgs) -> anyhow::Result<Option<run::CapacityOptions>> {
-    let grouping = match (a.edits_per_batch, a.sequential) {
-        (Some(n), _) => Grouping::Batch(n),
-        (None, Some(n)) => Grouping::Sequential(n),
-        (None, None) => {
-            if a.drift_text.is_some() || a.guard.stepwise || a.guard.flags.given() {
-                anyhow::bail!("--drift-text, --stepwise and the guard flags of eval need --edits-per-batch N or --sequential N");
-            }
-            return Ok(None);
-        }
-    };
-    Ok(Some(run::CapacityOptions { grouping, guard: a.guard.config()?, stepwise: a.guard.stepwise(), drift_text: a.drift_text.clone() }))
 }
 
 pub fn run(a: EvalArgs) -> anyhow::Result<()> {

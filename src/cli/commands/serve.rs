@@ -27,7 +27,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         None => MendConfig::default(),
     };
     let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
-    let session_opts = LoadOptions { plan: a.devices.placed(&place)?, dtype };
+    let session_opts = LoadOptions { plan: crate::cli::args::placed(&a.devices, &place)?, dtype };
     // `--method auto` (the default, as `edit`'s and the Python package's): requests of
     // several edits (or after earlier ones) go to mend-ls with the editor for many edits,
     // when the editor names one; one request to mend. A server edits any number: `many`.

@@ -8,7 +8,7 @@ use crate::planner::{Phase, PlaceFor};
 pub fn run(a: StatsArgs) -> anyhow::Result<()> {
     let config = crate::mend::checkpoint::trained_config(&a.editor)?;
     let place = PlaceFor { model: &a.model, config: &config, dtype: tch::Kind::Float, tokens: config.max_length as i64, phase: Phase::Edit };
-    let opts = LoadOptions { plan: a.devices.placed(&place)?, dtype: tch::Kind::Float };
+    let opts = LoadOptions { plan: crate::cli::args::placed(&a.devices, &place)?, dtype: tch::Kind::Float };
     let start = std::time::Instant::now();
     let engine = edit::open_engine(&a.model, &opts, &edit::editor_params(&a.editor)?)?;
     let mut stats = KeyStats::compute(&engine, &a.text, a.max_tokens, !a.json)?;
