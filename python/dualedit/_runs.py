@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 from . import _native
 from ._errors import InputError
-from ._session import PathLike, _dtype, _max_memory, _options
+from ._session import PathLike, _extension_values, _options
 
 Progress = Union[bool, Callable[[int, int, Dict[str, Any]], None], None]
 
@@ -123,15 +123,7 @@ def plan(model: PathLike, config: PathLike, **options: Any) -> Dict[str, Any]:
     Returns ``plan --json``'s object: one placement's plan, or with a sub-device and no
     placement the table of every placement.
     """
-    o = {}
-    for k, v in options.items():
-        if k == "dtype":
-            v = _dtype(v)
-        elif k == "max_memory":
-            v = _max_memory(v)
-        elif isinstance(v, os.PathLike):
-            v = os.fspath(v)
-        o[k] = v
+    o = _extension_values(options)
     if "image_size" in o and o["image_size"] is not None:
         o["image_size"] = tuple(int(x) for x in o["image_size"])
     return json.loads(_native.plan(os.fspath(model), os.fspath(config), **o))

@@ -53,10 +53,9 @@ def _dtype(d: Any) -> Optional[str]:
     return str(d)
 
 
-def _options(**kw: Any) -> str:
-    """Keyword arguments as the extension reads them: JSON, the ones given as ``None``
-    left out (the library's defaults apply), paths as text, ``dtype`` and ``max_memory``
-    as the CLI writes them. The library checks them, naming a keyword it does not know."""
+def _extension_values(kw: Dict[str, Any]) -> Dict[str, Any]:
+    """Python values as the extension reads them: paths as text, ``dtype`` and
+    ``max_memory`` as the CLI writes them."""
     out = {}
     for k, v in kw.items():
         if k == "dtype":
@@ -65,9 +64,15 @@ def _options(**kw: Any) -> str:
             v = _max_memory(v)
         elif isinstance(v, os.PathLike):
             v = os.fspath(v)
-        if v is not None:
-            out[k] = v
-    return json.dumps(out)
+        out[k] = v
+    return out
+
+
+def _options(**kw: Any) -> str:
+    """Keyword arguments as JSON for the extension, the ones given as ``None`` left out
+    (the library's defaults apply). The library checks them, naming a keyword it does
+    not know."""
+    return json.dumps({k: v for k, v in _extension_values(kw).items() if v is not None})
 
 
 def _max_memory(m: Any) -> Optional[str]:

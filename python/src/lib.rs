@@ -227,6 +227,16 @@ struct PySession {
 }
 
 impl PySession {
+    /// The guard of one `edit` call: the session's (`None`), none (`Some(false)`), or the
+    /// session's settings, its defaults if it runs unguarded (`Some(true)`).
+    fn call_guard(&self, guard: Option<bool>) -> Option<GuardConfig> {
+        match guard {
+            Some(false) => None,
+            Some(true) => Some(self.guard.clone().unwrap_or_default()),
+            None => self.guard.clone(),
+        }
+    }
+
     /// Runs `f` on the session with the GIL released.
     fn run<T: Send>(&mut self, py: Python<'_>, f: impl FnOnce(&mut Inner) -> dualedit::Result<T> + Send) -> PyResult<T> {
         let inner = SendPtr(&mut self.inner);
@@ -333,11 +343,7 @@ impl PySession {
         if let Some((i, why)) = load.skipped.first() {
             return Err(input_err(format!("requests: record {i}: {why}")));
         }
-        let guard_cfg = match guard {
-            Some(false) => None,
-            Some(true) => Some(self.guard.clone().unwrap_or_default()),
-            None => self.guard.clone(),
-        };
+        let guard_cfg = self.call_guard(guard);
         let max_length = self.max_length;
         let out = self.run(py, move |s| {
             let examples = text_examples(s, &records, max_length)?;
@@ -370,11 +376,7 @@ impl PySession {
         if records.is_empty() {
             return Err(input_err("no edit requests"));
         }
-        let guard_cfg = match guard {
-            Some(false) => None,
-            Some(true) => Some(self.guard.clone().unwrap_or_default()),
-            None => self.guard.clone(),
-        };
+        let guard_cfg = self.call_guard(guard);
         let max_length = self.max_length;
         let out = self.run(py, move |s| {
             let (text, examples) = image_examples(s, &records, max_length)?;
