@@ -246,6 +246,14 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
             let unrelated = match (unrelated, crate::mend::stats::editor_stats_path(editor)?) {
                 (Some(path), _) => crate::mend::ls::unrelated_grams(&engine, &crate::mend::stats::read_keep_text(path)?)?,
                 (None, Some(stats)) => {
+                    if !stats.exists() {
+                        // The real default's editor.json names statistics its preparation builds.
+                        return Err(Error::file(
+                            &stats,
+                            "the key statistics this editor's editor.json names are not built: compute them once with \
+                             `dualedit stats --model M --editor E --text FILE` (the real default's: `./x demo --real`)",
+                        ));
+                    }
                     let st = crate::mend::stats::KeyStats::load(&stats, &engine)?;
                     info!(file = %stats.display(), tokens = st.meta.tokens, "mend-ls solves against the editor's key statistics");
                     stats_text = crate::mend::stats::SummedText::find(&st.meta, editor);
