@@ -88,26 +88,17 @@ fn json<T: serde::Serialize>(v: &T) -> PyResult<String> {
 // ---------------------------------------------------------------------------------------
 // Options shared by the session and the runs
 
-/// `f32`, `bf16` or `f16`, as the CLI's `--dtype`; also `float32`, `bfloat16`, `float16`
-/// and torch's names (`torch.float32`), so `dtype=torch.bfloat16` works. `None`: what the
-/// checkpoint in `model` says its weights are, else f32 (the CLI's and `plan`'s rule,
-/// `dualedit::model::model_dtype`).
 /// Keyword arguments as JSON (the Python wrappers drop the ones given as `None`) read into
 /// `T`, the library's option types flattened; a keyword none of them has is one error
-/// naming it.
-fn kwargs<T: serde::de::DeserializeOwned + Unknown>(what: &str, options: &str) -> PyResult<T> {
+/// naming it. `unknown`: the keywords none of its parts took (a `flatten` catch-all).
+fn kwargs<T: serde::de::DeserializeOwned>(what: &str, options: &str, unknown: impl Fn(&T) -> &BTreeMap<String, serde_json::Value>) -> PyResult<T> {
     let t: T = serde_json::from_str(options).map_err(|e| input_err(format!("{what}: {e}")))?;
     // `RunOptions` has a flattened part of its own, so serde leaves its keys here too.
     let run = RunOptions::fields();
-    if let Some(k) = t.unknown().keys().find(|k| !run.contains(k)) {
+    if let Some(k) = unknown(&t).keys().find(|k| !run.contains(k)) {
         return Err(input_err(format!("{what}: unexpected keyword argument {k:?}")));
     }
     Ok(t)
-}
-
-/// The keywords of a `kwargs` type that none of its parts took.
-trait Unknown {
-    fn unknown(&self) -> &BTreeMap<String, serde_json::Value>;
 }
 
 fn default_max_length() -> usize {
@@ -178,24 +169,6 @@ struct EvalKwargs {
     compare: bool,
     #[serde(flatten)]
     unknown: BTreeMap<String, serde_json::Value>,
-}
-
-impl Unknown for SessionKwargs {
-    fn unknown(&self) -> &BTreeMap<String, serde_json::Value> {
-        &self.unknown
-    }
-}
-
-impl Unknown for TrainKwargs {
-    fn unknown(&self) -> &BTreeMap<String, serde_json::Value> {
-        &self.unknown
-    }
-}
-
-impl Unknown for EvalKwargs {
-    fn unknown(&self) -> &BTreeMap<String, serde_json::Value> {
-        &self.unknown
-    }
 }
 
 /// A dataset to read (not edit requests).
@@ -298,7 +271,7 @@ impl PySession {
     /// `options`: the keyword arguments of `dualedit.Session` as JSON ([`SessionKwargs`]).
     #[new]
     fn new(py: Python<'_>, options: &str) -> PyResult<Self> {
-        let k: SessionKwargs = kwargs("Session", options)?;
+        let k: SessionKwargs = kwargs("Session", options, |k: &SessionKwargs| &k.unknown)?;
         if k.max_length == 0 {
             return Err(input_err("max_length must be at least 1"));
         }
@@ -486,7 +459,7 @@ impl PySession {
 /// `options`: the keyword arguments of `dualedit.train` as JSON ([`TrainKwargs`]).
 #[pyfunction]
 fn train(py: Python<'_>, options: &str) -> PyResult<String> {
-    let k: TrainKwargs = kwargs("train", options)?;
+    let k: TrainKwargs = kwargs("train", options, |k: &TrainKwargs| &k.unknown)?;
     let ds = dataset(k.ds)?;
     if k.limit == Some(0) {
         return Err(input_err("limit must be at least 1"));
@@ -539,7 +512,7 @@ fn train(py: Python<'_>, options: &str) -> PyResult<String> {
 #[pyfunction]
 #[pyo3(signature = (options, progress=None))]
 fn evaluate(py: Python<'_>, options: &str, progress: Option<Bound<'_, PyAny>>) -> PyResult<String> {
-    let k: EvalKwargs = kwargs("evaluate", options)?;
+    let k: EvalKwargs = kwargs("evaluate", options, |k: &EvalKwargs| &k.unknown)?;
     let ds = dataset(k.ds)?;
     if k.limit == Some(0) {
         return Err(input_err("limit must be at least 1"));
