@@ -23,11 +23,11 @@ use dualedit::config::MendConfig;
 use dualedit::data::easyedit::{parse_records, DatasetKind};
 use dualedit::data::multimodal::ImageRoots;
 use dualedit::device::DeviceRequest;
-use dualedit::edit::{LoadOptions, MethodOptions, MethodSpec};
+use dualedit::edit::{MethodOptions, MethodSpec};
 use dualedit::mend::guard::GuardConfig;
 use dualedit::model::Dtype;
 use dualedit::planner::Phase;
-use dualedit::run::options::{GroupOptions, GuardOptions, RunOptions};
+use dualedit::run::options::{load_options, GroupOptions, GuardOptions, RunOptions};
 use dualedit::run::{self, EvalOptions, TrainOptions};
 use dualedit::edit::session::{read_image_requests, Session as Inner};
 use dualedit::Error;
@@ -278,19 +278,7 @@ impl PySession {
         let guard = k.guard.config().py()?;
         // A session edits any number of requests: `auto` opens the editor for many edits.
         let spec = k.method.resolve(true).py()?;
-        let dtype = dualedit::model::model_dtype(&k.model, k.dtype).py()?.0;
-        let place = dualedit::planner::PlaceFor {
-            model: &k.model,
-            config: &k.method.planning_config().py()?,
-            dtype,
-            tokens: k.max_length as i64,
-            phase: Phase::Edit,
-        };
-        let (plan, chosen) = dualedit::planner::place(&k.devices, &place).py()?;
-        if let Some(label) = chosen {
-            tracing::info!("placement: {label} (chosen by the planner)");
-        }
-        let opts = LoadOptions { plan, dtype };
+        let opts = load_options(&k.model, &k.devices, k.dtype, &k.method.planning_config().py()?, k.max_length, Phase::Edit).py()?;
         let unedited = k.method.method.is_none() && k.method.editor.is_none();
         let inner = py
             .allow_threads(|| dualedit::error::guard(|| match &spec {

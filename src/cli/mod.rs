@@ -42,7 +42,9 @@ impl Cli {
 /// Python keyword and JSON key) written as the flag of this command line that sets it
 /// (`--sub-device`). The library's errors name fields so that every interface reads
 /// them; the flag a field becomes is clap's, so the two cannot drift apart. A name in
-/// backticks that no flag has (a JSON key of a record, say) is left as it is.
+/// backticks that no flag has (a JSON key of a record, say) is left as it is. A switch
+/// that turns a field off (`guard` is set by `--no-guard`) is named as its value:
+/// `` `guard`=false `` becomes `--no-guard`.
 pub fn flags_named(message: &str) -> String {
     use std::sync::OnceLock;
     static FLAGS: OnceLock<std::collections::BTreeMap<String, String>> = OnceLock::new();
@@ -50,7 +52,11 @@ pub fn flags_named(message: &str) -> String {
         fn walk(cmd: &clap::Command, out: &mut std::collections::BTreeMap<String, String>) {
             for arg in cmd.get_arguments() {
                 if let Some(long) = arg.get_long() {
-                    out.entry(arg.get_id().to_string()).or_insert_with(|| format!("--{long}"));
+                    let name = match arg.get_action() {
+                        clap::ArgAction::SetFalse => format!("{}=false", arg.get_id()),
+                        _ => arg.get_id().to_string(),
+                    };
+                    out.entry(name).or_insert_with(|| format!("--{long}"));
                 }
             }
             for sub in cmd.get_subcommands() {
@@ -72,11 +78,17 @@ pub fn flags_named(message: &str) -> String {
             break;
         };
         let name = &after[..close];
-        match flags.get(name) {
-            Some(flag) => out.push_str(flag),
-            None => out.push_str(&rest[open..open + close + 2]),
+        let mut next = &after[close + 1..];
+        let switch = next.strip_prefix("=false").and_then(|tail| Some((flags.get(&format!("{name}=false"))?, tail)));
+        match (switch, flags.get(name)) {
+            (Some((flag, tail)), _) => {
+                out.push_str(flag);
+                next = tail;
+            }
+            (None, Some(flag)) => out.push_str(flag),
+            (None, None) => out.push_str(&rest[open..open + close + 2]),
         }
-        rest = &after[close + 1..];
+        rest = next;
     }
     out.push_str(rest);
     out

@@ -111,7 +111,7 @@ impl EditOutcome {
         let why = self.guard.iter().rev().find(|r| r.decision == guard::Decision::Refused).map_or_else(String::new, |r| format!(": {}", r.message));
         Some(Error::input(format!(
             "the commit guard refused {what}, so nothing was committed{why}. Loosen it (`guard_min_agreement`, \
-             `guard_max_drop`, `guard_max_kl`), edit fewer requests at once, or turn the guard off"
+             `guard_max_drop`, `guard_max_kl`), edit fewer requests at once, or turn the guard off (`guard`=false)"
         )))
     }
 }

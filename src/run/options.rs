@@ -3,7 +3,7 @@
 //! fields as keyword arguments, JSON as keys. Each is checked once, here, and its errors
 //! name its fields (`edits_per_batch`, the flag `--edits-per-batch`, the keyword
 //! `edits_per_batch=`).
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -13,6 +13,7 @@ use crate::data::examples::OverLong;
 use crate::data::multimodal::ImageRoots;
 use crate::device::DeviceRequest;
 use crate::edit::capacity::Grouping;
+use crate::edit::LoadOptions;
 use crate::mend::guard::GuardConfig;
 use crate::model::Dtype;
 use crate::planner::{Phase, PlaceFor};
@@ -71,7 +72,7 @@ impl RunOptions {
     }
 
     /// What to do with records longer than the maximum length.
-    pub fn over_long(&self) -> Result<OverLong> {
+    fn over_long(&self) -> Result<OverLong> {
         match (self.truncate, self.strict) {
             (true, true) => Err(Error::input("`truncate` and `strict` exclude each other")),
             (true, _) => Ok(OverLong::Truncate),
@@ -81,30 +82,38 @@ impl RunOptions {
     }
 
     /// The run's settings with its placement resolved by the planner for `config`,
-    /// `tokens` and `phase` (`placement: auto` against `max_memory`), the dtype read from
-    /// the model when none is given. Both are logged with where they came from.
+    /// `tokens` and `phase` ([`load_options`]).
     pub fn resolve(&self, config: &MendConfig, tokens: usize, phase: Phase) -> Result<Common> {
         if self.rephrase_image_root.is_some() && self.image_root.is_none() {
             return Err(Error::input("`rephrase_image_root` needs `image_root`"));
         }
         let over_long = self.over_long()?;
-        let (dtype, source) = crate::model::model_dtype(&self.model, self.dtype)?;
-        tracing::debug!("weights in {} ({})", crate::model::loader::dtype_name(dtype), source.describe());
-        let place = PlaceFor { model: &self.model, config, dtype, tokens: tokens as i64, phase };
-        let (plan, chosen) = crate::planner::place(&self.devices, &place)?;
-        if let Some(label) = chosen {
-            tracing::info!("placement: {label} (chosen by the planner)");
-        }
+        let load = load_options(&self.model, &self.devices, self.dtype, config, tokens, phase)?;
         Ok(Common {
             model: self.model.clone(),
-            plan,
-            dtype,
+            plan: load.plan,
+            dtype: load.dtype,
             seed: self.seed,
             report: self.report.clone(),
             over_long,
             image_roots: self.image_root.clone().map(|r| ImageRoots::new(r, self.rephrase_image_root.clone())),
         })
     }
+}
+
+/// What a run or a session loads `model` with: the weights' dtype (`dtype`, else what the
+/// checkpoint says, else f32) and `devices` with the placement the planner resolves for
+/// `config`, `tokens` and `phase` (`placement: auto` against `max_memory`). Both are
+/// logged with where they came from.
+pub fn load_options(model: &Path, devices: &DeviceRequest, dtype: Option<Dtype>, config: &MendConfig, tokens: usize, phase: Phase) -> Result<LoadOptions> {
+    let (dtype, source) = crate::model::model_dtype(model, dtype)?;
+    tracing::debug!("weights in {} ({})", crate::model::loader::dtype_name(dtype), source.describe());
+    let place = PlaceFor { model, config, dtype, tokens: tokens as i64, phase };
+    let (plan, chosen) = crate::planner::place(devices, &place)?;
+    if let Some(label) = chosen {
+        tracing::info!("placement: {label} (chosen by the planner)");
+    }
+    Ok(LoadOptions { plan, dtype })
 }
 
 /// The commit guard on the locality prompts of `edit`, `eval`'s groups and `serve`

@@ -286,7 +286,7 @@ fn a_batch_the_guard_refuses_is_an_error_with_its_numbers() {
     assert_eq!(s.score("The capital of Vacorp is").unwrap().logprobs, before.logprobs, "nothing committed");
     let err = out.refused_error().expect("all refused").to_string();
     assert!(err.contains("refused all 10 edits") && err.contains("nothing was committed"), "{err}");
-    assert!(err.contains("agreement") && err.contains("--no-guard"), "the numbers and the way out: {err}");
+    assert!(err.contains("agreement") && err.contains("`guard`=false"), "the numbers and the way out: {err}");
     // The CLI's run: an error naming its report, which is written; nothing saved.
     let dir = tempfile::tempdir().unwrap();
     let opts = dualedit::run::EditOptions {

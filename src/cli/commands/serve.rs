@@ -2,8 +2,7 @@
 use crate::cli::args::ServeArgs;
 use crate::edit::{MethodName, MethodOptions};
 use crate::config::MendConfig;
-use crate::edit::LoadOptions;
-use crate::planner::{Phase, PlaceFor};
+use crate::planner::Phase;
 use crate::serve::{signals, ServeOptions, Server};
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
@@ -21,13 +20,11 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     };
     // The address and token are checked (an open listener refused) before anything is read.
     let server = Server::bind(&a.listen, opts)?;
-    let dtype = crate::cli::args::run_dtype(&a.model, a.dtype)?;
     let config = match &a.editor {
         Some(dir) => crate::mend::checkpoint::trained_config(dir)?,
         None => MendConfig::default(),
     };
-    let place = PlaceFor { model: &a.model, config: &config, dtype, tokens: config.max_length as i64, phase: Phase::Edit };
-    let session_opts = LoadOptions { plan: crate::cli::args::placed(&a.devices, &place)?, dtype };
+    let session_opts = crate::run::options::load_options(&a.model, &a.devices, a.dtype, &config, config.max_length, Phase::Edit)?;
     // `--method auto` (the default, as `edit`'s and the Python package's): requests of
     // several edits (or after earlier ones) go to mend-ls with the editor for many edits,
     // when the editor names one; one request to mend. A server edits any number: `many`.

@@ -1,14 +1,14 @@
 //! `dualedit stats`: the key statistics `mend-ls` solves against, computed once per model
 //! over a text file and stored with the editor ([`crate::mend::stats`]).
 use crate::cli::args::StatsArgs;
-use crate::edit::{self, LoadOptions};
+use crate::edit;
 use crate::mend::stats::KeyStats;
-use crate::planner::{Phase, PlaceFor};
+use crate::planner::Phase;
 
 pub fn run(a: StatsArgs) -> anyhow::Result<()> {
     let config = crate::mend::checkpoint::trained_config(&a.editor)?;
-    let place = PlaceFor { model: &a.model, config: &config, dtype: tch::Kind::Float, tokens: config.max_length as i64, phase: Phase::Edit };
-    let opts = LoadOptions { plan: crate::cli::args::placed(&a.devices, &place)?, dtype: tch::Kind::Float };
+    // The statistics are of the f32 weights, whatever the checkpoint's dtype.
+    let opts = crate::run::options::load_options(&a.model, &a.devices, Some(crate::model::Dtype::F32), &config, config.max_length, Phase::Edit)?;
     let start = std::time::Instant::now();
     let engine = edit::open_engine(&a.model, &opts, &edit::editor_params(&a.editor)?)?;
     let mut stats = KeyStats::compute(&engine, &a.text, a.max_tokens, !a.json)?;
