@@ -101,13 +101,21 @@ impl RunOptions {
     }
 }
 
+/// The weights' dtype of a run on `model`: `dtype`, else what the checkpoint's config.json
+/// says (the rule `plan` uses, [`crate::model::model_dtype`]), logged with where it came
+/// from.
+pub fn weights_dtype(model: &Path, dtype: Option<Dtype>) -> Result<tch::Kind> {
+    let (kind, source) = crate::model::model_dtype(model, dtype)?;
+    tracing::debug!("weights in {} ({})", crate::model::loader::dtype_name(kind), source.describe());
+    Ok(kind)
+}
+
 /// What a run or a session loads `model` with: the weights' dtype (`dtype`, else what the
 /// checkpoint says, else f32) and `devices` with the placement the planner resolves for
 /// `config`, `tokens` and `phase` (`placement: auto` against `max_memory`). Both are
 /// logged with where they came from.
 pub fn load_options(model: &Path, devices: &DeviceRequest, dtype: Option<Dtype>, config: &MendConfig, tokens: usize, phase: Phase) -> Result<LoadOptions> {
-    let (dtype, source) = crate::model::model_dtype(model, dtype)?;
-    tracing::debug!("weights in {} ({})", crate::model::loader::dtype_name(dtype), source.describe());
+    let dtype = weights_dtype(model, dtype)?;
     let place = PlaceFor { model, config, dtype, tokens: tokens as i64, phase };
     let (plan, chosen) = crate::planner::place(devices, &place)?;
     if let Some(label) = chosen {

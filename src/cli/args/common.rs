@@ -10,15 +10,7 @@ use clap::{Args, ValueEnum};
 use crate::config::MendConfig;
 use crate::data::DatasetKind;
 use crate::edit::{MethodName, MethodOptions, MethodSpec, DEFAULT_FT_LR};
-use crate::model::{model_dtype, Dtype};
-
-/// The weights' dtype of a run ([`model_dtype`], the rule `plan` uses), logged with where
-/// it came from so a bf16 checkpoint run in bf16 (or forced to f32) is never a surprise.
-pub fn run_dtype(model: &std::path::Path, flag: Option<Dtype>) -> anyhow::Result<tch::Kind> {
-    let (kind, source) = model_dtype(model, flag)?;
-    tracing::info!("weights in {} ({})", crate::model::loader::dtype_name(kind), source.describe());
-    Ok(kind)
-}
+use crate::model::Dtype;
 
 /// `--method`: the library's [`MethodName`], its choices listed by `--help`.
 impl ValueEnum for MethodName {

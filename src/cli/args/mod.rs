@@ -18,7 +18,7 @@ mod train;
 mod world;
 
 pub use build_default::BuildDefaultArgs;
-pub use common::{dataset, parse_image_size, run_dtype, MethodArgs};
+pub use common::{dataset, parse_image_size, MethodArgs};
 pub use compare::CompareCmd;
 pub use config::ConfigArgs;
 pub use convert::ConvertArgs;

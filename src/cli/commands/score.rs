@@ -4,7 +4,7 @@ use crate::model::{load_model, ParamView};
 
 pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
     let device = args.devices.single("score")?;
-    let kind = crate::cli::args::run_dtype(&args.model, args.dtype)?;
+    let kind = crate::run::options::weights_dtype(&args.model, args.dtype)?;
     let lm = load_model(&args.model, device, kind)?;
     let images: Vec<&std::path::Path> = args.image.iter().map(|p| p.as_path()).collect();
     let s = crate::edit::score::score_with_images(&lm, &ParamView::frozen(&lm.params), &args.text, &images)?;
