@@ -73,7 +73,7 @@ def train(
 
     Options as the CLI's flags: ``device``, ``sub_device``, ``dtype``, ``placement``,
     ``optimizer_device``, ``max_memory``, ``seed``, ``report``, ``max_steps``, ``limit``,
-    ``resume``, ``recompute``, ``truncate``, ``strict``, ``image_root``,
+    ``resume``, ``init``, ``recompute``, ``truncate``, ``strict``, ``image_root``,
     ``rephrase_image_root``. ``progress`` shows the library's step bar on stderr.
 
     Returns the training report (steps, losses, validations, the editor's folder) with

@@ -139,6 +139,8 @@ struct TrainKwargs {
     #[serde(default)]
     resume: bool,
     #[serde(default)]
+    init: Option<PathBuf>,
+    #[serde(default)]
     recompute: bool,
     #[serde(default)]
     progress: bool,
@@ -471,6 +473,7 @@ fn train(py: Python<'_>, options: &str) -> PyResult<String> {
         out: k.out,
         limit: k.limit,
         resume: k.resume,
+        init: k.init,
         // The library's own step bar (stderr); training has no per-step callback.
         progress: k.progress,
     };

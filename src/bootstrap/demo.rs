@@ -110,6 +110,7 @@ pub fn train_many_editor(root: &Path, common: Common, mend: &MendConfig) -> Resu
         out: many_editor_dir(root),
         limit: None,
         resume: false,
+        init: None,
         progress: true,
     })?;
     // The optimiser state is for resuming, not part of what ships.
@@ -170,6 +171,7 @@ pub(crate) fn train_and_evaluate(
         out: editor_dir(root),
         limit: None,
         resume: false,
+        init: None,
         progress: true,
     })?;
     let (eval, _) = run_eval(

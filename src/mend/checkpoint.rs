@@ -135,6 +135,24 @@ fn read_meta<T: for<'de> Deserialize<'de>>(path: &Path, meta: &HashMap<String, S
 
 /// Loads an editor from `dir` for `engine`'s model, refusing one trained for another model.
 pub fn load_editor(dir: &Path, engine: &Engine) -> Result<(Editor, EditorMeta)> {
+    let (tensors, meta, path) = read_checked(dir, engine)?;
+    let editor = editor_from(&meta.config, &meta, &tensors, &path, engine)?;
+    Ok((editor, meta))
+}
+
+/// The editor in `dir` (network, learned edit rates, normalisation statistics) to go on
+/// meta-training under `config` (`train --init`: another loss weighting or schedule from a
+/// trained editor, with a fresh optimiser). `config` must give the network the same shape
+/// (rank, hidden layers, mode, sharing) and edit the same weights.
+pub fn init_editor(dir: &Path, engine: &Engine, config: &MendConfig) -> Result<Editor> {
+    let (tensors, meta, path) = read_checked(dir, engine)?;
+    editor_from(config, &meta, &tensors, &path, engine)
+        .map_err(|e| Error::file(&path, format!("cannot start `init` from this editor under the training config: {e}")))
+}
+
+/// The tensors and description of the editor in `dir`, refused when it was trained for
+/// another model or edits other weights than `engine`'s.
+fn read_checked(dir: &Path, engine: &Engine) -> Result<(BTreeMap<String, Tensor>, EditorMeta, std::path::PathBuf)> {
     let path = dir.join(EDITOR_FILE);
     let (tensors, raw) = read_safetensors(&path)?;
     let meta: EditorMeta = read_meta(&path, &raw)?;
@@ -178,11 +196,16 @@ pub fn load_editor(dir: &Path, engine: &Engine) -> Result<(Editor, EditorMeta)> 
             tracing::warn!(param = %name, trained = sum, now, "edited weight differs from the one the editor was trained on (an edited or different checkpoint?)");
         }
     }
+    Ok((tensors, meta, path))
+}
+
+/// An editor for `config` holding the saved `tensors` of the checkpoint at `path`.
+fn editor_from(config: &MendConfig, meta: &EditorMeta, tensors: &BTreeMap<String, Tensor>, path: &Path, engine: &Engine) -> Result<Editor> {
     // Seed 0: the random init is overwritten by the saved tensors below.
-    let mut editor = Editor::new(&meta.config, meta.params.clone(), engine.plan.main, 0)?;
-    editor.load_tensors(&tensors, &meta.stats_counts).map_err(|e| Error::file(&path, e.to_string()))?;
+    let mut editor = Editor::new(config, meta.params.clone(), engine.plan.main, 0)?;
+    editor.load_tensors(tensors, &meta.stats_counts).map_err(|e| Error::file(path, e.to_string()))?;
     editor.product_kind = Editor::products_for(engine.lm.params.kind(), editor.device());
-    Ok((editor, meta))
+    Ok(editor)
 }
 
 /// Loop counters saved with the optimiser state.

@@ -242,6 +242,8 @@ pub struct TrainOptions {
     pub out: PathBuf,
     pub limit: Option<usize>,
     pub resume: bool,
+    /// A trained editor to start from ([`checkpoint::init_editor`]) instead of a fresh one.
+    pub init: Option<PathBuf>,
     pub progress: bool,
 }
 
@@ -249,6 +251,9 @@ pub struct TrainOptions {
 pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     check_report_path(o.common.report.as_deref(), &[&o.data])?;
     check_data_flags(o.ds, &o.common)?;
+    if o.init.is_some() && o.resume {
+        return Err(Error::input("`init` starts a new training from a trained editor and `resume` continues one in `out`: give one of them"));
+    }
     // Never replace a trained editor: only --resume continues (and then rewrites) it.
     if o.out.join(checkpoint::EDITOR_FILE).exists() && !(o.resume && o.out.join(checkpoint::STATE_FILE).exists()) {
         return Err(Error::file(
@@ -294,9 +299,18 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     if val_set.is_empty() {
         tracing::warn!("no validation split (val_records is 0 or there are fewer than 5 records): the editor is selected by its training-batch loss");
     }
-    let mut editor = crate::error::guard(|| Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main, o.common.seed))
-        .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine.placement(), &o.config, &mut tracker, checkpoint::saved_state(&o.out)))?;
-    editor.product_kind = Editor::products_for(engine.lm.params.kind(), editor.device());
+    let mut editor = match &o.init {
+        Some(dir) => {
+            info!(editor = %dir.display(), "starting from a trained editor (`init`), with a fresh optimiser");
+            checkpoint::init_editor(dir, &engine, &o.config)?
+        }
+        None => {
+            let mut e = crate::error::guard(|| Editor::new(&o.config, engine.edit_params.clone(), o.common.plan.main, o.common.seed))
+                .map_err(|e| crate::device::oom::diagnose(e, 0, "editor setup", &engine.placement(), &o.config, &mut tracker, checkpoint::saved_state(&o.out)))?;
+            e.product_kind = Editor::products_for(engine.lm.params.kind(), e.device());
+            e
+        }
+    };
     tracker.mark("editor")?;
     std::fs::create_dir_all(&o.out).map_err(|e| Error::io(&o.out, e))?;
     let setup = TrainSetup {

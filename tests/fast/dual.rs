@@ -42,6 +42,7 @@ fn split_training_and_evaluation_match_single_device() {
         out: dir.path().join("train"),
         limit: None,
         resume: false,
+        init: None,
         progress: false,
     };
     let split = DevicePlan::split_on(Device::Cpu, Device::Cpu);

@@ -225,7 +225,7 @@ fn image_training_and_evaluation_match_between_single_and_dual_on_cpu() {
     let data = write_data(dir.path(), &recs);
     let common = Common { seed: 3, image_roots: Some(r.clone()), ..Common::single(fixture("qwen2_vl"), Device::Cpu) };
     let config = MendConfig { rank: 8, lr: 1e-3, edit_lr: 1e-3, accumulate: 1, max_steps: 3, val_every: 3, val_records: 1, max_length: 200, ..MendConfig::default() };
-    let opts = TrainOptions { common: common.clone(), data: data.clone(), ds: DatasetKind::Vqa, config, out: dir.path().join("train"), limit: None, resume: false, progress: false };
+    let opts = TrainOptions { common: common.clone(), data: data.clone(), ds: DatasetKind::Vqa, config, out: dir.path().join("train"), limit: None, resume: false, init: None, progress: false };
     let split = DevicePlan::split_on(Device::Cpu, Device::Cpu);
     let c = compare_train(&opts, split).unwrap();
     for k in ["image_edit_acc.step00001", "image_loc_kl.step00003", "image_loc_acc.step00002"] {
@@ -532,7 +532,7 @@ fn image_training_and_evaluation_over_a_chain_match_one_device() {
     for (list, chain_at) in [("cpu:1,cpu:2", vec![1]), ("cpu:1,cpu:2,cpu:3", vec![1, 2])] {
         let plan = DevicePlan::parse("cpu", Some(list)).unwrap().balanced_chain(chain_at, 3).unwrap();
         let out = dir.path().join(format!("train-{}", list.len()));
-        let opts = TrainOptions { common: common.clone(), data: data.clone(), ds: DatasetKind::Vqa, config: config.clone(), out: out.clone(), limit: None, resume: false, progress: false };
+        let opts = TrainOptions { common: common.clone(), data: data.clone(), ds: DatasetKind::Vqa, config: config.clone(), out: out.clone(), limit: None, resume: false, init: None, progress: false };
         let c = compare_train(&opts, plan).unwrap();
         assert!(c.single.metrics.keys().any(|k| k.starts_with("image_loc_kl")), "{:?}", c.single.metrics.keys());
         for (k, a) in &c.single.metrics {

@@ -65,6 +65,7 @@ fn train_options(dir: &std::path::Path, model: &str, cfg: MendConfig, name: &str
         out: dir.join(name),
         limit: None,
         resume: false,
+        init: None,
         progress: false,
     }
 }

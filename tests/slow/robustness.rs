@@ -26,6 +26,7 @@ fn options(dir: &Path, out: &str, config: MendConfig, resume: bool) -> TrainOpti
         out: dir.join(out),
         limit: None,
         resume,
+        init: None,
         progress: false,
     }
 }
@@ -344,6 +345,38 @@ fn resume_with_another_config_is_refused_naming_the_keys() {
     assert!(!err.contains("max_steps (saved"), "max_steps may change: {err}");
     let (rest, _) = run_train(&options(dir.path(), "cfg", config(3), true)).unwrap();
     assert_eq!(rest.history.first().map(|h| h.step), Some(3));
+}
+
+/// `train --init`: a new training starts from a trained editor's weights (its first
+/// validation is the trained editor's, not a fresh one's), under its own config; a network
+/// of another shape is refused naming the checkpoint, and `init` with `resume` is refused.
+#[test]
+fn init_starts_from_a_trained_editor() {
+    let dir = tempfile::tempdir().unwrap();
+    run_train(&options(dir.path(), "first", config(6), false)).unwrap();
+    // With the learning rates at zero the network and the edit rates stay as they started.
+    let zero_lr = || MendConfig { lr: 0.0, lr_lr: 0.0, c_loc: 3.0, ..config(2) };
+    run_train(&TrainOptions { init: Some(dir.path().join("first")), ..options(dir.path(), "second", zero_lr(), false) }).unwrap();
+    run_train(&options(dir.path(), "scratch", zero_lr(), false)).unwrap();
+    let weights = |d: &str| {
+        let (t, _) = dualedit::io::read_safetensors(&dir.path().join(d).join("editor.safetensors")).unwrap();
+        t.into_iter().filter(|(n, _)| !n.starts_with("stats.")).collect::<Vec<_>>()
+    };
+    let (first, second, scratch) = (weights("first"), weights("second"), weights("scratch"));
+    assert_eq!(first.len(), second.len());
+    for ((n, a), (_, b)) in first.iter().zip(&second) {
+        assert!(a.equal(b), "{n} is the trained editor's");
+    }
+    assert!(first.iter().zip(&scratch).any(|((_, a), (_, b))| !a.equal(b)), "a fresh editor differs");
+    let saved = dualedit::mend::checkpoint::trained_config(&dir.path().join("second")).unwrap();
+    assert_eq!(saved.c_loc, 3.0, "the new editor carries the new config");
+
+    let other_rank = TrainOptions { init: Some(dir.path().join("first")), ..options(dir.path(), "third", MendConfig { rank: 8, ..config(2) }, false) };
+    let err = run_train(&other_rank).err().expect("another rank is refused").to_string();
+    assert!(err.contains("first/editor.safetensors") && err.contains("`init`") && err.contains("shape"), "{err}");
+    let both = TrainOptions { init: Some(dir.path().join("first")), ..options(dir.path(), "fourth", config(2), true) };
+    let err = run_train(&both).err().expect("init with resume is refused").to_string();
+    assert!(err.contains("`init`") && err.contains("`resume`"), "{err}");
 }
 
 /// Issue #33.7: `eval --sequential 100000` on a handful of records edits them all as one

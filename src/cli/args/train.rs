@@ -31,6 +31,11 @@ pub struct TrainArgs {
     /// Continue from the training state in --out.
     #[arg(long)]
     pub resume: bool,
+    /// Start from the trained editor in this directory (its network, learned edit rates
+    /// and statistics) instead of a fresh one, with a fresh optimiser and the --config's
+    /// losses and schedule; the network's shape and edited weights must be the same.
+    #[arg(long, value_name = "EDITOR_DIR", conflicts_with = "resume")]
+    pub init: Option<PathBuf>,
     /// Recompute the edited forwards' blocks in the backward instead of keeping their
     /// activations (less memory, one more forward of the edited blocks; same losses).
     #[arg(long)]

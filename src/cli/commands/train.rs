@@ -23,6 +23,7 @@ pub fn options(a: TrainArgs) -> anyhow::Result<TrainOptions> {
         out: a.out,
         limit: a.limit,
         resume: a.resume,
+        init: a.init,
         progress: true,
     })
 }
