@@ -44,7 +44,9 @@ impl Cli {
 /// them; the flag a field becomes is clap's, so the two cannot drift apart. A name in
 /// backticks that no flag has (a JSON key of a record, say) is left as it is. A switch
 /// that turns a field off (`guard` is set by `--no-guard`) is named as its value:
-/// `` `guard`=false `` becomes `--no-guard`.
+/// `` `guard`=false `` becomes `--no-guard`, `` `recompute`=true `` becomes `--recompute`.
+/// Advice that gives a value (`` `dtype`=bf16 ``, as a Python keyword would be set) becomes
+/// the flag and the value (`--dtype bf16`).
 pub fn flags_named(message: &str) -> String {
     use std::sync::OnceLock;
     static FLAGS: OnceLock<std::collections::BTreeMap<String, String>> = OnceLock::new();
@@ -52,11 +54,20 @@ pub fn flags_named(message: &str) -> String {
         fn walk(cmd: &clap::Command, out: &mut std::collections::BTreeMap<String, String>) {
             for arg in cmd.get_arguments() {
                 if let Some(long) = arg.get_long() {
-                    let name = match arg.get_action() {
-                        clap::ArgAction::SetFalse => format!("{}=false", arg.get_id()),
-                        _ => arg.get_id().to_string(),
-                    };
-                    out.entry(name).or_insert_with(|| format!("--{long}"));
+                    let id = arg.get_id();
+                    match arg.get_action() {
+                        clap::ArgAction::SetFalse => {
+                            out.entry(format!("{id}=false")).or_insert_with(|| format!("--{long}"));
+                        }
+                        clap::ArgAction::SetTrue => {
+                            out.entry(format!("{id}=true")).or_insert_with(|| format!("--{long}"));
+                            out.entry(id.to_string()).or_insert_with(|| format!("--{long}"));
+                        }
+                        _ => {
+                            out.entry(id.to_string()).or_insert_with(|| format!("--{long}"));
+                            out.entry(format!("{id}=")).or_insert_with(|| format!("--{long} "));
+                        }
+                    }
                 }
             }
             for sub in cmd.get_subcommands() {
@@ -79,7 +90,10 @@ pub fn flags_named(message: &str) -> String {
         };
         let name = &after[..close];
         let mut next = &after[close + 1..];
-        let switch = next.strip_prefix("=false").and_then(|tail| Some((flags.get(&format!("{name}=false"))?, tail)));
+        // `name`=false / =true (a switch), or `name`=VALUE (a flag and its value).
+        let switch = ["=false", "=true", "="]
+            .iter()
+            .find_map(|v| Some((flags.get(&format!("{name}{v}"))?, next.strip_prefix(v)?)));
         match (switch, flags.get(name)) {
             (Some((flag, tail)), _) => {
                 out.push_str(flag);

@@ -70,7 +70,7 @@ pub fn diagnose(
         msg.push_str(&format!("    - {a}\n"));
     }
     match saved_state {
-        Some(dir) => msg.push_str(&format!("  training state saved in {} (continue with --resume)", dir.display())),
+        Some(dir) => msg.push_str(&format!("  training state saved in {} (continue with `resume`=true)", dir.display())),
         None => msg.push_str("  no training state was saved yet"),
     }
     match err {
@@ -83,22 +83,22 @@ pub fn diagnose(
 pub fn advice(placement: &Placement, cfg: &MendConfig) -> Vec<String> {
     let mut out = Vec::new();
     if !placement.split {
-        out.push("run the edited forwards on a second device: --sub-device cuda:1 (or --sub-device cpu)".into());
+        out.push("run the edited forwards on a second device: `sub_device`=cuda:1 (or `sub_device`=cpu)".into());
     }
     if placement.layout == super::Placement::Replica {
         out.push(format!(
-            "divide the frozen model's blocks between the devices: --placement balanced{} (`dualedit plan` prints each placement's per-device peaks; --placement auto picks one that fits --max-memory)",
-            if placement.split { "" } else { " with --sub-device" }
+            "divide the frozen model's blocks between the devices: `placement`=balanced{} (`dualedit plan` prints each placement's per-device peaks; `placement`=auto picks one that fits `max_memory`)",
+            if placement.split { "" } else { " with `sub_device`" }
         ));
     }
     if placement.optimizer == super::OptimizerDevice::Main {
-        out.push("move the editor's Adam moments off the main device: --optimizer-device sub (or cpu)".into());
+        out.push("move the editor's Adam moments off the main device: `optimizer_device`=sub (or cpu)".into());
     }
     if placement.weights == Kind::Float {
-        out.push("load the model in bf16 (--dtype bf16): weights and activations take half the memory; editor maths stays f32".into());
+        out.push("load the model in bf16 (`dtype`=bf16): weights and activations take half the memory; editor maths stays f32".into());
     }
     if !cfg.recompute {
-        out.push("recompute the edited forwards in the backward (--recompute): keeps one block's activations instead of every edited block's".into());
+        out.push("recompute the edited forwards in the backward (`recompute`=true): keeps one block's activations instead of every edited block's".into());
     }
     if cfg.max_length > 64 {
         out.push(format!("lower max_length in the config (now {}): activations and logits grow with it", cfg.max_length));

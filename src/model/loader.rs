@@ -104,7 +104,7 @@ impl DtypeSource {
     /// For logs and plans: where the dtype came from.
     pub fn describe(self) -> &'static str {
         match self {
-            DtypeSource::Flag => "--dtype",
+            DtypeSource::Flag => "`dtype`",
             DtypeSource::Config => "the checkpoint's config.json dtype",
             DtypeSource::Default => "default; config.json gives no dtype",
         }

@@ -66,10 +66,10 @@ impl FitAdvice {
         let sh = &p.shape;
         let mut out = Vec::new();
         if add_sub {
-            out.push(format!("--sub-device {}", sh.sub));
+            out.push(format!("`sub_device`={}", sh.sub));
         }
         if sh.split {
-            out.push(format!("--placement {}", sh.placement.name()));
+            out.push(format!("`placement`={}", sh.placement.name()));
         }
         let opt = if sh.optimizer_device == sh.main {
             None
@@ -79,7 +79,7 @@ impl FitAdvice {
             Some("cpu")
         };
         if let Some(o) = opt {
-            out.push(format!("--optimizer-device {o}"));
+            out.push(format!("`optimizer_device`={o}"));
         }
         let role = |d: &str| {
             if d == sh.main {

@@ -83,7 +83,7 @@ training peak; max/1 = the largest device's training peak / the single-device tr
 /// The verdict block under a table: one line per placement with caps, and the chosen one.
 pub fn verdict_text(verdicts: &[PlacementVerdict], headroom: &Headroom) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "verdicts against --max-memory, usable = {}:", headroom.text());
+    let _ = writeln!(out, "verdicts against `max_memory`, usable = {}:", headroom.text());
     for v in verdicts {
         let devs = v
             .devices
@@ -95,7 +95,7 @@ pub fn verdict_text(verdicts: &[PlacementVerdict], headroom: &Headroom) -> Strin
     }
     match verdicts.iter().find(|v| v.fits) {
         Some(v) => {
-            let _ = writeln!(out, "chosen: {} (the first that fits, in the order of --placement auto)", v.label);
+            let _ = writeln!(out, "chosen: {} (the first that fits, in the order of `placement`=auto)", v.label);
         }
         None => {
             let _ = writeln!(out, "nothing fits");
@@ -303,7 +303,7 @@ pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion
         (None, true) => {
             let table = PlacementTable::new(model, cfg, o)?;
             let v: Vec<PlacementVerdict> = table.rows.iter().map(|r| judge_row(r, &o.main, &caps, &o.headroom)).collect();
-            let text = format!("{planned}{}{COLUMNS}(--placement NAME prints one placement's items and formulas)\n", table.text());
+            let text = format!("{planned}{}{COLUMNS}(`placement`=NAME prints one placement's items and formulas)\n", table.text());
             (serde_json::to_value(&table).map_err(|e| Error::Torch(e.to_string()))?, text, v)
         }
         (request, _) => {
@@ -327,7 +327,7 @@ pub fn answer(model: &Model, cfg: &MendConfig, o: &PlanOptions, q: &PlanQuestion
     if !judged {
         value["planned"] = planned_json;
         value["fits"] = serde_json::Value::Null;
-        text.push_str("(--max-memory DEVICE=SIZE,... gives each placement a verdict)\n");
+        text.push_str("(`max_memory`=DEVICE=SIZE,... gives each placement a verdict)\n");
         return Ok((if q.json { value.to_string() + "\n" } else { text }, None));
     }
     finish(value, text, verdicts, planned_json, judged, &caps, &o.headroom, q.json)

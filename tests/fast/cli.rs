@@ -460,6 +460,7 @@ fn options_are_library_fields_and_the_cli_prints_them_as_flags() {
     use dualedit::run::options::{GroupOptions, GuardOptions};
     assert_eq!(flags_named("`sub_device` cpu:1: bad; `guard_max_kl` must"), "--sub-device cpu:1: bad; --guard-max-kl must");
     assert_eq!(flags_named("or turn the guard off (`guard`=false)"), "or turn the guard off (--no-guard)");
+    assert_eq!(flags_named("try `dtype`=bf16, `recompute`=true and `placement`=auto"), "try --dtype bf16, --recompute and --placement auto");
     // Backticked names no flag has (a record's keys) and a lone backtick stay as they are.
     assert_eq!(flags_named("record 3: `prompt` and `nope` are `"), "record 3: `prompt` and `nope` are `");
     let from_json: GuardOptions = serde_json::from_str(r#"{"guard_max_kl": 0.5, "guard_refuse": true}"#).unwrap();

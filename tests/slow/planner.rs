@@ -493,7 +493,7 @@ fn out_of_memory_names_the_placement_that_fits() {
     assert_eq!((chosen.shape.placement, chosen.shape.optimizer_device.as_str()), (Placement::Balanced, "cpu"));
     let msg = simulate(FitAdvice::new(model.clone(), cfg.clone(), o.clone(), vec![], replica), true);
     let peak = |d: &str| dualedit::device::memory::format_bytes(chosen.peak(d, Phase::Train));
-    let expected = format!("would fit (planner): --placement balanced --optimizer-device cpu (main cuda:0 {}, sub cuda:1 {}, cpu {})", peak("cuda:0"), peak("cuda:1"), peak("cpu"));
+    let expected = format!("would fit (planner): `placement`=balanced `optimizer_device`=cpu (main cuda:0 {}, sub cuda:1 {}, cpu {})", peak("cuda:0"), peak("cuda:1"), peak("cpu"));
     assert!(msg.contains(&expected), "{expected:?} not in:\n{msg}");
     assert!(msg.contains("at optimiser step 2, in phase: backward") && msg.contains("Tried to allocate"), "{msg}");
     // One 12 GiB card and no sub-device: the planner adds the second card and divides the model.
@@ -501,7 +501,7 @@ fn out_of_memory_names_the_placement_that_fits() {
     one.headroom = o.headroom.clone();
     one.caps = "cuda:0=12GiB,cuda:1=12GiB".parse::<MaxMemory>().unwrap();
     let advice = FitAdvice::new(model.clone(), cfg.clone(), one.clone(), vec!["cuda:1".into(), "cpu".into()], replica).would_fit().unwrap();
-    assert!(advice.starts_with("--sub-device cuda:1 --placement balanced (main cuda:0 "), "{advice}");
+    assert!(advice.starts_with("`sub_device`=cuda:1 `placement`=balanced (main cuda:0 "), "{advice}");
     // Nothing fits 4 GiB cards: the diagnosis says so, placement by placement.
     o.caps = "cuda:0=4GiB,cuda:1=4GiB".parse::<MaxMemory>().unwrap();
     let msg = simulate(FitAdvice::new(model.clone(), cfg.clone(), o.clone(), vec![], replica), true);
@@ -510,7 +510,7 @@ fn out_of_memory_names_the_placement_that_fits() {
     // The run's own placement fitting (the estimate was low) is said as such.
     o.caps = "cuda:0=40GiB,cuda:1=40GiB".parse::<MaxMemory>().unwrap();
     let own = FitAdvice::new(model, cfg.clone(), o, vec![], replica).would_fit().unwrap();
-    assert!(own.starts_with("--placement replica") && own.contains("run's own placement"), "{own}");
+    assert!(own.starts_with("`placement`=replica") && own.contains("run's own placement"), "{own}");
 }
 
 /// `plan` on the bundled Qwen2-VL-7B config (bf16 in its config.json) with a 448 x 448

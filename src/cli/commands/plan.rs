@@ -8,7 +8,8 @@ use crate::planner::{verdict, PlanOptions};
 
 pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     let (out, nothing_fits) = answer(&a)?;
-    print!("{out}");
+    // The planner names options by their fields; here they are this command's flags.
+    print!("{}", crate::cli::flags_named(&out));
     if let Some(line) = nothing_fits {
         anyhow::bail!(line);
     }
