@@ -57,15 +57,15 @@ fn the_real_model_converts_and_its_editor_rewrites_a_real_fact() {
 }
 
 /// Issue #47 at CI's sizes: the command a user types, no method flags, on the real model
-/// with the key statistics `./x demo --real` builds for its editor (10,000 tokens of true
-/// CounterFact training facts in `data/real/stats-text.txt`: "{prompt} {ground_truth}.",
-/// the rephrase and the neighbour likewise), 20 validation records in one batch and 10 one after
-/// another. What it shows is where the default stands (BENCHMARKS.md, "Many edits on the
-/// real model"), not the issue's goals: the guard keeps the model (locality ≥ 0.9), a batch
-/// is not refused whole, and some edits are made; the bounds sit below what was measured
-/// with the committed editor (0.15 / 0.05 / 0.95 in a batch, 0.20 / 0.10 / 1.00 with 8 of
-/// 10 committed in a row; the previous editor, which edits one fact worse, gave 0.30 /
-/// 0.10 / 0.95 and 0.35 / 0.15 / 1.00).
+/// with the key statistics `./x demo --real` builds for its editors (from the true
+/// CounterFact training facts in `data/real/stats-text.txt`), 20 validation records in one
+/// batch and 10 one after another. Several requests go to the editor for many edits that
+/// `data/real/editor` names (`data/real/editor-many`, meta-trained through the
+/// least-squares solve). What it shows is where the default stands (BENCHMARKS.md, "Many
+/// edits on the real model"), not the issue's goals: the guard keeps the model (locality
+/// ≥ 0.9), and edits are made; the bounds sit below what was measured (0.45 / 0.10 / 0.95 in
+/// a batch, none refused; 0.40 / 0.25 / 1.00 with 4 of 10 committed in a row; the
+/// one-edit editor alone gave 0.15 / 0.05 / 0.95 and 0.20 / 0.10 / 1.00).
 #[test]
 fn many_edits_on_the_real_model_with_the_default_command() {
     let Some(gguf) = cached_gguf() else { return };
@@ -85,18 +85,21 @@ fn many_edits_on_the_real_model_with_the_default_command() {
     // tokens of the same text.
     let read = |name: &str| -> Vec<serde_json::Value> { serde_json::from_str(&std::fs::read_to_string(shared.join("counterfact").join(name)).unwrap()).unwrap() };
     let shipped = root().join("data/real/editor");
-    let editor = if shipped.join("key-stats.safetensors").is_file() && model == root().join("data/real/model") {
+    let editor = if ["editor", "editor-many"].iter().all(|e| root().join("data/real").join(e).join("key-stats.safetensors").is_file()) && model == root().join("data/real/model") {
         shipped
     } else {
-        let editor = top.path().join("editor");
-        std::fs::create_dir(&editor).unwrap();
-        for f in ["editor.json", "editor.safetensors"] {
-            std::fs::copy(shipped.join(f), editor.join(f)).unwrap();
+        // Both editors, so that the single one's `many_editor` ("../editor-many") finds its copy.
+        for name in ["editor", "editor-many"] {
+            let copy = top.path().join(name);
+            std::fs::create_dir(&copy).unwrap();
+            for f in ["editor.json", "editor.safetensors"] {
+                std::fs::copy(root().join("data/real").join(name).join(f), copy.join(f)).unwrap();
+            }
+            let text = root().join("data/real/stats-text.txt");
+            let out = dualedit(&["stats", "--model", model.to_str().unwrap(), "--editor", copy.to_str().unwrap(), "--text", text.to_str().unwrap(), "--max-tokens", "5000"]);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         }
-        let text = root().join("data/real/stats-text.txt");
-        let out = dualedit(&["stats", "--model", model.to_str().unwrap(), "--editor", editor.to_str().unwrap(), "--text", text.to_str().unwrap(), "--max-tokens", "5000"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        editor
+        top.path().join("editor")
     };
 
     let val = read("counterfact-val.json");
@@ -114,6 +117,7 @@ fn many_edits_on_the_real_model_with_the_default_command() {
         let (rel, loc) = (v["reliability"].as_f64().unwrap(), v["locality"].as_f64().unwrap());
         let committed = n as u64 - v["refused"].as_u64().unwrap();
         assert!(loc >= 0.9, "{n} sequential={sequential}: the guard keeps the neighbours' answers: {loc}");
-        assert!(rel >= 0.1 && committed >= n as u64 / 2, "{n} sequential={sequential}: reliability {rel}, {committed} committed");
+        // The guard refuses what would move the neighbours: in a row it refused 6 of 10.
+        assert!(rel >= 0.3 && committed >= n as u64 / 4, "{n} sequential={sequential}: reliability {rel}, {committed} committed");
     }
 }
