@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-from easyedit_mend import recorded, write  # noqa: E402  (one JSON-writing scaffold for all)
+from easyedit_mend import recorded, scratch, write  # noqa: E402  (one JSON-writing scaffold for all)
 
 FORMAT = "dualedit-easyedit-many/1"
 COMMIT = "14cea8245f06715684592ab55184939b99d70784"
@@ -93,11 +93,7 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, help="scratch: the model link, EasyEdit's logs/; default beside --out")
     args = ap.parse_args()
-    args.out = args.out.resolve()
-    work = (args.work or args.out.with_name(args.out.stem + ".work")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    for k in ("easyedit", "model", "records", "stats_text"):
-        setattr(args, k, getattr(args, k).resolve())
+    work = scratch(args, ("easyedit", "model", "records", "stats_text"))
     os.chdir(work)  # EasyEdit writes logs/ (and AlphaEdit its null_space_project.pt) here
     result = {"format": FORMAT, "tool": "easyedit", "method": args.method, "n": args.n,
               "mode": "sequential" if args.sequential else "batch", "model": str(args.model),

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-from easyedit_mend import recorded, write  # noqa: E402  (one JSON-writing scaffold for both)
+from easyedit_mend import recorded, scratch, write  # noqa: E402  (one JSON-writing scaffold for both)
 
 FORMAT = "dualedit-easyedit-real/1"
 
@@ -79,11 +79,7 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, help="scratch: the model link, EasyEdit's results; default beside --out")
     args = ap.parse_args()
-    args.out = args.out.resolve()
-    work = (args.work or args.out.with_name(args.out.stem + ".work")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    for k in ("easyedit", "model", "train", "val"):
-        setattr(args, k, getattr(args, k).resolve())
+    work = scratch(args, ("easyedit", "model", "train", "val"))
     if args.hparams != "easyedit":
         args.hparams = str(Path(args.hparams).resolve())
     os.chdir(work)  # EasyEdit writes its logs/ into the working folder

@@ -64,6 +64,18 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def scratch(args, paths=()):
+    """The run's scratch folder (--work, default beside --out), made; --out and the `paths`
+    arguments made absolute first, since the scripts move into the scratch folder (EasyEdit
+    writes logs/ and results into the working folder)."""
+    args.out = args.out.resolve()
+    for k in paths:
+        setattr(args, k, getattr(args, k).resolve())
+    work = (args.work or args.out.with_name(args.out.stem + ".work")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
 def write(out, result):
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
@@ -120,9 +132,7 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, help="scratch (results_dir); default beside --out")
     args = ap.parse_args()
-    args.out = args.out.resolve()
-    work = (args.work or args.out.with_name(args.out.stem + ".work")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    work = scratch(args)
     result = {"format": FORMAT, "tool": "easyedit", "family": args.family, "model": str(args.model), "device": args.device,
               "steps": args.steps, "warmup": args.warmup, "phase": "import"}
     return recorded("easyedit_mend", run, args, work, result)
