@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 from . import _native
 from ._errors import InputError
-from ._session import PathLike, _extension_values, _options
+from ._session import PathLike, _options
 
 Progress = Union[bool, Callable[[int, int, Dict[str, Any]], None], None]
 
@@ -117,16 +117,17 @@ def plan(model: PathLike, config: PathLike, **options: Any) -> Dict[str, Any]:
     """``dualedit plan``: each device's peak memory for training and editing, from the
     model's config.json alone (the devices need not exist here).
 
-    Options: ``device``, ``sub_device``, ``dtype``, ``placement`` (replica, balanced,
-    auto), ``optimizer_device``, ``max_memory`` (planned against, not applied),
-    ``max_length``, ``kept_tokens``, ``image_size=(w, h)``, ``ds``, ``loc_length``.
+    Options: ``plan``'s flags as keywords: ``device``, ``sub_device``, ``dtype``,
+    ``placement`` (replica, balanced, auto), ``optimizer_device``, ``max_memory``
+    (planned against, not applied), ``margin``, ``reserve``, ``fit``, ``data`` with ``ds``
+    (and ``image_root``, ``percentile``), ``max_length``, ``kept_tokens``,
+    ``image_size=(w, h)``, ``loc_length``.
     Returns ``plan --json``'s object: one placement's plan, or with a sub-device and no
     placement the table of every placement.
     """
-    o = _extension_values(options)
-    if "image_size" in o and o["image_size"] is not None:
-        o["image_size"] = tuple(int(x) for x in o["image_size"])
-    return json.loads(_native.plan(os.fspath(model), os.fspath(config), **o))
+    if options.get("image_size") is not None:
+        options["image_size"] = [int(x) for x in options["image_size"]]
+    return json.loads(_native.plan(_options(model=model, config=config, **options)))
 
 
 def compare(command: str, *args: Any, **options: Any) -> Dict[str, Any]:

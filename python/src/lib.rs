@@ -26,7 +26,7 @@ use dualedit::device::DeviceRequest;
 use dualedit::edit::{MethodOptions, MethodSpec};
 use dualedit::mend::guard::GuardConfig;
 use dualedit::model::Dtype;
-use dualedit::planner::Phase;
+use dualedit::planner::{Phase, PlanRequest};
 use dualedit::run::options::{load_options, GroupOptions, GuardOptions, RunOptions};
 use dualedit::run::{self, EvalOptions, TrainOptions};
 use dualedit::edit::session::{read_image_requests, Session as Inner};
@@ -92,10 +92,20 @@ fn json<T: serde::Serialize>(v: &T) -> PyResult<String> {
 /// `T`, the library's option types flattened; a keyword none of them has is one error
 /// naming it. `unknown`: the keywords none of its parts took (a `flatten` catch-all).
 fn kwargs<T: serde::de::DeserializeOwned>(what: &str, options: &str, unknown: impl Fn(&T) -> &BTreeMap<String, serde_json::Value>) -> PyResult<T> {
+    kwargs_of(what, options, &RunOptions::fields(), unknown)
+}
+
+/// [`kwargs`] whose flattened part is not `RunOptions` but has the fields `flattened`.
+fn kwargs_of<T: serde::de::DeserializeOwned>(
+    what: &str,
+    options: &str,
+    flattened: &[String],
+    unknown: impl Fn(&T) -> &BTreeMap<String, serde_json::Value>,
+) -> PyResult<T> {
     let t: T = serde_json::from_str(options).map_err(|e| input_err(format!("{what}: {e}")))?;
-    // `RunOptions` has a flattened part of its own, so serde leaves its keys here too.
-    let run = RunOptions::fields();
-    if let Some(k) = unknown(&t).keys().find(|k| !run.contains(k)) {
+    // A flattened type with a flattened part of its own (`RunOptions`, `PlanRequest`: the
+    // device request) leaves that part's keys here too.
+    if let Some(k) = unknown(&t).keys().find(|k| !flattened.contains(k)) {
         return Err(input_err(format!("{what}: unexpected keyword argument {k:?}")));
     }
     Ok(t)
@@ -565,61 +575,21 @@ fn evaluate(py: Python<'_>, options: &str, progress: Option<Bound<'_, PyAny>>) -
     Ok(v.to_string())
 }
 
+/// `dualedit.plan(...)`'s keywords: the library's `PlanRequest`, as `plan`'s flags.
+#[derive(Deserialize)]
+struct PlanKwargs {
+    #[serde(flatten)]
+    request: PlanRequest,
+    #[serde(flatten)]
+    unknown: BTreeMap<String, serde_json::Value>,
+}
+
 /// `dualedit plan`: each device's peak memory for training and editing, from config.json
 /// alone (the devices need not exist here); the CLI's `--json` object.
 #[pyfunction]
-#[pyo3(signature = (model, config, *, device="cpu", sub_device=None, dtype=None, placement=None, optimizer_device=None,
-    max_memory=None, max_length=None, kept_tokens=None, image_size=None, ds=None, loc_length=None))]
-#[allow(clippy::too_many_arguments)]
-fn plan(
-    py: Python<'_>,
-    model: PathBuf,
-    config: PathBuf,
-    device: &str,
-    sub_device: Option<&str>,
-    dtype: Option<&str>,
-    placement: Option<&str>,
-    optimizer_device: Option<&str>,
-    max_memory: Option<&str>,
-    max_length: Option<usize>,
-    kept_tokens: Option<i64>,
-    image_size: Option<(i64, i64)>,
-    ds: Option<&str>,
-    loc_length: Option<i64>,
-) -> PyResult<String> {
-    // The CLI's own flags and code path (`cli::commands::plan::answer`), so the object is
-    // the one `plan --json` prints, verdicts included.
-    let mut argv: Vec<String> = ["dualedit", "plan", "--json", "--device", device].iter().map(|s| s.to_string()).collect();
-    argv.push("--model".into());
-    argv.push(model.display().to_string());
-    argv.push("--config".into());
-    argv.push(config.display().to_string());
-    let mut flag = |name: &str, v: Option<String>| {
-        if let Some(v) = v {
-            argv.push(format!("--{name}={v}"));
-        }
-    };
-    flag("sub-device", sub_device.map(str::to_string));
-    flag("dtype", dtype.map(str::to_string));
-    flag("placement", placement.map(str::to_string));
-    flag("optimizer-device", optimizer_device.map(str::to_string));
-    flag("max-memory", max_memory.map(str::to_string));
-    flag("max-length", max_length.map(|v| v.to_string()));
-    flag("kept-tokens", kept_tokens.map(|v| v.to_string()));
-    flag("image-size", image_size.map(|(w, h)| format!("{w}x{h}")));
-    flag("ds", ds.map(str::to_string));
-    flag("loc-length", loc_length.map(|v| v.to_string()));
-    let args = match <dualedit::cli::Cli as clap::Parser>::try_parse_from(&argv) {
-        Ok(dualedit::cli::Cli { command: dualedit::cli::Command::Plan(a), .. }) => a,
-        Ok(_) => return Err(input_err("plan: internal argument error")),
-        Err(e) => return Err(input_err(e.to_string().lines().next().unwrap_or("invalid plan options").trim_start_matches("error: ").to_string())),
-    };
-    py.allow_threads(|| dualedit::cli::commands::plan::answer(&args))
-        .map(|(out, _)| out)
-        .map_err(|e| match e.downcast::<Error>() {
-            Ok(e) => py_err(e),
-            Err(e) => input_err(e.to_string()),
-        })
+fn plan(py: Python<'_>, options: &str) -> PyResult<String> {
+    let k: PlanKwargs = kwargs_of("plan", options, &PlanRequest::fields(), |k: &PlanKwargs| &k.unknown)?;
+    py.allow_threads(|| k.request.answer(true)).map(|(out, _)| out).py()
 }
 
 /// Keeps the module's logs on stderr at `warn` (or `DUALEDIT_LOG`, an env-filter string).

@@ -431,6 +431,15 @@ def test_plan_is_the_cli_plan(tmp_path):
     got = dualedit.plan(MODEL, cfg)
     want = cli("plan", "--model", str(MODEL), "--config", str(cfg), tmp=tmp_path)
     assert got == want
+    # Every flag of `plan` is a keyword (the library's PlanRequest), with the CLI's answer.
+    got = dualedit.plan(MODEL, cfg, sub_device="cpu:1", placement="balanced", fit="16GiB,24GiB", max_length=32)
+    want = cli("plan", "--model", str(MODEL), "--config", str(cfg), "--sub-device", "cpu:1", "--placement", "balanced",
+               "--fit", "16GiB,24GiB", "--max-length", "32", tmp=tmp_path)
+    assert got == want
+    with pytest.raises(dualedit.InputError, match="`image_size`"):
+        dualedit.plan(MODEL, cfg, ds="zsre", image_size=(4, 4))
+    with pytest.raises(dualedit.InputError, match="nope"):
+        dualedit.plan(MODEL, cfg, nope=1)
 
 
 def test_the_easyedit_example_runs():

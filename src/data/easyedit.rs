@@ -70,6 +70,14 @@ impl fmt::Display for DatasetKind {
     }
 }
 
+/// `--ds` of the commands that read a dataset (not edit requests): zsre, counterfact, vqa
+/// or caption, listed by `--help`.
+pub fn dataset_parser() -> impl clap::builder::TypedValueParser<Value = DatasetKind> {
+    let names: Vec<&'static str> = DatasetKind::ALL.iter().filter(|k| **k != DatasetKind::Requests).map(|k| k.as_str()).collect();
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(names).try_map(|s| s.parse::<DatasetKind>())
+}
+
 impl FromStr for DatasetKind {
     type Err = Error;
 

@@ -26,10 +26,12 @@ mod placement;
 mod render;
 mod sizes;
 mod types;
+mod request;
 pub mod verdict;
 
 pub use advice::*;
 pub use placement::*;
+pub use request::PlanRequest;
 pub use types::*;
 
 #[cfg(test)]

@@ -477,4 +477,23 @@ fn options_are_library_fields_and_the_cli_prints_them_as_flags() {
     let o = dualedit(&["eval", "--model", "m", "--data", "d", "--ds", "zsre", "--guard-max-kl", "0.5"]);
     let err = stderr(&o);
     assert!(!o.status.success() && err.contains("--stepwise") && err.contains("--edits-per-batch") && !err.contains('`'), "{err}");
+    // `plan`'s question is one library type too: its flags and its JSON read the same.
+    let Command::Plan(p) = Cli::try_parse_from(["dualedit", "plan", "--model", "m", "--config", "c", "--sub-device", "cpu:1", "--image-size", "448x448", "--ds", "vqa"])
+        .unwrap()
+        .command
+    else {
+        panic!("not plan")
+    };
+    let from_json: dualedit::planner::PlanRequest =
+        serde_json::from_str(r#"{"model": "m", "config": "c", "sub_device": "cpu:1", "image_size": [448, 448], "ds": "vqa"}"#).unwrap();
+    assert_eq!(serde_json::to_value(&p.request).unwrap(), serde_json::to_value(&from_json).unwrap());
+    let cfg = common::root().join("configs/world.json");
+    let model = common::fixture("gpt2");
+    let text_only = dualedit::planner::PlanRequest { ds: Some(dualedit::data::DatasetKind::Zsre), ..from_json.clone() };
+    let text_only = dualedit::planner::PlanRequest { model: model.clone(), config: cfg.clone(), ..text_only };
+    let e = text_only.answer(true).unwrap_err().to_string();
+    assert!(e.contains("`ds`=zsre is text-only: `image_size`"), "{e}");
+    let o = dualedit(&["plan", "--model", &model.display().to_string(), "--config", &cfg.display().to_string(), "--ds", "zsre", "--image-size", "4x4"]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains("--ds zsre is text-only: --image-size plans"), "{err}");
 }

@@ -4,7 +4,7 @@
 //! guard and group options are the library's `run::options` types, flattened.)
 use std::path::PathBuf;
 
-use clap::builder::{PossibleValue, TypedValueParser};
+use clap::builder::PossibleValue;
 use clap::{Args, ValueEnum};
 
 use crate::config::MendConfig;
@@ -115,20 +115,3 @@ impl ValueEnum for DatasetKind {
     }
 }
 
-/// `--ds` of the commands that read a dataset (not edit requests): zsre, counterfact, vqa
-/// or caption, listed by `--help`.
-pub fn dataset() -> impl TypedValueParser<Value = DatasetKind> {
-    let names: Vec<&'static str> = DatasetKind::ALL.iter().filter(|k| **k != DatasetKind::Requests).map(|k| k.as_str()).collect();
-    clap::builder::PossibleValuesParser::new(names).try_map(|s| s.parse::<DatasetKind>())
-}
-
-/// `448x448` (or `448×448`) to `(width, height)`.
-pub fn parse_image_size(s: &str) -> Result<(i64, i64), String> {
-    let bad = || format!("{s:?} is not an image size WIDTHxHEIGHT (e.g. 448x448)");
-    let (w, h) = s.split_once(['x', 'X', '×']).ok_or_else(bad)?;
-    let (w, h) = (w.trim().parse::<i64>().map_err(|_| bad())?, h.trim().parse::<i64>().map_err(|_| bad())?);
-    if w < 1 || h < 1 {
-        return Err(bad());
-    }
-    Ok((w, h))
-}

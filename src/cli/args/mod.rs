@@ -18,7 +18,9 @@ mod train;
 mod world;
 
 pub use build_default::BuildDefaultArgs;
-pub use common::{dataset, parse_image_size, MethodArgs};
+pub use common::MethodArgs;
+pub use crate::data::easyedit::dataset_parser as dataset;
+pub use crate::model::vision::parse_image_size;
 pub use compare::CompareCmd;
 pub use config::ConfigArgs;
 pub use convert::ConvertArgs;

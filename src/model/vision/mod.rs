@@ -57,3 +57,14 @@ pub fn check_finite_features(feats: &Tensor, grids: &[Grid], merge: i64, paths: 
     }
     Err(Error::input(format!("the vision tower gave {bad} rows of non-finite features")))
 }
+
+/// `448x448` (or `448×448`) to `(width, height)`.
+pub fn parse_image_size(s: &str) -> std::result::Result<(i64, i64), String> {
+    let bad = || format!("{s:?} is not an image size WIDTHxHEIGHT (e.g. 448x448)");
+    let (w, h) = s.split_once(['x', 'X', '×']).ok_or_else(bad)?;
+    let (w, h) = (w.trim().parse::<i64>().map_err(|_| bad())?, h.trim().parse::<i64>().map_err(|_| bad())?);
+    if w < 1 || h < 1 {
+        return Err(bad());
+    }
+    Ok((w, h))
+}
