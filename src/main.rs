@@ -16,7 +16,7 @@ fn main() -> ExitCode {
     dualedit::device::prefer_flash_attention();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,dualedit::run=info".into()))
-        .with_writer(std::io::stderr)
+        .with_writer(dualedit::cli::FlagLog)
         .with_ansi(stderr_colour())
         .init();
     let cli = Cli::parse_or_exit();

@@ -38,6 +38,42 @@ impl Cli {
     }
 }
 
+/// The command line's log: stderr, each line with the options it names as fields
+/// (`` `resume` ``, as the library writes them for every interface) written as this CLI's
+/// flags (`--resume`), as [`flags_named`] does for errors.
+pub struct FlagLog;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for FlagLog {
+    type Writer = FlagLine;
+
+    fn make_writer(&'a self) -> FlagLine {
+        FlagLine(Vec::new())
+    }
+}
+
+/// One log event, buffered: tracing formats an event into one writer and drops it, so the
+/// whole line is translated and written at once.
+pub struct FlagLine(Vec<u8>);
+
+impl std::io::Write for FlagLine {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for FlagLine {
+    fn drop(&mut self) {
+        let line = flags_named(&String::from_utf8_lossy(&self.0));
+        // A log line that cannot be written has nowhere else to go.
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+    }
+}
+
 /// `message` with each option the library names by its field (`` `sub_device` ``, the
 /// Python keyword and JSON key) written as the flag of this command line that sets it
 /// (`--sub-device`). The library's errors name fields so that every interface reads

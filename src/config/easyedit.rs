@@ -2,9 +2,9 @@
 //! for meta-training, `hparams/MEND/*.yaml` for editing): `--config F.yaml` and `dualedit
 //! config --from-easyedit F`. Their keys map onto [`MendConfig`]'s (`inner_params` →
 //! `edit_params`, `accumulate_bs` → `accumulate`, `max_iters` → `max_steps`, `cedit` →
-//! `c_edit`, ...); keys naming what a flag gives here (the model, the device, the archive)
-//! or what has no meaning here (logging, result folders) are listed in
-//! [`FromEasyEdit::ignored`] with the flag to use, never silently dropped; a value this
+//! `c_edit`, ...); keys naming what an option of a run gives here (the model, the device,
+//! the archive) or what has no meaning here (logging, result folders) are listed in
+//! [`FromEasyEdit::ignored`] with the option to use, never silently dropped; a value this
 //! editor cannot be (another `mlp_class`, another algorithm) is an error naming the key.
 //!
 //! The YAML read is the subset those files use: a flat mapping of `key: scalar` lines and
@@ -151,24 +151,22 @@ fn scalar(s: &str, line: usize) -> Result<Value> {
     })
 }
 
-/// Keys of the file that name what a flag gives here, with the flag.
-const BY_FLAG: &[(&str, &str)] = &[
-    ("name", "--model"),
-    ("model_name", "--model"),
-    (
-        "model_class",
-        "--model (the family is read from its config.json)",
-    ),
-    ("tokenizer_class", "--model (its tokenizer.json)"),
-    ("tokenizer_name", "--model (its tokenizer.json)"),
-    ("device", "--device / --sub-device"),
-    ("model_parallel", "--device / --sub-device / --placement"),
-    ("archive", "--editor (edit, eval) or --resume (train)"),
-    ("results_dir", "--out"),
-    ("seed", "--seed"),
-    ("half", "--dtype"),
-    ("coco_image", "--image-root"),
-    ("rephrase_image", "--rephrase-image-root"),
+/// Keys of the file that name what an option of a run gives here, with that option's field
+/// (the CLI prints it as its flag: `` `model` `` as `--model`).
+const BY_OPTION: &[(&str, &str)] = &[
+    ("name", "`model`"),
+    ("model_name", "`model`"),
+    ("model_class", "`model` (the family is read from its config.json)"),
+    ("tokenizer_class", "`model` (its tokenizer.json)"),
+    ("tokenizer_name", "`model` (its tokenizer.json)"),
+    ("device", "`device` / `sub_device`"),
+    ("model_parallel", "`device` / `sub_device` / `placement`"),
+    ("archive", "`editor` (edit, eval) or `resume` (train)"),
+    ("results_dir", "`out`"),
+    ("seed", "`seed`"),
+    ("half", "`dtype`"),
+    ("coco_image", "`image_root`"),
+    ("rephrase_image", "`rephrase_image_root`"),
 ];
 
 /// Keys with no meaning here (logging, saving cadence, other models' parts).
@@ -336,7 +334,7 @@ pub fn from_easyedit(text: &str) -> Result<FromEasyEdit> {
                 }
             }
             _ => {
-                if let Some((_, f)) = BY_FLAG.iter().find(|(n, _)| n == k) {
+                if let Some((_, f)) = BY_OPTION.iter().find(|(n, _)| n == k) {
                     ignored.push(format!("{k} ({f})"));
                 } else if NO_MEANING.contains(&k.as_str()) {
                     ignored.push(format!("{k} (no meaning here)"));
@@ -401,12 +399,12 @@ mod tests {
         assert!(
             r.ignored
                 .iter()
-                .any(|i| i == "device (--device / --sub-device)"),
+                .any(|i| i == "device (`device` / `sub_device`)"),
             "{:?}",
             r.ignored
         );
         assert!(
-            r.ignored.iter().any(|i| i == "name (--model)"),
+            r.ignored.iter().any(|i| i == "name (`model`)"),
             "{:?}",
             r.ignored
         );

@@ -222,7 +222,7 @@ pub fn prepare_with(
             out.skipped.len(),
             records.len(),
             shown(&out.skipped),
-            if policy == OverLong::Skip { "; --truncate cuts their prompts from the left instead, --strict makes this an error" } else { "" }
+            if policy == OverLong::Skip { "; `truncate`=true cuts their prompts from the left instead, `strict`=true makes this an error" } else { "" }
         );
     }
     if !out.truncated.is_empty() {

@@ -301,7 +301,7 @@ pub fn parse_mm(text: &str, path: &Path, kind: DatasetKind, roots: &ImageRoots, 
             out.in_file,
             out.skipped_empty.len(),
             out.skipped_image.len(),
-            if strict { "" } else { " (--strict makes a bad image an error)" }
+            if strict { "" } else { " (`strict`=true makes a bad image an error)" }
         );
     }
     Ok(out)

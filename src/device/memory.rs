@@ -213,7 +213,7 @@ pub fn total_bytes(device: Device) -> Result<u64> {
 /// cap); that is logged, not an error.
 pub fn set_memory_cap(device: Device, bytes: u64) -> Result<()> {
     let Device::Cuda(i) = device else {
-        tracing::warn!(device = %device_name(device), "--max-memory is not enforced on the CPU; the planner still plans against it");
+        tracing::warn!(device = %device_name(device), "`max_memory` is not enforced on the CPU; the planner still plans against it");
         return Ok(());
     };
     let index = accelerator_index(device, i)?;
@@ -684,7 +684,7 @@ mod tests {
         if env!("DUALEDIT_LIBTORCH_CUDA") == "1" {
             assert!(
                 per_device_caps(),
-                "built against a CUDA libtorch without complete CUDA runtime headers, so `--max-memory` falls back to one fraction for every device: \
+                "built against a CUDA libtorch without complete CUDA runtime headers, so `max_memory` falls back to one fraction for every device: \
                  ./x installs them (nvidia-cuda-crt) for a PyPI torch whose `cuda-toolkit` it can read; otherwise set CUDA_HOME to a CUDA toolkit of torch's version and rebuild"
             );
         } else {

@@ -213,7 +213,7 @@ pub fn open(model: &Path, opts: &LoadOptions, spec: &MethodSpec) -> Result<(Engi
         (MethodSpec::Auto { many: true, editor, .. }, _) => tracing::warn!(
             editor = %editor.display(),
             "several edits with plain mend: the editor names no editor for many edits (many_editor) and has no key statistics; \
-             summed MEND edits interfere (compute statistics with `dualedit stats`, or pass --method mend-ls --ls-keep-text FILE)"
+             summed MEND edits interfere (compute statistics with `dualedit stats`, or give `method`=mend-ls with `ls_keep_text`=FILE)"
         ),
         _ => {}
     }

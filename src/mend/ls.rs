@@ -101,7 +101,7 @@ impl LsChoice {
 pub fn unrelated_grams(engine: &Engine, texts: &[String]) -> Result<Vec<Tensor>> {
     let mut examples = Vec::with_capacity(texts.len());
     let start = std::time::Instant::now();
-    let mut progress = Progress::new(texts.len() * 2, "keys of the unrelated text (--ls-keep-text)");
+    let mut progress = Progress::new(texts.len() * 2, "keys of the unrelated text");
     for t in texts {
         progress.step(1, start);
         if let Some((ids, _)) = crate::mend::stats::line_ids(engine, t, usize::MAX)? {

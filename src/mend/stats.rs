@@ -61,10 +61,10 @@ pub fn read_keep_text(path: &std::path::Path) -> Result<Vec<String>> {
         return Err(Error::file(path, "the unrelated-keys text (`ls_keep_text`) has no non-empty line"));
     }
     if total > lines.len() {
-        tracing::warn!(file = %path.display(), lines = total, used = lines.len(), "--ls-keep-text has more lines than are used: the first {} are", lines.len());
+        tracing::warn!(file = %path.display(), lines = total, used = lines.len(), "`ls_keep_text` has more lines than are used: the first {} are", lines.len());
     }
     if cut > 0 {
-        tracing::warn!(file = %path.display(), lines = cut, "--ls-keep-text lines longer than {MAX_KEEP_LINE_CHARS} bytes were cut (the model reads at most its context of each)");
+        tracing::warn!(file = %path.display(), lines = cut, "`ls_keep_text` lines longer than {MAX_KEEP_LINE_CHARS} bytes were cut (the model reads at most its context of each)");
     }
     Ok(lines)
 }
@@ -184,7 +184,7 @@ impl KeyStats {
                 progress.set_message(format!("{lines} lines, {tokens} tokens"));
             }
             if tokens >= max_tokens {
-                tracing::info!(file = %text.display(), tokens, "key statistics: --max-tokens reached; the rest of the text is not read");
+                tracing::info!(file = %text.display(), tokens, "key statistics: `max_tokens` reached; the rest of the text is not read");
                 break;
             }
         }

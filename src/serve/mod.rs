@@ -163,7 +163,7 @@ impl Server {
                 (None, false) => {
                     return Err(Error::input(format!(
                         "refusing to listen on {addr} without a token: anyone who can reach it could edit, read and save the model; \
-                         give --token (or {TOKEN_ENV}), or --insecure-no-token to run open anyway"
+                         give `token` (or {TOKEN_ENV}), or `insecure_no_token`=true to run open anyway"
                     )))
                 }
                 (None, true) => warn!(%addr, "listening beyond loopback without a token: anyone who can reach this address can use the model"),

@@ -160,7 +160,7 @@ pub(super) fn parse_op(path: &str, body: &[u8], opts: &ServeOptions) -> std::res
         "/reset" => Op::Reset,
         "/save" => {
             let Some(root) = opts.save_root.as_deref() else {
-                let msg = "/save is disabled: start the server with --save-root DIR to allow saving models inside DIR";
+                let msg = "/save is disabled: the server was started without `save_root`, the directory it may save models inside";
                 return Err(Failure::Client { status: 403, kind: "forbidden", msg: msg.into() });
             };
             let dir = string_field(path, &json_object(path, body, &["dir"])?, "dir")?;
@@ -216,7 +216,7 @@ fn forbidden(msg: String) -> Failure {
 
 /// The 403 for an image path without an image root.
 fn no_image_root(path: &str) -> Failure {
-    forbidden(format!("{path}: image paths are disabled: start the server with --image-root DIR to allow images inside DIR (or send `image_base64`)"))
+    forbidden(format!("{path}: image paths are disabled: the server was started without `image_root`, the directory it may read images inside (or send `image_base64`)"))
 }
 
 /// `name` (a client's relative path, `what` names its field) resolved under `root` with

@@ -338,7 +338,7 @@ fn start_or_resume(editor: &mut Editor, setup: &TrainSetup) -> Result<(TrainCoun
         return Ok((fresh, None));
     }
     if !out.join(checkpoint::STATE_FILE).exists() {
-        warn!(dir = %out.display(), "--resume given but no training state found; starting afresh");
+        warn!(dir = %out.display(), "`resume` given but no training state found; starting afresh");
         return Ok((fresh, None));
     }
     let (tensors, mut counters) = checkpoint::load_state(out, editor)?;
@@ -423,7 +423,7 @@ fn keep_after_failed_step(
         },
         e => {
             match saved {
-                Ok(()) => warn!(dir = %out.display(), step, "the run stopped on an error; the training state is saved: --resume continues from step {step}"),
+                Ok(()) => warn!(dir = %out.display(), step, "the run stopped on an error; the training state is saved: `resume`=true continues from step {step}"),
                 Err(se) => warn!(dir = %out.display(), step, "the run stopped on an error, and saving the training state failed too: {se}"),
             }
             e

@@ -373,7 +373,7 @@ fn save_is_refused_without_a_save_root() {
     for target in [dir.path().join("abs").display().to_string(), "relative".to_string()] {
         let (st, v) = http(server.addr, "POST", "/save", Some(&json!({ "dir": target }).to_string()));
         assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{target}: {v}");
-        assert!(v["error"].as_str().unwrap().contains("--save-root"), "{v}");
+        assert!(v["error"].as_str().unwrap().contains("without `save_root`"), "{v}");
     }
     assert!(!dir.path().join("abs").exists() && !Path::new("relative").exists());
     let stats = server.stop();
@@ -530,7 +530,8 @@ fn a_token_is_required_on_every_request() {
 fn bind_refuses_unsafe_settings() {
     let _serial = serial();
     let err = Server::bind("0.0.0.0:0", ServeOptions::default()).err().expect("refused").to_string();
-    assert!(err.contains("without a token") && err.contains("--token") && err.contains("--insecure-no-token"), "{err}");
+    assert!(err.contains("without a token") && err.contains("`token`") && err.contains("`insecure_no_token`=true"), "{err}");
+    assert_eq!(dualedit::cli::flags_named("`insecure_no_token`=true"), "--insecure-no-token");
     assert!(Server::bind("0.0.0.0:0", ServeOptions { insecure_no_token: true, ..ServeOptions::default() }).is_ok());
     assert!(Server::bind("0.0.0.0:0", ServeOptions { token: Some("t0k".into()), ..ServeOptions::default() }).is_ok());
     for bad in ["", "has space", "tab\there", "naïve"] {

@@ -76,7 +76,7 @@ fn images_by_root_or_base64_score_and_edit_and_never_leave_the_root() {
     let server = Running::start(vl_session(), ServeOptions::default());
     let (st, v) = score(server.addr, json!({ "text": text, "image": "val/a.png" }));
     assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{v}");
-    assert!(v["error"].as_str().unwrap().contains("--image-root"), "{v}");
+    assert!(v["error"].as_str().unwrap().contains("without `image_root`"), "{v}");
     let (st, v) = edit(server.addr, json!([vqa_request("val/a.png")]));
     assert_eq!((st, v["kind"].as_str()), (403, Some("forbidden")), "{v}");
     let (st, uploaded) = score(server.addr, json!({ "text": text, "image_base64": b64 }));

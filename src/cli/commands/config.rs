@@ -7,7 +7,7 @@ pub fn run(a: ConfigArgs) -> anyhow::Result<()> {
     let r = crate::config::easyedit::from_easyedit(&text)
         .map_err(|e| crate::Error::file(&a.from_easyedit, format!("EasyEdit hparams: {e}")))?;
     if !r.ignored.is_empty() {
-        eprintln!("EasyEdit keys not used here: {}", r.ignored.join("; "));
+        eprintln!("EasyEdit keys not used here: {}", crate::cli::flags_named(&r.ignored.join("; ")));
     }
     println!("{}", serde_json::to_string_pretty(&r.config)?);
     Ok(())
