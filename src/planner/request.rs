@@ -30,8 +30,8 @@ pub struct PlanRequest {
     #[command(flatten)]
     #[serde(flatten)]
     pub devices: DeviceRequest,
-    /// f32, bf16 or f16 for the model weights (editor maths is always f32). Default: the
-    /// model's config.json `torch_dtype` (what its weights are), else f32.
+    /// The weights' dtype planned for, f32, bf16 or f16 (the editor's maths is f32 in any
+    /// case); by default what a run takes: config.json's `torch_dtype`, else f32.
     #[arg(long, value_enum)]
     #[serde(default)]
     pub dtype: Option<Dtype>,
