@@ -18,7 +18,7 @@ use dualedit::device::DevicePlan;
 use dualedit::mend::{Editor, Engine};
 use dualedit::model::gpt2::{Gpt2, Gpt2Config};
 use dualedit::model::{load_model, random_params, Model};
-use dualedit::train::{meta_loss, EditBatches};
+use dualedit::mend::train::{meta_loss, EditBatches};
 use tch::{Device, Kind, Tensor};
 
 const TOKENS: usize = 17;

@@ -64,7 +64,7 @@ use dualedit::mend::{Editor, Engine, Factors};
 use dualedit::model::qwen2_vl::Qwen2Vl;
 use dualedit::model::vision::{image as vl_image, PreparedImage};
 use dualedit::model::{load_model, random_params, Model, ParamView};
-use dualedit::train::{meta_loss, EditBatches, EditedGroup, View};
+use dualedit::mend::train::{meta_loss, EditBatches, EditedGroup, View};
 use tch::{Device, Kind, Tensor};
 
 const QUESTION: usize = 13;

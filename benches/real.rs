@@ -21,7 +21,7 @@ use dualedit::data::TokenBatch;
 use dualedit::device::memory;
 use dualedit::edit::LoadOptions;
 use dualedit::mend::checkpoint::load_editor;
-use dualedit::train::EditBatches;
+use dualedit::mend::train::EditBatches;
 use tch::Device;
 
 fn main() {

@@ -42,7 +42,7 @@ use dualedit::mend::{Editor, Engine};
 use dualedit::model::gpt2::{Gpt2, Gpt2Config};
 use dualedit::model::{random_params, LoadedModel, Model, Tokenizer};
 use dualedit::planner::{plan_model, Group, Phase, PlanOptions};
-use dualedit::train::{meta_loss, EditBatches};
+use dualedit::mend::train::{meta_loss, EditBatches};
 use tch::{Device, Kind, Tensor};
 
 const CASE_ENV: &str = "DUALEDIT_RECOMPUTE_CASE";

@@ -18,7 +18,6 @@ pub mod progress;
 pub mod rng;
 pub mod run;
 pub mod serve;
-pub mod train;
 pub mod world;
 
 pub use error::{Error, Result};

@@ -6,7 +6,7 @@ use dualedit::config::MendConfig;
 use dualedit::device::memory;
 use dualedit::mend::optim::Adam;
 use dualedit::mend::{Editor, Engine};
-use dualedit::train::{meta_loss, EditBatches};
+use dualedit::mend::train::{meta_loss, EditBatches};
 use tch::Device;
 
 /// Benches `{prefix}/train_microbatch` and `{prefix}/adam_step`, then prints the summary

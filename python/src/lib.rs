@@ -493,14 +493,14 @@ fn train(py: Python<'_>, options: &str) -> PyResult<String> {
         let dual = opts.common.plan;
         let cmp = supervised(py, &mut none, &stop_training, |_, _| dualedit::run::compare::compare_train(&opts, dual));
         // A stop that came after the last step must not end the next training.
-        dualedit::train::STOP_REQUESTED.store(false, Ordering::SeqCst);
+        dualedit::mend::train::STOP_REQUESTED.store(false, Ordering::SeqCst);
         let cmp = cmp?;
         let mut v = serde_json::to_value(&cmp).map_err(|e| input_err(e.to_string()))?;
         v["report"] = serde_json::Value::from(opts.out.join("compare.json").display().to_string());
         return Ok(v.to_string());
     }
     let trained = supervised(py, &mut none, &stop_training, |_, _| run::run_train(&opts));
-    dualedit::train::STOP_REQUESTED.store(false, Ordering::SeqCst);
+    dualedit::mend::train::STOP_REQUESTED.store(false, Ordering::SeqCst);
     let (rep, path) = trained?;
     let mut v = serde_json::to_value(&rep).map_err(|e| input_err(e.to_string()))?;
     v["report"] = serde_json::Value::from(path.display().to_string());

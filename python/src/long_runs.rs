@@ -73,7 +73,7 @@ pub(crate) fn supervised<T: Send, E: Send>(
 /// Ctrl-C during training: the loop ends after its current step, validated and saved
 /// (resumable with `resume=True`); the `KeyboardInterrupt` is raised once it has.
 pub(crate) fn stop_training() {
-    dualedit::train::STOP_REQUESTED.store(true, Ordering::SeqCst);
+    dualedit::mend::train::STOP_REQUESTED.store(true, Ordering::SeqCst);
     eprintln!("stopping after the current training step: the editor and training state are saved (resume=True continues)");
 }
 

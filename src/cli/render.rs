@@ -8,7 +8,7 @@ use crate::edit::score::Score;
 use crate::mend::guard::Decision;
 use crate::model::Tokenizer;
 use crate::run::{EditOutput, EvalOutput};
-use crate::train::TrainReport;
+use crate::mend::train::TrainReport;
 
 /// `score`: one line per scored token, then the mean NLL.
 pub fn score(s: &Score, tokenizer: &Tokenizer) {

@@ -9,6 +9,7 @@ pub mod stepwise;
 pub mod losses;
 pub mod optim;
 pub mod engine;
+pub mod train;
 
 pub use editor::{Editor, Factors};
 pub use engine::{EditShape, Engine};

@@ -27,7 +27,7 @@ use crate::edit::eval::{RecordMetrics, Summary};
 use crate::mend::{checkpoint, Editor, Engine};
 use crate::run::report::{DeviceInfo, RunReport};
 use crate::edit::session::{EditOutcome, Session};
-use crate::train::{self, TrainReport, TrainSetup};
+use crate::mend::train::{self, TrainReport, TrainSetup};
 use crate::{Error, Result};
 
 /// What every run needs: the model, where it runs, in which dtype, with which seed.

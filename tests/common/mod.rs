@@ -13,7 +13,7 @@ use dualedit::mend::optim::Adam;
 use dualedit::mend::{checkpoint, Editor, Engine};
 use dualedit::model::load_model;
 use dualedit::edit::session::Session;
-use dualedit::train::{meta_loss, EditBatches, StepLosses};
+use dualedit::mend::train::{meta_loss, EditBatches, StepLosses};
 use tch::{Device, Kind};
 
 /// One intra-op thread: the fixtures are tiny, and several tests (and the server's model

@@ -15,7 +15,7 @@ use dualedit::device::DevicePlan;
 use dualedit::mend::ls::{self, KeyMemory, LsEditor};
 use dualedit::mend::{Editor, Engine};
 use dualedit::model::{load_model, Overrides};
-use dualedit::train::{meta_loss_aggregated, EditBatches};
+use dualedit::mend::train::{meta_loss_aggregated, EditBatches};
 use tch::{Device, Kind, Tensor};
 
 /// `S = (KᵀK + λ·I + μ·C)⁻¹ KᵀT` and the gradient autograd takes through `linalg_solve`,

@@ -13,7 +13,7 @@ use dualedit::data::{Example, TokenBatch};
 use dualedit::device::DevicePlan;
 use dualedit::mend::{checkpoint, Editor, Engine};
 use dualedit::model::{load_model, ForwardInput, Overrides, ParamView};
-use dualedit::train::{meta_loss, EditBatches};
+use dualedit::mend::train::{meta_loss, EditBatches};
 use tch::{Device, Kind, Tensor};
 
 fn engine(name: &str) -> Engine {
@@ -537,7 +537,7 @@ fn validation_locality_accuracy_is_the_eval_metric() {
     // Edits strong enough to move some locality predictions.
     let cfg = MendConfig { rank: 16, edit_lr: 30.0, ..MendConfig::default() };
     let mut editor = seeded_editor(&engine, &cfg, 1);
-    let val = dualedit::train::validate(&engine, &mut editor, &ex).unwrap();
+    let val = dualedit::mend::train::validate(&engine, &mut editor, &ex).unwrap();
     let recs = dualedit::edit::evaluate(&engine, &mut dualedit::edit::Mend(editor), &ex, &[], |_, _| {}).unwrap();
     let loc: Vec<f64> = recs.iter().map(|r| r.locality.unwrap()).collect();
     let mean = loc.iter().sum::<f64>() / loc.len() as f64;

@@ -395,7 +395,7 @@ fn image_locality_compares_top_ten_lists_at_every_position() {
 #[test]
 fn views_grouped_by_length_score_as_one_padded_forward() {
     use dualedit::mend::Editor;
-    use dualedit::train::{meta_loss, EditBatches, EditedGroup, View};
+    use dualedit::mend::train::{meta_loss, EditBatches, EditedGroup, View};
     let evqa = [(View::Outer, 1, 290), (View::OuterImage, 1, 290), (View::Loc, 1, 44), (View::LocImage, 1, 288)];
     assert_eq!(EditBatches::groups(&evqa), vec![vec![View::Outer, View::OuterImage, View::LocImage], vec![View::Loc]]);
     assert_eq!(EditBatches::groups(&[(View::Outer, 2, 20), (View::Loc, 2, 12)]), vec![vec![View::Outer, View::Loc]]);
@@ -456,7 +456,7 @@ fn views_grouped_by_length_score_as_one_padded_forward() {
 #[test]
 fn last_block_at_the_kept_rows_scores_as_the_whole_block() {
     use dualedit::mend::Editor;
-    use dualedit::train::{meta_loss, EditBatches};
+    use dualedit::mend::train::{meta_loss, EditBatches};
     let dir = tempfile::tempdir().unwrap();
     let (_, _, (_, ex, _)) = one_record(dir.path());
     let e = &ex[0];

@@ -13,7 +13,7 @@ use dualedit::edit::MethodSpec;
 use dualedit::mend::{Editor, Engine};
 use dualedit::model::load_model;
 use dualedit::run::{Common, EvalOptions, TrainOptions};
-use dualedit::train::{meta_loss, EditBatches, StepLosses};
+use dualedit::mend::train::{meta_loss, EditBatches, StepLosses};
 use tch::{Device, Kind};
 
 /// The last block's MLP of a 3-block fixture: the layer split can put block 0 on main.

@@ -15,7 +15,7 @@ use dualedit::device::DevicePlan;
 use dualedit::mend::optim::Adam;
 use dualedit::mend::Engine;
 use dualedit::model::{load_model, BlockIo, ForwardInput, ParamView};
-use dualedit::train::{meta_loss, validate, EditBatches, StepLosses};
+use dualedit::mend::train::{meta_loss, validate, EditBatches, StepLosses};
 use tch::{Device, Kind, Tensor};
 
 const TOL: f64 = 1e-5;

@@ -35,7 +35,7 @@ use dualedit::model::llama::{Llama, LlamaConfig};
 use dualedit::model::{random_params, LoadedModel, Model, Tokenizer};
 use dualedit::planner::{balanced_boundary, choose, plan_dir, plan_model, FitAdvice, Group, MemoryPlan, Phase, PlacementTable, PlanOptions};
 use dualedit::device::{MaxMemory, OptimizerDevice, Placement};
-use dualedit::train::{meta_loss, EditBatches};
+use dualedit::mend::train::{meta_loss, EditBatches};
 use tch::{Device, Kind, Tensor};
 
 const CASE_ENV: &str = "DUALEDIT_PLANNER_CASE";

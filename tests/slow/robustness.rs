@@ -122,7 +122,7 @@ fn out_of_memory_stops_with_a_diagnosis_after_saving() {
     let cfg = dir.path().join("cfg.json");
     std::fs::write(&cfg, serde_json::to_string(&opts.config).unwrap()).unwrap();
     let out = common::dualedit_cmd()
-        .env(dualedit::train::FAULT_OOM_STEP, "3")
+        .env(dualedit::mend::train::FAULT_OOM_STEP, "3")
         .args(["train", "--model", fixture("gpt2").to_str().unwrap(), "--data", opts.data.to_str().unwrap()])
         .args(["--ds", "counterfact", "--config", cfg.to_str().unwrap(), "--out", opts.out.to_str().unwrap()])
         // Not enforced on the CPU, but what the planner's advice is checked against.

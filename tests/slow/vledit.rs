@@ -240,9 +240,9 @@ fn a_data_error_that_ends_training_saves_the_training_state() {
     let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
     let out = dir.path().join("ed");
     std::fs::create_dir_all(&out).unwrap();
-    let setup = dualedit::train::TrainSetup { config: &cfg, train: &examples, val: &[], out: &out, seed: 0, resume: false, progress: false };
+    let setup = dualedit::mend::train::TrainSetup { config: &cfg, train: &examples, val: &[], out: &out, seed: 0, resume: false, progress: false };
     let mut tracker = MemoryTracker::new(&DevicePlan::single(Device::Cpu).roles());
-    let err = dualedit::train::train(&engine, &mut editor, &setup, &mut tracker).unwrap_err().to_string();
+    let err = dualedit::mend::train::train(&engine, &mut editor, &setup, &mut tracker).unwrap_err().to_string();
     assert!(err.contains(".png"), "the error names the image: {err}");
     assert!(out.join(checkpoint::STATE_FILE).exists(), "no training state after a data error");
     assert!(out.join(checkpoint::EDITOR_FILE).exists(), "no editor after a data error");
