@@ -207,7 +207,7 @@ pub fn pretrain(
     let mut acc = 0.0;
     let mut steps = 0;
     let none = HashSet::new();
-    let bar = crate::mend::train::progress_bar("pretrain", cfg.steps, progress);
+    let bar = crate::progress::Progress::new("pretrain", cfg.steps, progress);
     while steps < cfg.steps {
         // Cosine decay to 10 % keeps the last steps from bouncing off memorised facts.
         adam.groups[0].lr = cfg.lr * crate::config::LrSchedule::Cosine.factor(steps, cfg.steps);

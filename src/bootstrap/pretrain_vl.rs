@@ -331,7 +331,7 @@ pub fn pretrain_vl(world: &Path, cfg: &VlPretrainConfig, out: &Path, device: Dev
     let mut order = Shuffled::new(data.train.len(), cfg.seed, 78);
     let (mut loss_v, mut steps, mut acc) = (f64::NAN, 0usize, VlAccuracy::default());
     let none = HashSet::new();
-    let bar = crate::mend::train::progress_bar("pretrain", cfg.steps, progress);
+    let bar = crate::progress::Progress::new("pretrain", cfg.steps, progress);
     let probe = |acc: &mut VlAccuracy| -> Result<()> {
         let p = ParamView::frozen(&store);
         *acc = VlAccuracy {

@@ -199,12 +199,6 @@ fn accumulate(
     Ok(acc)
 }
 
-/// A step counter with elapsed time, ETA and a message: a bar on a terminal, plain lines
-/// in a log ([`crate::progress`]), nothing when `show` is false.
-pub(crate) fn progress_bar(what: &str, steps: usize, show: bool) -> crate::progress::Progress {
-    crate::progress::Progress::new(what, steps, show)
-}
-
 /// Set by an embedding program (the Python package, on Ctrl-C) to end a running
 /// [`train`] after its current step as if that were the last: validated, the best editor
 /// and the resumable state saved, the report returned with `stopped_early`. Process-wide;
@@ -221,7 +215,7 @@ pub fn train(engine: &Engine, editor: &mut Editor, setup: &TrainSetup, tracker: 
     let out = setup.out;
     let (mut counters, saved_adam) = start_or_resume(editor, setup)?;
     let mut adam = optimiser(engine, editor, cfg, &counters, saved_adam.as_ref(), tracker, out)?;
-    let bar = progress_bar("train", cfg.max_steps, setup.progress);
+    let bar = crate::progress::Progress::new("train", cfg.max_steps, setup.progress);
     bar.set_position(counters.step as u64);
     let mut history = Vec::new();
     let mut validations = Vec::new();
