@@ -18,6 +18,7 @@ use std::any::Any;
 use tch::Kind;
 
 use crate::data::TokenBatch;
+use crate::mend::calibrate::calibrate;
 use crate::mend::ls::{Fact, LsConfig, LsEditor};
 use crate::mend::stepwise::{self, Stepwise};
 use crate::mend::{Editor, Engine};
@@ -196,12 +197,21 @@ impl EditMethod for Mend {
     fn propose(&mut self, engine: &Engine, inner: &TokenBatch, call: &EditCall) -> Result<Overrides> {
         match call.stepwise {
             Some(sw) => stepwise::step(engine, &mut self.0, inner, sw),
-            None => {
-                let (_, factors) = engine.capture(inner)?;
-                engine.edit_low_rank(&mut self.0, &factors, false)
-            }
+            None => plain_mend(engine, &mut self.0, inner),
         }
     }
+}
+
+/// A plain MEND edit of `inner`: the editor's low-rank update, at the strength the
+/// editor's `calibration` (its editor.json) sets on the edit prompt ([`calibrate`]; none:
+/// as it comes).
+fn plain_mend(engine: &Engine, editor: &mut Editor, inner: &TokenBatch) -> Result<Overrides> {
+    let (_, factors) = engine.capture(inner)?;
+    let overrides = engine.edit_low_rank(editor, &factors, false)?;
+    let Some(cal) = editor.calibration else { return Ok(overrides) };
+    let (overrides, scale) = calibrate(engine, overrides, inner, &cal)?;
+    tracing::debug!(scale, "edit calibrated");
+    Ok(overrides)
 }
 
 /// `mend-ls`: MEND's per-edit updates combined by least squares over their keys
@@ -231,8 +241,7 @@ impl EditMethod for LsEditor {
         if self.plain_mend(call.call, inner.batch_size() as usize, call.sequential) {
             // `--method auto`'s one request: plain MEND with the same editor (a single
             // edit is better made so: docs/notebook/many-edits.md, "Many edits, part 3").
-            let (_, factors) = engine.capture(inner)?;
-            return engine.edit_low_rank(&mut self.editor, &factors, false);
+            return plain_mend(engine, &mut self.editor, inner);
         }
         crate::mend::ls::edit(engine, self, inner, call.facts)
     }

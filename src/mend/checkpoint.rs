@@ -10,6 +10,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
+use super::calibrate::Calibration;
 use super::{Editor, Engine};
 use crate::placed::EditedParam;
 use crate::config::{MendConfig, SelectBy};
@@ -78,6 +79,10 @@ pub struct EditorMeta {
     /// requests with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub many_editor: Option<String>,
+    /// How plain MEND edits with this editor are scaled on the edit prompt
+    /// ([`crate::mend::calibrate`]; set by hand or by a preparation, not by training).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<Calibration>,
 }
 
 /// Reads `dir/editor.json` (the readable copy of an editor's description): what a caller
@@ -120,6 +125,7 @@ pub fn save_editor(dir: &Path, editor: &Editor, engine: &Engine, step: usize) ->
         dualedit_version: env!("CARGO_PKG_VERSION").into(),
         key_stats: None,
         many_editor: None,
+        calibration: editor.calibration,
     };
     let mut tensors = editor.named_tensors();
     tensors.extend(stats);
@@ -136,7 +142,12 @@ fn read_meta<T: for<'de> Deserialize<'de>>(path: &Path, meta: &HashMap<String, S
 /// Loads an editor from `dir` for `engine`'s model, refusing one trained for another model.
 pub fn load_editor(dir: &Path, engine: &Engine) -> Result<(Editor, EditorMeta)> {
     let (tensors, meta, path) = read_checked(dir, engine)?;
-    let editor = editor_from(&meta.config, &meta, &tensors, &path, engine)?;
+    let mut editor = editor_from(&meta.config, &meta, &tensors, &path, engine)?;
+    // Edit-time settings live in editor.json only (the header is the trained network's).
+    editor.calibration = read_editor_json(dir)?.calibration;
+    if let Some(cal) = &editor.calibration {
+        cal.validate().map_err(|e| Error::file(dir.join(EDITOR_JSON), e.to_string()))?;
+    }
     Ok((editor, meta))
 }
 

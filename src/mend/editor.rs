@@ -292,6 +292,9 @@ pub struct Editor {
     /// normalised to thousands of standard deviations, far outside anything the editor
     /// was trained on (issue #24; see [`crate::mend::stepwise`]).
     pub input_clip: Option<f64>,
+    /// Outside training: how a plain edit's strength is set on the edit prompt (`None`,
+    /// the default and MEND's behaviour: as the network makes it; [`crate::mend::calibrate`]).
+    pub calibration: Option<crate::mend::calibrate::Calibration>,
     /// Rows (of one shared editor's pass) up to which its products are computed
     /// transposed: [`EDITOR_SKINNY_ROWS`]. The tests and the bench set it to `i64::MAX`
     /// for the path before #35 (always transposed) to compare.
@@ -347,7 +350,7 @@ impl Editor {
             groups.into_iter().map(|(k, (d_in, d_out, n))| (k, GradientTransform::new(d_in, d_out, config, n, device))).collect()
         });
         let edit_lrs = Tensor::full([params.len() as i64], config.edit_lr, (Kind::Float, device)).set_requires_grad(true);
-        Ok(Self { config: config.clone(), params, assignment, transforms, edit_lrs, input_clip: None, skinny_rows: EDITOR_SKINNY_ROWS, product_kind: Kind::Float, device })
+        Ok(Self { config: config.clone(), params, assignment, transforms, edit_lrs, input_clip: None, calibration: None, skinny_rows: EDITOR_SKINNY_ROWS, product_kind: Kind::Float, device })
     }
 
     pub fn device(&self) -> Device {

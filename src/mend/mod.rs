@@ -1,5 +1,6 @@
 //! MEND: the editor network, gradient capture, edit application and the engine that runs
 //! them across the main device and the sub-device.
+pub mod calibrate;
 pub mod checkpoint;
 pub mod editor;
 pub mod guard;

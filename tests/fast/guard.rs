@@ -125,3 +125,45 @@ fn nonsense_thresholds_are_refused_naming_the_flag() {
     let c = o.apply(&d()).unwrap();
     assert!(!c.scale_back && c.max_kl == 0.5 && c.min_agreement == 0.9);
 }
+
+/// Calibration (#46) scales an edit that overshoots down to `margin` times the smallest
+/// scale that makes it, scales one that misses up (within `max_scale`), and reads its
+/// setting from editor.json, where a bad value is one error naming the file and the field.
+#[test]
+fn calibration_keeps_the_edit_made_with_its_margin_and_reads_editor_json() {
+    use dualedit::mend::calibrate::{calibrate, Calibration};
+    use dualedit::mend::checkpoint::{load_editor, save_editor, EDITOR_JSON};
+    use dualedit::mend::guard::makes_edit;
+    let (engine, mut editor, ex) = setup();
+    let (ov, batch) = edit_of(&engine, &mut editor, &ex[0].inner);
+    let makes = |ov: &Overrides, s: f64| makes_edit(&engine, &scale_overrides(&engine, ov, s).unwrap(), &batch).unwrap();
+    // The untrained editor's step (edit_lr 1e-4) is far too small: the first power of ten
+    // that makes the edit, times 8, overshoots.
+    let k = (1..=8).map(|p| 10f64.powi(p)).find(|k| makes(&ov, *k)).expect("a large enough step makes the edit");
+    let over = scale_overrides(&engine, &ov, 8.0 * k).unwrap();
+    let cal = Calibration { margin: 2.0, max_scale: 1.0 };
+    let (shrunk, s) = calibrate(&engine, over.map(|t| t.shallow_clone()), &batch, &cal).unwrap();
+    assert!(s < 0.5, "an edit 8x past what makes it keeps at most 2/8 (and the bisection's slack): {s}");
+    assert!(makes(&shrunk, 1.0), "the calibrated edit still makes the edit");
+    let smallest = s / cal.margin;
+    assert!(makes(&over, smallest) && !makes(&over, smallest / 1.06), "s* = {smallest} is the threshold within 6 %");
+
+    // An edit that misses: scaled up when allowed, left as it is when not.
+    let under = scale_overrides(&engine, &ov, k / 20.0).unwrap();
+    assert!(!makes(&under, 1.0));
+    let (same, s) = calibrate(&engine, under.map(|t| t.shallow_clone()), &batch, &cal).unwrap();
+    assert!(s == 1.0 && !makes(&same, 1.0));
+    let (up, s) = calibrate(&engine, under.map(|t| t.shallow_clone()), &batch, &Calibration { margin: 2.0, max_scale: 64.0 }).unwrap();
+    assert!(s > 1.0 && s <= 20.0 * 1.06 && makes(&up, 1.0), "scaled up to {s}");
+
+    // From editor.json; a bad margin names the file and the field.
+    let dir = tempfile::tempdir().unwrap();
+    editor.calibration = Some(cal);
+    save_editor(dir.path(), &editor, &engine, 0).unwrap();
+    assert_eq!(load_editor(dir.path(), &engine).unwrap().0.calibration, Some(cal));
+    let path = dir.path().join(EDITOR_JSON);
+    let text = std::fs::read_to_string(&path).unwrap().replace("\"margin\": 2.0", "\"margin\": 0.5");
+    std::fs::write(&path, text).unwrap();
+    let err = load_editor(dir.path(), &engine).unwrap_err().to_string();
+    assert!(err.contains("editor.json") && err.contains("`calibration.margin`"), "{err}");
+}
