@@ -10,7 +10,7 @@
 //! scales each edit `ΔW → s·ΔW` (every edited weight alike, as the guard scales):
 //!
 //! * made at full strength: `s = min(margin · s*, 1)`, `s*` the smallest scale in
-//!   [[`MIN_SCALE`], 1] that still makes it (bisection on a log scale);
+//!   [1/64 ([`MIN_SCALE`]), 1] that still makes it (bisection on a log scale);
 //! * not made at full strength: the smallest `s` in (1, `max_scale`] that makes it, up a
 //!   doubling ladder and then by bisection; none: the edit as it came (`s = 1`).
 //!
@@ -21,13 +21,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::data::TokenBatch;
-use crate::mend::guard::{makes_edit, scale_overrides};
+use crate::mend::guard::{makes_edit, scale_overrides, MIN_SCALE};
 use crate::mend::Engine;
 use crate::model::Overrides;
 use crate::{Error, Result};
-
-/// The smallest scale an edit is shrunk to (the guard's `min_scale` default).
-pub const MIN_SCALE: f64 = 1.0 / 64.0;
 
 /// Bisection steps of a search: on [1/64, 1/2] they pin `s*` to within 6 %.
 const STEPS: usize = 6;

@@ -59,9 +59,13 @@ pub struct GuardConfig {
     pub shrink: bool,
 }
 
+/// The smallest scale an edit is scaled back or shrunk to by default (and by
+/// [`crate::mend::calibrate`]).
+pub const MIN_SCALE: f64 = 1.0 / 64.0;
+
 impl Default for GuardConfig {
     fn default() -> Self {
-        Self { min_agreement: 0.9, max_drop: 0.05, max_kl: 1.0, scale_back: true, min_scale: 1.0 / 64.0, shrink: false }
+        Self { min_agreement: 0.9, max_drop: 0.05, max_kl: 1.0, scale_back: true, min_scale: MIN_SCALE, shrink: false }
     }
 }
 
