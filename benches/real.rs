@@ -67,7 +67,7 @@ fn main() {
                 let inner = TokenBatch::collate(&[&ex.inner], pad, Device::Cpu);
                 let (_, factors) = engine.capture(&inner).expect("capture");
                 let edit = engine.edit_low_rank(&mut editor, &factors, false).expect("edit");
-                black_box(dualedit::mend::calibrate::calibrate(&engine, edit, &inner, &cal).expect("calibrate"))
+                black_box(dualedit::mend::calibrate::calibrate(&engine, &mut editor, edit, &inner, &cal).expect("calibrate"))
             })
         });
     }

@@ -209,7 +209,7 @@ fn plain_mend(engine: &Engine, editor: &mut Editor, inner: &TokenBatch) -> Resul
     let (_, factors) = engine.capture(inner)?;
     let overrides = engine.edit_low_rank(editor, &factors, false)?;
     let Some(cal) = editor.calibration else { return Ok(overrides) };
-    let (overrides, scale) = calibrate(engine, overrides, inner, &cal)?;
+    let (overrides, scale) = calibrate(engine, editor, overrides, inner, &cal)?;
     tracing::debug!(scale, "edit calibrated");
     Ok(overrides)
 }

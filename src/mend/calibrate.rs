@@ -12,18 +12,25 @@
 //! * made at full strength: `s = min(margin · s*, 1)`, `s*` the smallest scale in
 //!   [1/64 ([`MIN_SCALE`]), 1] that still makes it (bisection on a log scale);
 //! * not made at full strength: the smallest `s` in (1, `max_scale`] that makes it, up a
-//!   doubling ladder and then by bisection; none: the edit as it came (`s = 1`).
+//!   doubling ladder and then by bisection;
+//! * made at no scale up to `max_scale`: with `passes` > 1, the editor steps again from
+//!   the weights its step reached (the gradient recaptured there) and the summed edit is
+//!   calibrated as above, up to `passes` steps in all. Scaling one step only moves along
+//!   its direction; a target that direction cannot reach (a second answer token that the
+//!   first step's change pushes aside) needs the gradient where the first step left it.
+//!   None makes it: the edit as it came (`s = 1`).
 //!
 //! "Makes it" is the guard's test: every answer token of every edit example is the model's
 //! top-1 ([`crate::mend::guard::edits_made`]). Only the edit's own prompt and target are
 //! read, never a locality or rephrase prompt. The forwards start from the batch's cached
 //! activations at the first edited block, so each costs the edited blocks and the head.
 use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
 
 use crate::data::TokenBatch;
 use crate::mend::guard::{makes_edit, scale_overrides, MIN_SCALE};
-use crate::mend::Engine;
-use crate::model::Overrides;
+use crate::mend::{Editor, Engine};
+use crate::model::{LowRank, Overrides};
 use crate::{Error, Result};
 
 /// Bisection steps of a search: on [1/64, 1/2] they pin `s*` to within 6 %.
@@ -41,11 +48,23 @@ pub struct Calibration {
     /// An edit not made at full strength is scaled up, at most to this (1: never).
     #[serde(default = "one")]
     pub max_scale: f64,
+    /// Editor steps an edit may take in all, each recaptured where the last left the
+    /// weights, while no scale up to `max_scale` makes it (1: one step, MEND's).
+    #[serde(default = "one_pass")]
+    pub passes: usize,
 }
 
 fn one() -> f64 {
     1.0
 }
+
+fn one_pass() -> usize {
+    1
+}
+
+/// The most editor steps [`Calibration::passes`] allows: each costs a capture and a scale
+/// search, and an edit eight steps cannot make is not one the editor can make.
+pub const MAX_PASSES: usize = 8;
 
 impl Calibration {
     /// Refuses either value outside [1, 64] (or not a number), naming the field.
@@ -55,44 +74,89 @@ impl Calibration {
                 return Err(Error::input(format!("`{name}` must be a number in [1, 64], got {v}")));
             }
         }
+        if !(1..=MAX_PASSES).contains(&self.passes) {
+            return Err(Error::input(format!("`calibration.passes` must be in [1, {MAX_PASSES}], got {}", self.passes)));
+        }
         Ok(())
     }
 }
 
-/// `overrides` (a plain MEND edit of `edit`, against the engine's current weights) scaled
-/// as `cal` says, and the scale used.
-pub fn calibrate(engine: &Engine, overrides: Overrides, edit: &TokenBatch, cal: &Calibration) -> Result<(Overrides, f64)> {
+/// `overrides` (a plain MEND edit of `edit` by `editor`, against the engine's current
+/// weights) scaled, or stepped again and scaled, as `cal` says, and the scale used (1: as
+/// it came, or no step made it).
+pub fn calibrate(engine: &Engine, editor: &mut Editor, overrides: Overrides, edit: &TokenBatch, cal: &Calibration) -> Result<(Overrides, f64)> {
     let _g = tch::no_grad_guard();
-    let makes = |s: f64| makes_edit(engine, &scale_overrides(engine, &overrides, s)?, edit);
-    let s = if makes(1.0)? {
+    let mut summed: Option<Overrides> = None;
+    for pass in 1..=cal.passes {
+        let current = summed.as_ref().unwrap_or(&overrides);
+        if let Some(s) = making_scale(engine, current, edit, cal)? {
+            if pass > 1 {
+                tracing::debug!(pass, "edit made by a further editor step");
+            }
+            return Ok((scale_overrides(engine, current, s)?, s));
+        }
+        if pass < cal.passes {
+            let next = step_again(engine, editor, current, edit)?;
+            summed = Some(next);
+        }
+    }
+    Ok((overrides, 1.0))
+}
+
+/// The scale at which `overrides` is kept: `margin` × the smallest making scale when it
+/// makes the edit at full strength, else the smallest making scale up to `max_scale`;
+/// `None` when no scale up to it makes the edit.
+fn making_scale(engine: &Engine, overrides: &Overrides, edit: &TokenBatch, cal: &Calibration) -> Result<Option<f64>> {
+    let makes = |s: f64| makes_edit(engine, &scale_overrides(engine, overrides, s)?, edit);
+    if makes(1.0)? {
         // s* ≤ 1 / margin, or the margin keeps the full edit.
         let hi = 1.0 / cal.margin;
-        if cal.margin <= 1.0 || !makes(hi)? {
+        let s = if cal.margin <= 1.0 || !makes(hi)? {
             1.0
         } else if makes(MIN_SCALE)? {
             (cal.margin * MIN_SCALE).min(1.0)
         } else {
             (cal.margin * smallest_making(MIN_SCALE, hi, &makes)?).min(1.0)
-        }
-    } else {
-        // Up a doubling ladder (far past the target an edit can make another answer, so
-        // `max_scale` alone would not tell), then between the last two rungs.
-        let mut lo = 1.0_f64;
-        loop {
-            let hi = (2.0 * lo).min(cal.max_scale);
-            if hi <= lo {
-                break 1.0;
-            }
-            if makes(hi)? {
-                break smallest_making(lo, hi, &makes)?;
-            }
-            lo = hi;
-        }
-    };
-    if s == 1.0 {
-        return Ok((overrides, 1.0));
+        };
+        return Ok(Some(s));
     }
-    Ok((scale_overrides(engine, &overrides, s)?, s))
+    // Up a doubling ladder (far past the target an edit can make another answer, so
+    // `max_scale` alone would not tell), then between the last two rungs.
+    let mut lo = 1.0_f64;
+    loop {
+        let hi = (2.0 * lo).min(cal.max_scale);
+        if hi <= lo {
+            return Ok(None);
+        }
+        if makes(hi)? {
+            return Ok(Some(smallest_making(lo, hi, &makes)?));
+        }
+        lo = hi;
+    }
+}
+
+/// `overrides` plus the editor's next step, captured at the weights `overrides` makes.
+fn step_again(engine: &Engine, editor: &mut Editor, overrides: &Overrides, edit: &TokenBatch) -> Result<Overrides> {
+    let at = engine.lm.params.materialise(overrides, |n| engine.lm.model.layout(n))?.into_iter().collect();
+    let (_, factors, _) = engine.capture_by_example(edit, &at)?;
+    let next = engine.edit_low_rank(editor, &factors, false)?;
+    crate::error::guard(|| {
+        let mut out = Overrides::new();
+        for name in overrides.names() {
+            match (overrides.low_rank(name), next.low_rank(name), overrides.get(name), next.get(name)) {
+                (Some(l), Some(m), _, _) => {
+                    out.insert_low_rank(name.clone(), LowRank { a: Tensor::cat(&[&l.a, &m.a], 0), b: Tensor::cat(&[&l.b, &m.b], 0) })
+                }
+                // Whole weights (non-f32 models): W + ΔW₁ + ΔW₂ = W'₁ + (W'₂ − W).
+                (_, _, Some(w1), Some(w2)) => {
+                    let w = engine.weight(name)?.to_kind(Kind::Float);
+                    out.insert(name.clone(), (w1.to_kind(Kind::Float) + w2.to_kind(Kind::Float) - w).to_kind(w1.kind()))
+                }
+                _ => return Err(Error::Internal(format!("{name:?}: the editor's two steps are kept differently"))),
+            }
+        }
+        Ok(out)
+    })
 }
 
 /// Bisection (geometric: scales span orders of magnitude) between a scale `lo` that does
@@ -124,14 +188,16 @@ mod tests {
 
     #[test]
     fn bad_settings_name_the_field() {
-        let ok = Calibration { margin: 2.0, max_scale: 4.0 };
+        let ok = Calibration { margin: 2.0, max_scale: 4.0, passes: 1 };
         ok.validate().unwrap();
         let e = Calibration { margin: 0.5, ..ok }.validate().unwrap_err().to_string();
         assert!(e.contains("`calibration.margin`"), "{e}");
         let e = Calibration { max_scale: f64::NAN, ..ok }.validate().unwrap_err().to_string();
         assert!(e.contains("`calibration.max_scale`"), "{e}");
+        let e = Calibration { passes: 0, ..ok }.validate().unwrap_err().to_string();
+        assert!(e.contains("`calibration.passes`"), "{e}");
         let c: Calibration = serde_json::from_str(r#"{"margin": 2}"#).unwrap();
-        assert_eq!(c.max_scale, 1.0);
+        assert_eq!((c.max_scale, c.passes), (1.0, 1));
         assert!(serde_json::from_str::<Calibration>(r#"{"margin": 2, "margn": 1}"#).is_err());
     }
 }

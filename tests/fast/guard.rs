@@ -141,8 +141,8 @@ fn calibration_keeps_the_edit_made_with_its_margin_and_reads_editor_json() {
     // that makes the edit, times 8, overshoots.
     let k = (1..=8).map(|p| 10f64.powi(p)).find(|k| makes(&ov, *k)).expect("a large enough step makes the edit");
     let over = scale_overrides(&engine, &ov, 8.0 * k).unwrap();
-    let cal = Calibration { margin: 2.0, max_scale: 1.0 };
-    let (shrunk, s) = calibrate(&engine, over.map(|t| t.shallow_clone()), &batch, &cal).unwrap();
+    let cal = Calibration { margin: 2.0, max_scale: 1.0, passes: 1 };
+    let (shrunk, s) = calibrate(&engine, &mut editor, over.map(|t| t.shallow_clone()), &batch, &cal).unwrap();
     assert!(s < 0.5, "an edit 8x past what makes it keeps at most 2/8 (and the bisection's slack): {s}");
     assert!(makes(&shrunk, 1.0), "the calibrated edit still makes the edit");
     let smallest = s / cal.margin;
@@ -151,9 +151,9 @@ fn calibration_keeps_the_edit_made_with_its_margin_and_reads_editor_json() {
     // An edit that misses: scaled up when allowed, left as it is when not.
     let under = scale_overrides(&engine, &ov, k / 20.0).unwrap();
     assert!(!makes(&under, 1.0));
-    let (same, s) = calibrate(&engine, under.map(|t| t.shallow_clone()), &batch, &cal).unwrap();
+    let (same, s) = calibrate(&engine, &mut editor, under.map(|t| t.shallow_clone()), &batch, &cal).unwrap();
     assert!(s == 1.0 && !makes(&same, 1.0));
-    let (up, s) = calibrate(&engine, under.map(|t| t.shallow_clone()), &batch, &Calibration { margin: 2.0, max_scale: 64.0 }).unwrap();
+    let (up, s) = calibrate(&engine, &mut editor, under.map(|t| t.shallow_clone()), &batch, &Calibration { max_scale: 64.0, ..cal }).unwrap();
     assert!(s > 1.0 && s <= 20.0 * 1.06 && makes(&up, 1.0), "scaled up to {s}");
 
     // From editor.json; a bad margin names the file and the field.
@@ -166,4 +166,36 @@ fn calibration_keeps_the_edit_made_with_its_margin_and_reads_editor_json() {
     std::fs::write(&path, text).unwrap();
     let err = load_editor(dir.path(), &engine).unwrap_err().to_string();
     assert!(err.contains("editor.json") && err.contains("`calibration.margin`"), "{err}");
+}
+
+/// An edit that no scale up to `max_scale` makes takes further editor steps, each
+/// recaptured where the last left the weights (#46, `calibration.passes`): one pass leaves
+/// it missed, a few make it.
+#[test]
+fn calibration_steps_again_where_no_scale_makes_the_edit() {
+    use dualedit::mend::calibrate::{calibrate, Calibration};
+    use dualedit::mend::guard::makes_edit;
+    let (engine, mut editor, ex) = setup();
+    let (ov, batch) = edit_of(&engine, &mut editor, &ex[0].inner);
+    let makes = |ov: &Overrides, s: f64| makes_edit(&engine, &scale_overrides(&engine, ov, s).unwrap(), &batch).unwrap();
+    // The smallest scale of the untrained editor's step that makes the edit, within 3 %.
+    let k = (1..=8).map(|p| 10f64.powi(p)).find(|k| makes(&ov, *k)).expect("a large enough step makes the edit");
+    let (mut lo, mut hi) = (k / 10.0, k);
+    while hi / lo > 1.03 {
+        let mid = (lo * hi).sqrt();
+        if makes(&ov, mid) {
+            hi = mid
+        } else {
+            lo = mid
+        }
+    }
+    // Steps of 0.6 of that: the first misses, and max_scale 1 keeps it from being scaled up.
+    editor.edit_lrs = tch::no_grad(|| &editor.edit_lrs * (0.6 * hi));
+    let (short, _) = edit_of(&engine, &mut editor, &ex[0].inner);
+    assert!(!makes(&short, 1.0));
+    let once = Calibration { margin: 1.0, max_scale: 1.0, passes: 1 };
+    let (same, s) = calibrate(&engine, &mut editor, short.map(|t| t.shallow_clone()), &batch, &once).unwrap();
+    assert!(s == 1.0 && !makes(&same, 1.0));
+    let (made, s) = calibrate(&engine, &mut editor, short, &batch, &Calibration { passes: 4, ..once }).unwrap();
+    assert!(s == 1.0 && makes(&made, 1.0), "further steps make the edit");
 }
