@@ -67,7 +67,8 @@ fn one_pass() -> usize {
 pub const MAX_PASSES: usize = 8;
 
 impl Calibration {
-    /// Refuses either value outside [1, 64] (or not a number), naming the field.
+    /// Refuses a margin or `max_scale` outside [1, 64] (or not a number), or `passes`
+    /// outside [1, [`MAX_PASSES`]], naming the field.
     pub fn validate(&self) -> Result<()> {
         for (name, v) in [("calibration.margin", self.margin), ("calibration.max_scale", self.max_scale)] {
             if !(v.is_finite() && (1.0..=64.0).contains(&v)) {
@@ -82,8 +83,8 @@ impl Calibration {
 }
 
 /// `overrides` (a plain MEND edit of `edit` by `editor`, against the engine's current
-/// weights) scaled, or stepped again and scaled, as `cal` says, and the scale used (1: as
-/// it came, or no step made it).
+/// weights) scaled, or stepped again and scaled, as `cal` says, and the scale applied to
+/// the (summed) edit returned. No step made it: the first edit as it came, scale 1.
 pub fn calibrate(engine: &Engine, editor: &mut Editor, overrides: Overrides, edit: &TokenBatch, cal: &Calibration) -> Result<(Overrides, f64)> {
     let _g = tch::no_grad_guard();
     let mut summed: Option<Overrides> = None;
