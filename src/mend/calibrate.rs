@@ -50,7 +50,9 @@ pub struct Calibration {
     pub max_scale: f64,
     /// Editor steps an edit may take in all, each recaptured where the last left the
     /// weights, while no scale up to `max_scale` makes it (1: one step, MEND's).
-    #[serde(default = "one_pass")]
+    /// Left out of editor.json at its default, so that an editor written before it existed
+    /// reads and writes back unchanged (`dualedit stats` rewrites editor.json).
+    #[serde(default = "one_pass", skip_serializing_if = "is_one_pass")]
     pub passes: usize,
 }
 
@@ -60,6 +62,10 @@ fn one() -> f64 {
 
 fn one_pass() -> usize {
     1
+}
+
+fn is_one_pass(passes: &usize) -> bool {
+    *passes == 1
 }
 
 /// The most editor steps [`Calibration::passes`] allows: each costs a capture and a scale
@@ -199,6 +205,9 @@ mod tests {
         assert!(e.contains("`calibration.passes`"), "{e}");
         let c: Calibration = serde_json::from_str(r#"{"margin": 2}"#).unwrap();
         assert_eq!((c.max_scale, c.passes), (1.0, 1));
+        assert_eq!(serde_json::to_string(&Calibration { passes: 1, ..ok }).unwrap(), r#"{"margin":2.0,"max_scale":4.0}"#);
+        let four = Calibration { passes: 4, ..ok };
+        assert_eq!(serde_json::from_str::<Calibration>(&serde_json::to_string(&four).unwrap()).unwrap(), four);
         assert!(serde_json::from_str::<Calibration>(r#"{"margin": 2, "margn": 1}"#).is_err());
     }
 }
