@@ -67,9 +67,29 @@ pub fn build_default_vl(root: &Path, spec: &VlBuildSpec, device: Device) -> Resu
             std::fs::remove_file(&path).map_err(|e| crate::Error::io(&path, e))?;
         }
     }
+    let roots = common.image_roots.clone();
+    let plan = crate::edit::LoadOptions { plan: common.plan, dtype: tch::Kind::Float };
     let (train_steps, holdout) =
         crate::bootstrap::demo::train_and_evaluate(root, common, ("vqa-train.json", "vqa-holdout.json"), DatasetKind::Vqa, &spec.mend, spec.mend.max_length)?;
+    visual_key_stats(root, &plan, roots.as_ref())?;
     Ok(VlBuildReport { pretrain: pre, train_steps, holdout, seconds: start.elapsed().as_secs_f64() })
+}
+
+/// The editor's key statistics over its visual world (issue #47): the locality views of
+/// `vqa-train.json`, each record's unrelated image and question and its NQ question, so
+/// that several image edits go through `mend-ls` by default (`dualedit stats --data
+/// data/vl/world/vqa-train.json --ds vqa --image-root data/vl/world`). `root` holds
+/// `model/`, `world/` and `editor/`, as `data/vl` does.
+pub fn visual_key_stats(root: &Path, opts: &crate::edit::LoadOptions, roots: Option<&ImageRoots>) -> Result<()> {
+    let editor = editor_dir(root);
+    let engine = crate::edit::open_engine(&model_dir(root), opts, &crate::edit::editor_params(&editor)?)?;
+    let data = world_dir(root).join("vqa-train.json");
+    // As `dualedit stats` prepares them: at the editor's maximum length, longer skipped.
+    let max = crate::mend::checkpoint::trained_config(&editor)?.max_length;
+    let (_, examples, _) = crate::run::load_examples(&engine, &data, DatasetKind::Vqa, None, max, Default::default(), roots)?;
+    let mut stats = crate::mend::stats::KeyStats::compute_views(&engine, &examples, &data, DatasetKind::Vqa, usize::MAX, true)?;
+    stats.write_for_editor(&editor)?;
+    Ok(())
 }
 
 /// One shown edit: the question, the answers before and after, and on the other images.

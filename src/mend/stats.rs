@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use crate::data::Example;
+use crate::data::{DatasetKind, EditExample, Example};
 use crate::mend::{checkpoint, Engine};
 use crate::{Error, Result};
 
@@ -100,6 +100,11 @@ pub struct StatsMeta {
     /// Whether `--max-tokens` cut the last summed line short.
     #[serde(default)]
     pub cut: bool,
+    /// Set when `text` is a data file of this format, whose records' locality views were
+    /// summed ([`KeyStats::compute_views`]; `lines` counts those views): there are no
+    /// lines stating a fact to leave out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ds: Option<DatasetKind>,
     /// Sum of each edited weight of the model they were computed on: statistics of
     /// another checkpoint are refused as an editor of another model is.
     pub weight_sums: std::collections::BTreeMap<String, f64>,
@@ -135,21 +140,8 @@ impl KeyStats {
         let (mut tokens, mut lines, mut read) = (0usize, 0usize, 0u64);
         let mut chunk: Vec<Example> = Vec::with_capacity(CHUNK_LINES);
         let flush = |chunk: &mut Vec<Example>, sums: &mut Option<Vec<Tensor>>| -> Result<()> {
-            if chunk.is_empty() {
-                return Ok(());
-            }
             let refs: Vec<&Example> = chunk.iter().collect();
-            let xs = engine.layer_inputs(&engine.collate(&refs)?)?;
-            *sums = Some(crate::error::guard(|| {
-                let g: Vec<Tensor> = xs.iter().map(|x| {
-                    let x = x.to_kind(Kind::Double);
-                    x.tr().matmul(&x)
-                }).collect();
-                Ok(match sums.take() {
-                    Some(acc) => acc.into_iter().zip(g).map(|(a, b)| a + b).collect(),
-                    None => g,
-                })
-            })?);
+            add_keys(engine, &refs, sums)?;
             chunk.clear();
             Ok(())
         };
@@ -201,6 +193,46 @@ impl KeyStats {
             text_fnv: Some(fnv.hex()),
             cut,
             weight_sums,
+            ds: None,
+        };
+        Ok(Self { meta, sums })
+    }
+
+    /// The statistics over the locality views of a data file's records (`examples`, as
+    /// [`crate::run::load_examples`] prepares them from `data`, a `ds` file): each
+    /// record's unrelated prompt (`loc`) and, for E-VQA / E-IC, its unrelated image and
+    /// question (`loc_image`), every token of each a key, up to `max_tokens` keys (whole
+    /// examples: the last one may pass it). What an edit must leave alone, in the form the
+    /// model meets it: a visual world's statistics need its images' tokens, which a text
+    /// file cannot give (issue #47). A file without such a view is an error naming it.
+    pub fn compute_views(engine: &Engine, examples: &[EditExample], data: &Path, ds: DatasetKind, max_tokens: usize, show: bool) -> Result<Self> {
+        let _g = tch::no_grad_guard();
+        if max_tokens == 0 {
+            return Err(Error::input("`max_tokens` must be at least 1"));
+        }
+        let views: Vec<&Example> = examples.iter().flat_map(|e| e.loc.iter().chain(&e.loc_image)).collect();
+        let progress = crate::progress::Progress::new("key statistics (examples)", views.len(), show);
+        let (mut sums, mut tokens, mut used) = (None, 0usize, 0usize);
+        for chunk in views.chunks(CHUNK_LINES) {
+            tokens += add_keys(engine, chunk, &mut sums)?;
+            used += chunk.len();
+            progress.set_position(used as u64);
+            if tokens >= max_tokens {
+                tracing::info!(file = %data.display(), tokens, "key statistics: `max_tokens` reached; the rest of the records are not read");
+                break;
+            }
+        }
+        progress.finish_and_clear();
+        let sums = sums.ok_or_else(|| Error::file(data, "has no record with a locality view (`loc`, or an image's `m_loc`) to take keys from"))?;
+        let meta = StatsMeta {
+            params: engine.edit_params.iter().map(|p| p.name.clone()).collect(),
+            tokens: tokens as f64,
+            lines: used,
+            text: data.display().to_string(),
+            text_fnv: None,
+            cut: false,
+            weight_sums: checkpoint::ModelFingerprint::of(engine)?.weight_sums,
+            ds: Some(ds),
         };
         Ok(Self { meta, sums })
     }
@@ -281,6 +313,27 @@ pub fn editor_stats_path(dir: &Path) -> Result<Option<PathBuf>> {
     Ok(meta.key_stats.map(|f| dir.join(f)))
 }
 
+/// Adds `Σ k kᵀ` of every token of `examples` (one batch, images included) to `sums`, per
+/// edited weight (f64 `[d_in, d_in]`); returns the keys added.
+fn add_keys(engine: &Engine, examples: &[&Example], sums: &mut Option<Vec<Tensor>>) -> Result<usize> {
+    if examples.is_empty() {
+        return Ok(0);
+    }
+    let xs = engine.layer_inputs(&engine.collate(examples)?)?;
+    let keys = xs.first().map_or(0, |x| x.size()[0] as usize);
+    *sums = Some(crate::error::guard(|| {
+        let g: Vec<Tensor> = xs.iter().map(|x| {
+            let x = x.to_kind(Kind::Double);
+            x.tr().matmul(&x)
+        }).collect();
+        Ok(match sums.take() {
+            Some(acc) => acc.into_iter().zip(g).map(|(a, b)| a + b).collect(),
+            None => g,
+        })
+    })?);
+    Ok(keys)
+}
+
 /// The factor of statistics over `tokens` tokens in the solve: they stand for at most
 /// [`WEIGHT_TOKENS`] tokens (see the module's doc).
 pub fn weight_scale(tokens: f64) -> f64 {
@@ -347,6 +400,10 @@ impl SummedText {
     /// recorded. `None` (logged) when there is none: statistics of an earlier version (no
     /// fingerprint), a text moved, changed or over 64 MiB.
     pub fn find(meta: &StatsMeta, dir: &Path) -> Option<Self> {
+        if let Some(ds) = meta.ds {
+            tracing::debug!(data = %meta.text, %ds, "key statistics of a data file's locality views: no lines to leave out");
+            return None;
+        }
         let Some(want) = meta.text_fnv.as_ref() else {
             tracing::info!(text = %meta.text, "the key statistics carry no fingerprint of their text (computed by an earlier version): mend-ls keeps the edited facts' own lines in them; run `dualedit stats` again to leave them out");
             return None;

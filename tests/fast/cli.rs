@@ -451,6 +451,35 @@ fn stats_refuses_a_fifo_a_device_and_a_line_without_end() {
     assert_eq!(snapshot(&[&editor]), before);
 }
 
+/// Issue #47: `stats --data` sums a data file's locality views. A file with no such view,
+/// `--data` without `--ds`, or both `--text` and `--data` end with one error naming the
+/// file or the flags; the editor's folder is left as it was.
+#[test]
+fn stats_from_data_refuses_a_file_without_locality_views() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = common::root();
+    let editor = dir.path().join("editor");
+    std::fs::create_dir(&editor).unwrap();
+    for e in std::fs::read_dir(root.join("data/editor")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, editor.join(p.file_name().unwrap())).unwrap();
+    }
+    let before = snapshot(&[&editor]);
+    let data = dir.path().join("no-loc.json");
+    std::fs::write(&data, r#"[{"prompt": "The capital of France is", "target_new": "Rome", "ground_truth": "Paris"}]"#).unwrap();
+    let model_dir = root.join("data/model");
+    let (model, ed, file) = (s(&model_dir), s(&editor), s(&data));
+    let o = dualedit(&["stats", "--model", model, "--editor", ed, "--data", file, "--ds", "counterfact"]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains(file) && err.contains("locality view"), "{err}");
+    for (args, needle) in [(vec!["--data", file], "--ds"), (vec!["--data", file, "--ds", "counterfact", "--text", file], "--text")] {
+        let o = dualedit(&[&["stats", "--model", model, "--editor", ed][..], &args].concat());
+        let err = stderr(&o);
+        assert!(!o.status.success() && err.contains(needle), "{args:?}: {err}");
+    }
+    assert_eq!(snapshot(&[&editor]), before);
+}
+
 /// Issue #50: an option is one field of a library type. The CLI's flags and JSON fill the
 /// same type; the library's errors name the field, which the CLI prints as its flag.
 #[test]

@@ -170,6 +170,79 @@ fn fifty_image_edits_in_one_batch_end_in_seconds() {
     }
 }
 
+/// Issue #47: the multimodal default has key statistics over its visual world
+/// (`dualedit stats --data vqa-train.json --ds vqa`: each training record's unrelated image
+/// and question, and its NQ question), so several image edits go through `mend-ls` by
+/// default. The committed statistics are what the command computes now, and with them 20
+/// held-out E-VQA edits one after another are all committed, with higher reliability and
+/// image locality than plain summed MEND, which the guard refuses edits of.
+#[test]
+fn multimodal_default_edits_many_with_statistics_of_its_visual_world() {
+    let _serial = serial();
+    let root = common::root();
+    let world = root.join("data/vl/world");
+    let dir = tempfile::tempdir().unwrap();
+    let editor = dir.path().join("editor");
+    std::fs::create_dir(&editor).unwrap();
+    for f in ["editor.json", "editor.safetensors"] {
+        std::fs::copy(root.join("data/vl/editor").join(f), editor.join(f)).unwrap();
+    }
+    let mut cmd = common::dualedit_cmd();
+    cmd.env("OMP_NUM_THREADS", "1");
+    cmd.args(["stats", "--model", root.join("data/vl/model").to_str().unwrap(), "--editor", editor.to_str().unwrap()]);
+    cmd.args(["--data", world.join("vqa-train.json").to_str().unwrap(), "--ds", "vqa", "--image-root", world.to_str().unwrap(), "--json"]);
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((v["ds"].as_str(), v["lines"].as_u64()), (Some("vqa"), Some(4022)), "{v}");
+    // And as `build-default` computes them, into a copy of data/vl.
+    let built = dir.path().join("vl");
+    std::fs::create_dir_all(built.join("editor")).unwrap();
+    for d in ["model", "world"] {
+        std::os::unix::fs::symlink(root.join("data/vl").join(d), built.join(d)).unwrap();
+    }
+    for f in ["editor.json", "editor.safetensors"] {
+        std::fs::copy(root.join("data/vl/editor").join(f), built.join("editor").join(f)).unwrap();
+    }
+    let roots = dualedit::data::multimodal::ImageRoots::new(built.join("world"), None);
+    dualedit::bootstrap::demo_vl::visual_key_stats(&built, &Default::default(), Some(&roots)).unwrap();
+    let read = |p: &Path| dualedit::io::read_safetensors(p).unwrap().0.into_iter().collect::<std::collections::BTreeMap<_, _>>();
+    let shipped = read(&root.join("data/vl/editor/key-stats.safetensors"));
+    for now in [read(&editor.join("key-stats.safetensors")), read(&built.join("editor/key-stats.safetensors"))] {
+        assert_eq!(now.keys().collect::<Vec<_>>(), shipped.keys().collect::<Vec<_>>());
+        for (name, t) in &now {
+            let rel = (t - &shipped[name]).abs().max().double_value(&[]) / shipped[name].abs().max().double_value(&[]);
+            assert!(rel < 1e-4, "{name}: the shipped statistics differ from a recomputation by {rel:e}");
+        }
+    }
+
+    let records: Vec<serde_json::Value> = common::json_file(&world.join("vqa-holdout.json")).as_array().unwrap()[..20].to_vec();
+    let requests = dir.path().join("vqa20.json");
+    std::fs::write(&requests, serde_json::to_string(&records).unwrap()).unwrap();
+    let run = |method: Option<&str>| {
+        let mut cmd = common::dualedit_cmd();
+        cmd.env("OMP_NUM_THREADS", "1").current_dir(dir.path());
+        cmd.args(["edit", "--model", root.join("data/vl/model").to_str().unwrap(), "--editor", root.join("data/vl/editor").to_str().unwrap()]);
+        cmd.args(["--ds", "vqa", "--requests", requests.to_str().unwrap(), "--image-root", world.to_str().unwrap(), "--sequential", "--json"]);
+        if let Some(m) = method {
+            cmd.args(["--method", m]);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{method:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let (default, plain) = (run(None), run(Some("mend")));
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or_else(|| panic!("no {k} in {v}"));
+    println!(
+        "20 in a row: default {} {:.2}/{:.2}/{:.2} image locality {:.3}, refused {}; plain mend {:.2}/{:.2}/{:.2} image locality {:.3}, refused {}",
+        default["method"], f(&default, "reliability"), f(&default, "generalization"), f(&default, "locality"), f(&default, "image_locality"), default["refused"],
+        f(&plain, "reliability"), f(&plain, "generalization"), f(&plain, "locality"), f(&plain, "image_locality"), plain["refused"]
+    );
+    assert_eq!((default["method"].as_str(), default["refused"].as_u64()), (Some("mend-ls"), Some(0)), "{default}");
+    assert!(plain["refused"].as_u64().unwrap() > 0, "{plain}");
+    assert!(f(&default, "reliability") > f(&plain, "reliability") && f(&default, "image_locality") > f(&plain, "image_locality"), "{default}\n{plain}");
+}
+
 /// The shipped multimodal model answers from the picture it is shown: held-out questions
 /// are right with their own image and mostly wrong with another scene's (the record's
 /// `m_loc` image), so an image edit has image-specific states to work on. (The model the
