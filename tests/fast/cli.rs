@@ -424,6 +424,18 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// A copy of the embedded default's `data/editor` in `dir/editor` (`stats` writes into the
+/// editor's folder).
+fn default_editor_copy(dir: &Path) -> std::path::PathBuf {
+    let editor = dir.join("editor");
+    std::fs::create_dir(&editor).unwrap();
+    for e in std::fs::read_dir(common::root().join("data/editor")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, editor.join(p.file_name().unwrap())).unwrap();
+    }
+    editor
+}
+
 /// Issue #48: `stats --text` streams its file, but a FIFO, a device or a line longer than
 /// 1 MiB (a file without line breaks) ends it at once with one error naming the file; the
 /// editor's folder is left as it was.
@@ -431,12 +443,7 @@ fn s(p: &Path) -> &str {
 fn stats_refuses_a_fifo_a_device_and_a_line_without_end() {
     let dir = tempfile::tempdir().unwrap();
     let root = common::root();
-    let editor = dir.path().join("editor");
-    std::fs::create_dir(&editor).unwrap();
-    for e in std::fs::read_dir(root.join("data/editor")).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, editor.join(p.file_name().unwrap())).unwrap();
-    }
+    let editor = default_editor_copy(dir.path());
     let before = snapshot(&[&editor]);
     let pipe = fifo(&dir.path().join("text.txt"));
     let long = dir.path().join("long.txt");
@@ -458,12 +465,7 @@ fn stats_refuses_a_fifo_a_device_and_a_line_without_end() {
 fn stats_from_data_refuses_a_file_without_locality_views() {
     let dir = tempfile::tempdir().unwrap();
     let root = common::root();
-    let editor = dir.path().join("editor");
-    std::fs::create_dir(&editor).unwrap();
-    for e in std::fs::read_dir(root.join("data/editor")).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, editor.join(p.file_name().unwrap())).unwrap();
-    }
+    let editor = default_editor_copy(dir.path());
     let before = snapshot(&[&editor]);
     let data = dir.path().join("no-loc.json");
     std::fs::write(&data, r#"[{"prompt": "The capital of France is", "target_new": "Rome", "ground_truth": "Paris"}]"#).unwrap();
