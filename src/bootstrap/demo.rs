@@ -122,7 +122,7 @@ pub fn train_many_editor(root: &Path, common: Common, mend: &MendConfig) -> Resu
     Ok(train.steps)
 }
 
-fn common_plan(common: &Common) -> crate::edit::LoadOptions {
+pub(crate) fn common_plan(common: &Common) -> crate::edit::LoadOptions {
     crate::edit::LoadOptions { plan: common.plan, dtype: tch::Kind::Float }
 }
 

@@ -67,11 +67,10 @@ pub fn build_default_vl(root: &Path, spec: &VlBuildSpec, device: Device) -> Resu
             std::fs::remove_file(&path).map_err(|e| crate::Error::io(&path, e))?;
         }
     }
-    let roots = common.image_roots.clone();
-    let plan = crate::edit::LoadOptions { plan: common.plan, dtype: tch::Kind::Float };
+    let (roots, opts) = (common.image_roots.clone(), crate::bootstrap::demo::common_plan(&common));
     let (train_steps, holdout) =
         crate::bootstrap::demo::train_and_evaluate(root, common, ("vqa-train.json", "vqa-holdout.json"), DatasetKind::Vqa, &spec.mend, spec.mend.max_length)?;
-    visual_key_stats(root, &plan, roots.as_ref())?;
+    visual_key_stats(root, &opts, roots.as_ref())?;
     Ok(VlBuildReport { pretrain: pre, train_steps, holdout, seconds: start.elapsed().as_secs_f64() })
 }
 
