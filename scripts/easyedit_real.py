@@ -108,7 +108,14 @@ def run(args, work, result):
     if args.val_records >= len(records):
         raise SystemExit(f"easyedit_real: {args.train} has {len(records)} records, fewer than --val-records + 1")
     train_file, hold_file = work / "train.json", work / "held-out.json"
-    train_file.write_text(json.dumps(records[: len(records) - args.val_records]))
+    train_records = records[: len(records) - args.val_records]
+    # EasyEdit runs round(max_iters / len(train)) epochs and stops at max_iters inside them, so more
+    # records than one pass (dualedit's 2,500 steps of 5 are 1.26 passes) would be cut to one pass.
+    # The file is the passes laid end to end instead: each record once or twice, as dualedit sees them.
+    if args.edits > len(train_records):
+        train_records = [train_records[i % len(train_records)] for i in range(args.edits)]
+        result["train_file_records"] = len(train_records)
+    train_file.write_text(json.dumps(train_records))
     hold_file.write_text(json.dumps(records[len(records) - args.val_records:]))
 
     result["phase"] = "train"
