@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use tch::Tensor;
 
 use crate::data::{Example, TokenBatch};
-use crate::mend::guard::{self, GuardConfig, GuardReport, Probes};
+use crate::mend::guard::{self, GuardConfig, GuardReport, ProbeScore, Probes};
 use crate::mend::Engine;
 use crate::model::Overrides;
 use crate::{Error, Result};
@@ -52,6 +52,9 @@ impl<'a> Commits<'a> {
 pub(super) struct CallGuard<'a> {
     active: Option<(&'a GuardConfig, Probes)>,
     pub reports: Vec<GuardReport>,
+    /// The probes' score on the weights as the last check left them (what it returned
+    /// committed, or nothing when it refused): the next check's `before`, not measured again.
+    current: Option<ProbeScore>,
 }
 
 impl<'a> CallGuard<'a> {
@@ -67,7 +70,7 @@ impl<'a> CallGuard<'a> {
             let why = if excluded_any { "every locality prompt names a subject this call edits" } else { "no request has a locality prompt" };
             tracing::warn!("{why}: the commit guard has nothing to measure and is off");
         }
-        Ok(Self { active, reports: Vec::new() })
+        Ok(Self { active, reports: Vec::new(), current: None })
     }
 
     /// Whether proposals are measured (and reported).
@@ -76,9 +79,16 @@ impl<'a> CallGuard<'a> {
     }
 
     /// The proposal to commit (whole or scaled back), or `None` when the guard refuses it.
+    /// The caller commits what it returns before the next check, which takes the probes'
+    /// score of those weights from this one.
     pub fn check(&mut self, engine: &Engine, proposal: Overrides, inner: &TokenBatch) -> Result<Option<Overrides>> {
         let Some((cfg, probes)) = &self.active else { return Ok(Some(proposal)) };
-        let (kept, rep) = guard::check_edit(engine, &proposal, probes, Some(inner), cfg)?;
+        let before = match self.current {
+            Some(score) => score,
+            None => probes.measure(engine, &Overrides::new())?,
+        };
+        let (kept, rep) = guard::check_edit_at(engine, &proposal, probes, Some(inner), cfg, before)?;
+        self.current = Some(rep.after);
         match rep.decision {
             guard::Decision::Accepted => tracing::info!("{}", rep.message),
             _ => tracing::warn!("edit {}: {}", self.reports.len(), rep.message),

@@ -260,8 +260,8 @@ fn passes(cfg: &GuardConfig, before: &ProbeScore, s: &ProbeScore) -> bool {
 /// used to check that a scaled-back edit still makes the edit. Returns the overrides to
 /// commit (`None` when refused) and the report. Commits nothing itself.
 ///
-/// Costs one forward of the probes before and one with the full edit; an edit that fails
-/// costs up to 7 more (bisection of the scale) and one forward of `edit`.
+/// Measures the probes on the current weights first: [`check_edit_at`] takes that score
+/// from a caller that knows it (a run of edits, whose last check measured it).
 pub fn check_edit(
     engine: &Engine,
     overrides: &Overrides,
@@ -269,8 +269,29 @@ pub fn check_edit(
     edit: Option<&TokenBatch>,
     cfg: &GuardConfig,
 ) -> Result<(Option<Overrides>, GuardReport)> {
-    cfg.validate()?;
     let before = probes.measure(engine, &Overrides::new())?;
+    check_edit_at(engine, overrides, probes, edit, cfg, before)
+}
+
+/// [`check_edit`] with `before`, the probes' score on the current weights, already known.
+///
+/// Costs one forward of the probes with the full edit. An edit that fails at full size is
+/// scaled back: with `edit` given, the smallest scale that still makes it (of a batch, at
+/// least one of its edits) is found first on the edit's own batch (a forward of a few
+/// rows per step); if the probes fail there too the edit is refused after that one more
+/// probe forward, otherwise the largest passing scale above it is bisected (at most 6 more).
+/// The decision is the one of bisecting the probes first and then asking whether the edit
+/// is made, as long as a larger scale moves the probes more and makes the edit no less; but
+/// a refusal, most of a long run's decisions, costs 2 probe forwards instead of 9.
+pub fn check_edit_at(
+    engine: &Engine,
+    overrides: &Overrides,
+    probes: &Probes,
+    edit: Option<&TokenBatch>,
+    cfg: &GuardConfig,
+    before: ProbeScore,
+) -> Result<(Option<Overrides>, GuardReport)> {
+    cfg.validate()?;
     let full = probes.measure(engine, overrides)?;
     let fmt = |p: &ProbeScore| format!("top-1 agreement {:.3}, KL {:.3}", p.agreement, p.kl);
     let limits = format!(
@@ -302,7 +323,7 @@ pub fn check_edit(
         let report = GuardReport { decision: Decision::Accepted, scale: 1.0, before, full, after: full, edit_success: None, message };
         return Ok((Some(overrides.map(|t| t.shallow_clone())), report));
     }
-    let refuse = |why: String, before: ProbeScore, full: ProbeScore| {
+    let refuse = |why: String| {
         let message = format!(
             "edit refused: it would break the locality probes ({} -> {}; {limits}){why}; nothing was committed",
             fmt(&before),
@@ -311,45 +332,58 @@ pub fn check_edit(
         GuardReport { decision: Decision::Refused, scale: 0.0, before, full, after: before, edit_success: Some(false), message }
     };
     if !cfg.scale_back {
-        return Ok((None, refuse(String::new(), before, full)));
+        return Ok((None, refuse(String::new())));
     }
-    // Bisection on the scale between a failing `hi` and a passing `lo` (if any).
-    let (mut lo, mut hi) = (0.0, 1.0);
-    let mut lo_score = None;
     let s_min = cfg.min_scale;
-    let low = probes.measure(engine, &scale_overrides(engine, overrides, s_min)?)?;
-    if passes(cfg, &before, &low) {
-        lo = s_min;
-        lo_score = Some(low);
-        for _ in 0..6 {
-            let mid = (lo * hi).sqrt(); // geometric: scales span orders of magnitude
-            let sc = probes.measure(engine, &scale_overrides(engine, overrides, mid)?)?;
-            if passes(cfg, &before, &sc) {
-                lo = mid;
-                lo_score = Some(sc);
-            } else {
-                hi = mid;
+    let at = |s: f64| -> Result<ProbeScore> { probes.measure(engine, &scale_overrides(engine, overrides, s)?) };
+    // The scales to bisect the probes over: from a passing `lo` (with its score) up to the
+    // failing full edit.
+    let (lo, lo_score) = match edit {
+        Some(e) => {
+            let made_at = |s: f64| -> Result<bool> { Ok(edits_made(engine, &scale_overrides(engine, overrides, s)?, e)?.0 > 0) };
+            let Some(s_make) = smallest_scale(s_min, &made_at)? else {
+                let what = if e.batch_size() > 1 { "makes none of its edits" } else { "does not make the edit" };
+                return Ok((None, refuse(format!(", and even at full size it {what}"))));
+            };
+            let score = at(s_make)?;
+            if !passes(cfg, &before, &score) {
+                let what = if e.batch_size() > 1 { "makes one of its edits" } else { "makes the edit" };
+                return Ok((None, refuse(format!(", and at scale {s_make:.3}, the smallest that still {what}, probes {}", fmt(&score)))));
             }
+            (s_make, score)
+        }
+        None => {
+            let score = at(s_min)?;
+            if !passes(cfg, &before, &score) {
+                return Ok((None, refuse(format!(", even at scale {s_min}"))));
+            }
+            (s_min, score)
+        }
+    };
+    let (mut lo, mut after, mut hi) = (lo, lo_score, 1.0);
+    for _ in 0..6 {
+        if hi / lo < 1.05 {
+            break;
+        }
+        let mid = (lo * hi).sqrt(); // geometric: scales span orders of magnitude
+        let sc = at(mid)?;
+        if passes(cfg, &before, &sc) {
+            (lo, after) = (mid, sc);
+        } else {
+            hi = mid;
         }
     }
-    let Some(after) = lo_score else {
-        return Ok((None, refuse(format!(", even at scale {s_min}"), before, full)));
-    };
     let scaled = scale_overrides(engine, overrides, lo)?;
-    // A scaled edit is kept only if it still makes an edit: a single edit must come out
-    // whole; of a batch, at least one of its edits (a batch's full edit need not make
-    // every one either, and refusing a batch for one lost edit would lose them all).
+    // Of a batch, the report says how many of its edits the scaled edit still makes (a
+    // batch's full edit need not make every one either, and refusing a batch for one lost
+    // edit would lose them all).
     let made = match edit {
         Some(e) => Some(edits_made(engine, &scaled, e)?),
         None => None,
     };
-    let success = made.map(|(m, of)| m == of);
-    match made {
-        Some((0, 1)) => return Ok((None, refuse(format!(", and scaled to {lo:.3} (probes {}) it no longer makes the edit", fmt(&after)), before, full))),
-        Some((0, of)) => {
-            return Ok((None, refuse(format!(", and scaled to {lo:.3} (probes {}) it makes none of the {of} edits", fmt(&after)), before, full)))
-        }
-        _ => {}
+    if let Some((0, of)) = made {
+        // A larger scale made it but this one does not (the edit is not monotone in its scale).
+        return Ok((None, refuse(format!(", and scaled to {lo:.3} (probes {}) it makes none of the {of} edit(s)", fmt(&after)))));
     }
     let makes = match made {
         Some((m, of)) if of > 1 => format!(", making {m} of the {of} edits"),
@@ -361,7 +395,30 @@ pub fn check_edit(
         fmt(&full),
         fmt(&after)
     );
-    Ok((Some(scaled), GuardReport { decision: Decision::Scaled, scale: lo, before, full, after, edit_success: success, message }))
+    let edit_success = made.map(|(m, of)| m == of);
+    Ok((Some(scaled), GuardReport { decision: Decision::Scaled, scale: lo, before, full, after, edit_success, message }))
+}
+
+/// The smallest scale in `[s_min, 1]` at which `made` holds, to a factor of `(1/s_min)^(1/64)`
+/// (geometric bisection, 6 steps), assuming a larger scale makes no fewer edits; `None`
+/// when it does not hold at 1.
+fn smallest_scale(s_min: f64, made: &impl Fn(f64) -> Result<bool>) -> Result<Option<f64>> {
+    if !made(1.0)? {
+        return Ok(None);
+    }
+    if made(s_min)? {
+        return Ok(Some(s_min));
+    }
+    let (mut lo, mut hi) = (s_min, 1.0);
+    for _ in 0..6 {
+        let mid = (lo * hi).sqrt();
+        if made(mid)? {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Ok(Some(hi))
 }
 
 #[cfg(test)]

@@ -51,7 +51,7 @@ pub use crate::config::LsConfig;
 use crate::data::{EditRecord, Example, TokenBatch};
 use crate::mend::stats::{weight_scale, SummedText};
 use crate::mend::{losses, Editor, Engine};
-use crate::model::{LowRank, Overrides};
+use crate::model::Overrides;
 use crate::{Error, Result};
 
 /// What a user sets of [`LsConfig`] (the `--ls-*` flags); the rest comes from the editor
@@ -353,16 +353,30 @@ fn solve(rows: &Rows, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
 /// The normal equation of the solve: `S = (KᵀK + λ·I + μ·C)⁻¹ KᵀT` `[d_in, d_out]` for keys
 /// `k` `[R, d_in]`, targets `t` `[R, d_out]`, `λ = config.lambda · mean_t ‖k_t‖²`, `μ =
 /// config.cov_weight` and the unrelated keys' Gram `C` `[d_in, d_in]` (none: no `μ` term).
-/// Differentiable w.r.t. `t` (autograd through `linalg_solve`) when `t` requires grad, as
-/// meta-training through the solve needs ([`aggregate`]); the keys and `C` are constants.
+/// Differentiable w.r.t. `t` when `t` requires grad, as meta-training through the solve
+/// needs ([`aggregate`]); the keys and `C` are constants.
+///
+/// The matrix is symmetric positive definite (`λ > 0`), so it is factored by Cholesky, half
+/// an LU's work, with LU kept for a factor that fails in f32; and with fewer rows than
+/// outputs (an edit in a row has ~10 a request, SmolLM2's gate and up projections 1536
+/// outputs) `(G⁻¹Kᵀ)·T` solves for `R` right-hand sides instead of `d_out`. Together they
+/// halve the solve, which was most of an edit in a row.
 pub fn solve_keys(k: &Tensor, t: &Tensor, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
-    let d_in = k.size()[1];
+    let (rows, d_in) = (k.size()[0], k.size()[1]);
     let lambda = config.lambda * k.square().sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float).double_value(&[]).max(1e-12);
     let mut gram = k.tr().matmul(k) + Tensor::eye(d_in, (Kind::Float, k.device())) * lambda;
     if let Some(c) = unrelated {
         gram += c.to_device(k.device()) * config.cov_weight;
     }
-    Tensor::linalg_solve(&gram, &k.tr().matmul(t), true)
+    let few_rows = rows < t.size()[1];
+    let (factor, info) = gram.linalg_cholesky_ex(false, false);
+    if info.int64_value(&[]) != 0 {
+        return Tensor::linalg_solve(&gram, &k.tr().matmul(t), true);
+    }
+    match few_rows {
+        true => k.tr().contiguous().cholesky_solve(&factor, false).matmul(t),
+        false => k.tr().matmul(t).cholesky_solve(&factor, false),
+    }
 }
 
 /// The edit of a batch as meta-training through the least-squares aggregation scores it
@@ -563,34 +577,30 @@ fn changes(memory: &KeyMemory, s: &[Tensor]) -> Vec<Tensor> {
         .collect()
 }
 
-/// The override taking the current weights to `W0 + s`: `(I, s − S_prev)` per weight, as
-/// a low-rank override for f32 weights (applied as `x·W + x·ΔS`), else `W'` itself.
+/// The override taking the current weights to `W0 + s`: `W' = W + (s − S_prev)` per weight.
+/// Dense, not a low-rank term: `S` has rank `d_in`, and as `(I, S)` every forward and every
+/// commit paid a `d_in × d_in` product for the identity (for SmolLM2's `down_proj`, a
+/// 1536² GEMM per row batch: a fifth of an edit in a row, docs/notebook/many-edits.md).
 fn overrides(engine: &Engine, memory: &KeyMemory, s: &[Tensor]) -> Result<Overrides> {
-    crate::error::guard(|| {
-        let mut out = Overrides::new();
-        for (p, change) in engine.edit_params.iter().zip(changes(memory, s)) {
-            let w = engine.weight(&p.name)?;
-            let edit = LowRank { a: Tensor::eye(change.size()[0], (Kind::Float, w.device())), b: change.to_device(w.device()) };
-            if w.kind() == Kind::Float {
-                out.insert_low_rank(p.name.clone(), edit);
-            } else {
-                out.insert(p.name.clone(), edit.added_to(w, p.layout));
-            }
-        }
-        Ok(out)
-    })
+    let change: Vec<Option<Tensor>> = changes(memory, s).into_iter().map(Some).collect();
+    Ok(Overrides::from_iter(weights_plus(engine, &change)?))
 }
 
 /// The current edited weights plus `change[i]` (`[d_in, d_out]`; `None` or missing:
-/// unchanged), by name: the weights [`Engine::capture_by_example`] captures at.
+/// unchanged), by name, in each weight's layout and kind (summed in f32): the weights
+/// [`Engine::capture_by_example`] captures at.
 fn weights_plus(engine: &Engine, change: &[Option<Tensor>]) -> Result<HashMap<String, Tensor>> {
     crate::error::guard(|| {
         let mut at = HashMap::new();
         for (p, c) in engine.edit_params.iter().zip(change) {
             if let Some(c) = c {
                 let w = engine.weight(&p.name)?;
-                let lr = LowRank { a: Tensor::eye(c.size()[0], (Kind::Float, w.device())), b: c.to_device(w.device()) };
-                at.insert(p.name.clone(), lr.added_to(w, p.layout));
+                let c = c.to_device(w.device());
+                let oriented = match p.layout {
+                    crate::model::WeightLayout::Linear => c.tr(),
+                    crate::model::WeightLayout::Conv1d => c,
+                };
+                at.insert(p.name.clone(), (w.to_kind(Kind::Float) + oriented).to_kind(w.kind()));
             }
         }
         Ok(at)
