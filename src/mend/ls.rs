@@ -198,19 +198,22 @@ impl LeftOut {
 
 /// Per edited weight: every committed edit's keys `K` `[R, d_in]`, targets `T` `[R, d_out]`
 /// (relative to the weights the memory started from), the edit each row belongs to `[R]`
-/// (int64, numbered in commit order) and the change `S` `[d_in, d_out]` committed so far.
+/// (int64, numbered in commit order), their Gram `KᵀK` `[d_in, d_in]` (kept, so that an edit
+/// in a row adds its own rows' instead of recomputing all of them) and the change `S`
+/// `[d_in, d_out]` committed so far.
 #[derive(Default)]
 struct Layer {
     k: Option<Tensor>,
     t: Option<Tensor>,
     edit: Option<Tensor>,
+    gram: Option<Tensor>,
     s: Option<Tensor>,
 }
 
 impl Layer {
     fn shallow(&self) -> Layer {
         let c = |t: &Option<Tensor>| t.as_ref().map(Tensor::shallow_clone);
-        Layer { k: c(&self.k), t: c(&self.t), edit: c(&self.edit), s: c(&self.s) }
+        Layer { k: c(&self.k), t: c(&self.t), edit: c(&self.edit), gram: c(&self.gram), s: c(&self.s) }
     }
 }
 
@@ -279,7 +282,7 @@ impl KeyMemory {
         let _g = tch::no_grad_guard();
         let mut layers = Vec::with_capacity(p.layers.len());
         for (i, (new, old_t)) in p.layers.into_iter().zip(p.old_t).enumerate() {
-            let (Some(k), Some(t), Some(edit), Some(s)) = (new.k, new.t, new.edit, new.s) else {
+            let (Some(k), Some(t), Some(edit), Some(gram), Some(s)) = (new.k, new.t, new.edit, new.gram, new.s) else {
                 layers.push(Layer::default());
                 continue;
             };
@@ -297,7 +300,7 @@ impl KeyMemory {
             } else {
                 (t, s)
             };
-            layers.push(Layer { k: Some(k), t: Some(t), edit: Some(edit), s: Some(s) });
+            layers.push(Layer { k: Some(k), t: Some(t), edit: Some(edit), gram: Some(gram), s: Some(s) });
         }
         self.edits += p.edits;
         self.examples.extend(p.examples);
@@ -335,6 +338,8 @@ struct Rows {
     k: Tensor,
     t: Tensor,
     edit: Tensor,
+    /// `KᵀK` `[d_in, d_in]`.
+    gram: Tensor,
 }
 
 /// Each row's value shift under its own edit's update: `v_t = Σ_{s in t's edit} (k_t·a_s) b_s`,
@@ -347,7 +352,7 @@ fn shifts(k: &Tensor, edit_k: &Tensor, a: &Tensor, b: &Tensor, edit_ab: &Tensor)
 
 /// `S` `[d_in, d_out]` of one weight: `(KᵀK + λ·I + μ·CᵀC)⁻¹ KᵀT`.
 fn solve(rows: &Rows, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
-    solve_keys(&rows.k, &rows.t, config, unrelated)
+    solve_gram(&rows.k, &rows.gram, &rows.t, config, unrelated)
 }
 
 /// The normal equation of the solve: `S = (KᵀK + λ·I + μ·C)⁻¹ KᵀT` `[d_in, d_out]` for keys
@@ -362,9 +367,14 @@ fn solve(rows: &Rows, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
 /// outputs) `(G⁻¹Kᵀ)·T` solves for `R` right-hand sides instead of `d_out`. Together they
 /// halve the solve, which was most of an edit in a row.
 pub fn solve_keys(k: &Tensor, t: &Tensor, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
+    solve_gram(k, &k.tr().matmul(k), t, config, unrelated)
+}
+
+/// [`solve_keys`] with the keys' Gram `kk = KᵀK` given (`mean_t ‖k_t‖²` is its trace over `R`).
+fn solve_gram(k: &Tensor, kk: &Tensor, t: &Tensor, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
     let (rows, d_in) = (k.size()[0], k.size()[1]);
-    let lambda = config.lambda * k.square().sum_dim_intlist(1, false, Kind::Float).mean(Kind::Float).double_value(&[]).max(1e-12);
-    let mut gram = k.tr().matmul(k) + Tensor::eye(d_in, (Kind::Float, k.device())) * lambda;
+    let lambda = config.lambda * (kk.trace().double_value(&[]) / rows.max(1) as f64).max(1e-12);
+    let mut gram = kk + Tensor::eye(d_in, (Kind::Float, k.device())) * lambda;
     if let Some(c) = unrelated {
         gram += c.to_device(k.device()) * config.cov_weight;
     }
@@ -447,9 +457,12 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
             // Targets relative to W0, where the keys were captured; remembered rows first.
             let v = shifts(k, &edit, &a, &b, &edit);
             let prev = ls.memory.layers.get(i);
-            rows.push(match prev.and_then(|l| Some((l.k.as_ref()?, l.t.as_ref()?, l.edit.as_ref()?))) {
-                Some((k0, t0, e0)) => Rows { k: Tensor::cat(&[k0, k], 0), t: Tensor::cat(&[t0, &v], 0), edit: Tensor::cat(&[e0, &edit], 0) },
-                None => Rows { k: k.shallow_clone(), t: v, edit },
+            let gram = k.tr().matmul(k);
+            rows.push(match prev.and_then(|l| Some((l.k.as_ref()?, l.t.as_ref()?, l.edit.as_ref()?, l.gram.as_ref()?))) {
+                Some((k0, t0, e0, g0)) => {
+                    Rows { k: Tensor::cat(&[k0, k], 0), t: Tensor::cat(&[t0, &v], 0), edit: Tensor::cat(&[e0, &edit], 0), gram: g0 + gram }
+                }
+                None => Rows { k: k.shallow_clone(), t: v, edit, gram },
             });
         }
         Ok(rows)
@@ -483,7 +496,12 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
                     .zip(&pos2)
                     .map(|((r, (a, b)), pos)| {
                         let edit2 = ids.to_device(pos.device()).index_select(0, &pos.divide_scalar_mode(t2, "floor"));
-                        Rows { k: r.k.shallow_clone(), t: &r.t + shifts(&r.k, &r.edit, &a, &b, &edit2), edit: r.edit.shallow_clone() }
+                        Rows {
+                            k: r.k.shallow_clone(),
+                            t: &r.t + shifts(&r.k, &r.edit, &a, &b, &edit2),
+                            edit: r.edit.shallow_clone(),
+                            gram: r.gram.shallow_clone(),
+                        }
                     })
                     .collect())
             })?;
@@ -503,7 +521,7 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
     }
     let old_t = (0..rows.len()).map(|i| ls.memory.layers.get(i).and_then(|l| l.t.as_ref().map(Tensor::shallow_clone))).collect();
     ls.memory.pending = Some(Proposal {
-        layers: rows.into_iter().zip(s).map(|(r, s)| Layer { k: Some(r.k), t: Some(r.t), edit: Some(r.edit), s: Some(s) }).collect(),
+        layers: rows.into_iter().zip(s).map(|(r, s)| Layer { k: Some(r.k), t: Some(r.t), edit: Some(r.edit), gram: Some(r.gram), s: Some(s) }).collect(),
         old_t,
         edits: inner.batch_size(),
         examples: new_requests,
