@@ -276,10 +276,12 @@ pub fn check_edit(
 /// [`check_edit`] with `before`, the probes' score on the current weights, already known.
 ///
 /// Costs one forward of the probes with the full edit. An edit that fails at full size is
-/// scaled back: with `edit` given, the smallest scale that still makes it (of a batch, at
-/// least one of its edits) is found first on the edit's own batch (a forward of a few
-/// rows per step); if the probes fail there too the edit is refused after that one more
-/// probe forward, otherwise the largest passing scale above it is bisected (at most 6 more).
+/// scaled back. When `edit` has fewer rows than the probes (an edit in a row), the smallest
+/// scale that still makes it (of a batch, at least one of its edits) is found first on the
+/// edit's own batch; if the probes fail there too the edit is refused after that one more
+/// probe forward, otherwise the largest passing scale above it is bisected (at most 6
+/// more). Otherwise the probes are bisected from `min_scale` up and the edit is checked at
+/// the scale found.
 /// The decision is the one of bisecting the probes first and then asking whether the edit
 /// is made, as long as a larger scale moves the probes more and makes the edit no less; but
 /// a refusal, most of a long run's decisions, costs 2 probe forwards instead of 9.
@@ -339,7 +341,10 @@ pub fn check_edit_at(
     // The scales to bisect the probes over: from a passing `lo` (with its score) up to the
     // failing full edit.
     let (lo, lo_score) = match edit {
-        Some(e) => {
+        // The edit's own batch first when it is the cheaper forward (an edit in a row: one
+        // request against the call's locality prompts); a batch as large as its probes
+        // bisects the probes and asks about the edit once, at the end.
+        Some(e) if e.batch_size() < probes.len() as i64 => {
             let made_at = |s: f64| -> Result<bool> { Ok(edits_made(engine, &scale_overrides(engine, overrides, s)?, e)?.0 > 0) };
             let Some(s_make) = smallest_scale(s_min, &made_at)? else {
                 let what = if e.batch_size() > 1 { "makes none of its edits" } else { "does not make the edit" };
@@ -352,7 +357,7 @@ pub fn check_edit_at(
             }
             (s_make, score)
         }
-        None => {
+        _ => {
             let score = at(s_min)?;
             if !passes(cfg, &before, &score) {
                 return Ok((None, refuse(format!(", even at scale {s_min}"))));
