@@ -282,6 +282,7 @@ pub fn check_edit(
 /// probe forward, otherwise the largest passing scale above it is bisected (at most 6
 /// more). Otherwise the probes are bisected from `min_scale` up and the edit is checked at
 /// the scale found.
+///
 /// The decision is the one of bisecting the probes first and then asking whether the edit
 /// is made, as long as a larger scale moves the probes more and makes the edit no less; but
 /// a refusal, most of a long run's decisions, costs 2 probe forwards instead of 9.
