@@ -168,7 +168,7 @@ fn step_again(engine: &Engine, editor: &mut Editor, overrides: &Overrides, edit:
 
 /// Bisection (geometric: scales span orders of magnitude) between a scale `lo` that does
 /// not make the edit and one `hi` that does; returns the making end.
-fn smallest_making(mut lo: f64, mut hi: f64, makes: &impl Fn(f64) -> Result<bool>) -> Result<f64> {
+pub(crate) fn smallest_making(mut lo: f64, mut hi: f64, makes: &impl Fn(f64) -> Result<bool>) -> Result<f64> {
     for _ in 0..STEPS {
         let mid = (lo * hi).sqrt();
         if makes(mid)? {

@@ -405,9 +405,8 @@ pub fn check_edit_at(
     Ok((Some(scaled), GuardReport { decision: Decision::Scaled, scale: lo, before, full, after, edit_success, message }))
 }
 
-/// The smallest scale in `[s_min, 1]` at which `made` holds, to a factor of `(1/s_min)^(1/64)`
-/// (geometric bisection, 6 steps), assuming a larger scale makes no fewer edits; `None`
-/// when it does not hold at 1.
+/// The smallest scale in `[s_min, 1]` at which `made` holds (to the calibration's bisection
+/// resolution), assuming a larger scale makes no fewer edits; `None` when it does not hold at 1.
 fn smallest_scale(s_min: f64, made: &impl Fn(f64) -> Result<bool>) -> Result<Option<f64>> {
     if !made(1.0)? {
         return Ok(None);
@@ -415,16 +414,7 @@ fn smallest_scale(s_min: f64, made: &impl Fn(f64) -> Result<bool>) -> Result<Opt
     if made(s_min)? {
         return Ok(Some(s_min));
     }
-    let (mut lo, mut hi) = (s_min, 1.0);
-    for _ in 0..6 {
-        let mid = (lo * hi).sqrt();
-        if made(mid)? {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
-    }
-    Ok(Some(hi))
+    crate::mend::calibrate::smallest_making(s_min, 1.0, made).map(Some)
 }
 
 #[cfg(test)]
