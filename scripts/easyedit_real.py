@@ -11,7 +11,8 @@ hparams at the pinned commit). Nothing here computes MEND or a metric:
   `hparams/TRAINING/MEND/llama-7b.yaml`: N training records (EasyEdit's `max_iters` counts
   records; an optimiser step every `accumulate_bs` of them), its validation once at the end on
   the last `--val-records` training records (as dualedit's train holds them out), saved by its
-  own `save_state`;
+  own `save_state`; with `--stint S`, in stints of S records, each from the last one's archive,
+  so that a run killed part way goes on from its last stint when started again;
 - judging is `BaseEditor.from_hparams(MENDHyperParams)` with `hparams/MEND/llama-7b.yaml` and
   that archive, `editor.edit(...)` over the first `--eval-limit` validation records, each edited
   from the unedited model (`sequential_edit=False`); the means of its `post.rewrite_acc`,
@@ -76,6 +77,7 @@ def main():
     ap.add_argument("--layers", default="27,28,29", help="the edited blocks in place of the yaml's 29-31")
     ap.add_argument("--eval-limit", type=int, default=200)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--stint", type=int, help="train in stints of this many records, resumable (default: one stint)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, help="scratch: the model link, EasyEdit's results; default beside --out")
     args = ap.parse_args()
@@ -90,6 +92,9 @@ def main():
 
 def run(args, work, result):
     sys.path.insert(0, str(args.easyedit.resolve()))
+    # EasyEdit's trainer reads a stint's archive with a plain torch.load, which torch >= 2.6 refuses
+    # for the pickled config inside; the archive is this run's own file.
+    os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     import numpy as np
     import torch
     import transformers
@@ -107,45 +112,67 @@ def run(args, work, result):
     records = json.loads(args.train.read_text())
     if args.val_records >= len(records):
         raise SystemExit(f"easyedit_real: {args.train} has {len(records)} records, fewer than --val-records + 1")
-    train_file, hold_file = work / "train.json", work / "held-out.json"
+    hold_file = work / "held-out.json"
     train_records = records[: len(records) - args.val_records]
     # EasyEdit runs round(max_iters / len(train)) epochs and stops at max_iters inside them, so more
     # records than one pass (dualedit's 2,500 steps of 5 are 1.26 passes) would be cut to one pass.
-    # The file is the passes laid end to end instead: each record once or twice, as dualedit sees them.
-    if args.edits > len(train_records):
-        train_records = [train_records[i % len(train_records)] for i in range(args.edits)]
-        result["train_file_records"] = len(train_records)
-    train_file.write_text(json.dumps(train_records))
+    # The records are the passes laid end to end instead: each once or twice, as dualedit sees them.
+    seen = [train_records[i % len(train_records)] for i in range(args.edits)]
     hold_file.write_text(json.dumps(records[len(records) - args.val_records:]))
 
     result["phase"] = "train"
     train_yaml = args.easyedit / "hparams/TRAINING/MEND/llama-7b.yaml"
     hp = MENDTrainingHparams.from_hparams(str(train_yaml))
-    overrides = {**common, **method, "alg_name": hp.alg, "results_dir": str(work / "results"), "max_iters": args.edits + 1,
-                 "val_interval": args.edits, "log_interval": max(args.edits // 10, 1), "val_steps": args.val_records,
-                 "final_eval": False, "save": True, "debug": False, "early_stop_patience": 10**9, "seed": args.seed}
+    stint = args.stint or args.edits
+    overrides = {**common, **method, "alg_name": hp.alg, "results_dir": str(work / "results"),
+                 "val_steps": args.val_records, "final_eval": False, "save": True, "debug": False,
+                 "early_stop_patience": 10**9, "seed": args.seed}
     for k, v in overrides.items():
         setattr(hp, k, v)
     hp.inner_params = moved(hp.inner_params, layers)
     hp.dtype = torch.float32
+    if stint % hp.accumulate_bs:
+        raise SystemExit(f"easyedit_real: --stint {stint} is not a whole number of optimiser steps of {hp.accumulate_bs}")
     result.update(train_hparams=str(train_yaml.relative_to(args.easyedit)), overrides=overrides, inner_params=hp.inner_params,
-                  method={k: getattr(hp, k) for k in ["lr", "edit_lr", "lr_lr", "cedit", "cloc", "rank", "accumulate_bs", "grad_clip"]})
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    train = CounterFactDataset(str(train_file), config=hp)
+                  stint=stint, method={k: getattr(hp, k) for k in ["lr", "edit_lr", "lr_lr", "cedit", "cloc", "rank", "accumulate_bs", "grad_clip"]})
+    # A long training runs in stints of --stint records, each EasyEdit's own `run()` from the last
+    # stint's archive (its `archive` hparam restores the editor, Adam's and the learning rates'
+    # optimiser states); a stint's archive is kept under its number and `stints.json` says which
+    # ended, so a killed run started again with the same arguments goes on from the last one.
+    progress_file = work / "stints.json"
+    progress = json.loads(progress_file.read_text()) if progress_file.is_file() else []
     held = CounterFactDataset(str(hold_file), config=hp)
-    trainer = EditTrainer(config=hp, train_set=train, val_set=held)
-    t = time.perf_counter()
-    trainer.run()
-    secs = time.perf_counter() - t
-    steps = args.edits // hp.accumulate_bs
-    result["train"] = {"seconds": round(secs, 1), "records": args.edits, "optimizer_steps": steps,
-                       "seconds_per_record": round(secs / args.edits, 4), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    archive = Path(trainer.save_path)
-    if not archive.is_file():
-        raise RuntimeError(f"EasyEdit saved no archive at {archive}")
+    for k, start in enumerate(range(0, args.edits, stint)):
+        if k < len(progress):
+            if progress[k]["start"] != start:
+                raise SystemExit(f"easyedit_real: {progress_file} was written with another --stint; remove it or keep its --stint")
+            continue
+        part = seen[start:start + stint]
+        train_file = work / "train.json"
+        train_file.write_text(json.dumps(part))
+        hp.max_iters, hp.val_interval, hp.log_interval = len(part) + 1, len(part), max(len(part) // 10, 1)
+        hp.archive = progress[-1]["archive"] if progress else None
+        torch.manual_seed(args.seed + k)
+        np.random.seed(args.seed + k)
+        trainer = EditTrainer(config=hp, train_set=CounterFactDataset(str(train_file), config=hp), val_set=held)
+        t = time.perf_counter()
+        trainer.run()
+        secs = time.perf_counter() - t
+        saved = Path(trainer.save_path)
+        if not saved.is_file():
+            raise RuntimeError(f"EasyEdit saved no archive at {saved}")
+        kept = work / f"stint-{k}.pt"
+        os.replace(saved, kept)
+        progress.append({"start": start, "records": len(part), "seconds": round(secs, 1), "archive": str(kept),
+                         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+        write(progress_file, progress)
+        del trainer
+    secs = sum(p["seconds"] for p in progress)
+    result["train"] = {"seconds": round(secs, 1), "records": args.edits, "optimizer_steps": args.edits // hp.accumulate_bs,
+                       "stints": len(progress), "seconds_per_record": round(secs / args.edits, 4),
+                       "peak_rss_bytes": max(p["peak_rss_bytes"] for p in progress)}
+    archive = Path(progress[-1]["archive"])
     result["archive"] = str(archive)
-    del trainer
     write(args.out, result)
 
     result["phase"] = "judge"
