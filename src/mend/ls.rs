@@ -198,22 +198,24 @@ impl LeftOut {
 
 /// Per edited weight: every committed edit's keys `K` `[R, d_in]`, targets `T` `[R, d_out]`
 /// (relative to the weights the memory started from), the edit each row belongs to `[R]`
-/// (int64, numbered in commit order), their Gram `KᵀK` `[d_in, d_in]` (kept, so that an edit
-/// in a row adds its own rows' instead of recomputing all of them) and the change `S`
-/// `[d_in, d_out]` committed so far.
+/// (int64, numbered in commit order), their Gram `KᵀK` `[d_in, d_in]` and `KᵀT` `[d_in,
+/// d_out]` (kept, so that an edit in a row adds its own rows' instead of recomputing all
+/// of them: at 1,000 edits in a row, ~10,000 rows, that product was most of a solve) and
+/// the change `S` `[d_in, d_out]` committed so far.
 #[derive(Default)]
 struct Layer {
     k: Option<Tensor>,
     t: Option<Tensor>,
     edit: Option<Tensor>,
     gram: Option<Tensor>,
+    kt: Option<Tensor>,
     s: Option<Tensor>,
 }
 
 impl Layer {
     fn shallow(&self) -> Layer {
         let c = |t: &Option<Tensor>| t.as_ref().map(Tensor::shallow_clone);
-        Layer { k: c(&self.k), t: c(&self.t), edit: c(&self.edit), gram: c(&self.gram), s: c(&self.s) }
+        Layer { k: c(&self.k), t: c(&self.t), edit: c(&self.edit), gram: c(&self.gram), kt: c(&self.kt), s: c(&self.s) }
     }
 }
 
@@ -282,12 +284,12 @@ impl KeyMemory {
         let _g = tch::no_grad_guard();
         let mut layers = Vec::with_capacity(p.layers.len());
         for (i, (new, old_t)) in p.layers.into_iter().zip(p.old_t).enumerate() {
-            let (Some(k), Some(t), Some(edit), Some(gram), Some(s)) = (new.k, new.t, new.edit, new.gram, new.s) else {
+            let (Some(k), Some(t), Some(edit), Some(gram), Some(kt), Some(s)) = (new.k, new.t, new.edit, new.gram, new.kt, new.s) else {
                 layers.push(Layer::default());
                 continue;
             };
             let s_prev = self.layers.get(i).and_then(|l| l.s.as_ref()).map_or_else(|| s.zeros_like(), Tensor::shallow_clone);
-            let (t, s) = if scale < 1.0 {
+            let (t, kt, s) = if scale < 1.0 {
                 // Where each row's target was: stored for the remembered rows, `k·S_prev`
                 // (what the weights did there) for the new ones.
                 let n_old = old_t.as_ref().map_or(0, |o| o.size()[0]);
@@ -296,11 +298,12 @@ impl KeyMemory {
                     Some(o) => Tensor::cat(&[o, fresh], 0),
                     None => fresh,
                 };
-                (&base + (&t - &base) * scale, &s_prev + (&s - &s_prev) * scale)
+                let t = &base + (&t - &base) * scale;
+                (t.shallow_clone(), k.tr().matmul(&t), &s_prev + (&s - &s_prev) * scale)
             } else {
-                (t, s)
+                (t, kt, s)
             };
-            layers.push(Layer { k: Some(k), t: Some(t), edit: Some(edit), gram: Some(gram), s: Some(s) });
+            layers.push(Layer { k: Some(k), t: Some(t), edit: Some(edit), gram: Some(gram), kt: Some(kt), s: Some(s) });
         }
         self.edits += p.edits;
         self.examples.extend(p.examples);
@@ -340,6 +343,8 @@ struct Rows {
     edit: Tensor,
     /// `KᵀK` `[d_in, d_in]`.
     gram: Tensor,
+    /// `KᵀT` `[d_in, d_out]`.
+    kt: Tensor,
 }
 
 /// Each row's value shift under its own edit's update: `v_t = Σ_{s in t's edit} (k_t·a_s) b_s`,
@@ -352,7 +357,7 @@ fn shifts(k: &Tensor, edit_k: &Tensor, a: &Tensor, b: &Tensor, edit_ab: &Tensor)
 
 /// `S` `[d_in, d_out]` of one weight: `(KᵀK + λ·I + μ·CᵀC)⁻¹ KᵀT`.
 fn solve(rows: &Rows, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
-    solve_gram(&rows.k, &rows.gram, &rows.t, config, unrelated)
+    solve_gram(&rows.k, &rows.t, &rows.gram, Some(&rows.kt), config, unrelated)
 }
 
 /// The normal equation of the solve: `S = (KᵀK + λ·I + μ·C)⁻¹ KᵀT` `[d_in, d_out]` for keys
@@ -367,11 +372,13 @@ fn solve(rows: &Rows, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
 /// outputs) `(G⁻¹Kᵀ)·T` solves for `R` right-hand sides instead of `d_out`. Together they
 /// halve the solve, which was most of an edit in a row.
 pub fn solve_keys(k: &Tensor, t: &Tensor, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
-    solve_gram(k, &k.tr().matmul(k), t, config, unrelated)
+    solve_gram(k, t, &k.tr().matmul(k), None, config, unrelated)
 }
 
-/// [`solve_keys`] with the keys' Gram `kk = KᵀK` given (`mean_t ‖k_t‖²` is its trace over `R`).
-fn solve_gram(k: &Tensor, kk: &Tensor, t: &Tensor, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
+/// [`solve_keys`] with `kk = KᵀK` given (`mean_t ‖k_t‖²` is its trace over `R`) and, kept
+/// beside the rows of an edit in a row, `kt = KᵀT` (`None`: computed here when needed;
+/// while rows are fewer than outputs `(G⁻¹Kᵀ)·T` costs less and it is not needed).
+fn solve_gram(k: &Tensor, t: &Tensor, kk: &Tensor, kt: Option<&Tensor>, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
     let (rows, d_in) = (k.size()[0], k.size()[1]);
     let lambda = config.lambda * (kk.trace().double_value(&[]) / rows.max(1) as f64).max(1e-12);
     let mut gram = kk + Tensor::eye(d_in, (Kind::Float, k.device())) * lambda;
@@ -379,13 +386,14 @@ fn solve_gram(k: &Tensor, kk: &Tensor, t: &Tensor, config: &LsConfig, unrelated:
         gram += c.to_device(k.device()) * config.cov_weight;
     }
     let few_rows = rows < t.size()[1];
+    let kt = || kt.map_or_else(|| k.tr().matmul(t), Tensor::shallow_clone);
     let (factor, info) = gram.linalg_cholesky_ex(false, false);
     if info.int64_value(&[]) != 0 {
-        return Tensor::linalg_solve(&gram, &k.tr().matmul(t), true);
+        return Tensor::linalg_solve(&gram, &kt(), true);
     }
     match few_rows {
         true => k.tr().contiguous().cholesky_solve(&factor, false).matmul(t),
-        false => k.tr().matmul(t).cholesky_solve(&factor, false),
+        false => kt().cholesky_solve(&factor, false),
     }
 }
 
@@ -457,12 +465,16 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
             // Targets relative to W0, where the keys were captured; remembered rows first.
             let v = shifts(k, &edit, &a, &b, &edit);
             let prev = ls.memory.layers.get(i);
-            let gram = k.tr().matmul(k);
-            rows.push(match prev.and_then(|l| Some((l.k.as_ref()?, l.t.as_ref()?, l.edit.as_ref()?, l.gram.as_ref()?))) {
-                Some((k0, t0, e0, g0)) => {
-                    Rows { k: Tensor::cat(&[k0, k], 0), t: Tensor::cat(&[t0, &v], 0), edit: Tensor::cat(&[e0, &edit], 0), gram: g0 + gram }
-                }
-                None => Rows { k: k.shallow_clone(), t: v, edit, gram },
+            let (gram, kt) = (k.tr().matmul(k), k.tr().matmul(&v));
+            rows.push(match prev.and_then(|l| Some((l.k.as_ref()?, l.t.as_ref()?, l.edit.as_ref()?, l.gram.as_ref()?, l.kt.as_ref()?))) {
+                Some((k0, t0, e0, g0, kt0)) => Rows {
+                    k: Tensor::cat(&[k0, k], 0),
+                    t: Tensor::cat(&[t0, &v], 0),
+                    edit: Tensor::cat(&[e0, &edit], 0),
+                    gram: g0 + gram,
+                    kt: kt0 + kt,
+                },
+                None => Rows { k: k.shallow_clone(), t: v, edit, gram, kt },
             });
         }
         Ok(rows)
@@ -496,11 +508,13 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
                     .zip(&pos2)
                     .map(|((r, (a, b)), pos)| {
                         let edit2 = ids.to_device(pos.device()).index_select(0, &pos.divide_scalar_mode(t2, "floor"));
+                        let push = shifts(&r.k, &r.edit, &a, &b, &edit2);
                         Rows {
                             k: r.k.shallow_clone(),
-                            t: &r.t + shifts(&r.k, &r.edit, &a, &b, &edit2),
+                            t: &r.t + &push,
                             edit: r.edit.shallow_clone(),
                             gram: r.gram.shallow_clone(),
+                            kt: &r.kt + r.k.tr().matmul(&push),
                         }
                     })
                     .collect())
@@ -521,7 +535,11 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
     }
     let old_t = (0..rows.len()).map(|i| ls.memory.layers.get(i).and_then(|l| l.t.as_ref().map(Tensor::shallow_clone))).collect();
     ls.memory.pending = Some(Proposal {
-        layers: rows.into_iter().zip(s).map(|(r, s)| Layer { k: Some(r.k), t: Some(r.t), edit: Some(r.edit), gram: Some(r.gram), s: Some(s) }).collect(),
+        layers: rows
+            .into_iter()
+            .zip(s)
+            .map(|(r, s)| Layer { k: Some(r.k), t: Some(r.t), edit: Some(r.edit), gram: Some(r.gram), kt: Some(r.kt), s: Some(s) })
+            .collect(),
         old_t,
         edits: inner.batch_size(),
         examples: new_requests,
