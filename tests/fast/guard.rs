@@ -11,7 +11,7 @@ use dualedit::data::easyedit::{parse_records, DatasetKind};
 use dualedit::data::examples::prepare;
 use dualedit::data::{Example, TokenBatch};
 use dualedit::device::DevicePlan;
-use dualedit::mend::guard::{check_edit, scale_overrides, Decision, GuardConfig, Probes};
+use dualedit::mend::guard::{check_edit, scale_overrides, Decision, GuardConfig, Probes, MAX_PROBES};
 use dualedit::mend::{Editor, Engine};
 use dualedit::model::{load_model, Overrides};
 use tch::{Device, Kind, Tensor};
@@ -92,6 +92,21 @@ fn harmless_edit_is_accepted_and_a_destructive_one_is_not_committed_as_is() {
     let (kept, rep) = check_edit(&engine, &huge, &probes, Some(&batch), &strict).unwrap();
     assert!(kept.is_none() && rep.decision == Decision::Refused);
     assert!(rep.message.contains("top-1 agreement"), "{}", rep.message);
+}
+
+/// Issue #47: a call's probes are its requests' locality prompts; of a thousand, the guard
+/// measures a bounded, evenly spaced sample, so a check of an edit in a row does not cost a
+/// forward over all of them.
+#[test]
+fn a_large_call_measures_a_bounded_sample_of_its_probes() {
+    let (engine, _, ex) = setup();
+    let loc: Vec<&Example> = ex.iter().filter_map(|e| e.loc.as_ref()).cycle().take(3 * MAX_PROBES + 1).collect();
+    let probes = Probes::new(&engine, &loc).unwrap().unwrap();
+    assert_eq!(probes.len(), MAX_PROBES);
+    let now = probes.measure(&engine, &Overrides::new()).unwrap();
+    assert!(now.agreement == 1.0 && now.kl.abs() < 1e-6, "{now:?}");
+    let few = Probes::new(&engine, &loc[..MAX_PROBES - 1]).unwrap().unwrap();
+    assert_eq!(few.len(), MAX_PROBES - 1);
 }
 
 /// Issue #33.7: thresholds that make no sense are one clear error naming the flag and the
