@@ -200,8 +200,8 @@ impl LeftOut {
 /// (relative to the weights the memory started from), the edit each row belongs to `[R]`
 /// (int64, numbered in commit order), their Gram `KᵀK` `[d_in, d_in]` and `KᵀT` `[d_in,
 /// d_out]` (kept, so that an edit in a row adds its own rows' instead of recomputing all
-/// of them: at 1,000 edits in a row, ~10,000 rows, that product was most of a solve) and
-/// the change `S` `[d_in, d_out]` committed so far.
+/// of them: at 1,000 edits in a row, ~10,000 rows, a product that grows with every edit)
+/// and the change `S` `[d_in, d_out]` committed so far.
 #[derive(Default)]
 struct Layer {
     k: Option<Tensor>,
