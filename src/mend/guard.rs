@@ -155,16 +155,13 @@ impl Probes {
             return Ok(None);
         }
         let _g = tch::no_grad_guard();
-        let sample: Vec<&Example>;
-        let examples = match examples.len() > MAX_PROBES {
-            true => {
-                sample = (0..MAX_PROBES).map(|i| examples[i * examples.len() / MAX_PROBES]).collect();
-                tracing::info!("the commit guard measures {MAX_PROBES} of the call's {} locality prompts, evenly spaced", examples.len());
-                &sample
-            }
-            false => examples,
-        };
-        let batch = engine.collate(examples)?;
+        let n = examples.len();
+        if n > MAX_PROBES {
+            tracing::info!("the commit guard measures {MAX_PROBES} of the call's {n} locality prompts, evenly spaced");
+        }
+        let m = n.min(MAX_PROBES);
+        let sample: Vec<&Example> = (0..m).map(|i| examples[i * n / m]).collect();
+        let batch = engine.collate(&sample)?;
         let reference = engine.base_logits(&batch)?;
         Ok(Some(Self { batch, reference }))
     }
