@@ -25,6 +25,9 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     let opts = options(&a)?;
     let bar = crate::progress::Progress::new("eval", 0, !a.json);
     let (out, path) = run::run_eval_counted(&opts, |i, n, m| {
+        // Per record (`RUST_LOG=dualedit=debug`), so a mean can be taken apart; NaN: not measured.
+        let nan = |v: Option<f64>| v.unwrap_or(f64::NAN);
+        tracing::debug!(record = i, reliability = m.reliability, generalization = nan(m.generalization), locality = nan(m.locality), "record edited");
         bar.set_total(n);
         bar.set_message(format!("records edited (last: reliability {:.2})", m.reliability));
         bar.set_position(i as u64 + 1);
