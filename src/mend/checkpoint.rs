@@ -143,8 +143,13 @@ fn read_meta<T: for<'de> Deserialize<'de>>(path: &Path, meta: &HashMap<String, S
 pub fn load_editor(dir: &Path, engine: &Engine) -> Result<(Editor, EditorMeta)> {
     let (tensors, meta, path) = read_checked(dir, engine)?;
     let mut editor = editor_from(&meta.config, &meta, &tensors, &path, engine)?;
-    // Edit-time settings live in editor.json only (the header is the trained network's).
-    editor.calibration = read_editor_json(dir)?.calibration;
+    // Edit-time settings live in editor.json only (the header is the trained network's):
+    // the strength calibration, and the least-squares solve's settings (`ls`) that `mend-ls`
+    // edits with, so that either can be tuned for an editor without retraining it.
+    let json = read_editor_json(dir)?;
+    editor.calibration = json.calibration;
+    editor.config.ls = json.config.ls;
+    editor.config.ls.validate().map_err(|e| Error::file(dir.join(EDITOR_JSON), e.to_string()))?;
     if let Some(cal) = &editor.calibration {
         cal.validate().map_err(|e| Error::file(dir.join(EDITOR_JSON), e.to_string()))?;
     }

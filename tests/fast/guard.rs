@@ -183,6 +183,29 @@ fn calibration_keeps_the_edit_made_with_its_margin_and_reads_editor_json() {
     assert!(err.contains("editor.json") && err.contains("`calibration.margin`"), "{err}");
 }
 
+/// `mend-ls`'s solve settings are edit-time settings too: `ls` in editor.json is what the
+/// loaded editor edits with (so it can be tuned without retraining, as
+/// `data/real/editor-many`'s keep weight was, #47), and a bad value names the file.
+#[test]
+fn ls_settings_are_read_from_editor_json() {
+    use dualedit::mend::checkpoint::{load_editor, save_editor, EDITOR_JSON};
+    let (engine, editor, _) = setup();
+    let dir = tempfile::tempdir().unwrap();
+    save_editor(dir.path(), &editor, &engine, 0).unwrap();
+    let path = dir.path().join(EDITOR_JSON);
+    let set = |keep: f64| {
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        v["config"]["ls"] = serde_json::json!({"lambda": 0.001, "keep_weight": keep, "rounds": 2});
+        std::fs::write(&path, v.to_string()).unwrap();
+    };
+    set(0.1);
+    let ls = load_editor(dir.path(), &engine).unwrap().0.config.ls;
+    assert_eq!((ls.lambda, ls.cov_weight, ls.rounds), (0.001, 0.1, 2));
+    set(-1.0);
+    let err = load_editor(dir.path(), &engine).unwrap_err().to_string();
+    assert!(err.contains("editor.json") && err.contains("keep weight"), "{err}");
+}
+
 /// An edit that no scale up to `max_scale` makes takes further editor steps, each
 /// recaptured where the last left the weights (#46, `calibration.passes`): one pass leaves
 /// it missed, a few make it.
