@@ -87,7 +87,8 @@ pub struct EditorMeta {
 
 /// Reads `dir/editor.json` (the readable copy of an editor's description): what a caller
 /// needs before the model is loaded (the edited weight names, the config it was trained
-/// with). Loading the editor itself trusts the safetensors header instead.
+/// with), and the edit-time settings [`load_editor`] takes from it (`calibration`, `ls`).
+/// The network itself is loaded from the safetensors header.
 pub fn read_editor_json(dir: &Path) -> Result<EditorMeta> {
     if !dir.is_dir() {
         return Err(Error::file(dir, "editor directory not found"));
@@ -147,12 +148,13 @@ pub fn load_editor(dir: &Path, engine: &Engine) -> Result<(Editor, EditorMeta)> 
     // the strength calibration, and the least-squares solve's settings (`ls`) that `mend-ls`
     // edits with, so that either can be tuned for an editor without retraining it.
     let json = read_editor_json(dir)?;
+    let named = |e: Error| Error::file(dir.join(EDITOR_JSON), e.to_string());
+    json.config.ls.validate().map_err(named)?;
+    if let Some(cal) = &json.calibration {
+        cal.validate().map_err(named)?;
+    }
     editor.calibration = json.calibration;
     editor.config.ls = json.config.ls;
-    editor.config.ls.validate().map_err(|e| Error::file(dir.join(EDITOR_JSON), e.to_string()))?;
-    if let Some(cal) = &editor.calibration {
-        cal.validate().map_err(|e| Error::file(dir.join(EDITOR_JSON), e.to_string()))?;
-    }
     Ok((editor, meta))
 }
 
