@@ -46,7 +46,8 @@ use crate::{Error, Result};
 pub struct GuardConfig {
     /// The least top-1 agreement with the reference the model may have after the edit.
     pub min_agreement: f64,
-    /// The most one edit may lower the agreement.
+    /// The most one edit may lower the agreement; a batch of n edits may lower it by n
+    /// times this ([`Self::for_edits`]).
     pub max_drop: f64,
     /// The largest mean KL(reference ‖ edited) per probe position, in nats.
     pub max_kl: f64,
@@ -98,6 +99,15 @@ impl GuardConfig {
             return Err(bad("min_scale", "(0, 1]", self.min_scale));
         }
         Ok(())
+    }
+
+    /// The thresholds for a proposal that makes `edits` edits at once. `max_drop` bounds
+    /// each edit, so a batch of n edits may lower the agreement by n times it, as n edits
+    /// in a row may; the floor `min_agreement` and `max_kl` bound the whole. (Held to one
+    /// edit's drop, 100 CounterFact edits in one batch were scaled back to 0.40 and made
+    /// 14 of them; at the floor, 47.)
+    pub fn for_edits(&self, edits: usize) -> Self {
+        Self { max_drop: (self.max_drop * edits.max(1) as f64).min(1.0), ..self.clone() }
     }
 }
 
@@ -270,8 +280,9 @@ fn passes(cfg: &GuardConfig, before: &ProbeScore, s: &ProbeScore) -> bool {
 }
 
 /// Decides whether `overrides` (a proposed edit on the engine's current weights) may be
-/// committed, measured on `probes`; `edit` is the edit's own batch (prompt + new target),
-/// used to check that a scaled-back edit still makes the edit. Returns the overrides to
+/// committed, measured on `probes`; `edit` is the edit's own batch (prompt + new target,
+/// a row per edit: their number sets the drop limit, [`GuardConfig::for_edits`]), used to
+/// check that a scaled-back edit still makes the edit. Returns the overrides to
 /// commit (`None` when refused) and the report. Commits nothing itself.
 ///
 /// Measures the probes on the current weights first: [`check_edit_at`] takes that score
@@ -309,6 +320,7 @@ pub fn check_edit_at(
     before: ProbeScore,
 ) -> Result<(Option<Overrides>, GuardReport)> {
     cfg.validate()?;
+    let cfg = &cfg.for_edits(edit.map_or(1, |e| e.batch_size().max(1) as usize));
     let full = probes.measure(engine, overrides)?;
     let fmt = |p: &ProbeScore| format!("top-1 agreement {:.3}, KL {:.3}", p.agreement, p.kl);
     let limits = format!(
@@ -447,5 +459,23 @@ mod tests {
         let at_min = GuardConfig { max_drop: 1.0, min_agreement: 0.7, ..cfg.clone() };
         assert!(passes(&at_min, &before, &ProbeScore { agreement: 0.1 * 7.0, kl: 0.0 }));
         assert!(!passes(&cfg, &before, &ProbeScore { agreement: 1.0, kl: f64::NAN }));
+    }
+
+    /// Issue #47: `max_drop` is one edit's; a batch of three edits may change three probes
+    /// in twenty, not four, and no batch may go below the floor.
+    #[test]
+    fn a_batch_may_drop_the_agreement_by_each_of_its_edits_share() {
+        let cfg = GuardConfig::default();
+        let before = ProbeScore { agreement: 1.0, kl: 0.0 };
+        let changed = |n: f64| ProbeScore { agreement: (20.0 - n) / 20.0, kl: 0.2 };
+        assert_eq!(cfg.for_edits(1).max_drop, cfg.max_drop);
+        assert_eq!(cfg.for_edits(0).max_drop, cfg.max_drop);
+        assert!(!passes(&cfg.for_edits(1), &before, &changed(2.0)));
+        assert!(passes(&cfg.for_edits(3), &before, &changed(2.0)));
+        assert!(!passes(&cfg.for_edits(3), &before, &changed(4.0)), "0.80 is below the floor and beyond 0.15");
+        let batch = cfg.for_edits(100);
+        assert_eq!(batch.max_drop, 1.0);
+        assert!((batch.min_agreement, batch.max_kl) == (cfg.min_agreement, cfg.max_kl));
+        assert!(passes(&batch, &before, &changed(2.0)) && !passes(&batch, &before, &changed(3.0)), "the floor 0.9 binds");
     }
 }

@@ -140,7 +140,7 @@ pub struct GuardOptions {
     /// (0 to 1; default 0.9).
     #[arg(long)]
     pub guard_min_agreement: Option<f64>,
-    /// Guard: the most one edit may lower that agreement (0 to 1; default 0.05).
+    /// Guard: the most one edit may lower that agreement, a batch of n edits n times it (0 to 1; default 0.05).
     #[arg(long)]
     pub guard_max_drop: Option<f64>,
     /// Guard: the largest KL(unedited || edited) per locality position, in nats (>= 0;
