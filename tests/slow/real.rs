@@ -64,10 +64,11 @@ fn the_real_model_converts_and_its_editor_rewrites_a_real_fact() {
 /// least-squares solve). What it shows is where the default stands (BENCHMARKS.md, "Many
 /// edits on the real model"), not the issue's goals: the guard keeps the model (locality
 /// ≥ 0.9), and edits are made; the bounds sit below what was measured (with the keep
-/// weight 0.1 of its editor.json: 0.65 / 0.15 / 0.95 in a batch, none refused; 0.60 / 0.40 /
-/// 1.00 with 9 of 10 committed in a row; with the 0.01 it was trained with 0.45 / 0.10 / 0.95
-/// and 0.40 / 0.25 / 1.00 with 4 of 10; the one-edit editor alone gave 0.15 / 0.05 / 0.95
-/// and 0.20 / 0.10 / 1.00).
+/// weight 0.1 of its editor.json: 0.80 / 0.35 / 0.90 in a batch, accepted whole since the
+/// batch's drop limit is its edits' (0.65 / 0.15 / 0.95, scaled back, when it was one
+/// edit's); 0.60 / 0.40 / 1.00 with 9 of 10 committed in a row; with the 0.01 it was trained
+/// with 0.45 / 0.10 / 0.95 and 0.40 / 0.25 / 1.00 with 4 of 10; the one-edit editor alone
+/// gave 0.15 / 0.05 / 0.95 and 0.20 / 0.10 / 1.00).
 #[test]
 fn many_edits_on_the_real_model_with_the_default_command() {
     let Some(gguf) = cached_gguf() else { return };
@@ -115,10 +116,12 @@ fn many_edits_on_the_real_model_with_the_default_command() {
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         println!("{n} sequential={sequential}: {}", serde_json::json!({"reliability": v["reliability"], "generalization": v["generalization"], "locality": v["locality"], "refused": v["refused"], "seconds_per_edit": v["seconds_per_edit"]}));
         assert_eq!(v["method"], "mend-ls", "{v}");
-        assert!(v["conflicts"].is_array(), "{v}");
         let (rel, loc) = (v["reliability"].as_f64().unwrap(), v["locality"].as_f64().unwrap());
         let committed = n as u64 - v["refused"].as_u64().unwrap();
-        assert!(loc >= 0.9, "{n} sequential={sequential}: the guard keeps the neighbours' answers: {loc}");
+        // These records' locality prompts name no subject the call edits, so all are probes,
+        // and the guard's floor is on the same agreement the metric is (to its float slack).
+        assert!(v["conflicts"].as_array().is_some_and(|c| c.is_empty()), "{v}");
+        assert!(loc >= 0.9 - 1e-9, "{n} sequential={sequential}: the guard keeps the neighbours' answers: {loc}");
         // The guard refuses what would move the neighbours: in a row it refused 1 of 10 (6 at
         // the keep weight 0.01).
         assert!(rel >= 0.3 && committed >= n as u64 / 4, "{n} sequential={sequential}: reliability {rel}, {committed} committed");
