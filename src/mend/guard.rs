@@ -461,8 +461,8 @@ mod tests {
         assert!(!passes(&cfg, &before, &ProbeScore { agreement: 1.0, kl: f64::NAN }));
     }
 
-    /// Issue #47: `max_drop` is one edit's; a batch of three edits may change three probes
-    /// in twenty, not four, and no batch may go below the floor.
+    /// Issue #47: `max_drop` is one edit's; of twenty probes one edit may change one, a
+    /// batch of three edits two (the floor's limit, below its 0.15), and no batch more.
     #[test]
     fn a_batch_may_drop_the_agreement_by_each_of_its_edits_share() {
         let cfg = GuardConfig::default();
