@@ -320,7 +320,7 @@ pub fn check_edit_at(
     before: ProbeScore,
 ) -> Result<(Option<Overrides>, GuardReport)> {
     cfg.validate()?;
-    let cfg = &cfg.for_edits(edit.map_or(1, |e| e.batch_size().max(1) as usize));
+    let cfg = &cfg.for_edits(edit.map_or(1, |e| e.batch_size() as usize));
     let full = probes.measure(engine, overrides)?;
     let fmt = |p: &ProbeScore| format!("top-1 agreement {:.3}, KL {:.3}", p.agreement, p.kl);
     let limits = format!(
