@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use tch::Tensor;
 
 use crate::data::{Example, TokenBatch};
-use crate::mend::guard::{self, GuardConfig, GuardReport, ProbeScore, Probes};
+use crate::mend::guard::{self, GuardConfig, GuardReport, Probes};
 use crate::mend::Engine;
 use crate::model::Overrides;
 use crate::{Error, Result};
@@ -52,9 +52,9 @@ impl<'a> Commits<'a> {
 pub(super) struct CallGuard<'a> {
     active: Option<(&'a GuardConfig, Probes)>,
     pub reports: Vec<GuardReport>,
-    /// The probes' score on the weights as the last check left them (what it returned
+    /// The probes' measure on the weights as the last check left them (what it returned
     /// committed, or nothing when it refused): the next check's `before`, not measured again.
-    current: Option<ProbeScore>,
+    current: Option<guard::ProbeMeasure>,
 }
 
 impl<'a> CallGuard<'a> {
@@ -83,12 +83,12 @@ impl<'a> CallGuard<'a> {
     /// score of those weights from this one.
     pub fn check(&mut self, engine: &Engine, proposal: Overrides, inner: &TokenBatch) -> Result<Option<Overrides>> {
         let Some((cfg, probes)) = &self.active else { return Ok(Some(proposal)) };
-        let before = match self.current {
-            Some(score) => score,
-            None => probes.measure(engine, &Overrides::new())?,
+        let before = match self.current.take() {
+            Some(m) => m,
+            None => probes.measure_each(engine, &Overrides::new())?,
         };
-        let (kept, rep) = guard::check_edit_at(engine, &proposal, probes, Some(inner), cfg, before)?;
-        self.current = Some(rep.after);
+        let (kept, rep) = guard::check_edit_at(engine, &proposal, probes, Some(inner), cfg, &before)?;
+        self.current = Some(rep.after_measure());
         match rep.decision {
             guard::Decision::Accepted => tracing::info!("{}", rep.message),
             _ => tracing::warn!("edit {}: {}", self.reports.len(), rep.message),

@@ -149,8 +149,46 @@ pub const MAX_PROBES: usize = 128;
 /// Prompts whose answers an edit should leave alone, with the reference model's view of them.
 pub struct Probes {
     batch: TokenBatch,
-    /// The reference's logits at the scored positions `[N, V]`.
-    reference: Tensor,
+    /// The reference's view of the scored positions.
+    reference: Reference,
+    /// The probes' examples, for [`Probes::subset`]; empty when they show images (their
+    /// features are not collated again).
+    examples: Vec<Example>,
+}
+
+/// The reference model at the probes' scored positions, what every measure compares
+/// with, computed once: its log-probabilities and probabilities (f32 `[N, V]`) and its
+/// top-1 tokens `[N]`.
+struct Reference {
+    lp: Tensor,
+    p: Tensor,
+    top: Tensor,
+}
+
+impl Reference {
+    fn of(logits: &Tensor) -> Reference {
+        let lp = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+        Reference { p: lp.exp(), top: logits.argmax(-1, false), lp }
+    }
+
+    /// The positions `at` (int64 `[M]`).
+    fn select(&self, at: &Tensor) -> Reference {
+        Reference { lp: self.lp.index_select(0, at), p: self.p.index_select(0, at), top: self.top.index_select(0, at) }
+    }
+
+    /// Mean KL(reference ‖ model) per position, as [`losses::kl`] computes it.
+    fn kl(&self, logits: &Tensor) -> Tensor {
+        let post = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+        (&self.p * (&self.lp - post)).sum_dim_intlist(-1, false, Kind::Float).mean(Kind::Float)
+    }
+}
+
+/// A probe measure with each probe's own top-1 agreement (the share of its scored
+/// positions), which tells the guard's scale search which probes an edit can change.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProbeMeasure {
+    pub score: ProbeScore,
+    pub per_probe: Vec<f64>,
 }
 
 impl Probes {
@@ -172,8 +210,36 @@ impl Probes {
         let m = n.min(MAX_PROBES);
         let sample: Vec<&Example> = (0..m).map(|i| examples[i * n / m]).collect();
         let batch = engine.collate(&sample)?;
-        let reference = engine.base_logits(&batch)?;
-        Ok(Some(Self { batch, reference }))
+        let reference = crate::error::guard(|| Ok(Reference::of(&engine.base_logits(&batch)?)))?;
+        let text = sample.iter().all(|e| e.image.is_none());
+        let examples = if text { sample.into_iter().cloned().collect() } else { Vec::new() };
+        Ok(Some(Self { batch, reference, examples }))
+    }
+
+    /// The probes `rows` (ascending indices into these) alone, with their prefix
+    /// activations cut from this batch's and their reference logits taken from these, so
+    /// that measuring them costs only the edited blocks over their rows and gives exactly
+    /// what the whole measure gives for them. `None` for probes that show images.
+    pub fn subset(&self, engine: &Engine, rows: &[usize]) -> Result<Option<Probes>> {
+        if self.examples.is_empty() || rows.is_empty() {
+            return Ok(None);
+        }
+        if rows.windows(2).any(|w| w[0] >= w[1]) || rows.last().is_some_and(|&r| r >= self.examples.len()) {
+            return Err(Error::Internal(format!("probe rows {rows:?} of {} are not ascending indices", self.examples.len())));
+        }
+        let examples: Vec<&Example> = rows.iter().map(|&r| &self.examples[r]).collect();
+        let batch = engine.collate(&examples)?;
+        let rows64: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+        engine.share_boundary_rows(&self.batch, &batch, &rows64)?;
+        let reference = crate::error::guard(|| {
+            // The whole batch's scored positions, row-major: those of the chosen rows, in
+            // order, are the subset's own (collated from the same examples).
+            let kept = self.batch.kept_rows().to_device(self.reference.top.device());
+            let chosen = Tensor::from_slice(&rows64).to_device(kept.device());
+            let at = kept.unsqueeze(1).eq_tensor(&chosen.unsqueeze(0)).any_dim(1, false).nonzero().squeeze_dim(1);
+            Ok(self.reference.select(&at))
+        })?;
+        Ok(Some(Probes { batch, reference, examples: Vec::new() }))
     }
 
     pub fn len(&self) -> usize {
@@ -188,12 +254,18 @@ impl Probes {
     /// positions) and mean KL(reference ‖ model) per position, for the current weights plus
     /// `overrides`.
     pub fn measure(&self, engine: &Engine, overrides: &Overrides) -> Result<ProbeScore> {
+        Ok(self.measure_each(engine, overrides)?.score)
+    }
+
+    /// [`Probes::measure`] with each probe's agreement.
+    pub fn measure_each(&self, engine: &Engine, overrides: &Overrides) -> Result<ProbeMeasure> {
         let _g = tch::no_grad_guard();
         let logits = if overrides.is_empty() { engine.base_logits(&self.batch)? } else { engine.edited_logits(overrides, &self.batch)? };
         crate::error::guard(|| {
-            let agree = losses::agreement(&logits, &self.reference, &self.batch.kept_rows(), self.batch.batch_size());
-            let kl = losses::kl(&self.reference, &logits).double_value(&[]);
-            Ok(ProbeScore { agreement: agree.iter().sum::<f64>() / agree.len().max(1) as f64, kl })
+            let per_probe = losses::token_accuracy(&logits, &self.reference.top, &self.batch.kept_rows(), self.batch.batch_size()).0;
+            let kl = self.reference.kl(&logits).double_value(&[]);
+            let score = ProbeScore { agreement: per_probe.iter().sum::<f64>() / per_probe.len().max(1) as f64, kl };
+            Ok(ProbeMeasure { score, per_probe })
         })
     }
 }
@@ -228,6 +300,16 @@ pub struct GuardReport {
     pub edit_success: Option<bool>,
     /// One line for logs and reports.
     pub message: String,
+    /// Each probe's agreement with what is committed: the next edit's `before`.
+    #[serde(skip)]
+    pub after_per_probe: Vec<f64>,
+}
+
+impl GuardReport {
+    /// The probes' measure on the weights with what is committed.
+    pub fn after_measure(&self) -> ProbeMeasure {
+        ProbeMeasure { score: self.after, per_probe: self.after_per_probe.clone() }
+    }
 }
 
 /// `overrides` with every weight change scaled by `s`: low-rank changes as `(s·a, b)`,
@@ -240,9 +322,12 @@ pub fn scale_overrides(engine: &Engine, overrides: &Overrides, s: f64) -> Result
             if let Some(l) = overrides.low_rank(name) {
                 out.insert_low_rank(name.clone(), LowRank { a: &l.a * s, b: l.b.shallow_clone() });
             } else if let Some(w2) = overrides.get(name) {
-                let w = engine.weight(name)?;
-                let w32 = w.to_kind(Kind::Float);
-                out.insert(name.clone(), (&w32 + (w2.to_kind(Kind::Float) - &w32) * s).to_kind(w2.kind()));
+                let w32 = engine.weight(name)?.to_kind(Kind::Float);
+                // In place: one new tensor per weight at each scale a search tries.
+                let mut scaled = w2.to_kind(Kind::Float) - &w32;
+                scaled *= s;
+                scaled += &w32;
+                out.insert(name.clone(), scaled.to_kind(w2.kind()));
             }
         }
         Ok(out)
@@ -285,8 +370,9 @@ fn passes(cfg: &GuardConfig, before: &ProbeScore, s: &ProbeScore) -> bool {
 /// check that a scaled-back edit still makes the edit. Returns the overrides to
 /// commit (`None` when refused) and the report. Commits nothing itself.
 ///
-/// Measures the probes on the current weights first: [`check_edit_at`] takes that score
-/// from a caller that knows it (a run of edits, whose last check measured it).
+/// Measures the probes on the current weights first: [`check_edit_at`] takes that measure
+/// from a caller that knows it (a run of edits, whose last check measured it:
+/// [`GuardReport::after_measure`]).
 pub fn check_edit(
     engine: &Engine,
     overrides: &Overrides,
@@ -294,11 +380,11 @@ pub fn check_edit(
     edit: Option<&TokenBatch>,
     cfg: &GuardConfig,
 ) -> Result<(Option<Overrides>, GuardReport)> {
-    let before = probes.measure(engine, &Overrides::new())?;
-    check_edit_at(engine, overrides, probes, edit, cfg, before)
+    let before = probes.measure_each(engine, &Overrides::new())?;
+    check_edit_at(engine, overrides, probes, edit, cfg, &before)
 }
 
-/// [`check_edit`] with `before`, the probes' score on the current weights, already known.
+/// [`check_edit`] with `before`, the probes' measure on the current weights, already known.
 ///
 /// Costs one forward of the probes with the full edit. An edit that fails at full size is
 /// scaled back. When `edit` has fewer rows than the probes (an edit in a row), the smallest
@@ -311,23 +397,42 @@ pub fn check_edit(
 /// The decision is the one of bisecting the probes first and then asking whether the edit
 /// is made, as long as a larger scale moves the probes more and makes the edit no less; but
 /// a refusal, most of a long run's decisions, costs 2 probe forwards instead of 9.
+///
+/// On that same assumption the search measures only the probes the edit can change: those
+/// that the weights before or the full edit leave short of full agreement. The others agree
+/// at both ends and are counted as agreeing in between, and the KL is taken as the full
+/// edit's, which passes. Of 100 CounterFact probes an edit in a row changes about a tenth,
+/// so each step of the search costs a tenth of a probe forward. The scale it finds is then
+/// measured on every probe; should that fail (a probe that moves back and forth with the
+/// scale), the search is run again on every probe.
 pub fn check_edit_at(
     engine: &Engine,
     overrides: &Overrides,
     probes: &Probes,
     edit: Option<&TokenBatch>,
     cfg: &GuardConfig,
-    before: ProbeScore,
+    before: &ProbeMeasure,
 ) -> Result<(Option<Overrides>, GuardReport)> {
     cfg.validate()?;
     let cfg = &cfg.for_edits(edit.map_or(1, |e| e.batch_size() as usize));
-    let full = probes.measure(engine, overrides)?;
+    let full = probes.measure_each(engine, overrides)?;
+    let b = &before.score;
     let fmt = |p: &ProbeScore| format!("top-1 agreement {:.3}, KL {:.3}", p.agreement, p.kl);
     let limits = format!(
         "limits: agreement >= {:.2}, drop <= {:.2}, KL <= {:.2}",
         cfg.min_agreement, cfg.max_drop, cfg.max_kl
     );
-    if passes(cfg, &before, &full) {
+    let report = |decision, scale, after: ProbeMeasure, edit_success, message| GuardReport {
+        decision,
+        scale,
+        before: *b,
+        full: full.score,
+        after: after.score,
+        edit_success,
+        message,
+        after_per_probe: after.per_probe,
+    };
+    if passes(cfg, b, &full.score) {
         if cfg.shrink {
             if let Some(edit) = edit {
                 // The smallest scale on the halving ladder that still makes the edit.
@@ -341,70 +446,54 @@ pub fn check_edit_at(
                 }
                 if best < 1.0 {
                     let scaled = scale_overrides(engine, overrides, best)?;
-                    let after = probes.measure(engine, &scaled)?;
-                    let message = format!("edit shrunk to scale {best} (the smallest that still makes it): probes {}", fmt(&after));
-                    let report = GuardReport { decision: Decision::Scaled, scale: best, before, full, after, edit_success: Some(true), message };
-                    return Ok((Some(scaled), report));
+                    let after = probes.measure_each(engine, &scaled)?;
+                    let message = format!("edit shrunk to scale {best} (the smallest that still makes it): probes {}", fmt(&after.score));
+                    return Ok((Some(scaled), report(Decision::Scaled, best, after, Some(true), message)));
                 }
             }
         }
-        let message = format!("edit accepted: probes {} (before {})", fmt(&full), fmt(&before));
-        let report = GuardReport { decision: Decision::Accepted, scale: 1.0, before, full, after: full, edit_success: None, message };
-        return Ok((Some(overrides.map(|t| t.shallow_clone())), report));
+        let message = format!("edit accepted: probes {} (before {})", fmt(&full.score), fmt(b));
+        return Ok((Some(overrides.map(|t| t.shallow_clone())), report(Decision::Accepted, 1.0, full.clone(), None, message)));
     }
     let refuse = |why: String| {
         let message = format!(
             "edit refused: it would break the locality probes ({} -> {}; {limits}){why}; nothing was committed",
-            fmt(&before),
-            fmt(&full)
+            fmt(b),
+            fmt(&full.score)
         );
-        GuardReport { decision: Decision::Refused, scale: 0.0, before, full, after: before, edit_success: Some(false), message }
+        report(Decision::Refused, 0.0, before.clone(), Some(false), message)
     };
     if !cfg.scale_back {
         return Ok((None, refuse(String::new())));
     }
-    let s_min = cfg.min_scale;
-    let at = |s: f64| -> Result<ProbeScore> { probes.measure(engine, &scale_overrides(engine, overrides, s)?) };
-    // The scales to bisect the probes over: from a passing `lo` (with its score) up to the
-    // failing full edit.
-    let (lo, lo_score) = match edit {
-        // The edit's own batch first when it is the cheaper forward (an edit in a row: one
-        // request against the call's locality prompts); a batch as large as its probes
-        // bisects the probes and asks about the edit once, at the end.
-        Some(e) if e.batch_size() < probes.len() as i64 => {
-            let made_at = |s: f64| -> Result<bool> { Ok(edits_made(engine, &scale_overrides(engine, overrides, s)?, e)?.0 > 0) };
-            let Some(s_make) = smallest_scale(s_min, &made_at)? else {
-                let what = if e.batch_size() > 1 { "makes none of its edits" } else { "does not make the edit" };
-                return Ok((None, refuse(format!(", and even at full size it {what}"))));
+    let every = |s: f64| probes.measure_each(engine, &scale_overrides(engine, overrides, s)?);
+    let search = |at: &dyn Fn(f64) -> Result<ProbeMeasure>| scale_search(engine, overrides, edit, cfg, (b, probes.len()), at, &fmt);
+    let changing = changing_probes(cfg, before, &full).map(|rows| -> Result<_> { Ok(probes.subset(engine, &rows)?.map(|sub| (rows, sub))) }).transpose()?.flatten();
+    let found = match changing {
+        Some((rows, sub)) => {
+            let few = |s: f64| -> Result<ProbeMeasure> {
+                let m = sub.measure_each(engine, &scale_overrides(engine, overrides, s)?)?;
+                let mut per_probe = vec![1.0; full.per_probe.len()];
+                for (&r, a) in rows.iter().zip(&m.per_probe) {
+                    per_probe[r] = *a;
+                }
+                let agreement = per_probe.iter().sum::<f64>() / per_probe.len() as f64;
+                Ok(ProbeMeasure { score: ProbeScore { agreement, kl: full.score.kl }, per_probe })
             };
-            let score = at(s_make)?;
-            if !passes(cfg, &before, &score) {
-                let what = if e.batch_size() > 1 { "makes one of its edits" } else { "makes the edit" };
-                return Ok((None, refuse(format!(", and at scale {s_make:.3}, the smallest that still {what}, probes {}", fmt(&score)))));
+            match search(&few)? {
+                Found::Scale(lo, _) => match every(lo)? {
+                    after if passes(cfg, b, &after.score) => Found::Scale(lo, after),
+                    _ => search(&every)?,
+                },
+                refused => refused,
             }
-            (s_make, score)
         }
-        _ => {
-            let score = at(s_min)?;
-            if !passes(cfg, &before, &score) {
-                return Ok((None, refuse(format!(", even at scale {s_min}"))));
-            }
-            (s_min, score)
-        }
+        None => search(&every)?,
     };
-    let (mut lo, mut after, mut hi) = (lo, lo_score, 1.0);
-    for _ in 0..6 {
-        if hi / lo < 1.05 {
-            break;
-        }
-        let mid = (lo * hi).sqrt(); // geometric: scales span orders of magnitude
-        let sc = at(mid)?;
-        if passes(cfg, &before, &sc) {
-            (lo, after) = (mid, sc);
-        } else {
-            hi = mid;
-        }
-    }
+    let (lo, after) = match found {
+        Found::Refused(why) => return Ok((None, refuse(why))),
+        Found::Scale(lo, after) => (lo, after),
+    };
     let scaled = scale_overrides(engine, overrides, lo)?;
     // Of a batch, the report says how many of its edits the scaled edit still makes (a
     // batch's full edit need not make every one either, and refusing a batch for one lost
@@ -415,7 +504,7 @@ pub fn check_edit_at(
     };
     if let Some((0, of)) = made {
         // A larger scale made it but this one does not (the edit is not monotone in its scale).
-        return Ok((None, refuse(format!(", and scaled to {lo:.3} (probes {}) it makes none of the {of} edit(s)", fmt(&after)))));
+        return Ok((None, refuse(format!(", and scaled to {lo:.3} (probes {}) it makes none of the {of} edit(s)", fmt(&after.score)))));
     }
     let makes = match made {
         Some((m, of)) if of > 1 => format!(", making {m} of the {of} edits"),
@@ -423,12 +512,87 @@ pub fn check_edit_at(
     };
     let message = format!(
         "edit scaled back to {lo:.3}: at full size it would break the locality probes ({} -> {}; {limits}); scaled: {}{makes}",
-        fmt(&before),
-        fmt(&full),
-        fmt(&after)
+        fmt(b),
+        fmt(&full.score),
+        fmt(&after.score)
     );
     let edit_success = made.map(|(m, of)| m == of);
-    Ok((Some(scaled), GuardReport { decision: Decision::Scaled, scale: lo, before, full, after, edit_success, message }))
+    Ok((Some(scaled), report(Decision::Scaled, lo, after, edit_success, message)))
+}
+
+/// What [`scale_search`] found: the largest passing scale with its measure, or why the
+/// edit is refused (the end of the refusal's message).
+enum Found {
+    Scale(f64, ProbeMeasure),
+    Refused(String),
+}
+
+/// The probes an edit's scale can change, for a full edit `full` that fails the guard
+/// from `before`: those that either leaves short of full agreement. `None` when the KL
+/// is what fails (every probe counts in it), when every probe can change, or when the
+/// measures are not of the same probes.
+fn changing_probes(cfg: &GuardConfig, before: &ProbeMeasure, full: &ProbeMeasure) -> Option<Vec<usize>> {
+    let (b, f) = (&before.per_probe, &full.per_probe);
+    if b.len() != f.len() || !(full.score.kl.is_finite() && full.score.kl <= cfg.max_kl) {
+        return None;
+    }
+    let rows: Vec<usize> = (0..f.len()).filter(|&i| b[i] < 1.0 || f[i] < 1.0).collect();
+    (!rows.is_empty() && rows.len() < f.len()).then_some(rows)
+}
+
+/// The guard's scale search for an edit that fails at full size ([`check_edit_at`]), with
+/// the probes measured at a scale by `at`.
+fn scale_search(
+    engine: &Engine,
+    overrides: &Overrides,
+    edit: Option<&TokenBatch>,
+    cfg: &GuardConfig,
+    (before, n_probes): (&ProbeScore, usize),
+    at: &dyn Fn(f64) -> Result<ProbeMeasure>,
+    fmt: &dyn Fn(&ProbeScore) -> String,
+) -> Result<Found> {
+    let s_min = cfg.min_scale;
+    // The scales to bisect the probes over: from a passing `lo` (with its measure) up to
+    // the failing full edit.
+    let (lo, lo_measure) = match edit {
+        // The edit's own batch first when it is the cheaper forward (an edit in a row: one
+        // request against the call's locality prompts); a batch as large as its probes
+        // bisects the probes and asks about the edit once, at the end.
+        Some(e) if e.batch_size() < n_probes as i64 => {
+            let made_at = |s: f64| -> Result<bool> { Ok(edits_made(engine, &scale_overrides(engine, overrides, s)?, e)?.0 > 0) };
+            let Some(s_make) = smallest_scale(s_min, &made_at)? else {
+                let what = if e.batch_size() > 1 { "makes none of its edits" } else { "does not make the edit" };
+                return Ok(Found::Refused(format!(", and even at full size it {what}")));
+            };
+            let m = at(s_make)?;
+            if !passes(cfg, before, &m.score) {
+                let what = if e.batch_size() > 1 { "makes one of its edits" } else { "makes the edit" };
+                return Ok(Found::Refused(format!(", and at scale {s_make:.3}, the smallest that still {what}, probes {}", fmt(&m.score))));
+            }
+            (s_make, m)
+        }
+        _ => {
+            let m = at(s_min)?;
+            if !passes(cfg, before, &m.score) {
+                return Ok(Found::Refused(format!(", even at scale {s_min}")));
+            }
+            (s_min, m)
+        }
+    };
+    let (mut lo, mut after, mut hi) = (lo, lo_measure, 1.0);
+    for _ in 0..6 {
+        if hi / lo < 1.05 {
+            break;
+        }
+        let mid = (lo * hi).sqrt(); // geometric: scales span orders of magnitude
+        let m = at(mid)?;
+        if passes(cfg, before, &m.score) {
+            (lo, after) = (mid, m);
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(Found::Scale(lo, after))
 }
 
 /// The smallest scale in `[s_min, 1]` at which `made` holds (to the calibration's bisection

@@ -197,16 +197,16 @@ impl BlockContext {
         BlockContext { batch: self.batch, tokens: self.tokens, mask: self.mask.shallow_clone(), rope: self.rope.as_ref().map(|(a, b)| (a.shallow_clone(), b.shallow_clone())) }
     }
 
-    /// The context of rows `[row, row + n)` and their first `t` tokens (a batch whose
+    /// The context of the `n` rows `pick` takes of a `[B, …]` tensor (a batch whose
     /// examples are some of this one's rows, right-padded to `t` ≤ `self.tokens`).
-    fn narrow(&self, row: i64, n: i64, t: i64) -> BlockContext {
+    fn rows(&self, n: i64, t: i64, pick: impl Fn(&Tensor) -> Tensor) -> BlockContext {
         let mask = match &self.mask {
-            AttnMask::Keys(m) if m.dim() == 4 => AttnMask::Keys(m.narrow(0, row, n).narrow(2, 0, t).narrow(3, 0, t)),
+            AttnMask::Keys(m) if m.dim() == 4 => AttnMask::Keys(pick(m).narrow(2, 0, t).narrow(3, 0, t)),
             AttnMask::Keys(m) => AttnMask::Keys(m.narrow(0, 0, t).narrow(1, 0, t)),
             other => other.shallow_clone(),
         };
-        let rows = |x: &Tensor| x.narrow(0, row, n).narrow(2, 0, t);
-        BlockContext { batch: n, tokens: t, mask, rope: self.rope.as_ref().map(|(a, b)| (rows(a), rows(b))) }
+        let cut = |x: &Tensor| pick(x).narrow(2, 0, t);
+        BlockContext { batch: n, tokens: t, mask, rope: self.rope.as_ref().map(|(a, b)| (cut(a), cut(b))) }
     }
 }
 
@@ -374,7 +374,18 @@ impl Boundary {
         if row < 0 || n < 1 || row + n > size[0] || t < 1 || t > size[1] {
             return Err(crate::Error::Internal(format!("boundary rows {row}..{} and {t} tokens of a {size:?} batch", row + n)));
         }
-        Ok(Boundary { at: self.at, x: self.x.narrow(0, row, n).narrow(1, 0, t), ctx: self.ctx.narrow(row, n, t) })
+        Ok(Boundary { at: self.at, x: self.x.narrow(0, row, n).narrow(1, 0, t), ctx: self.ctx.rows(n, t, |x| x.narrow(0, row, n)) })
+    }
+
+    /// [`Boundary::narrow`] for rows `rows` (in that order) that need not be one run (the
+    /// guard's probes an edit's scale can change, [`crate::mend::guard`]). Copies them.
+    pub fn select(&self, rows: &[i64], t: i64) -> Result<Boundary> {
+        let size = self.x.size();
+        if rows.is_empty() || rows.iter().any(|r| *r < 0 || *r >= size[0]) || t < 1 || t > size[1] {
+            return Err(crate::Error::Internal(format!("boundary rows {rows:?} and {t} tokens of a {size:?} batch")));
+        }
+        let idx = Tensor::from_slice(rows).to_device(self.x.device());
+        crate::error::guard(|| Ok(Boundary { at: self.at, x: self.x.index_select(0, &idx).narrow(1, 0, t), ctx: self.ctx.rows(idx.size()[0], t, |x| x.index_select(0, &idx)) }))
     }
 }
 

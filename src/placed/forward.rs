@@ -126,6 +126,23 @@ impl Placed {
     }
 
 
+    /// [`Placed::share_boundary`] for one `part` made of the rows `rows` of `whole` (in
+    /// that order, right-padded to its own length), which need not be one run.
+    pub fn share_boundary_rows(&self, whole: &TokenBatch, part: &TokenBatch, rows: &[i64]) -> Result<()> {
+        let (Some(key), Some(b)) = (self.prefix_key(false), self.boundary(whole)?) else {
+            return Ok(());
+        };
+        let t = part.input_ids.size()[1];
+        part.prefix.set(key, b.select(rows, t)?);
+        if let (Some(k), true) = (self.prefix_key(true), self.replica.is_some()) {
+            if let Some(s) = self.sub_boundary(whole)? {
+                part.prefix.set(k, s.select(rows, t)?);
+            }
+        }
+        Ok(())
+    }
+
+
     /// The forward input of `batch` with its boundary activations (`entry`, under a layer split).
     pub(crate) fn input_from<'a>(&self, batch: &'a TokenBatch, capture: &'a HashSet<String>, entry: Option<&'a Boundary>) -> ForwardInput<'a> {
         ForwardInput { entry, full_last_block: !self.last_block_at_kept, ..batch.forward_input(capture) }

@@ -82,6 +82,8 @@ fn harmless_edit_is_accepted_and_a_destructive_one_is_not_committed_as_is() {
             let kept = kept.unwrap();
             let now = probes.measure(&engine, &kept).unwrap();
             assert!(rep.scale < 1.0 && now.agreement >= cfg.min_agreement && now.kl <= cfg.max_kl, "{}", rep.message);
+            // Measured on every probe, whichever probes the search measured.
+            assert_eq!(rep.after, now);
             assert_eq!(rep.edit_success, Some(true));
         }
         Decision::Accepted => unreachable!(),
@@ -92,6 +94,39 @@ fn harmless_edit_is_accepted_and_a_destructive_one_is_not_committed_as_is() {
     let (kept, rep) = check_edit(&engine, &huge, &probes, Some(&batch), &strict).unwrap();
     assert!(kept.is_none() && rep.decision == Decision::Refused);
     assert!(rep.message.contains("top-1 agreement"), "{}", rep.message);
+}
+
+/// Issue #47: the guard's scale search measures only the probes an edit's scale can change,
+/// from the whole batch's prefix activations and reference: what it measures of them is
+/// what the whole measure gives, for probes of several lengths, rows not in one run, on a
+/// family with absolute positions and on one with rotary ones.
+#[test]
+fn a_subset_of_the_probes_measures_as_the_whole_does() {
+    for family in ["gpt2", "llama"] {
+        let lm = load_model(&fixture(family), Device::Cpu, Kind::Float).unwrap();
+        let engine = Engine::new(lm, DevicePlan::single(Device::Cpu), &[]).unwrap();
+        let (recs, _) = parse_records(RECORDS, Path::new("inline.json"), DatasetKind::Requests).unwrap();
+        let ex = prepare(&engine.lm.tokenizer, &recs, 64, Path::new("inline.json")).unwrap();
+        let cfg = MendConfig { rank: 8, norm: false, edit_lr: 1e-2, ..MendConfig::default() };
+        let mut editor = Editor::new(&cfg, engine.edit_params.clone(), Device::Cpu, 0).unwrap();
+        // Locality prompts, rephrases and prompts: probes of different lengths.
+        let probes: Vec<&Example> = ex.iter().flat_map(|e| [e.loc.as_ref().unwrap(), &e.outer, &e.inner]).collect();
+        let lens: Vec<usize> = probes.iter().map(|p| p.ids.len()).collect();
+        let probes = Probes::new(&engine, &probes).unwrap().unwrap();
+        let (ov, _) = edit_of(&engine, &mut editor, &ex[0].inner);
+        let ov = scale_overrides(&engine, &ov, 1e3).unwrap();
+        let whole = probes.measure_each(&engine, &ov).unwrap();
+        let rows = [1, 2, 5, 6];
+        assert!(rows.iter().map(|&r| lens[r]).max() < lens.iter().max().copied(), "{family}: the subset is shorter than the batch: {lens:?}");
+        let sub = probes.subset(&engine, &rows).unwrap().expect("text probes");
+        assert_eq!(sub.len(), rows.len());
+        let part = sub.measure_each(&engine, &ov).unwrap();
+        let want: Vec<f64> = rows.iter().map(|&r| whole.per_probe[r]).collect();
+        assert_eq!(part.per_probe, want, "{family}");
+        assert!(want.iter().any(|a| *a < 1.0), "{family}: the edit changes some of them: {want:?}");
+        assert_eq!(sub.measure_each(&engine, &Overrides::new()).unwrap().per_probe, vec![1.0; rows.len()], "{family}: the reference is the subset's own");
+        assert!(probes.subset(&engine, &[2, 1]).is_err() && probes.subset(&engine, &[probes.len()]).is_err());
+    }
 }
 
 /// Issue #47: a call's probes are its requests' locality prompts; of a thousand, the guard
