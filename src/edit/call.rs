@@ -70,7 +70,9 @@ impl<'a> CallGuard<'a> {
             let why = if excluded_any { "every locality prompt names a subject this call edits" } else { "no request has a locality prompt" };
             tracing::warn!("{why}: the commit guard has nothing to measure and is off");
         }
-        Ok(Self { active, reports: Vec::new(), current: None })
+        // The probes' reference is the weights now: the first check starts from it.
+        let current = active.as_ref().map(|(_, p)| p.at_reference());
+        Ok(Self { active, reports: Vec::new(), current })
     }
 
     /// Whether proposals are measured (and reported).

@@ -246,6 +246,12 @@ impl Probes {
         self.batch.batch_size() as usize
     }
 
+    /// The measure on the reference weights themselves, without their forward: every
+    /// probe agrees and the KL is 0 (the logits are the reference's, bit for bit).
+    pub fn at_reference(&self) -> ProbeMeasure {
+        ProbeMeasure { score: ProbeScore { agreement: 1.0, kl: 0.0 }, per_probe: vec![1.0; self.len()] }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
