@@ -473,7 +473,7 @@ pub fn check_edit_at(
         return Ok((None, refuse(String::new())));
     }
     let every = |s: f64| probes.measure_each(engine, &scale_overrides(engine, overrides, s)?);
-    let search = |at: &dyn Fn(f64) -> Result<ProbeMeasure>| scale_search(engine, overrides, edit, cfg, (b, probes.len()), at, &fmt);
+    let search = |at: &dyn Fn(f64) -> Result<ProbeMeasure>| scale_search(engine, overrides, edit, cfg, (b, probes.len()), at);
     let changing = changing_probes(cfg, before, &full).map(|rows| -> Result<_> { Ok(probes.subset(engine, &rows)?.map(|sub| (rows, sub))) }).transpose()?.flatten();
     let found = match changing {
         Some((rows, sub)) => {
@@ -555,7 +555,6 @@ fn scale_search(
     cfg: &GuardConfig,
     (before, n_probes): (&ProbeScore, usize),
     at: &dyn Fn(f64) -> Result<ProbeMeasure>,
-    fmt: &dyn Fn(&ProbeScore) -> String,
 ) -> Result<Found> {
     let s_min = cfg.min_scale;
     // The scales to bisect the probes over: from a passing `lo` (with its measure) up to
@@ -573,7 +572,10 @@ fn scale_search(
             let m = at(s_make)?;
             if !passes(cfg, before, &m.score) {
                 let what = if e.batch_size() > 1 { "makes one of its edits" } else { "makes the edit" };
-                return Ok(Found::Refused(format!(", and at scale {s_make:.3}, the smallest that still {what}, probes {}", fmt(&m.score))));
+                // The agreement alone: the search may have measured only the probes the
+                // scale can change, with the full edit's KL standing in for theirs.
+                let probes = format!("top-1 agreement {:.3}", m.score.agreement);
+                return Ok(Found::Refused(format!(", and at scale {s_make:.3}, the smallest that still {what}, probes {probes}")));
             }
             (s_make, m)
         }
