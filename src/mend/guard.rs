@@ -474,7 +474,10 @@ pub fn check_edit_at(
     }
     let every = |s: f64| probes.measure_each(engine, &scale_overrides(engine, overrides, s)?);
     let search = |at: &dyn Fn(f64) -> Result<ProbeMeasure>| scale_search(engine, overrides, edit, cfg, (b, probes.len()), at);
-    let changing = changing_probes(cfg, before, &full).map(|rows| -> Result<_> { Ok(probes.subset(engine, &rows)?.map(|sub| (rows, sub))) }).transpose()?.flatten();
+    let changing = match changing_probes(cfg, before, &full) {
+        Some(rows) => probes.subset(engine, &rows)?.map(|sub| (rows, sub)),
+        None => None,
+    };
     let found = match changing {
         Some((rows, sub)) => {
             let few = |s: f64| -> Result<ProbeMeasure> {
