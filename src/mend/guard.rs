@@ -175,12 +175,6 @@ impl Reference {
     fn select(&self, at: &Tensor) -> Reference {
         Reference { lp: self.lp.index_select(0, at), p: self.p.index_select(0, at), top: self.top.index_select(0, at) }
     }
-
-    /// Mean KL(reference ‖ model) per position, as [`losses::kl`] computes it.
-    fn kl(&self, logits: &Tensor) -> Tensor {
-        let post = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
-        (&self.p * (&self.lp - post)).sum_dim_intlist(-1, false, Kind::Float).mean(Kind::Float)
-    }
 }
 
 /// A probe measure with each probe's own top-1 agreement (the share of its scored
@@ -269,7 +263,7 @@ impl Probes {
         let logits = if overrides.is_empty() { engine.base_logits(&self.batch)? } else { engine.edited_logits(overrides, &self.batch)? };
         crate::error::guard(|| {
             let per_probe = losses::token_accuracy(&logits, &self.reference.top, &self.batch.kept_rows(), self.batch.batch_size()).0;
-            let kl = self.reference.kl(&logits).double_value(&[]);
+            let kl = losses::kl_from(&self.reference.p, &self.reference.lp, &logits).double_value(&[]);
             let score = ProbeScore { agreement: per_probe.iter().sum::<f64>() / per_probe.len().max(1) as f64, kl };
             Ok(ProbeMeasure { score, per_probe })
         })

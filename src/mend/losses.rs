@@ -40,8 +40,14 @@ pub fn nll_and_grad_per_row(logits: &Tensor, targets: &Tensor, rows: &Tensor, ba
 /// `KL(p_base ‖ p_post)` per position, averaged: the locality loss. `base` carries no grad.
 pub fn kl(base: &Tensor, post: &Tensor) -> Tensor {
     let base_lp = base.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    kl_from(&base_lp.exp(), &base_lp, post)
+}
+
+/// [`kl`] with the base's probabilities and log-probabilities (f32) given, for a base that
+/// many measures compare with (the commit guard's reference).
+pub fn kl_from(base_p: &Tensor, base_lp: &Tensor, post: &Tensor) -> Tensor {
     let post_lp = post.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
-    (base_lp.exp() * (&base_lp - post_lp)).sum_dim_intlist(-1, false, Kind::Float).mean(Kind::Float)
+    (base_p * (base_lp - post_lp)).sum_dim_intlist(-1, false, Kind::Float).mean(Kind::Float)
 }
 
 /// Per batch row: the share of its kept positions whose argmax is the target, and whether

@@ -108,19 +108,9 @@ impl Placed {
     /// at once (`whole`), its unedited locality forward and recomputed passes over each.
     /// Does nothing when forwards run from the embedding.
     pub fn share_boundary(&self, whole: &TokenBatch, parts: &[(&TokenBatch, i64)]) -> Result<()> {
-        let (Some(key), Some(b)) = (self.prefix_key(false), self.boundary(whole)?) else {
-            return Ok(());
-        };
-        let sub = match self.prefix_key(true) {
-            Some(k) if self.replica.is_some() => self.sub_boundary(whole)?.map(|b| (k, b)),
-            _ => None,
-        };
         for (part, row) in parts {
             let (n, t) = (part.batch_size(), part.input_ids.size()[1]);
-            part.prefix.set(key, crate::error::guard(|| b.narrow(*row, n, t))?);
-            if let Some((k, s)) = &sub {
-                part.prefix.set(*k, crate::error::guard(|| s.narrow(*row, n, t))?);
-            }
+            self.cut_boundary(whole, part, |b| b.narrow(*row, n, t))?;
         }
         Ok(())
     }
@@ -129,14 +119,21 @@ impl Placed {
     /// [`Placed::share_boundary`] for one `part` made of the rows `rows` of `whole` (in
     /// that order, right-padded to its own length), which need not be one run.
     pub fn share_boundary_rows(&self, whole: &TokenBatch, part: &TokenBatch, rows: &[i64]) -> Result<()> {
+        let t = part.input_ids.size()[1];
+        self.cut_boundary(whole, part, |b| b.select(rows, t))
+    }
+
+
+    /// Gives `part` what `cut` takes of `whole`'s boundary activations, on each side that
+    /// keeps them (the replica placement's sub-device copy too).
+    fn cut_boundary(&self, whole: &TokenBatch, part: &TokenBatch, cut: impl Fn(&Boundary) -> Result<Boundary>) -> Result<()> {
         let (Some(key), Some(b)) = (self.prefix_key(false), self.boundary(whole)?) else {
             return Ok(());
         };
-        let t = part.input_ids.size()[1];
-        part.prefix.set(key, b.select(rows, t)?);
+        part.prefix.set(key, crate::error::guard(|| cut(&b))?);
         if let (Some(k), true) = (self.prefix_key(true), self.replica.is_some()) {
             if let Some(s) = self.sub_boundary(whole)? {
-                part.prefix.set(k, s.select(rows, t)?);
+                part.prefix.set(k, crate::error::guard(|| cut(&s))?);
             }
         }
         Ok(())
