@@ -624,20 +624,25 @@ impl Drop for MemoryTracker {
 /// Tunes the host allocator for large tensors; call once at start-up, before the first
 /// tensor is made.
 ///
-/// * **Freed memory goes back to the OS.** glibc's dynamic mmap threshold grows to the
-///   largest block freed (up to 32 MiB); after that, the editor's and the edited weights'
-///   9–30 MiB buffers come from the heap and stay resident when freed, hundreds of MiB on
-///   a GPT-2-small run, so the host's resident set would follow glibc's high-water mark
-///   instead of the live tensors. A fixed threshold of 2 MiB serves every tensor of that
-///   size or more from mmap; smaller blocks are reused from the heap without faulting.
-/// * **Large tensors get transparent huge pages.** A block served from mmap is faulted in
-///   page by page on first touch. With 4 KiB pages that was about a fifth of an edit
-///   (six new 9 MiB edited weights each time); `THP_MEM_ALLOC_ENABLE=1`, which libtorch's
-///   CPU allocator reads once, makes it `madvise(MADV_HUGEPAGE)` blocks of 2 MiB or more.
-///   An edit of GPT-2 small went from 185 to 155 ms with both (docs/notebook/mend-step.md). A
+/// * **Blocks under 32 MiB are reused, larger ones go back to the OS.** glibc serves a
+///   block from mmap above its mmap threshold and unmaps it on free, so every new tensor of
+///   that size is faulted in (and zeroed by the kernel) page by page on first touch. Below
+///   it blocks come from the heap, whose top glibc hands back once more than the trim
+///   threshold is free there. A fixed threshold of 32 MiB (glibc's largest) keeps the edited
+///   weights, Grams and activations of an edit (2–30 MiB) in the heap, a trim threshold of
+///   256 MiB and a top pad of 64 MiB stop the heap from shrinking and regrowing between
+///   them, and the largest tensors (a probe batch's vocabulary-wide logits, the model's
+///   weights) still leave the resident set when freed. On SmolLM2-135M, 100 edits in a
+///   row went from 0.73–0.83 to 0.49 s an edit on 2 cores and the kernel's share from 35
+///   to 4 s, for a 7 % higher peak resident set (1.57 → 1.68 GB); the previous 2 MiB
+///   threshold left glibc's trim threshold at its 128 KiB default, so the heap churned too
+///   (docs/notebook/many-edits.md, part 16).
+/// * **Large tensors get transparent huge pages.** `THP_MEM_ALLOC_ENABLE=1`, which
+///   libtorch's CPU allocator reads once, makes it `madvise(MADV_HUGEPAGE)` blocks of 2 MiB
+///   or more: fewer page faults for those still faulted in (docs/notebook/mend-step.md). A
 ///   value the user already set is left alone; the kernel decides whether huge pages are used.
 ///
-/// Set `DUALEDIT_GLIBC_MALLOC=1` to keep glibc's default threshold.
+/// Set `DUALEDIT_GLIBC_MALLOC=1` to keep glibc's defaults (or what `GLIBC_TUNABLES` sets).
 pub fn tune_host_allocator() {
     #[cfg(target_os = "linux")]
     if std::env::var_os("THP_MEM_ALLOC_ENABLE").is_none() {
@@ -649,19 +654,30 @@ pub fn tune_host_allocator() {
         if std::env::var_os("DUALEDIT_GLIBC_MALLOC").is_some() {
             return;
         }
-        // SAFETY: mallopt only changes allocator parameters; called once at start-up
-        // before other threads allocate.
-        let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) };
-        if ok != 1 {
-            tracing::debug!("mallopt(M_MMAP_THRESHOLD) refused");
+        for (param, value, name) in [
+            (libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD, "M_MMAP_THRESHOLD"),
+            (libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD, "M_TRIM_THRESHOLD"),
+            (libc::M_TOP_PAD, TOP_PAD, "M_TOP_PAD"),
+        ] {
+            // SAFETY: mallopt only changes allocator parameters; called once at start-up
+            // before other threads allocate.
+            if unsafe { libc::mallopt(param, value) } != 1 {
+                tracing::debug!("mallopt({name}) refused");
+            }
         }
     }
 }
 
 /// Blocks of this size or more are served from (and freed back to) mmap; see
-/// [`tune_host_allocator`]. It is also libtorch's huge-page threshold.
+/// [`tune_host_allocator`]. glibc refuses a larger value (`HEAP_MAX_SIZE / 2` on 64 bits).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-const MMAP_THRESHOLD: i32 = 2 * 1024 * 1024;
+const MMAP_THRESHOLD: i32 = 32 * 1024 * 1024;
+/// Free memory at the heap's top beyond this goes back to the OS.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const TRIM_THRESHOLD: i32 = 256 * 1024 * 1024;
+/// Extra memory the heap takes each time it grows.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const TOP_PAD: i32 = 64 * 1024 * 1024;
 
 #[cfg(test)]
 mod tests {
