@@ -624,19 +624,14 @@ impl Drop for MemoryTracker {
 /// Tunes the host allocator for large tensors; call once at start-up, before the first
 /// tensor is made.
 ///
-/// * **Blocks under 32 MiB are reused, larger ones go back to the OS.** glibc serves a
-///   block from mmap above its mmap threshold and unmaps it on free, so every new tensor of
-///   that size is faulted in (and zeroed by the kernel) page by page on first touch. Below
-///   it blocks come from the heap, whose top glibc hands back once more than the trim
-///   threshold is free there. A fixed threshold of 32 MiB (glibc's largest) keeps the edited
-///   weights, Grams and activations of an edit (2–30 MiB) in the heap, a trim threshold of
-///   256 MiB and a top pad of 64 MiB stop the heap from shrinking and regrowing between
-///   them, and the largest tensors (a probe batch's vocabulary-wide logits, the model's
-///   weights) still leave the resident set when freed. On SmolLM2-135M, 100 edits in a
-///   row went from 0.73–0.83 to 0.49 s an edit on 2 cores and the kernel's share from 35
-///   to 4 s, for a 7 % higher peak resident set (1.57 → 1.68 GB); the previous 2 MiB
-///   threshold left glibc's trim threshold at its 128 KiB default, so the heap churned too
-///   (docs/notebook/many-edits.md, part 16).
+/// * **Blocks under 32 MiB are reused, larger ones go back to the OS.** A block above the
+///   mmap threshold is unmapped on free, so each new one is faulted in and zeroed by the
+///   kernel; the heap's top goes back once more than the trim threshold is free there.
+///   A 32 MiB threshold (glibc's largest) keeps an edit's weights, Grams and activations
+///   (2–30 MiB) in the heap, a 256 MiB trim threshold and 64 MiB top pad stop it shrinking
+///   and regrowing between them, and the largest tensors (vocabulary-wide logits, the
+///   model's weights) still leave the resident set when freed. 100 edits in a row on SmolLM2-135M: 0.73–0.83 → about
+///   0.5 s an edit on 2 cores, peak RSS 1.57 → 1.67 GB (docs/notebook/many-edits.md, part 16).
 /// * **Large tensors get transparent huge pages.** `THP_MEM_ALLOC_ENABLE=1`, which
 ///   libtorch's CPU allocator reads once, makes it `madvise(MADV_HUGEPAGE)` blocks of 2 MiB
 ///   or more: fewer page faults for those still faulted in (docs/notebook/mend-step.md). A

@@ -174,7 +174,7 @@ impl Family for Gpt2 {
         }
         let mask = AttnMask::new(input.attention_mask, t, past, input.input_ids.device());
         let x = Tensor::embedding(p.get(WTE)?, input.input_ids, -1, false, false) + Tensor::embedding(p.get(WPE)?, &pos, -1, false, false);
-        Ok((x, BlockContext { batch: b, tokens: t, mask, rope: None }))
+        Ok((x, BlockContext { batch: b, tokens: t, mask, rope: None, pad: None }))
     }
 
     /// Block `i`: attention and MLP, each behind a pre-norm and a residual connection.

@@ -141,6 +141,16 @@ impl Llama {
     }
 }
 
+/// Whether autograd records the ops run now (libtorch's thread-local grad mode).
+fn grad_enabled() -> bool {
+    // SAFETY: sets the mode and puts back what it was, on this thread only.
+    unsafe {
+        let was = torch_sys::at_grad_set_enabled(0);
+        torch_sys::at_grad_set_enabled(was);
+        was != 0
+    }
+}
+
 /// The token embedding `[vocab, D]` (also the head's weight when tied).
 pub(crate) const EMBED: &str = "model.embed_tokens.weight";
 /// The LM head `[vocab, D]` of an untied model.
@@ -236,7 +246,9 @@ impl Family for Llama {
             pos += past;
         }
         let rope = self.rope(&pos, x.kind());
-        Ok((x, BlockContext { batch: b, tokens: t, mask, rope: Some(rope) }))
+        // The real tokens when some are padding (a cached forward's new tokens never are).
+        let pad = input.attention_mask.filter(|m| past == 0 && m.numel() > 0 && m.min().int64_value(&[]) == 0).map(|m| m.to_kind(Kind::Bool));
+        Ok((x, BlockContext { batch: b, tokens: t, mask, rope: Some(rope), pad }))
     }
 
     /// Block `i`: grouped-query attention with rotary positions and a gated MLP, each
@@ -282,11 +294,26 @@ impl Family for Llama {
         let y = attend(&q, &k, &v, &mask).transpose(1, 2).reshape([b, tq, nh * hd]);
         let y = l.o_proj.forward(&s, cap, captures, &y)?;
         let x = xq + y;
-        let h = l.post_attention_layernorm.forward(&s, &x)?;
-        let g = l.gate_proj.forward(&s, cap, captures, &h)?;
-        let u = l.up_proj.forward(&s, cap, captures, &h)?;
-        let m = c.hidden_act.apply(&g) * u;
-        let m = l.down_proj.forward(&s, cap, captures, &m)?;
+        let mlp = |x: &Tensor, captures: &mut _| -> Result<Tensor> {
+            let h = l.post_attention_layernorm.forward(&s, x)?;
+            let g = l.gate_proj.forward(&s, cap, captures, &h)?;
+            let u = l.up_proj.forward(&s, cap, captures, &h)?;
+            l.down_proj.forward(&s, cap, captures, &(c.hidden_act.apply(&g) * u))
+        };
+        // The MLP is position-wise: of a padded batch it runs at the real tokens only (the
+        // padding keeps its residual; no real token's attention reads it), unless autograd
+        // or a capture needs the `[B, T]` layout. A probe batch of the guard is ~40 % padding.
+        let mlp_layers = [&l.gate_proj, &l.up_proj, &l.down_proj];
+        let packed = match &ctx.pad {
+            Some(pad) if rows.is_none() && !grad_enabled() && !mlp_layers.iter().any(|m| cap.contains(&m.weight_name(&s))) => Some(pad.reshape([-1]).nonzero().squeeze_dim(1)),
+            _ => None,
+        };
+        if let Some(at) = packed {
+            let flat = x.reshape([b * t, -1]);
+            let m = mlp(&flat.index_select(0, &at), captures)?;
+            return Ok(flat.index_add(0, &at, &m).reshape(x.size()));
+        }
+        let m = mlp(&x, captures)?;
         if let Some(r) = rows {
             r.mark(captures, [&l.q_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj].map(|m| m.weight_name(&s)));
         }

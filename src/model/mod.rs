@@ -178,6 +178,9 @@ pub struct BlockContext {
     pub(crate) mask: AttnMask,
     /// cos/sin tables `[B, 1, T, head_dim]` (rotary families only).
     pub(crate) rope: Option<(Tensor, Tensor)>,
+    /// Real tokens, bool `[B, T]`, of a padded batch without a KV cache (LLaMA family: the
+    /// MLP then runs at these rows only); `None` when nothing is padded.
+    pub(crate) pad: Option<Tensor>,
 }
 
 impl BlockContext {
@@ -189,12 +192,14 @@ impl BlockContext {
             AttnMask::All => AttnMask::All,
             AttnMask::Keys(m) => AttnMask::Keys(c.to_sub(m)),
         };
-        BlockContext { batch: self.batch, tokens: self.tokens, mask, rope: self.rope.as_ref().map(|(a, b)| (c.to_sub(a), c.to_sub(b))) }
+        let (rope, pad) = (self.rope.as_ref().map(|(a, b)| (c.to_sub(a), c.to_sub(b))), self.pad.as_ref().map(|p| c.to_sub(p)));
+        BlockContext { batch: self.batch, tokens: self.tokens, mask, rope, pad }
     }
 
     /// New handles to the same tensors.
     fn shallow_clone(&self) -> BlockContext {
-        BlockContext { batch: self.batch, tokens: self.tokens, mask: self.mask.shallow_clone(), rope: self.rope.as_ref().map(|(a, b)| (a.shallow_clone(), b.shallow_clone())) }
+        let rope = self.rope.as_ref().map(|(a, b)| (a.shallow_clone(), b.shallow_clone()));
+        BlockContext { batch: self.batch, tokens: self.tokens, mask: self.mask.shallow_clone(), rope, pad: self.pad.as_ref().map(Tensor::shallow_clone) }
     }
 
     /// The context of the `n` rows `pick` takes of a `[B, …]` tensor (a batch whose
@@ -206,7 +211,7 @@ impl BlockContext {
             other => other.shallow_clone(),
         };
         let cut = |x: &Tensor| pick(x).narrow(2, 0, t);
-        BlockContext { batch: n, tokens: t, mask, rope: self.rope.as_ref().map(|(a, b)| (cut(a), cut(b))) }
+        BlockContext { batch: n, tokens: t, mask, rope: self.rope.as_ref().map(|(a, b)| (cut(a), cut(b))), pad: self.pad.as_ref().map(|p| pick(p).narrow(1, 0, t)) }
     }
 }
 

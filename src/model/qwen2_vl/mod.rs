@@ -172,7 +172,7 @@ impl Family for Qwen2Vl {
             }
         };
         let rope = self.rope(&pos, x.kind());
-        Ok((x, BlockContext { batch: b, tokens: t, mask, rope: Some(rope) }))
+        Ok((x, BlockContext { batch: b, tokens: t, mask, rope: Some(rope), pad: None }))
     }
 
     fn block(&self, io: BlockIo) -> Result<Tensor> {
