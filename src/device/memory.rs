@@ -625,13 +625,13 @@ impl Drop for MemoryTracker {
 /// tensor is made.
 ///
 /// * **Blocks under 32 MiB are reused, larger ones go back to the OS.** A block above the
-///   mmap threshold is unmapped on free, so each new one is faulted in and zeroed by the
-///   kernel; the heap's top goes back once more than the trim threshold is free there.
+///   mmap threshold is unmapped on free, so each new one is faulted in and zeroed afresh.
 ///   A 32 MiB threshold (glibc's largest) keeps an edit's weights, Grams and activations
 ///   (2–30 MiB) in the heap, a 256 MiB trim threshold and 64 MiB top pad stop it shrinking
 ///   and regrowing between them, and the largest tensors (vocabulary-wide logits, the
-///   model's weights) still leave the resident set when freed. 100 edits in a row on SmolLM2-135M: 0.73–0.83 → about
-///   0.5 s an edit on 2 cores, peak RSS 1.57 → 1.67 GB (docs/notebook/many-edits.md, part 16).
+///   model's weights) still leave the resident set when freed. 100 edits in a row on
+///   SmolLM2-135M: 0.73–0.83 → 0.49 s an edit on 2 cores, peak RSS 1.57 → 1.67 GB
+///   (docs/notebook/many-edits.md, part 16; `tests/fast/allocator.rs`).
 /// * **Large tensors get transparent huge pages.** `THP_MEM_ALLOC_ENABLE=1`, which
 ///   libtorch's CPU allocator reads once, makes it `madvise(MADV_HUGEPAGE)` blocks of 2 MiB
 ///   or more: fewer page faults for those still faulted in (docs/notebook/mend-step.md). A

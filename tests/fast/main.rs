@@ -9,6 +9,7 @@
 mod common;
 
 mod aggregate;
+mod allocator;
 mod architecture;
 mod chart;
 mod cli;
