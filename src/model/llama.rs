@@ -246,8 +246,9 @@ impl Family for Llama {
             pos += past;
         }
         let rope = self.rope(&pos, x.kind());
-        // The real tokens when some are padding (a cached forward's new tokens never are).
-        let pad = input.attention_mask.filter(|m| past == 0 && m.numel() > 0 && m.min().int64_value(&[]) == 0).map(|m| m.to_kind(Kind::Bool));
+        // The real tokens of a padded batch (the mask is `None` when nothing is padded; a
+        // cached forward's new tokens never are padding).
+        let pad = input.attention_mask.filter(|_| past == 0).map(|m| m.to_kind(Kind::Bool));
         Ok((x, BlockContext { batch: b, tokens: t, mask, rope: Some(rope), pad }))
     }
 
