@@ -196,84 +196,26 @@ impl LeftOut {
     }
 }
 
-/// One edited weight's rows for a solve: keys `K` `[R, d_in]`, targets `T` `[R, d_out]` and
-/// the edit each row belongs to `[R]` (int64, numbered in commit order), each kept as the
-/// chunks the edit calls added (concatenated only where a solve reads the rows one by one,
-/// [`whole`]), with their Gram `KᵀK` `[d_in, d_in]` and `KᵀT` `[d_in, d_out]`.
-///
-/// Why chunks and kept products: in a run of 1,000 edits in a row (~10,000 rows at the end)
-/// concatenating every remembered row into each proposal copied ~0.4 GB an edit at 5,000
-/// rows, and products over all rows grow with every edit; an edit in a row adds its own
-/// rows' instead.
-struct Rows {
-    k: Vec<Tensor>,
-    t: Vec<Tensor>,
-    edit: Vec<Tensor>,
-    gram: Tensor,
-    kt: Tensor,
-}
-
-impl Rows {
-    fn shallow(&self) -> Rows {
-        let c = |v: &[Tensor]| v.iter().map(Tensor::shallow_clone).collect();
-        Rows { k: c(&self.k), t: c(&self.t), edit: c(&self.edit), gram: self.gram.shallow_clone(), kt: self.kt.shallow_clone() }
-    }
-
-    /// These rows and an edit call's new ones after them (`k` `[r, d_in]`, `t` `[r, d_out]`,
-    /// `edit` `[r]`, with their `KᵀK` and `KᵀT`), sharing the remembered chunks.
-    fn with(&self, k: Tensor, t: Tensor, edit: Tensor, gram: Tensor, kt: Tensor) -> Rows {
-        let mut out = self.shallow();
-        out.k.push(k);
-        out.t.push(t);
-        out.edit.push(edit);
-        out.gram = &self.gram + gram;
-        out.kt = &self.kt + kt;
-        out
-    }
-
-    /// Rows held.
-    fn len(&self) -> i64 {
-        self.k.iter().map(|k| k.size()[0]).sum()
-    }
-
-    /// Each of `k`, `t` and `edit` as one chunk (what the re-solve rounds read row by row).
-    fn flat(&self) -> Rows {
-        Rows { k: vec![whole(&self.k)], t: vec![whole(&self.t)], edit: vec![whole(&self.edit)], gram: self.gram.shallow_clone(), kt: self.kt.shallow_clone() }
-    }
-}
-
-/// Chunks of rows as one tensor (the chunk itself when there is one).
-fn whole(chunks: &[Tensor]) -> Tensor {
-    match chunks {
-        [one] => one.shallow_clone(),
-        many => Tensor::cat(many, 0),
-    }
-}
-
-/// The rows of `chunks` from row `from` on, as one tensor.
-fn rows_from(chunks: &[Tensor], from: i64) -> Tensor {
-    let (mut start, mut parts) = (0, Vec::new());
-    for c in chunks {
-        let n = c.size()[0];
-        if start + n > from {
-            let skip = (from - start).max(0);
-            parts.push(c.narrow(0, skip, n - skip));
-        }
-        start += n;
-    }
-    whole(&parts)
-}
-
-/// Per edited weight: every committed edit's [`Rows`] (keys relative to the weights the
-/// memory started from) and the change `S` `[d_in, d_out]` committed so far.
+/// Per edited weight: every committed edit's keys `K` `[R, d_in]`, targets `T` `[R, d_out]`
+/// (relative to the weights the memory started from), the edit each row belongs to `[R]`
+/// (int64, numbered in commit order), their Gram `KᵀK` `[d_in, d_in]` and `KᵀT` `[d_in,
+/// d_out]` (kept, so that an edit in a row adds its own rows' instead of recomputing all
+/// of them: at 1,000 edits in a row, ~10,000 rows, a product that grows with every edit)
+/// and the change `S` `[d_in, d_out]` committed so far.
+#[derive(Default)]
 struct Layer {
-    rows: Rows,
-    s: Tensor,
+    k: Option<Tensor>,
+    t: Option<Tensor>,
+    edit: Option<Tensor>,
+    gram: Option<Tensor>,
+    kt: Option<Tensor>,
+    s: Option<Tensor>,
 }
 
 impl Layer {
     fn shallow(&self) -> Layer {
-        Layer { rows: self.rows.shallow(), s: self.s.shallow_clone() }
+        let c = |t: &Option<Tensor>| t.as_ref().map(Tensor::shallow_clone);
+        Layer { k: c(&self.k), t: c(&self.t), edit: c(&self.edit), gram: c(&self.gram), kt: c(&self.kt), s: c(&self.s) }
     }
 }
 
@@ -281,9 +223,8 @@ impl Layer {
 struct Proposal {
     /// All rows (the remembered ones first) with their proposed targets and `S`.
     layers: Vec<Layer>,
-    /// Whether a re-solve round moved the remembered rows' targets (otherwise they are the
-    /// memory's own).
-    pushed: bool,
+    /// The remembered rows' targets before this edit (re-solve rounds may change them).
+    old_t: Vec<Option<Tensor>>,
     /// How many edits the proposal adds.
     edits: i64,
     /// The new edits' requests (kept only when rounds may check them again).
@@ -297,7 +238,6 @@ struct Proposal {
 /// The edits a session has committed with `mend-ls`, for re-solving over all of them.
 #[derive(Default)]
 pub struct KeyMemory {
-    /// Per edited weight (empty before the first commit).
     layers: Vec<Layer>,
     /// Edits committed (rows are numbered by these).
     edits: i64,
@@ -342,10 +282,40 @@ impl KeyMemory {
             return;
         }
         let _g = tch::no_grad_guard();
-        let layers = match scale < 1.0 {
-            true => p.layers.into_iter().enumerate().map(|(i, new)| scaled(self.layers.get(i), new, p.pushed, scale)).collect(),
-            false => p.layers,
-        };
+        let mut layers = Vec::with_capacity(p.layers.len());
+        for (i, (new, old_t)) in p.layers.into_iter().zip(p.old_t).enumerate() {
+            let (Some(k), Some(t), Some(edit), Some(gram), Some(kt), Some(s)) = (new.k, new.t, new.edit, new.gram, new.kt, new.s) else {
+                layers.push(Layer::default());
+                continue;
+            };
+            let prev = self.layers.get(i);
+            let s_prev = prev.and_then(|l| l.s.as_ref()).map_or_else(|| s.zeros_like(), Tensor::shallow_clone);
+            let (t, kt, s) = if scale < 1.0 {
+                // Where each row's target was: stored for the remembered rows, `k·S_prev`
+                // (what the weights did there) for the new ones.
+                let n_old = old_t.as_ref().map_or(0, |o| o.size()[0]);
+                let k_new = k.narrow(0, n_old, k.size()[0] - n_old);
+                let fresh = k_new.matmul(&s_prev);
+                // `KᵀT` of the scaled targets by linearity, `KᵀT_base + s·(KᵀT_prop − KᵀT_base)`,
+                // with `KᵀT_base` the stored one plus the new rows' `K_newᵀ·(K_new·S_prev)`:
+                // the new rows' work instead of a product over every row (at 1,000 edits
+                // in a row, ~50 GFLOP a scaled-back commit at 3,000 rows).
+                let kt_fresh = k_new.tr().matmul(&fresh);
+                let kt_base = match prev.and_then(|l| l.kt.as_ref()) {
+                    Some(kt_old) => kt_old + kt_fresh,
+                    None => kt_fresh,
+                };
+                let base = match old_t {
+                    Some(o) => Tensor::cat(&[o, fresh], 0),
+                    None => fresh,
+                };
+                let t = &base + (&t - &base) * scale;
+                (t, &kt_base + (&kt - &kt_base) * scale, &s_prev + (&s - &s_prev) * scale)
+            } else {
+                (t, kt, s)
+            };
+            layers.push(Layer { k: Some(k), t: Some(t), edit: Some(edit), gram: Some(gram), kt: Some(kt), s: Some(s) });
+        }
         self.edits += p.edits;
         self.examples.extend(p.examples);
         self.pushes = p.pushes;
@@ -357,36 +327,6 @@ impl KeyMemory {
     pub fn edits(&self) -> i64 {
         self.edits
     }
-}
-
-/// The proposed layer `new` committed at `scale` < 1 over the remembered `prev` (none: the
-/// first commit). Each row's target moves `scale` of the way from its base (the stored
-/// target for a remembered row, `k·S_prev` for a new one) to the proposed one, and `KᵀT`
-/// follows by linearity, `KᵀT_base + s·(KᵀT_prop − KᵀT_base)` with `KᵀT_base` the stored
-/// one plus the new rows' `K_newᵀ·(K_new·S_prev)`: the new rows' work, not a product over
-/// every row (at 1,000 in a row, ~80 GFLOP a scaled-back commit).
-fn scaled(prev: Option<&Layer>, new: Layer, pushed: bool, scale: f64) -> Layer {
-    let n_old = prev.map_or(0, |l| l.rows.len());
-    let s_prev = prev.map_or_else(|| new.s.zeros_like(), |l| l.s.shallow_clone());
-    let k_new = rows_from(&new.rows.k, n_old);
-    let fresh = k_new.matmul(&s_prev);
-    let t_new = &fresh + (rows_from(&new.rows.t, n_old) - &fresh) * scale;
-    let kt_base = match prev {
-        Some(l) => &l.rows.kt + k_new.tr().matmul(&fresh),
-        None => k_new.tr().matmul(&fresh),
-    };
-    let kt = &kt_base + (&new.rows.kt - &kt_base) * scale;
-    let mut t: Vec<Tensor> = match (prev, pushed) {
-        (Some(l), false) => l.rows.t.iter().map(Tensor::shallow_clone).collect(),
-        (Some(l), true) => {
-            let old = whole(&l.rows.t);
-            vec![&old + (whole(&new.rows.t).narrow(0, 0, n_old) - &old) * scale]
-        }
-        (None, _) => Vec::new(),
-    };
-    t.push(t_new);
-    let s = &s_prev + (&new.s - &s_prev) * scale;
-    Layer { rows: Rows { t, kt, ..new.rows }, s }
 }
 
 /// A MEND editor whose per-edit updates are combined by least squares.
@@ -405,6 +345,17 @@ pub struct LsEditor {
     /// `--method auto`: a call with a single request and no edit remembered is plain MEND
     /// with this editor ([`crate::edit::make_edit`]), not a solve.
     pub single_mend: bool,
+}
+
+/// One edited weight's rows for a solve: keys, targets, the edit of each row.
+struct Rows {
+    k: Tensor,
+    t: Tensor,
+    edit: Tensor,
+    /// `KᵀK` `[d_in, d_in]`.
+    gram: Tensor,
+    /// `KᵀT` `[d_in, d_out]`.
+    kt: Tensor,
 }
 
 /// Each row's value shift under its own edit's update: `v_t = Σ_{s in t's edit} (k_t·a_s) b_s`,
@@ -455,7 +406,7 @@ fn runs(edit: &Tensor) -> Option<Vec<(i64, i64, i64)>> {
 
 /// `S` `[d_in, d_out]` of one weight: `(KᵀK + λ·I + μ·CᵀC)⁻¹ KᵀT`.
 fn solve(rows: &Rows, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
-    solve_gram((&rows.k, &rows.t), &rows.gram, Some(&rows.kt), config, unrelated)
+    solve_gram(&rows.k, &rows.t, &rows.gram, Some(&rows.kt), config, unrelated)
 }
 
 /// The normal equation of the solve: `S = (KᵀK + λ·I + μ·C)⁻¹ KᵀT` `[d_in, d_out]` for keys
@@ -470,36 +421,35 @@ fn solve(rows: &Rows, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
 /// outputs) `(G⁻¹Kᵀ)·T` solves for `R` right-hand sides instead of `d_out`. Together they
 /// halve the solve, which was most of an edit in a row.
 pub fn solve_keys(k: &Tensor, t: &Tensor, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
-    solve_gram((std::slice::from_ref(k), std::slice::from_ref(t)), &k.tr().matmul(k), None, config, unrelated)
+    solve_gram(k, t, &k.tr().matmul(k), None, config, unrelated)
 }
 
-/// [`solve_keys`] for keys and targets in row chunks (`k` `[r_i, d_in]`, `t` `[r_i, d_out]`,
-/// concatenated only when their rows are read) with `kk = KᵀK` given (`mean_t ‖k_t‖²` is its trace over `R`) and, kept
+/// [`solve_keys`] with `kk = KᵀK` given (`mean_t ‖k_t‖²` is its trace over `R`) and, kept
 /// beside the rows of an edit in a row, `kt = KᵀT` (`None`: computed here when needed),
 /// solving for whichever right-hand sides cost less: `R` rows, or the `d_out` columns of
 /// `KᵀT` (at 100 edits in a row, ~1,000 rows, the columns halve the solve of SmolLM2's
 /// gate and up projections).
-fn solve_gram((k, t): (&[Tensor], &[Tensor]), kk: &Tensor, kt: Option<&Tensor>, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
-    let (rows, d_in) = (k.iter().map(|k| k.size()[0]).sum::<i64>(), kk.size()[0]);
+fn solve_gram(k: &Tensor, t: &Tensor, kk: &Tensor, kt: Option<&Tensor>, config: &LsConfig, unrelated: Option<&Tensor>) -> Tensor {
+    let (rows, d_in) = (k.size()[0], k.size()[1]);
     let lambda = config.lambda * (kk.trace().double_value(&[]) / rows.max(1) as f64).max(1e-12);
-    let mut gram = kk + Tensor::eye(d_in, (Kind::Float, kk.device())) * lambda;
+    let mut gram = kk + Tensor::eye(d_in, (Kind::Float, k.device())) * lambda;
     if let Some(c) = unrelated {
-        gram += c.to_device(kk.device()) * config.cov_weight;
+        gram += c.to_device(k.device()) * config.cov_weight;
     }
     // `(G⁻¹Kᵀ)·T` costs `2·d_in·R·(d_in + d_out)`, `G⁻¹(KᵀT)` `2·d_in²·d_out` with `KᵀT`
     // kept and `2·d_in·d_out·(R + d_in)` without.
-    let d_out = kt.map_or_else(|| t[0].size()[1], |kt| kt.size()[1]);
+    let d_out = t.size()[1];
     let few_rows = match kt {
         Some(_) => rows * (d_in + d_out) < d_in * d_out,
         None => rows < d_out,
     };
-    let kt = || kt.map_or_else(|| whole(k).tr().matmul(&whole(t)), Tensor::shallow_clone);
+    let kt = || kt.map_or_else(|| k.tr().matmul(t), Tensor::shallow_clone);
     let (factor, info) = gram.linalg_cholesky_ex(false, false);
     if info.int64_value(&[]) != 0 {
         return Tensor::linalg_solve(&gram, &kt(), true);
     }
     match few_rows {
-        true => whole(k).tr().contiguous().cholesky_solve(&factor, false).matmul(&whole(t)),
+        true => k.tr().contiguous().cholesky_solve(&factor, false).matmul(t),
         false => kt().cholesky_solve(&factor, false),
     }
 }
@@ -554,7 +504,7 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
     };
     // Captured at the weights the remembered edits started from, `W0 = W − S_prev`: each
     // edit's keys and shifts are those it would have in one batch with all the others.
-    let undo: Vec<Option<Tensor>> = ls.memory.layers.iter().map(|l| Some(-&l.s)).collect();
+    let undo: Vec<Option<Tensor>> = ls.memory.layers.iter().map(|l| l.s.as_ref().map(|s| -s)).collect();
     let w0 = weights_plus(engine, &undo)?;
     let (_, factors, positions) = engine.capture_by_example(inner, &w0)?;
     let left_out = leave_out(engine, ls, facts, &w0)?;
@@ -571,10 +521,17 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
             let edit = positions[i].divide_scalar_mode(t_len, "floor") + first;
             // Targets relative to W0, where the keys were captured; remembered rows first.
             let v = shifts(k, &edit, &a, &b, &edit);
+            let prev = ls.memory.layers.get(i);
             let (gram, kt) = (k.tr().matmul(k), k.tr().matmul(&v));
-            rows.push(match ls.memory.layers.get(i) {
-                Some(l) => l.rows.with(k.shallow_clone(), v, edit, gram, kt),
-                None => Rows { k: vec![k.shallow_clone()], t: vec![v], edit: vec![edit], gram, kt },
+            rows.push(match prev.and_then(|l| Some((l.k.as_ref()?, l.t.as_ref()?, l.edit.as_ref()?, l.gram.as_ref()?, l.kt.as_ref()?))) {
+                Some((k0, t0, e0, g0, kt0)) => Rows {
+                    k: Tensor::cat(&[k0, k], 0),
+                    t: Tensor::cat(&[t0, &v], 0),
+                    edit: Tensor::cat(&[e0, &edit], 0),
+                    gram: g0 + gram,
+                    kt: kt0 + kt,
+                },
+                None => Rows { k: k.shallow_clone(), t: v, edit, gram, kt },
             });
         }
         Ok(rows)
@@ -582,10 +539,7 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
     let mut s = solve_all(&ls.config, &unrelated, &rows)?;
     let mut out = overrides(engine, &ls.memory, &s)?;
     let mut pushes = ls.memory.pushes.clone();
-    let mut pushed = false;
     if ls.config.rounds > 0 {
-        // The rounds read every row: one chunk each.
-        rows = rows.iter().map(Rows::flat).collect();
         let requests: Vec<&Example> = ls.memory.examples.iter().chain(&new_requests).collect();
         let all = engine.collate(&requests)?;
         let mut answers = answering(engine, &out, &all)?;
@@ -603,7 +557,7 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
             let (_, f2, pos2) = engine.capture_by_example(&fails, &weights_plus(engine, &changes(&ls.memory, &s).into_iter().map(Some).collect::<Vec<_>>())?)?;
             let terms2 = ls.editor.edit_terms(&f2, false);
             let t2 = fails.input_ids.size()[1];
-            let kept: Vec<Rows> = crate::error::guard(|| {
+            let pushed: Vec<Rows> = crate::error::guard(|| {
                 let ids = Tensor::from_slice(&failing);
                 Ok(rows
                     .iter()
@@ -611,14 +565,18 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
                     .zip(&pos2)
                     .map(|((r, (a, b)), pos)| {
                         let edit2 = ids.to_device(pos.device()).index_select(0, &pos.divide_scalar_mode(t2, "floor"));
-                        let (k, edit) = (&r.k[0], &r.edit[0]);
-                        let push = shifts(k, edit, &a, &b, &edit2);
-                        let kt = &r.kt + k.tr().matmul(&push);
-                        Rows { t: vec![&r.t[0] + &push], kt, ..r.shallow() }
+                        let push = shifts(&r.k, &r.edit, &a, &b, &edit2);
+                        Rows {
+                            k: r.k.shallow_clone(),
+                            t: &r.t + &push,
+                            edit: r.edit.shallow_clone(),
+                            gram: r.gram.shallow_clone(),
+                            kt: &r.kt + r.k.tr().matmul(&push),
+                        }
                     })
                     .collect())
             })?;
-            let s2 = solve_all(&ls.config, &unrelated, &kept)?;
+            let s2 = solve_all(&ls.config, &unrelated, &pushed)?;
             let out2 = overrides(engine, &ls.memory, &s2)?;
             let answers2 = answering(engine, &out2, &all)?;
             let answered2 = answers2.iter().filter(|a| **a).count();
@@ -626,15 +584,20 @@ pub fn edit(engine: &Engine, ls: &mut LsEditor, inner: &TokenBatch, facts: &[Fac
                 debug!(round, answered, answered2, "a re-solve round that makes no more edits answer is dropped");
                 break;
             }
-            (rows, s, out, answers, pushed) = (kept, s2, out2, answers2, true);
+            (rows, s, out, answers) = (pushed, s2, out2, answers2);
             for &e in &failing {
                 pushes[e as usize] += 1;
             }
         }
     }
+    let old_t = (0..rows.len()).map(|i| ls.memory.layers.get(i).and_then(|l| l.t.as_ref().map(Tensor::shallow_clone))).collect();
     ls.memory.pending = Some(Proposal {
-        layers: rows.into_iter().zip(s).map(|(rows, s)| Layer { rows, s }).collect(),
-        pushed,
+        layers: rows
+            .into_iter()
+            .zip(s)
+            .map(|(r, s)| Layer { k: Some(r.k), t: Some(r.t), edit: Some(r.edit), gram: Some(r.gram), kt: Some(r.kt), s: Some(s) })
+            .collect(),
+        old_t,
         edits: inner.batch_size(),
         examples: new_requests,
         pushes,
@@ -700,8 +663,8 @@ fn unrelated_without(ls: &LsEditor, left: &LeftOut) -> Vec<Tensor> {
 fn changes(memory: &KeyMemory, s: &[Tensor]) -> Vec<Tensor> {
     s.iter()
         .enumerate()
-        .map(|(i, s)| match memory.layers.get(i) {
-            Some(p) => s - &p.s,
+        .map(|(i, s)| match memory.layers.get(i).and_then(|l| l.s.as_ref()) {
+            Some(p) => s - p,
             None => s.shallow_clone(),
         })
         .collect()
@@ -772,50 +735,46 @@ mod tests {
         assert_eq!(runs(&edit_k), Some(vec![(0, 0, 2), (1, 2, 3), (3, 5, 2)]));
     }
 
-    /// A commit scaled back keeps its rows in chunks and `KᵀT` by linearity, and gives what
-    /// scaling every target of the concatenated rows and multiplying them out gives: for
-    /// remembered targets as stored and as moved by a re-solve round, and for a first commit.
+    /// A commit scaled back keeps `KᵀT` by linearity and gives what scaling every row's
+    /// target and multiplying the rows out gives, over remembered rows and for a first
+    /// commit.
     #[test]
     fn a_scaled_commit_is_every_row_scaled_and_multiplied_out() {
         let _g = tch::no_grad_guard();
         let opts = (Kind::Double, tch::Device::Cpu);
         let (d_in, d_out, scale) = (4, 3, 0.3);
-        let rows = |n: i64, e: i64| (Tensor::randn([n, d_in], opts), Tensor::randn([n, d_out], opts), Tensor::full([n], e, (Kind::Int64, tch::Device::Cpu)));
-        let ((k1, t1, e1), (k2, t2, e2), (k3, v, e3)) = (rows(2, 0), rows(3, 1), rows(4, 2));
-        let first = Rows { k: vec![k1.shallow_clone()], t: vec![t1.shallow_clone()], edit: vec![e1], gram: k1.tr().matmul(&k1), kt: k1.tr().matmul(&t1) };
-        let grams = |k: &Tensor, t: &Tensor| (k.tr().matmul(k), k.tr().matmul(t));
-        let (g2, kt2) = grams(&k2, &t2);
-        let prev = Layer { rows: first.with(k2.shallow_clone(), t2.shallow_clone(), e2, g2, kt2), s: Tensor::randn([d_in, d_out], opts) };
-        let (k_all, old_t) = (Tensor::cat(&[&k1, &k2, &k3], 0), Tensor::cat(&[&t1, &t2], 0));
-        let want = |proposed: &Tensor, s_prev: &Tensor, old: Option<&Tensor>| {
-            let fresh = k3.matmul(s_prev);
-            let base = old.map_or_else(|| fresh.shallow_clone(), |o| Tensor::cat(&[o, &fresh], 0));
-            &base + (proposed - &base) * scale
+        let (k0, t0, s0) = (Tensor::randn([5, d_in], opts), Tensor::randn([5, d_out], opts), Tensor::randn([d_in, d_out], opts));
+        let (k1, v1) = (Tensor::randn([4, d_in], opts), Tensor::randn([4, d_out], opts));
+        let layer = |k: &Tensor, t: &Tensor, s: &Tensor| Layer {
+            k: Some(k.shallow_clone()),
+            t: Some(t.shallow_clone()),
+            edit: Some(Tensor::zeros([k.size()[0]], (Kind::Int64, tch::Device::Cpu))),
+            gram: Some(k.tr().matmul(k)),
+            kt: Some(k.tr().matmul(t)),
+            s: Some(s.shallow_clone()),
         };
-        for pushed in [false, true] {
-            let push = Tensor::randn([5, d_out], opts) * f64::from(u8::from(pushed));
-            let (g3, kt3) = grams(&k3, &v);
-            let mut proposal = prev.rows.with(k3.shallow_clone(), v.shallow_clone(), e3.shallow_clone(), g3, kt3);
-            if pushed {
-                proposal = proposal.flat();
-                let t = proposal.t[0].shallow_clone() + Tensor::cat(&[&push, &Tensor::zeros([4, d_out], opts)], 0);
-                proposal.kt = k_all.tr().matmul(&t);
-                proposal.t = vec![t];
-            }
-            let proposed_t = whole(&proposal.t);
-            let got = scaled(Some(&prev), Layer { rows: proposal, s: Tensor::randn([d_in, d_out], opts) }, pushed, scale);
-            let t = whole(&got.rows.t);
-            assert!(t.allclose(&want(&proposed_t, &prev.s, Some(&old_t)), 1e-10, 1e-10, false), "targets, pushed {pushed}");
-            assert!(got.rows.kt.allclose(&k_all.tr().matmul(&t), 1e-10, 1e-10, false), "KᵀT, pushed {pushed}");
-            assert_eq!(got.rows.len(), 9);
-            assert_eq!(got.rows.k.len(), if pushed { 1 } else { 3 }, "remembered chunks are shared, not copied");
-        }
-        let (g3, kt3) = grams(&k3, &v);
-        let alone = Layer { rows: Rows { k: vec![k3.shallow_clone()], t: vec![v.shallow_clone()], edit: vec![e3], gram: g3, kt: kt3 }, s: Tensor::randn([d_in, d_out], opts) };
-        let got = scaled(None, alone, false, scale);
-        let t = whole(&got.rows.t);
-        assert!(t.allclose(&want(&v, &Tensor::zeros([d_in, d_out], opts), None), 1e-10, 1e-10, false));
-        assert!(got.rows.kt.allclose(&k3.tr().matmul(&t), 1e-10, 1e-10, false));
-        assert_eq!(rows_from(&[k1.shallow_clone(), k2.shallow_clone()], 1).size(), [4, d_in]);
+        let propose = |memory: &mut KeyMemory, k: &Tensor, t: &Tensor, old_t: Option<Tensor>| {
+            let s_new = Tensor::randn([d_in, d_out], opts);
+            memory.pending = Some(Proposal { layers: vec![layer(k, t, &s_new)], old_t: vec![old_t], edits: 1, examples: Vec::new(), pushes: Vec::new(), left_out: LeftOut::default() });
+            s_new
+        };
+        // A first commit: the base is `k·0`.
+        let mut first = KeyMemory::default();
+        let s_new = propose(&mut first, &k1, &v1, None);
+        first.commit(scale);
+        let l = &first.layers[0];
+        assert!(l.t.as_ref().unwrap().allclose(&(&v1 * scale), 1e-10, 1e-10, false));
+        assert!(l.kt.as_ref().unwrap().allclose(&k1.tr().matmul(&(&v1 * scale)), 1e-10, 1e-10, false));
+        assert!(l.s.as_ref().unwrap().allclose(&(&s_new * scale), 1e-10, 1e-10, false));
+        // Over remembered rows whose proposed targets a round moved.
+        let mut memory = KeyMemory { layers: vec![layer(&k0, &t0, &s0)], ..KeyMemory::default() };
+        let (k, t) = (Tensor::cat(&[&k0, &k1], 0), Tensor::cat(&[&(&t0 + 0.5), &v1], 0));
+        propose(&mut memory, &k, &t, Some(t0.shallow_clone()));
+        memory.commit(scale);
+        let base = Tensor::cat(&[&t0, &k1.matmul(&s0)], 0);
+        let want = &base + (&t - &base) * scale;
+        let l = &memory.layers[0];
+        assert!(l.t.as_ref().unwrap().allclose(&want, 1e-10, 1e-10, false));
+        assert!(l.kt.as_ref().unwrap().allclose(&k.tr().matmul(&want), 1e-10, 1e-10, false));
     }
 }
