@@ -224,6 +224,19 @@ pub struct MendConfig {
     /// world's corpus.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub key_stats_text: Option<std::path::PathBuf>,
+    /// Per training edit, up to this many more locality prompts: those of other training
+    /// records whose locality answer is this record's (CounterFact's neighbours: another
+    /// subject, the same relation and the old answer), in the same locality loss. The
+    /// validation split keeps its own prompt only. 0 (the default, not written): each
+    /// edit's own locality prompt. On SmolLM2 these hard negatives lifted both
+    /// generalization and locality where more `c_loc` traded one for the other
+    /// (docs/notebook/real-model.md, session 27).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub loc_neighbours: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl Default for MendConfig {
@@ -258,6 +271,7 @@ impl Default for MendConfig {
             ls: LsConfig::default(),
             aggregate: Aggregate::Sum,
             key_stats_text: None,
+            loc_neighbours: 0,
         }
     }
 }
@@ -308,9 +322,16 @@ impl MendConfig {
         if self.val_every == 0 || self.max_bad_steps == 0 || self.max_length < 2 {
             return fail("val_every and max_bad_steps must be at least 1, max_length at least 2");
         }
+        if self.loc_neighbours > MAX_LOC_NEIGHBOURS {
+            return Err(Error::input(format!("loc_neighbours must be at most {MAX_LOC_NEIGHBOURS}, got {}", self.loc_neighbours)));
+        }
         self.ls.validate()
     }
 }
+
+/// Each neighbour is one more row of every training edit's locality forward: more than
+/// this only multiplies the step's cost.
+pub const MAX_LOC_NEIGHBOURS: usize = 32;
 
 #[cfg(test)]
 mod tests {
@@ -337,6 +358,16 @@ mod tests {
         let bad: MendConfig = serde_json::from_str(r#"{"ls": {"lambda": 0}}"#).unwrap();
         assert!(bad.validate().unwrap_err().to_string().contains("lambda"));
         assert!(serde_json::from_str::<MendConfig>(r#"{"ls": {"lamda": 1}}"#).is_err());
+    }
+
+    #[test]
+    fn loc_neighbours_are_written_only_when_set_and_bounded() {
+        assert!(!serde_json::to_string(&MendConfig::default()).unwrap().contains("loc_neighbours"));
+        let cfg: MendConfig = serde_json::from_str(r#"{"loc_neighbours": 4}"#).unwrap();
+        assert!(serde_json::to_string(&cfg).unwrap().contains(r#""loc_neighbours":4"#));
+        cfg.validate().unwrap();
+        let e = MendConfig { loc_neighbours: MAX_LOC_NEIGHBOURS + 1, ..cfg }.validate().unwrap_err().to_string();
+        assert!(e.contains("loc_neighbours"), "{e}");
     }
 
     /// Every preset users are pointed to parses and validates.

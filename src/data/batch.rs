@@ -56,6 +56,38 @@ pub struct EditExample {
     /// Multimodal only: an unrelated image and question (EasyEdit's `loc_image`), kept
     /// like `loc`.
     pub loc_image: Option<Example>,
+    /// Meta-training only: more locality prompts scored with `loc` in the same loss
+    /// (`loc_neighbours`, [`add_answer_neighbours`]); empty elsewhere.
+    pub neighbours: Vec<Example>,
+}
+
+/// Gives each example of `examples` (a training split) as `neighbours` the locality
+/// prompts of up to `k` others whose locality answer (its token ids) is the same as its
+/// own: the next ones with that answer, in file order, wrapping round. On CounterFact a
+/// record's locality answer is its old answer, so these are prompts about other subjects
+/// that the unedited model answers as the edited fact did, the neighbours an edit most
+/// often breaks. Text prompts only; returns how many were given.
+pub fn add_answer_neighbours(examples: &mut [EditExample], k: usize) -> usize {
+    let mut groups: std::collections::HashMap<&[i64], Vec<usize>> = std::collections::HashMap::new();
+    for (i, e) in examples.iter().enumerate() {
+        if let Some(l) = e.loc.as_ref().filter(|l| l.image.is_none()) {
+            groups.entry(l.answer()).or_default().push(i);
+        }
+    }
+    let mut given: Vec<(usize, Vec<Example>)> = Vec::new();
+    for members in groups.values() {
+        let n = members.len();
+        for (pos, &i) in members.iter().enumerate() {
+            let picked = (1..n).take(k).filter_map(|d| examples[members[(pos + d) % n]].loc.clone()).collect();
+            given.push((i, picked));
+        }
+    }
+    let mut total = 0;
+    for (i, picked) in given {
+        total += picked.len();
+        examples[i].neighbours = picked;
+    }
+    total
 }
 
 /// Token ids `[B, T]`, padding mask `[B, T]`, and `targets[b, t]`: the token position `t`
@@ -248,5 +280,45 @@ impl TokenBatch {
             .flatten()
             .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
             .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example(loc: Option<(&[i64], usize)>) -> EditExample {
+        let ex = |ids: &[i64], answer_start| Example { ids: ids.to_vec(), answer_start, image: None };
+        EditExample {
+            inner: ex(&[1, 2], 1),
+            outer: ex(&[1, 2], 1),
+            rephrased: false,
+            loc: loc.map(|(ids, a)| ex(ids, a)),
+            portability: Vec::new(),
+            outer_image: None,
+            loc_image: None,
+            neighbours: Vec::new(),
+        }
+    }
+
+    /// Neighbours share the answer's token ids (not the prompt's), never the example itself,
+    /// at most `k`, the next ones in file order wrapping round.
+    #[test]
+    fn neighbours_are_the_next_prompts_with_the_same_answer() {
+        let mut ex = vec![
+            example(Some((&[10, 7], 1))),
+            example(Some((&[11, 8], 1))),
+            example(Some((&[12, 13, 7], 1))), // answer [13, 7]: not [7]
+            example(Some((&[14, 7], 1))),
+            example(None),
+            example(Some((&[15, 7], 1))),
+        ];
+        assert_eq!(add_answer_neighbours(&mut ex, 2), 6);
+        let firsts = |e: &EditExample| e.neighbours.iter().map(|n| n.ids[0]).collect::<Vec<_>>();
+        assert_eq!(firsts(&ex[0]), [14, 15]);
+        assert_eq!(firsts(&ex[3]), [15, 10]);
+        assert_eq!(firsts(&ex[5]), [10, 14]);
+        assert!(ex[1].neighbours.is_empty() && ex[2].neighbours.is_empty() && ex[4].neighbours.is_empty());
+        assert_eq!(add_answer_neighbours(&mut ex, 10), 6, "three with one answer: two each at most");
     }
 }

@@ -194,7 +194,7 @@ pub fn prepare_with(
                     Err(why) => return Ok(Err(why)),
                 }
             }
-            Ok(Ok(EditExample { inner, outer, rephrased: r.rephrase.is_some(), loc, portability, outer_image: None, loc_image: None }))
+            Ok(Ok(EditExample { inner, outer, rephrased: r.rephrase.is_some(), loc, portability, outer_image: None, loc_image: None, neighbours: Vec::new() }))
         })()?;
         match example {
             Ok(e) => {

@@ -5,5 +5,5 @@ pub mod easyedit;
 pub mod examples;
 pub mod multimodal;
 
-pub use batch::{EditExample, Example, ImageRef, PrefixKey, TokenBatch};
+pub use batch::{add_answer_neighbours, EditExample, Example, ImageRef, PrefixKey, TokenBatch};
 pub use easyedit::{load_records, DatasetKind, EditRecord};

@@ -407,7 +407,7 @@ pub fn prepare_mm(tok: &Tokenizer, vp: VlPrompt, load: &MmLoad, max_len: usize, 
             let (Some(inner), Some(outer)) = (inner, outer) else {
                 return Err(Error::Internal("the edit views are always built".into()));
             };
-            Ok(Ok(EditExample { inner, outer, rephrased: r.rephrase.is_some(), loc, portability: Vec::new(), outer_image, loc_image }))
+            Ok(Ok(EditExample { inner, outer, rephrased: r.rephrase.is_some(), loc, portability: Vec::new(), outer_image, loc_image, neighbours: Vec::new() }))
         })()?;
         match views {
             Ok(e) => {

@@ -176,13 +176,14 @@ pub(super) struct Views {
 /// (`loc_tokens`). The edited model scores every view but `edit_inner` in one forward, its
 /// rows padded to the longest (`TokenBatch::collate`); `edit_outer` also holds the edit
 /// prompts with `inner_in_edit_loss` (multimodal only: the text plan keeps one row each).
-pub(super) fn plan_views(b: i64, tokens: i64, kept: i64, image_tokens: Option<i64>, loc: (i64, i64), inner_in_edit_loss: bool) -> Views {
+/// `loc` has `loc_rows` rows an example: its own prompt and its `loc_neighbours`.
+pub(super) fn plan_views(b: i64, tokens: i64, kept: i64, image_tokens: Option<i64>, loc: (i64, i64), inner_in_edit_loss: bool, loc_rows: i64) -> Views {
     let view = |name, rows, tokens, image_tokens, kept, edited| ViewShape { name, rows, tokens, image_tokens, kept, edited };
     let views = match image_tokens {
         None => vec![
             view("edit_inner", b, tokens, 0, kept, false),
             view("edit_outer", b, tokens, 0, kept, true),
-            view("loc", b, tokens, 0, kept, true),
+            view("loc", b * loc_rows, tokens, 0, kept, true),
         ],
         Some(it) => {
             let outer_rows = if inner_in_edit_loss { 2 * b } else { b };
@@ -190,7 +191,7 @@ pub(super) fn plan_views(b: i64, tokens: i64, kept: i64, image_tokens: Option<i6
                 view("edit_inner", b, tokens, it, kept, false),
                 view("edit_outer", outer_rows, tokens, it, kept, true),
                 view("edit_outer_image", b, tokens, it, kept, true),
-                view("loc", b, loc.0, 0, loc.1, true),
+                view("loc", b * loc_rows, loc.0, 0, loc.1, true),
                 view("loc_image", b, tokens, it, kept, true),
             ]
         }
@@ -286,6 +287,7 @@ pub(super) fn sizes<'a>(model: &'a Model, cfg: &'a MendConfig, o: &'a PlanOption
         image.as_ref().map(|(shape, _)| shape.tokens),
         (loc_len, kept.min(loc_len - 1)),
         cfg.inner_in_edit_loss,
+        1 + cfg.loc_neighbours as i64,
     );
     let names: Vec<String> = if cfg.edit_params.is_empty() { model.default_edit_params() } else { cfg.edit_params.clone() };
     let shapes: BTreeMap<String, Vec<i64>> = model.expected_params().into_iter().collect();

@@ -277,7 +277,11 @@ pub fn run_train(o: &TrainOptions) -> Result<(TrainReport, PathBuf)> {
     let load_s = t0.elapsed().as_secs_f64();
     let (_, examples, mut data) = load_examples(&engine, &o.data, o.ds, o.limit, o.config.max_length, o.common.over_long, o.common.image_roots.as_ref())?;
     let holdout = o.config.val_records.min(examples.len() / 5);
-    let (train_set, val_set) = split_holdout_examples(examples, holdout);
+    let (mut train_set, val_set) = split_holdout_examples(examples, holdout);
+    if o.config.loc_neighbours > 0 {
+        let given = crate::data::add_answer_neighbours(&mut train_set, o.config.loc_neighbours);
+        info!("each training edit's locality loss also covers up to {} other training records' locality prompts with its answer ({given} in all)", o.config.loc_neighbours);
+    }
     let (val_set, dropped) = drop_overlap(&train_set, val_set);
     if dropped > 0 {
         tracing::warn!(file = %o.data.display(), dropped, left = val_set.len(), "validation examples that repeat a training example (duplicated records) were dropped, so validation does not measure what was trained on");

@@ -739,3 +739,30 @@ fn editor_dense_products_in_evaluation_match_the_factors() {
         }
     }
 }
+
+/// A training edit's `neighbours` join its locality batch: the locality KL is the mean over
+/// every locality position, so with one neighbour it is the position-weighted mean of the
+/// edit's KL on its own prompt and on the neighbour alone (the same edit either way).
+#[test]
+fn neighbours_join_the_locality_loss_position_by_position() {
+    let engine = engine("gpt2");
+    let ex = examples(&engine);
+    let cfg = MendConfig { rank: 16, ..MendConfig::default() };
+    let mut editor = seeded_editor(&engine, &cfg, 0);
+    perturb(&editor);
+    let own = ex[0].clone();
+    let other = ex.iter().find_map(|e| e.loc.clone().filter(|l| l.ids != own.loc.as_ref().unwrap().ids)).expect("a second locality prompt");
+    let with = dualedit::data::EditExample { neighbours: vec![other.clone()], ..own.clone() };
+    let alone = dualedit::data::EditExample { loc: Some(other.clone()), ..own.clone() };
+    let mut kl = |e: &dualedit::data::EditExample| {
+        let b = EditBatches::for_config(&engine, &[e], &cfg).unwrap();
+        let rows = b.loc.as_ref().unwrap().batch_size();
+        (meta_loss(&engine, &mut editor, &b, false).unwrap().1.loc_kl, rows)
+    };
+    let ((k_own, r_own), (k_other, _), (k_with, r_with)) = (kl(&own), kl(&alone), kl(&with));
+    assert_eq!((r_own, r_with), (1, 2));
+    let (p_own, p_other) = (own.loc.as_ref().unwrap().answer().len() as f64, other.answer().len() as f64);
+    let expected = (p_own * k_own + p_other * k_other) / (p_own + p_other);
+    assert!(k_own > 0.0 && k_other > 0.0, "{k_own} {k_other}");
+    assert!((k_with - expected).abs() <= 1e-5 * expected.abs() + 1e-7, "{k_with} vs {expected} ({k_own}, {k_other})");
+}

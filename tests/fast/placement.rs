@@ -95,6 +95,7 @@ fn one_meta_step(engine: &Engine, cfg: &MendConfig) -> (Editor, dualedit::device
         portability: Vec::new(),
         outer_image: None,
         loc_image: None,
+        neighbours: Vec::new(),
     };
     let b = EditBatches::for_config(engine, &[&example], cfg).unwrap();
     let (loss, _) = meta_loss(engine, &mut editor, &b, true).unwrap();
@@ -251,6 +252,7 @@ fn recomputed_passes_share_one_boundary_per_batch() {
         portability: Vec::new(),
         outer_image: None,
         loc_image: None,
+        neighbours: Vec::new(),
     };
     let run = |plan: DevicePlan, share: bool| {
         let engine = Engine::new(load_model(&dir, Device::Cpu, Kind::Float).unwrap(), plan, &cfg.edit_params).unwrap();
@@ -318,6 +320,7 @@ fn six_token_example() -> EditExample {
         portability: Vec::new(),
         outer_image: None,
         loc_image: None,
+        neighbours: Vec::new(),
     }
 }
 
@@ -378,6 +381,7 @@ fn last_block_at_the_kept_rows_gives_the_same_capture_and_step() {
             portability: Vec::new(),
             outer_image: None,
             loc_image: None,
+            neighbours: Vec::new(),
         },
     ];
     let refs: Vec<&EditExample> = examples.iter().collect();

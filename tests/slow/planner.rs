@@ -183,6 +183,7 @@ fn measure(case: &Case) -> BTreeMap<String, f64> {
             portability: Vec::new(),
             outer_image: None,
             loc_image: None,
+            neighbours: Vec::new(),
         })
         .collect();
     let refs: Vec<&EditExample> = examples.iter().collect();

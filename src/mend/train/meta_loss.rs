@@ -196,7 +196,7 @@ impl EditBatches {
             outer.extend(&inner);
         }
         let outer_image: Vec<&Example> = examples.iter().filter_map(|e| e.outer_image.as_ref()).collect();
-        let loc: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
+        let loc: Vec<&Example> = examples.iter().flat_map(|e| e.loc.iter().chain(&e.neighbours)).collect();
         let loc_image: Vec<&Example> = examples.iter().filter_map(|e| e.loc_image.as_ref()).collect();
         let inner_b = collate(&inner)?;
         let outer_b = collate(&outer)?;
