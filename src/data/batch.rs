@@ -227,7 +227,7 @@ impl TokenBatch {
     /// that what a batch asked for can be remembered and collated again with others.
     /// `None` when the batch shows images (their features are not kept per example).
     pub fn examples(&self) -> Option<Vec<Example>> {
-        if self.image_embeds.is_some() || self.position_ids.is_some() {
+        if self.shows_images() {
             return None;
         }
         let cpu = |t: &Tensor| Vec::<Vec<i64>>::try_from(t.to_kind(tch::Kind::Int64).to_device(Device::Cpu)).ok();
@@ -243,6 +243,32 @@ impl TokenBatch {
                 Some(Example { ids: full, answer_start: first + 1, image: None })
             })
             .collect()
+    }
+
+    /// Whether a row shows an image (vision-language models).
+    pub fn shows_images(&self) -> bool {
+        self.image_embeds.is_some() || self.position_ids.is_some()
+    }
+
+    /// The batch of this one's rows `rows` (in that order, repeats allowed), without the
+    /// cached boundary ([`crate::placed::Placed::share_boundary_rows`] gives it its slice).
+    /// `None` when the batch shows images (their features are not kept per row).
+    pub fn rows(&self, rows: &[i64]) -> Option<Self> {
+        if self.shows_images() {
+            return None;
+        }
+        let idx = Tensor::from_slice(rows).to_device(self.input_ids.device());
+        let pick = |t: &Tensor| t.index_select(0, &idx);
+        Some(Self {
+            input_ids: pick(&self.input_ids),
+            attention_mask: pick(&self.attention_mask),
+            targets: pick(&self.targets),
+            keep: pick(&self.keep),
+            padded: self.padded,
+            position_ids: None,
+            image_embeds: None,
+            prefix: PrefixCache::default(),
+        })
     }
 
     pub fn to_device(&self, device: Device) -> Self {

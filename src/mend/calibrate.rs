@@ -180,9 +180,83 @@ pub(crate) fn smallest_making(mut lo: f64, mut hi: f64, makes: &impl Fn(f64) -> 
     Ok(hi)
 }
 
+/// Bisection steps [`smallest_making_in_rounds`] asks about in one call: every midpoint
+/// the next three steps could visit, 7 scales.
+const ROUND_STEPS: usize = 3;
+
+/// [`smallest_making`] with `makes_all` answering for several scales at once (one batched
+/// forward): each call takes every midpoint the next [`ROUND_STEPS`] steps could visit, so
+/// the 6 steps are 2 calls of 7 scales. `first` are asked along with the first call, and
+/// `stop` reads their answers: `Some` ends the search with that result (the edit made at
+/// no scale, or already at the smallest). The midpoints are computed as the sequential
+/// bisection computes them, so given the same answers it returns the same scale.
+pub(crate) fn smallest_making_in_rounds(
+    (mut lo, mut hi): (f64, f64),
+    first: &[f64],
+    stop: impl Fn(&[bool]) -> Option<Option<f64>>,
+    makes_all: &impl Fn(&[f64]) -> Result<Vec<bool>>,
+) -> Result<Option<f64>> {
+    let mut steps = 0;
+    let mut first = Some(first);
+    while steps < STEPS {
+        let levels = ROUND_STEPS.min(STEPS - steps);
+        // The midpoints in heap order: node i's left child (the midpoint made: hi moves
+        // down) is 2i+1, its right one 2i+2.
+        let mut mids = vec![0.0; (1 << levels) - 1];
+        let mut spans = vec![(lo, hi)];
+        for i in 0..mids.len() {
+            let (l, h) = spans[i];
+            let mid = (l * h).sqrt();
+            mids[i] = mid;
+            spans.extend([(l, mid), (mid, h)]);
+        }
+        let ends = first.take().unwrap_or_default();
+        let asked: Vec<f64> = ends.iter().chain(&mids).copied().collect();
+        let answers = makes_all(&asked)?;
+        if answers.len() != asked.len() {
+            return Err(Error::Internal(format!("{} answers for {} scales", answers.len(), asked.len())));
+        }
+        if let Some(done) = stop(&answers[..ends.len()]) {
+            return Ok(done);
+        }
+        let mut i = 0;
+        for _ in 0..levels {
+            if answers[ends.len() + i] {
+                hi = mids[i];
+                i = 2 * i + 1;
+            } else {
+                lo = mids[i];
+                i = 2 * i + 2;
+            }
+        }
+        steps += levels;
+    }
+    Ok(Some(hi))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rounds_find_the_sequential_bisections_scale() {
+        for k in 0..200 {
+            let threshold = MIN_SCALE * (64f64).powf(k as f64 / 199.0);
+            let one = smallest_making(MIN_SCALE, 1.0, &|s| Ok(s >= threshold)).unwrap();
+            let asked = std::cell::Cell::new(0);
+            let all = |ss: &[f64]| {
+                asked.set(asked.get() + 1);
+                Ok(ss.iter().map(|s| *s >= threshold).collect())
+            };
+            let rounds = smallest_making_in_rounds((MIN_SCALE, 1.0), &[], |_| None, &all).unwrap();
+            assert_eq!(rounds, Some(one), "threshold {threshold}");
+            assert_eq!(asked.get(), 2);
+        }
+        // `stop` sees the first scales' answers, in their order, before any walk.
+        let all = |ss: &[f64]| Ok(ss.iter().map(|s| *s >= 0.5).collect());
+        let stopped = smallest_making_in_rounds((MIN_SCALE, 1.0), &[1.0, MIN_SCALE], |a| (a == [true, false]).then_some(None), &all).unwrap();
+        assert_eq!(stopped, None);
+    }
 
     #[test]
     fn bisection_finds_the_threshold_within_its_precision() {

@@ -62,8 +62,8 @@ impl Linear {
     }
 
     /// The layer in a block's forward, `x` `[.., d_in]` -> `[.., d_out]`: the weight
-    /// through the view (the edited one when overridden) plus its low-rank change when it
-    /// has one; records `(x, h)` under the weight's full name when `capture` names it
+    /// through the view (the edited one when overridden) plus its low-rank or per-row
+    /// scaled change when it has one; records `(x, h)` under the weight's full name when `capture` names it
     /// (MEND reads its gradient factors from those two tensors).
     pub fn forward(&self, s: &Scope, capture: &HashSet<String>, captures: &mut BTreeMap<String, Capture>, x: &Tensor) -> Result<Tensor> {
         let m = s.pp(self.name);
@@ -73,6 +73,9 @@ impl Linear {
         let mut h = self.layout.apply(x, w, b);
         if let Some(delta) = s.view().low_rank(&w_name) {
             h = h + delta.apply(x);
+        }
+        if let Some(delta) = s.view().row_scaled(&w_name) {
+            h = h + delta.apply(x, self.layout)?;
         }
         if capture.contains(&w_name) {
             captures.insert(w_name, Capture { x: x.shallow_clone(), h: h.shallow_clone(), rows: None });

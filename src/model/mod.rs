@@ -23,7 +23,7 @@ use tch::{Device, Tensor};
 pub use family::{Family, VisionLanguage};
 pub use kv_cache::KvCache;
 pub use loader::{load_model, load_model_split, model_dtype, parse_dtype, random_params, Dtype, DtypeSource, LoadedModel};
-pub use params::{Crossing, LayerSplit, LowRank, Overrides, ParamStore, ParamView, Prefix, Scope};
+pub use params::{Crossing, LayerSplit, LowRank, Overrides, RowScaled, ParamStore, ParamView, Prefix, Scope};
 pub use tokenizer::Tokenizer;
 
 use crate::Result;

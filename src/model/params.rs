@@ -38,14 +38,42 @@ impl LowRank {
     }
 }
 
+/// A weight change `D` applied to each batch row at its own scale: row `b` of a forward
+/// sees `W + scales[b]·D`, as `x·W + scales[b]·(x·D)`. The commit guard asks at which
+/// scale an edit still makes itself; with the edit's prompt repeated once per scale, one
+/// forward answers for several scales, where building `W + s·D` for each would write every
+/// edited weight and run one forward per scale.
+#[derive(Debug)]
+pub struct RowScaled {
+    /// `[d_out, d_in]` or `[d_in, d_out]`, the weight's layout, f32.
+    pub delta: Tensor,
+    /// `[B]` f32, one scale per batch row.
+    pub scales: Tensor,
+}
+
+impl RowScaled {
+    /// `scales[b]·(x·D)` for `x` `[B, .., d_in]`, in f32, cast to `x`'s kind.
+    pub fn apply(&self, x: &Tensor, layout: super::WeightLayout) -> Result<Tensor> {
+        let (size, b) = (x.size(), self.scales.size());
+        if size.len() < 2 || b.len() != 1 || size[0] != b[0] {
+            return Err(Error::Internal(format!("row scales {b:?} for an input of shape {size:?}")));
+        }
+        let mut per_row = vec![1i64; size.len()];
+        per_row[0] = b[0];
+        crate::error::guard(|| Ok((layout.apply(&x.to_kind(Kind::Float), &self.delta, None) * self.scales.view(per_row.as_slice())).to_kind(x.kind())))
+    }
+}
+
 /// The edited weights a forward reads instead of the frozen ones, by parameter name: each
 /// either replaced outright (`W'`: non-f32 weights, recomputed meta-training, the
-/// fine-tuning baseline) or changed by a [`LowRank`] term (MEND's edit of an f32 weight;
-/// see [`ParamStore::materialise`] for the weight it stands for).
+/// fine-tuning baseline), changed by a [`LowRank`] term (MEND's edit of an f32 weight;
+/// see [`ParamStore::materialise`] for the weight it stands for) or by a [`RowScaled`] one
+/// (the guard's scale search).
 #[derive(Debug, Default)]
 pub struct Overrides {
     dense: HashMap<String, Tensor>,
     low_rank: HashMap<String, LowRank>,
+    row_scaled: HashMap<String, RowScaled>,
 }
 
 impl Overrides {
@@ -54,12 +82,12 @@ impl Overrides {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.dense.is_empty() && self.low_rank.is_empty()
+        self.dense.is_empty() && self.low_rank.is_empty() && self.row_scaled.is_empty()
     }
 
-    /// Every overridden name, dense or low-rank.
+    /// Every overridden name, of any kind.
     pub fn names(&self) -> impl Iterator<Item = &String> {
-        self.dense.keys().chain(self.low_rank.keys())
+        self.dense.keys().chain(self.low_rank.keys()).chain(self.row_scaled.keys())
     }
 
     /// The replaced weights (not the low-rank ones).
@@ -69,12 +97,20 @@ impl Overrides {
 
     pub fn insert(&mut self, name: String, value: Tensor) {
         self.low_rank.remove(&name);
+        self.row_scaled.remove(&name);
         self.dense.insert(name, value);
     }
 
     pub fn insert_low_rank(&mut self, name: String, value: LowRank) {
         self.dense.remove(&name);
+        self.row_scaled.remove(&name);
         self.low_rank.insert(name, value);
+    }
+
+    pub fn insert_row_scaled(&mut self, name: String, value: RowScaled) {
+        self.dense.remove(&name);
+        self.low_rank.remove(&name);
+        self.row_scaled.insert(name, value);
     }
 
     pub fn get(&self, name: &str) -> Option<&Tensor> {
@@ -85,18 +121,23 @@ impl Overrides {
         self.low_rank.get(name)
     }
 
+    pub fn row_scaled(&self, name: &str) -> Option<&RowScaled> {
+        self.row_scaled.get(name)
+    }
+
     /// The same overrides with every tensor passed through `f` (a move to another device).
     pub fn map(&self, f: impl Fn(&Tensor) -> Tensor) -> Overrides {
         Overrides {
             dense: self.dense.iter().map(|(n, t)| (n.clone(), f(t))).collect(),
             low_rank: self.low_rank.iter().map(|(n, l)| (n.clone(), LowRank { a: f(&l.a), b: f(&l.b) })).collect(),
+            row_scaled: self.row_scaled.iter().map(|(n, r)| (n.clone(), RowScaled { delta: f(&r.delta), scales: f(&r.scales) })).collect(),
         }
     }
 }
 
 impl FromIterator<(String, Tensor)> for Overrides {
     fn from_iter<I: IntoIterator<Item = (String, Tensor)>>(iter: I) -> Self {
-        Overrides { dense: iter.into_iter().collect(), low_rank: HashMap::new() }
+        Overrides { dense: iter.into_iter().collect(), ..Overrides::default() }
     }
 }
 
@@ -259,6 +300,9 @@ impl ParamStore {
         overrides: &Overrides,
         layout: impl Fn(&str) -> Option<super::WeightLayout>,
     ) -> Result<Vec<(String, Tensor)>> {
+        if let Some(name) = overrides.row_scaled.keys().next() {
+            return Err(Error::Internal(format!("{name:?} has a change scaled per batch row, which stands for no single weight")));
+        }
         let mut out: Vec<(String, Tensor)> = overrides.dense.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
         for (name, l) in &overrides.low_rank {
             let w = self.get(name).ok_or_else(|| Error::input(format!("unknown parameter {name:?}")))?;
@@ -348,6 +392,12 @@ impl<'a> ParamView<'a> {
     /// [`ParamView::get`] returns).
     pub fn low_rank(&self, name: &str) -> Option<&'a LowRank> {
         self.overrides.and_then(|o| o.low_rank(name))
+    }
+
+    /// The per-row scaled change to `name`, if it has one (its frozen weight is what
+    /// [`ParamView::get`] returns).
+    pub fn row_scaled(&self, name: &str) -> Option<&'a RowScaled> {
+        self.overrides.and_then(|o| o.row_scaled(name))
     }
 }
 

@@ -13,7 +13,7 @@ use dualedit::data::{Example, TokenBatch};
 use dualedit::device::DevicePlan;
 use dualedit::mend::guard::{check_edit, scale_overrides, Decision, GuardConfig, Probes, MAX_PROBES};
 use dualedit::mend::{Editor, Engine};
-use dualedit::model::{load_model, Overrides};
+use dualedit::model::{load_model, Overrides, RowScaled};
 use tch::{Device, Kind, Tensor};
 
 fn setup() -> (Engine, Editor, Vec<dualedit::data::EditExample>) {
@@ -51,6 +51,38 @@ fn scaled_edit_is_w_plus_s_delta() {
         let rel = (&half[&p.name] - w - &want).norm().double_value(&[]) / want.norm().double_value(&[]);
         assert!(rel < 1e-4, "{}: {rel}", p.name);
     }
+}
+
+#[test]
+fn each_row_at_its_own_scale_is_the_weight_scaled_that_much() {
+    // What the guard's smallest-scale search asks in one forward: the edit's batch repeated
+    // once per scale, row b seeing W + s_b·D, against one forward of W + s·D per scale.
+    let _g = tch::no_grad_guard();
+    let (engine, mut editor, ex) = setup();
+    let (ov, batch) = edit_of(&engine, &mut editor, &ex[0].inner);
+    let big = full(&engine, &scale_overrides(&engine, &ov, 1e3).unwrap());
+    let scales = [0.25f32, 1.0, 0.0];
+    let rows = [0i64, 0, 0];
+    let repeated = batch.rows(&rows).unwrap();
+    engine.share_boundary_rows(&batch, &repeated, &rows).unwrap();
+    let mut per_row = Overrides::new();
+    for (name, w2) in &big {
+        let d = w2 - engine.weight(name).unwrap();
+        per_row.insert_row_scaled(name.clone(), RowScaled { delta: d, scales: Tensor::from_slice(&scales) });
+    }
+    let got = engine.edited_logits(&per_row, &repeated).unwrap();
+    let n = batch.kept_targets().size()[0];
+    assert_eq!(got.size()[0], 3 * n);
+    for (i, s) in scales.iter().enumerate() {
+        let at: Overrides = big.iter().map(|(name, w2)| (name.clone(), engine.weight(name).unwrap() + (w2 - engine.weight(name).unwrap()) * f64::from(*s))).collect();
+        let want = engine.edited_logits(&at, &batch).unwrap();
+        let diff = (got.narrow(0, i as i64 * n, n) - &want).abs().max().double_value(&[]);
+        assert!(diff < 1e-3 * want.abs().max().double_value(&[]), "scale {s}: {diff}");
+    }
+    // Scale 0 is the current weights, and a per-row change stands for no single weight.
+    let base = engine.edited_logits(&Overrides::new(), &batch).unwrap();
+    assert!((got.narrow(0, 2 * n, n) - base).abs().max().double_value(&[]) < 1e-3);
+    assert!(engine.lm.params.materialise(&per_row, |n| engine.lm.model.layout(n)).is_err());
 }
 
 #[test]
