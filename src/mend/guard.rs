@@ -379,10 +379,11 @@ impl<'a> AtScales<'a> {
         let batch = self.edit.rows(&rows).ok_or_else(|| Error::Internal("an image batch asked at several scales".into()))?;
         engine.share_boundary_rows(self.edit, &batch, &rows)?;
         let per_row: Vec<f32> = scales.iter().flat_map(|&s| std::iter::repeat(s as f32).take(b as usize)).collect();
+        let device = self.deltas.first().map_or(tch::Device::Cpu, |(_, d)| d.device());
+        let per_row = Tensor::from_slice(&per_row).to_device(device);
         let mut overrides = Overrides::new();
         for (name, d) in &self.deltas {
-            let scales = Tensor::from_slice(&per_row).to_device(d.device());
-            overrides.insert_row_scaled(name.clone(), RowScaled { delta: d.shallow_clone(), scales });
+            overrides.insert_row_scaled(name.clone(), RowScaled { delta: d.shallow_clone(), scales: per_row.shallow_clone() });
         }
         let logits = engine.edited_logits(&overrides, &batch)?;
         crate::error::guard(|| {
