@@ -18,6 +18,7 @@ The tolerance is relative (1e-5) and absolute (1e-6). The absolute part is for t
 differences among an edit's floats: a guard's KL is a mean of f32 log-prob differences,
 resolved only to ~1e-7 nats whatever its size, so a KL of 8e-5 moved by 4e-9 (5e-5
 relative) between two processes (CI, session 29 of #47's notebook), within f32's noise.
+"""
 
 from __future__ import annotations
 
