@@ -769,12 +769,13 @@ mod tests {
         // Over remembered rows whose proposed targets a round moved.
         let mut memory = KeyMemory { layers: vec![layer(&k0, &t0, &s0)], ..KeyMemory::default() };
         let (k, t) = (Tensor::cat(&[&k0, &k1], 0), Tensor::cat(&[&(&t0 + 0.5), &v1], 0));
-        propose(&mut memory, &k, &t, Some(t0.shallow_clone()));
+        let s_prop = propose(&mut memory, &k, &t, Some(t0.shallow_clone()));
         memory.commit(scale);
         let base = Tensor::cat(&[&t0, &k1.matmul(&s0)], 0);
         let want = &base + (&t - &base) * scale;
         let l = &memory.layers[0];
         assert!(l.t.as_ref().unwrap().allclose(&want, 1e-10, 1e-10, false));
         assert!(l.kt.as_ref().unwrap().allclose(&k.tr().matmul(&want), 1e-10, 1e-10, false));
+        assert!(l.s.as_ref().unwrap().allclose(&(&s0 + (&s_prop - &s0) * scale), 1e-10, 1e-10, false));
     }
 }

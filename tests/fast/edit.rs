@@ -84,3 +84,38 @@ fn reset_restores_the_unedited_scores_exactly() {
     assert_eq!(s.reset().unwrap(), s.engine().edit_params.len());
     assert_eq!(s.score(&probe).unwrap().logprobs, before.logprobs);
 }
+
+/// `edit` scores the locality prompts of a call in batches (one forward each was most of a
+/// 100-request edit's wall time): each request's locality is still what its own prompt,
+/// scored alone before and after the edit, gives. 100 requests, so that the batches of 64
+/// have a second one.
+#[test]
+fn batched_locality_is_each_prompt_scored_alone() {
+    use tch::{Kind, Tensor};
+    let root = common::shipped("");
+    let mut records = Vec::new();
+    for file in [root.join("world/edits-holdout.json"), common::fixture("many/fresh-50.json")] {
+        let text = std::fs::read_to_string(&file).unwrap();
+        records.extend(dualedit::data::easyedit::parse_records(&text, &file, dualedit::data::DatasetKind::Requests).unwrap().0);
+    }
+    assert_eq!(records.len(), 100);
+    let mut s = Session::open(&root.join("model"), Some(&root.join("editor")), &SessionOptions::default()).unwrap();
+    // The guard as `edit` has it: without it the 100 edits leave no locality answer at all.
+    s.guard = Some(dualedit::mend::guard::GuardConfig::default());
+    let examples = dualedit::data::examples::prepare(&s.engine().lm.tokenizer, &records, 512, Path::new("requests.json")).unwrap();
+    let top1 = |s: &Session, e: &dualedit::data::Example| -> Tensor {
+        let batch = s.engine().collate(&[e]).unwrap();
+        s.engine().base_logits(&batch).unwrap().argmax(-1, false)
+    };
+    let before: Vec<Tensor> = examples.iter().map(|e| top1(&s, e.loc.as_ref().unwrap())).collect();
+    let out = s.edit(&records).unwrap();
+    assert!(out.edits_total > 0, "nothing was committed: the test would compare unedited weights");
+    let mut moved = 0;
+    for (i, e) in examples.iter().enumerate() {
+        let after = top1(&s, e.loc.as_ref().unwrap());
+        let want = after.eq_tensor(&before[i]).to_kind(Kind::Double).mean(Kind::Double).double_value(&[]);
+        moved += usize::from(want < 1.0);
+        assert_eq!(out.requests[i].metrics.locality, Some(want), "request {i}");
+    }
+    assert!(moved > 0 && moved < examples.len(), "{moved} of the locality prompts moved: the comparison is of one kind of answer only");
+}
