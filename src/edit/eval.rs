@@ -134,10 +134,10 @@ fn score(engine: &Engine, overrides: &Overrides, examples: &[&Example], images: 
 const LOC_BATCH: usize = 64;
 
 /// Each example's top-1 token ids `[n_i]` (int64) at its scored positions under
-/// `overrides`, the examples scored [`LOC_BATCH`] to a forward. One forward a locality
-/// prompt, before and after, was most of a 100-request `edit`'s wall time (about 18 s each
-/// way on a 2-core machine, against 5 s of editing); the requests' own prompts are scored in
-/// one batch already.
+/// `overrides`, the examples scored [`LOC_BATCH`] to a forward. Scored one a forward, before
+/// and after, the locality prompts took 11–20 s of a 100-request `edit`'s ~60 s of wall time
+/// on a 2-core machine (the edit itself: 5 s); the requests' own prompts were scored in one
+/// batch already.
 fn top1_each(engine: &Engine, overrides: &Overrides, examples: &[&Example], images: Option<&StepImages>) -> Result<Vec<Tensor>> {
     let mut out = Vec::with_capacity(examples.len());
     for chunk in examples.chunks(LOC_BATCH) {
