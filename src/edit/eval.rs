@@ -130,39 +130,23 @@ fn score(engine: &Engine, overrides: &Overrides, examples: &[&Example], images: 
     Ok(Scored { acc, exact, nll, logits, batch })
 }
 
-/// Locality prompts scored to one forward by [`top1_each`].
+/// Locality prompts scored to one forward (see [`locality_batches`]).
 const LOC_BATCH: usize = 64;
 
-/// Each example's top-1 token ids `[n_i]` (int64) at its scored positions under
-/// `overrides`, the examples scored [`LOC_BATCH`] to a forward. Scored one a forward, before
-/// and after, the locality prompts took 11–20 s of a 100-request `edit`'s ~60 s of wall time
-/// on a 2-core machine (the edit itself: 5 s); the requests' own prompts were scored in one
-/// batch already.
-fn top1_each(engine: &Engine, overrides: &Overrides, examples: &[&Example], images: Option<&StepImages>) -> Result<Vec<Tensor>> {
-    let mut out = Vec::with_capacity(examples.len());
-    for chunk in examples.chunks(LOC_BATCH) {
-        let scored = score(engine, overrides, chunk, images)?;
-        crate::error::guard(|| {
-            let top = scored.logits.argmax(-1, false);
-            let rows = scored.batch.kept_rows().to_device(top.device());
-            out.extend((0..chunk.len() as i64).map(|j| top.masked_select(&rows.eq(j))));
-            Ok(())
-        })?;
-    }
-    Ok(out)
-}
-
-/// [`top1_each`] of each example's locality prompt (`None` without one).
-fn locality_top1(engine: &Engine, overrides: &Overrides, examples: &[&EditExample], images: Option<&StepImages>) -> Result<Vec<Option<Tensor>>> {
+/// The locality prompts of `examples` (of those that have one, in order), [`LOC_BATCH`] to
+/// a batch. Scored one a forward, before and after, they took 11–20 s of a 100-request
+/// `edit`'s ~60 s of wall time on a 2-core machine (the edit itself: 5 s); the requests' own
+/// prompts were scored in one batch already.
+fn locality_batches<'a>(examples: &[&'a EditExample]) -> Vec<Vec<&'a Example>> {
     let locs: Vec<&Example> = examples.iter().filter_map(|e| e.loc.as_ref()).collect();
-    let mut top = top1_each(engine, overrides, &locs, images)?.into_iter();
-    Ok(examples.iter().map(|e| e.loc.as_ref().and_then(|_| top.next())).collect())
+    locs.chunks(LOC_BATCH).map(<[_]>::to_vec).collect()
 }
 
 /// The unedited model's view of a group of examples, measured before any edit.
 pub struct Before {
     nll: Vec<f64>,
-    loc: Vec<Option<Tensor>>,
+    /// Per batch of [`locality_batches`]: the unedited top-1 ids at its scored positions.
+    loc: Vec<Tensor>,
     /// Each example's `loc_image` (multimodal): its unedited [`TopTen`].
     loc_image: Vec<Option<TopTen>>,
 }
@@ -209,7 +193,10 @@ pub fn measure_before(engine: &Engine, examples: &[&EditExample], images: Option
     let _g = tch::no_grad_guard();
     let inner: Vec<&Example> = examples.iter().map(|e| &e.inner).collect();
     let nll = score(engine, &Overrides::new(), &inner, images)?.nll;
-    let loc = locality_top1(engine, &Overrides::new(), examples, images)?;
+    let loc = locality_batches(examples)
+        .iter()
+        .map(|batch| Ok(score(engine, &Overrides::new(), batch, images)?.logits.argmax(-1, false)))
+        .collect::<Result<_>>()?;
     let loc_image = examples
         .iter()
         .map(|e| e.loc_image.as_ref().map(|l| TopTen::of(engine, &Overrides::new(), l, images)).transpose())
@@ -231,18 +218,16 @@ pub fn measure_after(
     let outer: Vec<&Example> = examples.iter().map(|e| &e.outer).collect();
     let rel = score(engine, overrides, &inner, images)?;
     let gen = score(engine, overrides, &outer, images)?;
-    let loc = locality_top1(engine, overrides, examples, images)?;
+    // Each locality prompt's share of answer positions whose top-1 the edit left.
+    let mut locality = Vec::with_capacity(examples.len());
+    for (batch, pre) in locality_batches(examples).iter().zip(&before.loc) {
+        let post = score(engine, overrides, batch, images)?;
+        locality.extend(losses::token_accuracy(&post.logits, pre, &post.batch.kept_rows(), batch.len() as i64).0);
+    }
+    let mut locality = locality.into_iter();
     let mut out = Vec::with_capacity(examples.len());
     for (i, e) in examples.iter().enumerate() {
-        // The share of the locality answer's positions whose top-1 the edit left (0 for
-        // none, as `token_accuracy` counts it).
-        let locality = match (&loc[i], &before.loc[i]) {
-            (Some(post), Some(pre)) => Some(crate::error::guard(|| {
-                let n = post.numel();
-                Ok(if n == 0 { 0.0 } else { post.eq_tensor(&pre.to_device(post.device())).to_kind(tch::Kind::Double).sum(tch::Kind::Double).double_value(&[]) / n as f64 })
-            })?),
-            _ => None,
-        };
+        let locality = e.loc.as_ref().and_then(|_| locality.next());
         let portability = if e.portability.is_empty() {
             None
         } else {
