@@ -459,9 +459,12 @@ pub fn check_edit(
 /// a refusal, most of a long run's decisions, costs 2 probe forwards instead of 9.
 ///
 /// On that same assumption the search measures only the probes the edit can change: those
-/// that the weights before or the full edit leave short of full agreement. The others agree
-/// at both ends and are counted as agreeing in between, and the KL is taken as the full
-/// edit's, which passes. Of 100 CounterFact probes an edit in a row changes about a tenth,
+/// whose agreement the weights before and the full edit differ on. The others agree as much
+/// at both ends (fully, most of them) and are counted so in between, and the KL is taken as
+/// the full edit's, which passes. Late in a long run many probes agree only in part before
+/// the edit, left so by the edits committed before it; one that the edit leaves so is not
+/// measured again at every step of its search (1,000 CounterFact edits in a row went from
+/// 0.669 to 0.596 s an edit, with the same decisions). Of 100 CounterFact probes an edit in a row changes about a tenth,
 /// so each step of the search costs a tenth of a probe forward. The scale it finds is then
 /// measured on every probe; should that fail (a probe that moves back and forth with the
 /// scale), the search is run again on every probe.
@@ -536,7 +539,7 @@ pub fn check_edit_at(
         Some((rows, sub)) => {
             let few = |s: f64| -> Result<ProbeMeasure> {
                 let m = sub.measure_each(engine, &scale_overrides(engine, overrides, s)?)?;
-                let mut per_probe = vec![1.0; full.per_probe.len()];
+                let mut per_probe = full.per_probe.clone();
                 for (&r, a) in rows.iter().zip(&m.per_probe) {
                     per_probe[r] = *a;
                 }
@@ -591,7 +594,7 @@ enum Found {
 }
 
 /// The probes an edit's scale can change, for a full edit `full` that fails the guard
-/// from `before`: those that either leaves short of full agreement. `None` when the KL
+/// from `before`: those whose agreement the two differ on. `None` when the KL
 /// is what fails (every probe counts in it), when every probe can change, or when the
 /// measures are not of the same probes.
 fn changing_probes(cfg: &GuardConfig, before: &ProbeMeasure, full: &ProbeMeasure) -> Option<Vec<usize>> {
@@ -599,7 +602,7 @@ fn changing_probes(cfg: &GuardConfig, before: &ProbeMeasure, full: &ProbeMeasure
     if b.len() != f.len() || !(full.score.kl.is_finite() && full.score.kl <= cfg.max_kl) {
         return None;
     }
-    let rows: Vec<usize> = (0..f.len()).filter(|&i| b[i] < 1.0 || f[i] < 1.0).collect();
+    let rows: Vec<usize> = (0..f.len()).filter(|&i| b[i] != f[i]).collect();
     (!rows.is_empty() && rows.len() < f.len()).then_some(rows)
 }
 
@@ -719,5 +722,20 @@ mod tests {
         assert_eq!(batch.max_drop, 1.0);
         assert!((batch.min_agreement, batch.max_kl) == (cfg.min_agreement, cfg.max_kl));
         assert!(passes(&batch, &before, &changed(2.0)) && !passes(&batch, &before, &changed(3.0)), "the floor 0.9 binds");
+    }
+
+    /// The scale search measures the probes whose agreement the full edit changes: not one
+    /// that agrees fully at both ends, nor one left as it was in part (by earlier edits).
+    #[test]
+    fn the_search_measures_only_the_probes_the_full_edit_changes() {
+        let cfg = GuardConfig::default();
+        let measure = |per_probe: Vec<f64>, kl| ProbeMeasure { score: ProbeScore { agreement: 0.0, kl }, per_probe };
+        let before = measure(vec![1.0, 0.5, 0.5, 1.0, 0.0], 0.0);
+        let full = measure(vec![1.0, 0.5, 0.0, 0.5, 0.0], 0.2);
+        assert_eq!(changing_probes(&cfg, &before, &full), Some(vec![2, 3]));
+        assert_eq!(changing_probes(&cfg, &before, &measure(full.per_probe.clone(), f64::INFINITY)), None, "a failing KL counts every probe");
+        assert_eq!(changing_probes(&cfg, &before, &measure(vec![0.25; 5], 0.2)), None, "every probe changes");
+        assert_eq!(changing_probes(&cfg, &before, &measure(before.per_probe.clone(), 0.2)), None, "none changes");
+        assert_eq!(changing_probes(&cfg, &before, &measure(vec![1.0; 4], 0.2)), None, "other probes");
     }
 }
