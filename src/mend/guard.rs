@@ -464,8 +464,8 @@ pub fn check_edit(
 /// the full edit's, which passes. Late in a long run many probes agree only in part before
 /// the edit, left so by the edits committed before it; one that the edit leaves so is not
 /// measured again at every step of its search (1,000 CounterFact edits in a row went from
-/// 0.669 to 0.596 s an edit, with the same decisions). Of 100 CounterFact probes an edit in a row changes about a tenth,
-/// so each step of the search costs a tenth of a probe forward. The scale it finds is then
+/// 0.669 to 0.596 s an edit, with the same decisions). Of 100 CounterFact probes an edit in
+/// a row changes about a tenth, so each step of the search costs a tenth of a probe forward. The scale it finds is then
 /// measured on every probe; should that fail (a probe that moves back and forth with the
 /// scale), the search is run again on every probe.
 pub fn check_edit_at(
